@@ -1,0 +1,1 @@
+"""Checkpointing: layout (pure naming and selection), Stateful adapters, the manager."""

@@ -1,0 +1,409 @@
+"""The checkpoint manager: async DCP saves on a cadence, atomic commits, verified resume.
+
+Public surface (all methods that touch collectives must be called on every rank, at the same
+step boundary, in the same order):
+
+* :meth:`load` → the step resumed from (or None); decides on rank 0, broadcasts the decision.
+* :meth:`save` → starts a save of ``step`` (async by default); waits for the previous one first.
+* :meth:`wait_for_staging` → call before anything mutates the saved tensors (optimizer.step).
+* :meth:`finish` → waits for the save in flight (optionally with a deadline), commits it.
+* :meth:`close`.
+
+The manager never looks inside the ``Stateful`` objects it is given.
+
+Commit protocol. DCP's save ends with a gather of every rank's write results to rank 0, which
+then writes ``.metadata``; so when rank 0's upload future resolves successfully, every shard is
+written. Rank 0 then lists the step directory and writes ``manifest.json`` (the commit marker)
+in one atomic PUT/rename, emits ``checkpoint_committed`` and applies retention. A save whose
+future fails is never committed: ``checkpoint_failed`` is emitted and training goes on with
+the previous commit as the latest.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ..config import CheckpointConfig
+from ..errors import CheckpointError, CheckpointMismatchError
+from ..events import EventLog
+from ..metrics.sink import MetricsSink, NullSink
+from ..storage.fs import Storage
+from . import layout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    step: int
+    started: float
+    staging: Future | None
+    upload: Future
+    commit: Future | None = None  # rank 0 only
+    staged_at: float | None = None
+
+
+@dataclass
+class LoadResult:
+    step: int
+    manifest: dict[str, Any]
+    seconds: float
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+
+
+@dataclass
+class SaveStats:
+    """Per-save timings (seconds) measured on this rank."""
+
+    step: int
+    wait_previous: float = 0.0
+    call: float = 0.0  # time async_save (or save) blocked the caller
+    staging_wait: float = 0.0  # time wait_for_staging blocked the caller
+
+    @property
+    def stall(self) -> float:
+        return self.wait_previous + self.call + self.staging_wait
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        storage: Storage,
+        states: dict[str, Stateful],
+        *,
+        rank: int,
+        world_size: int,
+        mesh_shape: list[int],
+        group: dist.ProcessGroup | None,
+        fingerprint: str,
+        events: EventLog | None = None,
+        metrics: MetricsSink | None = None,
+        use_cuda_staging: bool = False,
+    ):
+        self.cfg = cfg
+        self.storage = storage
+        self.states = states
+        self.rank = rank
+        self.world_size = world_size
+        self.mesh_shape = mesh_shape
+        self.group = group
+        self.fingerprint = fingerprint
+        self.events = events or EventLog(None)
+        self.metrics = metrics or NullSink()
+        self._inflight: _InFlight | None = None
+        self._stager = None
+        self._use_cuda_staging = use_cuda_staging
+        self._commit_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit") if rank == 0 else None
+        self._lock = threading.Lock()
+        self.last_committed_step: int | None = None
+        self.loaded_step: int | None = None
+        self.save_stats: list[SaveStats] = []
+        self.failures = 0
+
+    # ------------------------------------------------------------------ discovery
+    def discover(self) -> list[layout.Candidate]:
+        """Every ``step-*`` directory with its manifest (if any) and its files. Rank 0 only."""
+        out = []
+        for name in self.storage.list_dirs():
+            step = layout.parse_step_dir(name)
+            if step is None:
+                continue
+            d = self.storage.join(name)
+            files = self.storage.list_files(d)
+            manifest = None
+            if layout.MANIFEST in files:
+                try:
+                    manifest = self.storage.read_json(self.storage.join(name, layout.MANIFEST))
+                except (ValueError, OSError) as e:
+                    logger.warning("unreadable manifest in %s: %s", name, e)
+                    manifest = {"unreadable": str(e)}
+            out.append(layout.Candidate(step, name, manifest, {k: v for k, v in files.items() if k != layout.MANIFEST}))
+        return out
+
+    def _ignored_entries(self) -> list[str]:
+        return [n for n in self.storage.list_dirs() if layout.parse_step_dir(n) is None]
+
+    # ------------------------------------------------------------------ load
+    def _broadcast(self, obj: Any) -> Any:
+        if self.group is None or self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def load(self) -> LoadResult | None:
+        """Resume from the checkpoint ``cfg.resume`` names. All ranks.
+
+        Rank 0 discovers and verifies (falling back past invalid ones with a
+        ``checkpoint_skipped`` event), cleans up uncommitted leftovers, and broadcasts the choice.
+        Raises CheckpointError when an explicitly requested step is unusable and
+        CheckpointMismatchError when the checkpoint belongs to a different model.
+        """
+        decision: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                decision = self._decide_resume()
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                decision = {"error": f"{type(e).__name__}: {e}"}
+        decision = self._broadcast(decision)
+        if "error" in decision:
+            raise CheckpointError(decision["error"])
+        if decision.get("mismatch"):
+            key, msg = decision["mismatch"]
+            raise CheckpointMismatchError(key, msg)
+        if decision.get("chosen") is None:
+            return None
+        step, manifest = decision["chosen"], decision["manifest"]
+        path = self.storage.join(layout.step_dir_name(step))
+        t0 = time.monotonic()
+        try:
+            dcp.load(self.states, storage_reader=self.storage.dcp_reader(path), process_group=self.group)
+        except Exception as e:
+            raise CheckpointError(f"loading {path} failed: {type(e).__name__}: {e}") from e
+        seconds = time.monotonic() - t0
+        self.loaded_step = step
+        self.last_committed_step = step
+        self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
+        return LoadResult(step, manifest, seconds, [tuple(s) for s in decision.get("skipped", [])])
+
+    def _decide_resume(self) -> dict[str, Any]:
+        candidates = self.discover()
+        for name in self._ignored_entries():
+            self.events.emit("checkpoint_ignored", path=name, reason="not a step-XXXXXXXX directory")
+        sel = layout.select_for_resume(candidates, self.cfg.resume)
+        for step, reason in sel.skipped:
+            logger.warning("skipping checkpoint step %d: %s", step, reason)
+            self.events.emit("checkpoint_skipped", step=step, reason=reason)
+        if self.cfg.resume not in ("latest", "none") and sel.chosen is None:
+            reason = sel.skipped[0][1] if sel.skipped else "not found"
+            return {"error": f"checkpoint.resume={self.cfg.resume}: checkpoint step {self.cfg.resume} is unusable: {reason}"}
+        for c in layout.stale_uncommitted(candidates):
+            if sel.chosen is None or c.step != sel.chosen.step:
+                logger.info("removing uncommitted leftover %s", c.name)
+                self.storage.delete_tree(self.storage.join(c.name))
+                self.events.emit("checkpoint_cleaned", step=c.step, reason="uncommitted")
+        if sel.chosen is None:
+            return {"chosen": None, "skipped": sel.skipped}
+        manifest = sel.chosen.manifest
+        mismatch = None
+        if manifest.get("config_fingerprint") != self.fingerprint:
+            mismatch = self._find_mismatch(sel.chosen.step)
+        return {"chosen": sel.chosen.step, "manifest": manifest, "skipped": sel.skipped, "mismatch": mismatch}
+
+    def _find_mismatch(self, step: int) -> tuple[str, str] | None:
+        """Compare the checkpoint's tensor keys and shapes with ours; the first difference."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        meta = self.storage.dcp_reader(self.storage.join(layout.step_dir_name(step))).read_metadata()
+        saved = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        ours = {}
+        for name in ("model",):
+            if name in self.states:
+                for k, v in self.states[name].state_dict().items():
+                    if isinstance(v, torch.Tensor):
+                        ours[f"{name}.{k}"] = tuple(v.shape)
+        for k in sorted(ours):
+            if k not in saved:
+                return (k, f"the model has {k} {list(ours[k])} but the checkpoint of step {step} has no such tensor (different architecture)")
+            if saved[k] != ours[k]:
+                return (k, f"shape {list(saved[k])} in the checkpoint of step {step}, {list(ours[k])} in the model (different architecture)")
+        extra = sorted(k for k in saved if k.startswith("model.") and k not in ours)
+        if extra:
+            return (extra[0], f"the checkpoint of step {step} has {extra[0]} which the model does not (different architecture)")
+        return None
+
+    # ------------------------------------------------------------------ save
+    def _get_stager(self):
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = self._use_cuda_staging
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        return self._stager
+
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None
+
+    def save(self, step: int, *, blocking: bool = False) -> SaveStats:
+        """Start saving ``step``. All ranks. Waits for the previous save first (measured).
+
+        With ``checkpoint.mode = "async"`` this returns once the state is handed to a
+        background stager; call :meth:`wait_for_staging` before mutating parameters.
+        """
+        stats = SaveStats(step)
+        t0 = time.monotonic()
+        self._finish_inflight(deadline=None)
+        stats.wait_previous = time.monotonic() - t0
+        self.metrics.histogram("elastic_trainer_checkpoint_wait_previous_seconds", stats.wait_previous)
+        path = self.storage.join(layout.step_dir_name(step))
+        if self.rank == 0:
+            # Never leave an old commit marker over shards about to be replaced.
+            manifest_path = self.storage.join(layout.step_dir_name(step), layout.MANIFEST)
+            if self.storage.exists(manifest_path):
+                self.storage.delete_tree(path)
+            self.storage.makedirs(path)
+        writer = self.storage.dcp_writer(path)
+        self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 1)
+        t1 = time.monotonic()
+        if self.cfg.mode == "sync":
+            fut: Future = Future()
+            try:
+                dcp.save(self.states, storage_writer=writer, process_group=self.group)
+                fut.set_result(None)
+            except Exception as e:  # noqa: BLE001 - handled as a failed save
+                fut.set_exception(e)
+            self._inflight = _InFlight(step, t1, None, fut)
+        else:
+            resp = dcp.async_save(self.states, storage_writer=writer, process_group=self.group, async_stager=self._get_stager())
+            staging = getattr(resp, "staging_completion", None)
+            upload = getattr(resp, "upload_completion", resp)
+            self._inflight = _InFlight(step, t1, staging, upload)
+        stats.call = time.monotonic() - t1
+        if self.rank == 0 and self._commit_pool is not None:
+            inflight = self._inflight
+            inflight.commit = Future()
+
+            def on_upload_done(f: Future, inflight: _InFlight = inflight) -> None:
+                inner = self._commit_pool.submit(self._commit, inflight)
+                inner.add_done_callback(lambda r: _chain(r, inflight.commit))
+
+            inflight.upload.add_done_callback(on_upload_done)
+        self.save_stats.append(stats)
+        if blocking:
+            self.wait_for_staging()
+            self._finish_inflight(deadline=None)
+        return stats
+
+    def wait_for_staging(self) -> float:
+        """Block until the in-flight save has copied the state out. Returns the seconds waited."""
+        inf = self._inflight
+        if inf is None or inf.staging is None or inf.staged_at is not None:
+            return 0.0
+        t0 = time.monotonic()
+        try:
+            inf.staging.result()
+        except Exception:  # noqa: BLE001 - the upload future carries the same failure
+            logger.exception("staging of step %d failed", inf.step)
+        waited = time.monotonic() - t0
+        inf.staged_at = time.monotonic()
+        if self.save_stats and self.save_stats[-1].step == inf.step:
+            self.save_stats[-1].staging_wait += waited
+            self.metrics.histogram("elastic_trainer_checkpoint_stall_seconds", self.save_stats[-1].stall)
+        return waited
+
+    def _commit(self, inf: _InFlight) -> bool:
+        """Rank 0, background thread: write the manifest if the upload succeeded."""
+        duration = time.monotonic() - inf.started
+        exc = inf.upload.exception()
+        if exc is not None:
+            self.failures += 1
+            logger.error("checkpoint step %d failed, not committed: %s: %s", inf.step, type(exc).__name__, exc)
+            self.events.emit("checkpoint_failed", step=inf.step, error=f"{type(exc).__name__}: {exc}"[:2000], seconds=duration)
+            self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
+            return False
+        name = layout.step_dir_name(inf.step)
+        try:
+            files = self.storage.list_files(self.storage.join(name))
+            files.pop(layout.MANIFEST, None)
+            manifest = layout.build_manifest(
+                step=inf.step,
+                world_size=self.world_size,
+                mesh_shape=self.mesh_shape,
+                files=files,
+                created=time.time(),
+                torch_version=torch.__version__,
+                fingerprint=self.fingerprint,
+            )
+            self.storage.write_json_atomic(self.storage.join(name, layout.MANIFEST), manifest)
+        except Exception as e:  # noqa: BLE001 - a failed commit is a failed save
+            self.failures += 1
+            logger.error("commit of step %d failed: %s", inf.step, e)
+            self.events.emit("checkpoint_failed", step=inf.step, error=f"commit: {type(e).__name__}: {e}"[:2000], seconds=duration)
+            self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
+            return False
+        duration = time.monotonic() - inf.started
+        self.last_committed_step = inf.step
+        self.events.emit("checkpoint_committed", step=inf.step, bytes=manifest["total_bytes"], seconds=round(duration, 4), world_size=self.world_size)
+        self.metrics.histogram("elastic_trainer_checkpoint_save_duration_seconds", duration)
+        self.metrics.counter("elastic_trainer_checkpoint_written_bytes_total", manifest["total_bytes"])
+        self.metrics.gauge("elastic_trainer_checkpoint_last_committed_step", inf.step)
+        self.metrics.gauge("elastic_trainer_checkpoint_last_commit_timestamp_seconds", manifest["time"])
+        self._apply_retention()
+        return True
+
+    def _apply_retention(self) -> None:
+        try:
+            candidates = self.discover()
+            committed = [c.step for c in candidates if c.manifest is not None]
+            protected = {self.last_committed_step} if self.last_committed_step is not None else set()
+            for step in layout.retention_victims(committed, self.cfg.keep_last, self.cfg.keep_every, protected):
+                self.storage.delete_tree(self.storage.join(layout.step_dir_name(step)))
+                self.events.emit("checkpoint_deleted", step=step, reason="retention")
+        except Exception as e:  # noqa: BLE001 - retention is best effort
+            logger.warning("retention failed: %s", e)
+
+    def _finish_inflight(self, deadline: float | None) -> bool:
+        """Wait for the in-flight save (and, on rank 0, its commit). True if it committed
+        (rank 0) / succeeded (other ranks). ``deadline`` is a ``time.monotonic()`` value."""
+        inf = self._inflight
+        if inf is None:
+            return True
+        self.wait_for_staging()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ok = True
+        try:
+            inf.upload.result(timeout=timeout)
+            if inf.commit is not None:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ok = bool(inf.commit.result(timeout=timeout))
+        except TimeoutError:
+            raise
+        except Exception as e:  # noqa: BLE001 - recorded by _commit on rank 0
+            if self.rank != 0:
+                logger.warning("checkpoint step %d failed on this rank: %s", inf.step, e)
+            ok = False
+        self._inflight = None
+        self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 0)
+        return ok
+
+    def finish(self, timeout: float | None = None) -> bool:
+        """Wait for the save in flight to be written and committed. Raises TimeoutError past
+        ``timeout`` seconds (the save is then abandoned uncommitted)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._finish_inflight(deadline)
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._commit_pool is not None:
+            self._commit_pool.shutdown(wait=True)
+
+
+def _chain(src: Future, dst: Future | None) -> None:
+    if dst is None or dst.done():
+        return
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())

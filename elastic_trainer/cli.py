@@ -1,0 +1,150 @@
+"""``elastic-trainer`` command line.
+
+    elastic-trainer launch CONFIG [--set k=v ...] [torchrun-style elastic options]
+    elastic-trainer config check CONFIG [--set k=v ...]
+    elastic-trainer data build [--out PATH] [--text FILE ...]
+    elastic-trainer ckpt list URI | ckpt inspect URI [--step N] | ckpt export URI --out F [--dtype bf16|fp32]
+    elastic-trainer report RUN_DIR [--out PNG]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from . import log
+from .errors import CheckpointError, ConfigError, StorageError
+
+logger = logging.getLogger("elastic_trainer.cli")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="TOML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="elastic-trainer", description="Fault-tolerant elastic FSDP2 training")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("launch", help="run this node's supervisor (torchrun's elastic agent) for CONFIG")
+    _add_config_args(p)
+    p.add_argument("--nnodes", help="N or MIN:MAX nodes (torchrun convention); default elastic.nnodes")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, help="workers per node; default elastic.nproc_per_node")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", help="HOST:PORT of the c10d rendezvous store")
+    p.add_argument("--rdzv-id", "--rdzv_id", help="job id shared by all nodes")
+    p.add_argument("--rdzv-conf", "--rdzv_conf", help="extra rendezvous settings, key=value,...")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, help="worker-group restarts before giving up")
+    p.add_argument("--node-rank", "--node_rank", type=int, help="rank of this node (static rendezvous only)")
+    p.add_argument("--standalone", action="store_true", help="single node, local rendezvous (default when one node and no endpoint)")
+
+    p = sub.add_parser("config", help="configuration tools")
+    csub = p.add_subparsers(dest="config_cmd", required=True)
+    c = csub.add_parser("check", help="validate CONFIG and print the resolved values")
+    _add_config_args(c)
+
+    p = sub.add_parser("data", help="data set tools")
+    dsub = p.add_subparsers(dest="data_cmd", required=True)
+    b = dsub.add_parser("build", help="byte-level tokenise text files into a uint16 token file")
+    b.add_argument("--out", default="runs/data/demo.bin")
+    b.add_argument("--text", nargs="*", default=None, help="text files (default: Python's standard library sources)")
+    b.add_argument("--limit-mb", type=float, default=8.0)
+
+    p = sub.add_parser("ckpt", help="checkpoint tools")
+    ksub = p.add_subparsers(dest="ckpt_cmd", required=True)
+    k = ksub.add_parser("list", help="list checkpoints under URI")
+    k.add_argument("uri")
+    k.add_argument("--endpoint-url", default="")
+    k = ksub.add_parser("inspect", help="show one checkpoint's manifest and tensors")
+    k.add_argument("uri")
+    k.add_argument("--step", type=int)
+    k.add_argument("--endpoint-url", default="")
+    k = ksub.add_parser("export", help="consolidate model weights into one safetensors file")
+    k.add_argument("uri")
+    k.add_argument("--out", required=True)
+    k.add_argument("--step", type=int)
+    k.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    k.add_argument("--endpoint-url", default="")
+
+    p = sub.add_parser("report", help="summarise a run directory (goodput, restarts) and plot it")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return ap
+
+
+def _cmd_launch(a) -> int:
+    from .config import load_config
+    from .supervisor.launcher import LaunchOptions, launch
+
+    cfg = load_config(a.config, a.overrides)
+    opts = LaunchOptions(
+        nnodes=a.nnodes,
+        nproc_per_node=a.nproc_per_node,
+        rdzv_endpoint=a.rdzv_endpoint,
+        rdzv_id=a.rdzv_id,
+        rdzv_conf=a.rdzv_conf,
+        max_restarts=a.max_restarts,
+        node_rank=a.node_rank,
+        standalone=a.standalone,
+    )
+    from .config import check_max_world_size, parse_nnodes
+
+    _, max_nodes = parse_nnodes(a.nnodes or cfg.elastic.nnodes, "--nnodes")
+    if a.nproc_per_node is not None and a.nproc_per_node < 1:
+        raise ConfigError("--nproc-per-node", "must be >= 1")
+    check_max_world_size(cfg, max_nodes * (a.nproc_per_node or cfg.elastic.nproc_per_node))
+    from .data_check import check_data_source
+
+    check_data_source(cfg)
+    return launch(cfg, opts)
+
+
+def _cmd_config(a) -> int:
+    from .config import load_config
+
+    cfg = load_config(a.config, a.overrides)
+    print(json.dumps(cfg.to_dict(), indent=2))
+    return 0
+
+
+def _cmd_data(a) -> int:
+    from .worker.data import build_token_file, default_demo_texts
+
+    texts = a.text or default_demo_texts(int(a.limit_mb * (1 << 20)))
+    stats = build_token_file(texts, a.out)
+    print(json.dumps(stats))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    log.setup_logging()
+    a = _parser().parse_args(argv)
+    try:
+        if a.cmd == "launch":
+            return _cmd_launch(a)
+        if a.cmd == "config":
+            return _cmd_config(a)
+        if a.cmd == "data":
+            return _cmd_data(a)
+        if a.cmd == "ckpt":
+            from .checkpoint import tools
+
+            return tools.main(a)
+        if a.cmd == "report":
+            from . import report
+
+            return report.main(a)
+    except ConfigError as e:
+        print(f"elastic-trainer: {e}", file=sys.stderr)
+        return 2
+    except (CheckpointError, StorageError) as e:
+        print(f"elastic-trainer: {e}", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""Typed configuration: one frozen dataclass per component, loaded from TOML.
+
+``load_config(path, overrides)`` reads a TOML file, applies ``section.key=value``
+overrides, and returns a validated :class:`Config`. Every problem raises
+:class:`~elastic_trainer.errors.ConfigError` naming the key, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/demo"
+    name: str = "elastic-trainer"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The demo GPT (``factory = ""``) or a user factory ``"pkg.module:function"``."""
+
+    factory: str = ""
+    shard_modules: list[str] = field(default_factory=list)
+    vocab_size: int = 256
+    seq_len: int = 128
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    init_std: float = 0.02
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Flat binary file of token ids (uint16 or uint32), memory-mapped."""
+
+    path: str = "runs/data/demo.bin"
+    dtype: str = "uint16"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    seed: int = 1234
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    mixed_precision: str = "auto"  # auto | fp32 | bf16
+    device: str = "auto"  # auto | cpu | cuda
+    log_every: int = 10
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = "runs/demo/checkpoints"
+    interval_steps: int = 50
+    interval_seconds: float = 0.0
+    keep_last: int = 3
+    keep_every: int = 0
+    resume: str = "latest"  # latest | none | <step>
+    mode: str = "async"  # async | sync
+    preempt_grace_seconds: float = 60.0
+    s3_endpoint_url: str = ""
+    storage_timeout_seconds: float = 20.0
+    storage_retries: int = 3
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    nnodes: str = "1"
+    nproc_per_node: int = 2
+    max_restarts: int = 3
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "elastic-trainer"
+    hang_timeout_seconds: float = 120.0
+    monitor_interval_seconds: float = 0.5
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    port: int = 9400
+    host: str = "0.0.0.0"
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def model_fingerprint(self) -> str:
+        """Hash of everything that fixes the shape of the training state (model + optimizer kind)."""
+        payload = json.dumps({"model": dataclasses.asdict(self.model)}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+_SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTION_TYPES = {
+    "run": RunConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "elastic": ElasticConfig,
+    "metrics": MetricsConfig,
+}
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    if isinstance(typ, str):
+        typ = eval(typ, {**vars(typing), "list": list, "dict": dict}, {})  # noqa: S307 - own annotations
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (item,) = typing.get_args(typ)
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise AssertionError("unions are not used in config")
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected true or false, got {value!r}")
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, f"expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if typ is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key.endswith(".resume"):
+            return str(value)
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise AssertionError(f"unsupported config type {typ!r} at {key}")
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(item, "an override must look like section.key=value")
+    dotted, raw = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(dotted, "an override key must be section.key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # bare string
+    return parts, value
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build and validate a Config from a nested dict (as parsed from TOML)."""
+    sections = {}
+    for name, values in data.items():
+        if name not in _SECTION_TYPES:
+            raise ConfigError(name, f"unknown section (known: {', '.join(_SECTION_TYPES)})")
+        if not isinstance(values, dict):
+            raise ConfigError(name, "a section must be a table")
+        cls = _SECTION_TYPES[name]
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, value in values.items():
+            if key not in hints:
+                raise ConfigError(f"{name}.{key}", f"unknown key (known: {', '.join(hints)})")
+            kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+        sections[name] = cls(**kwargs)
+    cfg = Config(**sections)
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load TOML ``path`` (or defaults when None), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError("<config file>", f"no such file: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("<config file>", f"{path} is not valid TOML: {e}") from None
+    for item in overrides:
+        (section, key), value = _parse_override(item)
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise ConfigError(section, "a section must be a table")
+        data[section][key] = value
+    return config_from_dict(data)
+
+
+def _require(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(key, message)
+
+
+def parse_nnodes(value: str, key: str = "elastic.nnodes") -> tuple[int, int]:
+    parts = value.split(":")
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        raise ConfigError(key, f"expected N or MIN:MAX, got {value!r}") from None
+    if len(nums) == 1:
+        nums = nums * 2
+    _require(len(nums) == 2 and 1 <= nums[0] <= nums[1], key, f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {value!r}")
+    return nums[0], nums[1]
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks. Pure; raises ConfigError naming the key."""
+    m, t, c, e, d = cfg.model, cfg.train, cfg.checkpoint, cfg.elastic, cfg.data
+    _require(bool(cfg.run.dir), "run.dir", "must not be empty")
+    for k in ("vocab_size", "seq_len", "dim", "n_layers", "n_heads", "mlp_ratio"):
+        _require(getattr(m, k) > 0, f"model.{k}", f"must be > 0, got {getattr(m, k)}")
+    _require(m.dim % m.n_heads == 0, "model.dim", f"{m.dim} is not divisible by model.n_heads={m.n_heads}")
+    _require(m.init_std > 0, "model.init_std", "must be > 0")
+    if m.factory:
+        _require(":" in m.factory, "model.factory", f"expected 'package.module:function', got {m.factory!r}")
+    _require(d.dtype in ("uint16", "uint32"), "data.dtype", f"expected uint16 or uint32, got {d.dtype!r}")
+    _require(bool(d.path), "data.path", "must not be empty")
+    if d.dtype == "uint16":
+        _require(m.vocab_size <= 65536, "model.vocab_size", f"{m.vocab_size} does not fit data.dtype=uint16")
+    _require(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
+    _require(t.global_batch_size > 0, "train.global_batch_size", f"must be > 0, got {t.global_batch_size}")
+    _require(t.micro_batch_size > 0, "train.micro_batch_size", f"must be > 0, got {t.micro_batch_size}")
+    _require(
+        t.micro_batch_size <= t.global_batch_size,
+        "train.micro_batch_size",
+        f"{t.micro_batch_size} is larger than train.global_batch_size={t.global_batch_size}",
+    )
+    _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    _require(0 <= t.min_lr <= t.lr, "train.min_lr", f"must be within [0, train.lr], got {t.min_lr}")
+    _require(0 <= t.warmup_steps, "train.warmup_steps", "must be >= 0")
+    _require(0 <= t.beta1 < 1, "train.beta1", "must be in [0, 1)")
+    _require(0 <= t.beta2 < 1, "train.beta2", "must be in [0, 1)")
+    _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+    _require(t.mixed_precision in ("auto", "fp32", "bf16"), "train.mixed_precision", f"expected auto, fp32 or bf16, got {t.mixed_precision!r}")
+    _require(t.device in ("auto", "cpu", "cuda"), "train.device", f"expected auto, cpu or cuda, got {t.device!r}")
+    _require(t.log_every > 0, "train.log_every", "must be > 0")
+    _require(bool(c.dir), "checkpoint.dir", "must not be empty")
+    _require(c.interval_steps >= 0, "checkpoint.interval_steps", "must be >= 0 (0 disables step-based saves)")
+    _require(c.interval_seconds >= 0, "checkpoint.interval_seconds", "must be >= 0 (0 disables time-based saves)")
+    _require(c.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1, got {c.keep_last}")
+    _require(c.keep_every >= 0, "checkpoint.keep_every", "must be >= 0")
+    _require(c.mode in ("async", "sync"), "checkpoint.mode", f"expected async or sync, got {c.mode!r}")
+    _require(c.preempt_grace_seconds > 0, "checkpoint.preempt_grace_seconds", "must be > 0")
+    _require(c.storage_timeout_seconds > 0, "checkpoint.storage_timeout_seconds", "must be > 0")
+    _require(c.storage_retries >= 0, "checkpoint.storage_retries", "must be >= 0")
+    if c.resume not in ("latest", "none"):
+        _require(c.resume.isdigit(), "checkpoint.resume", f"expected 'latest', 'none' or a step number, got {c.resume!r}")
+    from .storage.fs import check_uri  # local import: storage depends on errors only
+
+    check_uri(c.dir, "checkpoint.dir")
+    if c.s3_endpoint_url:
+        _require(
+            c.s3_endpoint_url.startswith(("http://", "https://")),
+            "checkpoint.s3_endpoint_url",
+            f"expected an http(s) URL, got {c.s3_endpoint_url!r}",
+        )
+    parse_nnodes(e.nnodes)
+    _require(e.nproc_per_node >= 1, "elastic.nproc_per_node", "must be >= 1")
+    _require(e.max_restarts >= 0, "elastic.max_restarts", "must be >= 0")
+    _require(e.hang_timeout_seconds >= 5, "elastic.hang_timeout_seconds", "must be >= 5")
+    _require(e.monitor_interval_seconds > 0, "elastic.monitor_interval_seconds", "must be > 0")
+    _require(0 <= cfg.metrics.port <= 65535, "metrics.port", f"must be in 0..65535 (0 disables), got {cfg.metrics.port}")
+
+
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """A global batch must give every rank work: checked against the real world size at start."""
+    _require(
+        cfg.train.global_batch_size >= world_size,
+        "train.global_batch_size",
+        f"{cfg.train.global_batch_size} cannot be split across {world_size} ranks (need >= 1 sample per rank)",
+    )
+
+
+def check_max_world_size(cfg: Config, max_world: int) -> None:
+    check_world_size(cfg, max_world)

@@ -1,0 +1,39 @@
+"""Typed error hierarchy.
+
+User input problems are ``ConfigError`` (a ``ValueError``) and name the offending key.
+Infrastructure problems carry ``retryable`` so callers decide without string matching.
+"""
+
+
+class ElasticTrainerError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+    retryable = False
+
+
+class ConfigError(ElasticTrainerError, ValueError):
+    """A configuration value is unknown, mistyped or impossible. ``key`` names it."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config error at '{key}': {message}")
+
+
+class StorageError(ElasticTrainerError):
+    """A storage operation failed."""
+
+
+class TransientStorageError(StorageError):
+    retryable = True
+
+
+class CheckpointError(ElasticTrainerError):
+    """A checkpoint is unusable (missing files, truncated shard, wrong model)."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A checkpoint does not fit the configured model. ``key`` names the state-dict key or config key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"checkpoint does not match the model at '{key}': {message}")

@@ -1,0 +1,52 @@
+"""Event log: JSON lines in ``<run.dir>/events.jsonl``.
+
+Workers write only from rank 0 (``EventLog(path, enabled=rank == 0)``); the supervisor writes
+its own lifecycle records (restarts) to the same file. Each line is one complete JSON object
+written with a single ``write`` on a file opened in append mode, so concurrent writers
+(supervisor and rank 0, or a background commit thread) never interleave within a line.
+Every record carries ``event``, ``time`` (unix seconds) and ``mono`` (process monotonic clock).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+
+class EventLog:
+    def __init__(self, path: str | None, enabled: bool = True):
+        self.path = path
+        self.enabled = enabled and path is not None
+        self._lock = threading.Lock()
+        if self.enabled:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {"event": event, "time": time.time(), **fields}
+        if self.enabled:
+            line = json.dumps(record, sort_keys=False, default=str) + "\n"
+            with self._lock:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line.encode())
+                finally:
+                    os.close(fd)
+        return record
+
+
+def read_events(path: str) -> Iterator[dict[str, Any]]:
+    """Yield records; a torn last line (writer killed mid-write) is skipped."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue

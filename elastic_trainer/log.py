@@ -1,0 +1,39 @@
+"""Logging with a ``[node/rank - step N]`` prefix. Never touches the root logger's handlers
+unless :func:`setup_logging` is called by an entry point."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_STATE = {"step": "-"}
+
+
+def set_step(step: int | str) -> None:
+    _STATE["step"] = str(step)
+
+
+class _PrefixFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.et_rank = os.environ.get("RANK", "-")
+        record.et_node = os.environ.get("GROUP_RANK", os.environ.get("ELASTIC_TRAINER_NODE", "-"))
+        record.et_step = _STATE["step"]
+        return True
+
+
+def setup_logging(level: str | int | None = None) -> None:
+    """Entry points call this once. Only the ``elastic_trainer`` logger gets a handler."""
+    level = level or os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO")
+    logger = logging.getLogger("elastic_trainer")
+    if any(getattr(h, "_et", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler._et = True  # type: ignore[attr-defined]
+    handler.addFilter(_PrefixFilter())
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s [%(et_node)s/%(et_rank)s - step %(et_step)s] %(name)s: %(message)s")
+    )
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False

@@ -1,0 +1,239 @@
+"""One storage implementation over fsspec, for local paths and object stores.
+
+Paths are plain ``str`` (a ``pathlib.Path`` mangles ``s3://``). Every operation is
+bounded: botocore/s3fs retries are capped and each call is retried here with
+exponential backoff only for errors that look transient; a permanent error surfaces
+as :class:`StorageError` within ``timeout * (retries + 1)`` seconds or so.
+
+Credentials are never logged: :meth:`Storage.describe` prints the URI and endpoint only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import fsspec
+
+from ..errors import ConfigError, StorageError, TransientStorageError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_SUPPORTED = ("file", "s3", "memory")
+
+
+def check_uri(uri: str, key: str = "checkpoint.dir") -> str:
+    """Validate a checkpoint location; returns its protocol. Raises ConfigError naming ``key``."""
+    if not isinstance(uri, str) or not uri.strip():
+        raise ConfigError(key, "must be a non-empty path or URL")
+    if "://" not in uri:
+        return "file"
+    proto, rest = uri.split("://", 1)
+    if proto not in _SUPPORTED:
+        raise ConfigError(key, f"unsupported scheme {proto!r} in {uri!r} (supported: local path, file://, s3://, memory://)")
+    if proto == "s3":
+        bucket = rest.split("/", 1)[0]
+        if not bucket or bucket != bucket.lower() or not (3 <= len(bucket) <= 63) or "_" in bucket:
+            raise ConfigError(key, f"invalid S3 bucket name {bucket!r} in {uri!r}")
+    if proto == "file" and not rest.startswith("/"):
+        raise ConfigError(key, f"file:// URLs must be absolute, got {uri!r}")
+    return proto
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """Connection settings. ``endpoint_url`` falls back to AWS_ENDPOINT_URL_S3 / FSSPEC_S3_ENDPOINT_URL."""
+
+    endpoint_url: str = ""
+    timeout_seconds: float = 20.0
+    retries: int = 3
+
+    def fsspec_kwargs(self, protocol: str) -> dict[str, Any]:
+        if protocol != "s3":
+            return {}
+        endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("FSSPEC_S3_ENDPOINT_URL") or ""
+        client_kwargs: dict[str, Any] = {}
+        if endpoint:
+            client_kwargs["endpoint_url"] = endpoint
+        timeout = max(1.0, self.timeout_seconds / 2)
+        return {
+            "client_kwargs": client_kwargs,
+            # botocore's own retries stay small; the outer loop here owns the budget.
+            "config_kwargs": {
+                "retries": {"max_attempts": 3, "mode": "standard"},
+                "connect_timeout": timeout,
+                "read_timeout": timeout,
+            },
+            "retries": 1,
+            "skip_instance_cache": True,
+        }
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    text = f"{type(exc).__name__} {exc}"
+    permanent = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket", "403")
+    if any(p in text for p in permanent):
+        return False
+    return isinstance(exc, (OSError, TimeoutError, ConnectionError)) or "Throttl" in text or "SlowDown" in text
+
+
+def retry(fn: Callable[[], T], *, what: str, retries: int, base_delay: float = 0.2, max_delay: float = 5.0) -> T:
+    """Call ``fn``; retry transient errors with exponential backoff + jitter; raise StorageError at the end."""
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if not _is_transient(exc) or attempt >= retries:
+                cls = TransientStorageError if _is_transient(exc) else StorageError
+                raise cls(f"{what} failed after {attempt + 1} attempt(s): {type(exc).__name__}: {exc}") from exc
+            delay = min(max_delay, base_delay * (2**attempt)) * (0.5 + random.random())
+            logger.warning("%s failed (%s), retry %d/%d in %.1fs", what, type(exc).__name__, attempt + 1, retries, delay)
+            time.sleep(delay)
+            attempt += 1
+
+
+class Storage:
+    """Filesystem-like access to one checkpoint root. Thread-safe for concurrent calls."""
+
+    def __init__(self, uri: str, options: StorageOptions | None = None):
+        self.protocol = check_uri(uri)
+        self.options = options or StorageOptions()
+        if self.protocol == "file":
+            root = uri[len("file://"):] if uri.startswith("file://") else os.path.abspath(uri)
+            self.root = root.rstrip("/") or "/"
+        else:
+            self.root = uri.rstrip("/")
+        self._kwargs = self.options.fsspec_kwargs(self.protocol)
+        self.fs, _ = fsspec.core.url_to_fs(self.root if self.protocol != "file" else "file://" + self.root, **self._kwargs)
+
+    # -- naming -----------------------------------------------------------------
+    def join(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def describe(self) -> str:
+        endpoint = self._kwargs.get("client_kwargs", {}).get("endpoint_url", "")
+        return f"{self.root}" + (f" (endpoint {endpoint})" if endpoint else "")
+
+    def _p(self, path: str) -> str:
+        """fsspec path without protocol for s3/memory."""
+        return self.fs._strip_protocol(path)
+
+    # -- operations -------------------------------------------------------------
+    def _retry(self, fn: Callable[[], T], what: str) -> T:
+        return retry(fn, what=what, retries=self.options.retries)
+
+    def exists(self, path: str) -> bool:
+        return self._retry(lambda: self.fs.exists(self._p(path)), f"exists({path})")
+
+    def list_dirs(self, path: str | None = None) -> list[str]:
+        """Names of the sub-directories of ``path`` (default: the root); [] when it does not exist."""
+        target = self._p(path or self.root)
+
+        def run() -> list[str]:
+            try:
+                entries = self.fs.ls(target, detail=True, refresh=True)
+            except FileNotFoundError:
+                return []
+            return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory")
+
+        return self._retry(run, f"list({path or self.root})")
+
+    def list_files(self, path: str) -> dict[str, int]:
+        """Relative file name -> size in bytes, recursively; {} when ``path`` does not exist."""
+        base = self._p(path).rstrip("/")
+
+        def run() -> dict[str, int]:
+            try:
+                found = self.fs.find(base, detail=True, withdirs=False)
+            except FileNotFoundError:
+                return {}
+            out = {}
+            for name, info in found.items():
+                if info.get("type") == "directory":
+                    continue
+                rel = name[len(base) + 1:] if name.startswith(base + "/") else posixpath.basename(name)
+                out[rel] = int(info.get("size") or 0)
+            return out
+
+        if hasattr(self.fs, "invalidate_cache"):
+            self.fs.invalidate_cache(base)
+        return self._retry(run, f"find({path})")
+
+    def read_bytes(self, path: str) -> bytes:
+        return self._retry(lambda: self.fs.cat_file(self._p(path)), f"read({path})")
+
+    def read_json(self, path: str) -> Any:
+        return json.loads(self.read_bytes(path))
+
+    def write_bytes_atomic(self, path: str, data: bytes) -> None:
+        """Write all-or-nothing: an object PUT on S3, write-temp-then-rename locally."""
+        p = self._p(path)
+        if self.protocol == "file":
+            def run() -> None:
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, p)
+                dfd = os.open(os.path.dirname(p), os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        else:
+            def run() -> None:
+                self.fs.pipe_file(p, data)
+        self._retry(run, f"write({path})")
+
+    def write_json_atomic(self, path: str, obj: Any) -> None:
+        self.write_bytes_atomic(path, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+    def delete_tree(self, path: str) -> None:
+        def run() -> None:
+            try:
+                self.fs.rm(self._p(path), recursive=True)
+            except FileNotFoundError:
+                pass
+        self._retry(run, f"delete({path})")
+
+    def makedirs(self, path: str) -> None:
+        if self.protocol == "file":
+            os.makedirs(self._p(path), exist_ok=True)
+
+    # -- DCP --------------------------------------------------------------------
+    def dcp_writer(self, path: str):
+        if self.protocol == "file":
+            from torch.distributed.checkpoint import FileSystemWriter
+
+            return FileSystemWriter(self._p(path), single_file_per_rank=True, sync_files=True, thread_count=1)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(path, single_file_per_rank=True, sync_files=False, thread_count=1, **self._kwargs)
+
+    def dcp_reader(self, path: str):
+        if self.protocol == "file":
+            from torch.distributed.checkpoint import FileSystemReader
+
+            return FileSystemReader(self._p(path))
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(path, **self._kwargs)
+
+
+def open_storage(uri: str, endpoint_url: str = "", timeout_seconds: float = 20.0, retries: int = 3) -> Storage:
+    return Storage(uri, StorageOptions(endpoint_url=endpoint_url, timeout_seconds=timeout_seconds, retries=retries))

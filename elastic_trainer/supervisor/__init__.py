@@ -1,0 +1,1 @@
+"""Supervisor side: one per node, runs torchrun's elastic agent over the worker module."""

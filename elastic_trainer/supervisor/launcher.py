@@ -1,0 +1,226 @@
+"""Builds and runs torchrun's elastic agent for the worker module.
+
+Uses torchrun's own argument parser and ``config_from_args`` so every elastic option keeps
+torchrun's name and meaning; then runs a :class:`SupervisedAgent` (a ``LocalElasticAgent``
+that records restarts as events and backs off between failure restarts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..config import Config, parse_nnodes
+from ..events import EventLog
+from . import policy
+
+logger = logging.getLogger(__name__)
+
+WORKER_MODULE = "elastic_trainer.worker.main"
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Command-line elastic options; ``None`` means "take it from the config"."""
+
+    nnodes: str | None = None
+    nproc_per_node: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: str | None = None
+    max_restarts: int | None = None
+    node_rank: int | None = None
+    standalone: bool = False
+    extra: list[str] = field(default_factory=list)
+
+
+def torchrun_argv(cfg: Config, opts: LaunchOptions) -> list[str]:
+    """torchrun-style argv for this launch (pure)."""
+    e = cfg.elastic
+    nnodes = opts.nnodes or e.nnodes
+    parse_nnodes(nnodes, "--nnodes")
+    endpoint = opts.rdzv_endpoint if opts.rdzv_endpoint is not None else e.rdzv_endpoint
+    _, max_nodes = parse_nnodes(nnodes)
+    argv = [
+        "--nnodes", nnodes,
+        "--nproc-per-node", str(opts.nproc_per_node or e.nproc_per_node),
+        "--max-restarts", str(opts.max_restarts if opts.max_restarts is not None else e.max_restarts),
+        "--monitor-interval", str(e.monitor_interval_seconds),
+    ]
+    if opts.standalone or (not endpoint and max_nodes == 1):
+        argv.append("--standalone")
+    else:
+        argv += ["--rdzv-backend", e.rdzv_backend, "--rdzv-endpoint", endpoint or "localhost:29400", "--rdzv-id", opts.rdzv_id or e.rdzv_id]
+        if opts.rdzv_conf:
+            argv += ["--rdzv-conf", opts.rdzv_conf]
+    if opts.node_rank is not None:
+        argv += ["--node-rank", str(opts.node_rank)]
+    return argv + list(opts.extra) + ["-m", WORKER_MODULE]
+
+
+def build_launch_config(cfg: Config, opts: LaunchOptions):
+    """(LaunchConfig, cmd, cmd_args) through torchrun's own parser."""
+    import uuid
+
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    args = get_args_parser().parse_args(torchrun_argv(cfg, opts))
+    if args.standalone:
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, cmd, cmd_args = config_from_args(args)
+    config.shutdown_timeout = int(cfg.checkpoint.preempt_grace_seconds + 15)
+    config.signals_to_handle = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    return config, cmd, cmd_args
+
+
+def _make_agent_class():
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class SupervisedAgent(LocalElasticAgent):
+        """LocalElasticAgent that records each restart (reason, exit codes, failing ranks from
+        torch's ``@record`` error files) and backs off between failure restarts."""
+
+        events: EventLog = EventLog(None)
+        _last_result = None
+        _failure_restarts = 0
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            self._last_result = result
+            return result
+
+        def _restart_workers(self, worker_group):
+            from torch.distributed.elastic.agent.server.api import WorkerState
+
+            result = self._last_result
+            failed = result is not None and result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+            if failed:
+                self._failure_restarts += 1
+            delay = policy.restart_backoff(self._failure_restarts) if failed else 0.0
+            self.events.emit(
+                "restart",
+                reason="worker_failure" if failed else "membership_change",
+                restart_count=worker_group.spec.max_restarts - self._remaining_restarts,
+                remaining_restarts=self._remaining_restarts,
+                failures=policy.describe_failures(result.failures) if failed else [],
+                backoff_seconds=delay,
+                node=os.environ.get("ELASTIC_TRAINER_NODE", os.uname().nodename),
+                mono=time.monotonic(),
+            )
+            if delay:
+                time.sleep(delay)
+            super()._restart_workers(worker_group)
+
+    return SupervisedAgent
+
+
+def run_agent(config, cmd, cmd_args, events: EventLog):
+    """The essential part of torch's ``launch_agent`` with our agent class."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.launcher.api import _get_addr_and_port
+
+    if not config.run_id:
+        config.run_id = "elastic-trainer"
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _get_addr_and_port(params)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=cmd,
+        args=tuple(cmd_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+    )
+    agent_cls = _make_agent_class()
+    agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method, shutdown_timeout=config.shutdown_timeout)
+    agent.events = events
+    shutdown_rdzv = True
+    try:
+        return agent.run()
+    except Exception as e:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        if isinstance(e, SignalException):
+            shutdown_rdzv = False
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
+
+
+def launch(cfg: Config, opts: LaunchOptions) -> int:
+    """Run this node's supervisor until the job ends. Returns the process exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    os.makedirs(cfg.run.dir, exist_ok=True)
+    events = EventLog(os.path.join(cfg.run.dir, "events.jsonl"))
+    marker = os.path.join(cfg.run.dir, "PREEMPTED")
+    if os.path.exists(marker):
+        os.remove(marker)
+    os.environ["ELASTIC_TRAINER_CONFIG_JSON"] = cfg.to_json()
+    os.environ["ELASTIC_TRAINER_SUPERVISOR_PID"] = str(os.getpid())
+    os.environ.setdefault("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
+    os.environ.setdefault("TORCHELASTIC_TIMER_FILE", os.path.join(_runtime_dir(cfg), "watchdog.timer"))
+    from ..metrics import factory as metrics_factory
+
+    server = metrics_factory.start_supervisor_exporter(cfg)
+    config, cmd, cmd_args = build_launch_config(cfg, opts)
+    events.emit(
+        "launch",
+        nnodes=f"{config.min_nodes}:{config.max_nodes}",
+        nproc_per_node=config.nproc_per_node,
+        max_restarts=config.max_restarts,
+        rdzv_endpoint=config.rdzv_endpoint,
+        node=os.uname().nodename,
+        pid=os.getpid(),
+        mono=time.monotonic(),
+    )
+    failed = signalled = False
+    try:
+        result = run_agent(config, cmd, cmd_args, events)
+        failed = result.is_failed()
+        if failed:
+            events.emit("job_failed", failures=policy.describe_failures(result.failures))
+    except SignalException as e:
+        signalled = True
+        logger.warning("supervisor got %s: workers were asked to checkpoint and stop", e.sigval)
+    finally:
+        if server is not None:
+            server.stop()
+    preempt = None
+    if os.path.exists(marker):
+        with open(marker) as f:
+            preempt = json.load(f)
+    code = policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=preempt)
+    events.emit("supervisor_exit", exit_code=code, preempted=preempt, signalled=signalled)
+    return code
+
+
+def _runtime_dir(cfg: Config) -> str:
+    d = os.path.join(cfg.run.dir, ".runtime", str(os.getpid()))
+    os.makedirs(d, exist_ok=True)
+    return d

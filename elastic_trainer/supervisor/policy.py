@@ -1,0 +1,43 @@
+"""Pure decisions of the supervisor, table-tested."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: requeue/restart the job and it resumes from the last commit
+
+
+def restart_backoff(restart_index: int, base: float = 1.0, cap: float = 30.0) -> float:
+    """Seconds to wait before restart number ``restart_index`` (1-based) after a *failure*.
+    Membership changes (a node joining) restart at once."""
+    if restart_index <= 1:
+        return 0.0
+    return min(cap, base * 2 ** (restart_index - 2))
+
+
+def launch_exit_code(*, failed: bool, signalled: bool, preempt_marker: dict | None) -> int:
+    """Exit code of ``elastic-trainer launch`` from how the agent ended."""
+    if preempt_marker is not None or signalled:
+        return EXIT_PREEMPTED
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def describe_failures(failures: dict) -> list[dict]:
+    """Restart-event payload from torch's ProcessFailure objects (which read the @record error files)."""
+    out = []
+    for local_rank, f in sorted(failures.items()):
+        msg = f.message
+        if isinstance(msg, dict):
+            msg = msg.get("message", msg)
+        out.append(
+            {
+                "local_rank": local_rank,
+                "global_rank": getattr(f, "rank", None),
+                "exit_code": getattr(f, "exitcode", None),
+                "signal": f.signal_name() if getattr(f, "exitcode", 0) is not None and f.exitcode < 0 else None,
+                "error": str(msg)[:500] if msg else None,
+                "error_file": getattr(f, "error_file", None),
+            }
+        )
+    return out

@@ -1,0 +1,1 @@
+"""Worker side: runs under torchrun's elastic agent, one process per rank."""

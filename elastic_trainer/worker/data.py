@@ -1,0 +1,145 @@
+"""World-size-invariant data: a memory-mapped token file, a seeded global sample order, and a
+global sample cursor.
+
+A *sample* ``i`` is the window ``tokens[i*L : i*L + L + 1]`` (inputs are the first L, targets
+the last L). Epoch ``e`` visits samples in ``randperm(n, seed=(seed, e))`` order. Step ``s``
+consumes global positions ``cursor .. cursor + G - 1``; rank ``r`` of ``W`` takes a contiguous
+balanced slice of that range; every rank runs the same number of micro-batches, padding with
+zero-weight micro-batches (all targets ``-100``) where it has fewer samples. So the set of
+samples in a step, and the global mean loss over them, never depend on ``W``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+
+IGNORE_INDEX = -100
+
+
+def rank_slice(global_batch: int, world: int, rank: int) -> tuple[int, int]:
+    """(start, count) of ``rank``'s contiguous share of a global batch; first ``G % W`` ranks get one more."""
+    base, extra = divmod(global_batch, world)
+    start = rank * base + min(rank, extra)
+    return start, base + (1 if rank < extra else 0)
+
+
+def micro_steps(global_batch: int, world: int, micro_batch: int) -> int:
+    """Forward/backward passes per step; the same on every rank."""
+    most = -(-global_batch // world)
+    return -(-most // micro_batch)
+
+
+class TokenFile:
+    """A flat binary file of token ids, memory-mapped read-only."""
+
+    def __init__(self, path: str, dtype: str, seq_len: int, vocab_size: int):
+        if not os.path.exists(path):
+            raise ConfigError("data.path", f"no such token file: {path} (build one with 'elastic-trainer data build')")
+        itemsize = np.dtype(dtype).itemsize
+        size = os.path.getsize(path)
+        if size % itemsize:
+            raise ConfigError("data.dtype", f"{path} has {size} bytes, not a multiple of {dtype} ({itemsize} bytes)")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.seq_len = seq_len
+        self.n_samples = (len(self.tokens) - 1) // seq_len
+        if self.n_samples < 1:
+            raise ConfigError("data.path", f"{path} has {len(self.tokens)} tokens: fewer than one sample of model.seq_len={seq_len}")
+        probe = self.tokens[: min(len(self.tokens), 1 << 20)]
+        if int(probe.max()) >= vocab_size:
+            raise ConfigError("model.vocab_size", f"token id {int(probe.max())} in {path} is >= model.vocab_size={vocab_size}")
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.seq_len
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+class GlobalOrder:
+    """Deterministic global order of sample ids, a function of (seed, position) only."""
+
+    def __init__(self, n_samples: int, seed: int):
+        self.n = n_samples
+        self.seed = seed
+        self._epoch = -1
+        self._perm: torch.Tensor | None = None
+
+    def __getitem__(self, position: int) -> int:
+        epoch, offset = divmod(position, self.n)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(self.n, generator=g)
+            self._epoch = epoch
+        return int(self._perm[offset])
+
+
+@dataclass
+class MicroBatch:
+    inputs: torch.Tensor  # [b, L] int64
+    targets: torch.Tensor  # [b, L] int64, IGNORE_INDEX where not counted
+    n_samples: int  # real samples in it (0 for a padding micro-batch)
+
+
+class StepBatches:
+    """Produces the micro-batches of one rank for the step that starts at a global cursor."""
+
+    def __init__(self, source: TokenFile, seed: int, global_batch: int, micro_batch: int, world: int, rank: int):
+        self.source = source
+        self.order = GlobalOrder(source.n_samples, seed)
+        self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        self.world = world
+        self.rank = rank
+        self.n_micro = micro_steps(global_batch, world, micro_batch)
+
+    def for_cursor(self, cursor: int) -> list[MicroBatch]:
+        start, count = rank_slice(self.global_batch, self.world, self.rank)
+        ids = [self.order[cursor + start + j] for j in range(count)]
+        out = []
+        for m in range(self.n_micro):
+            chunk = ids[m * self.micro_batch : (m + 1) * self.micro_batch]
+            if chunk:
+                xs, ys = zip(*(self.source.sample(i) for i in chunk))
+                out.append(MicroBatch(torch.stack(xs), torch.stack(ys), len(chunk)))
+            else:
+                x, _ = self.source.sample(self.order[cursor])
+                out.append(MicroBatch(x[None], torch.full_like(x[None], IGNORE_INDEX), 0))
+        return out
+
+
+def build_token_file(texts: list[str], out_path: str) -> dict:
+    """Byte-level tokenisation (vocab 256) of text files into a uint16 token file. Returns stats."""
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    total = 0
+    tmp = out_path + ".tmp"
+    with open(tmp, "wb") as f:
+        for path in texts:
+            with open(path, "rb") as src:
+                data = np.frombuffer(src.read(), dtype=np.uint8).astype(np.uint16)
+            f.write(data.tobytes())
+            total += len(data)
+    os.replace(tmp, out_path)
+    return {"path": out_path, "tokens": total, "dtype": "uint16", "vocab_size": 256, "files": len(texts)}
+
+
+def default_demo_texts(limit_bytes: int = 8 << 20) -> list[str]:
+    """Text that exists on every machine with Python: the standard library's own sources."""
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    files, total = [], 0
+    for dirpath, dirnames, filenames in sorted(os.walk(root)):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__", "idlelib"))
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                p = os.path.join(dirpath, name)
+                files.append(p)
+                total += os.path.getsize(p)
+                if total >= limit_bytes:
+                    return files
+    return files

@@ -1,0 +1,212 @@
+"""The training loop. Fits on a screen; everything else is called from it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import log
+from ..checkpoint import layout
+from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.state import TrainState
+from ..config import Config
+from ..events import EventLog
+from ..metrics.sink import MetricsSink
+from .data import IGNORE_INDEX, StepBatches
+from .model import logits_of
+
+logger = logging.getLogger(__name__)
+
+EXIT_PREEMPTED = 75  # preemption checkpoint committed; restart/requeue to resume
+EXIT_PREEMPTED_UNCOMMITTED = 76  # grace budget missed; resume uses the previous commit
+
+
+class PreemptionFlag:
+    """Set from a signal handler (SIGTERM/SIGUSR1); read at step boundaries."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self.received_at: float | None = None
+
+    def install(self, signals=(signal.SIGTERM, signal.SIGUSR1)) -> None:
+        for s in signals:
+            signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+            self.received_at = time.monotonic()
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+
+def lr_lambda(cfg: Config):
+    t = cfg.train
+
+    def f(step: int) -> float:
+        """Multiplier of ``train.lr`` for optimizer step ``step + 1`` (LambdaLR counts from 0)."""
+        s = step + 1
+        if t.warmup_steps and s <= t.warmup_steps:
+            return s / t.warmup_steps
+        span = max(1, t.steps - t.warmup_steps)
+        progress = min(1.0, (s - t.warmup_steps) / span)
+        floor = t.min_lr / t.lr
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+@dataclass
+class Trainer:
+    cfg: Config
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batches: StepBatches
+    state: TrainState
+    ckpt: CheckpointManager
+    events: EventLog
+    metrics: MetricsSink
+    rank: int
+    world_size: int
+    device: torch.device
+    preempt: PreemptionFlag = field(default_factory=PreemptionFlag)
+    timer_scope: contextlib.AbstractContextManager | None = None
+    losses: list[float] = field(default_factory=list)
+
+    def run(self) -> int:
+        """Train to ``train.steps``. Returns the process exit code (0, or 75/76 on preemption)."""
+        t = self.cfg.train
+        last_save_time = time.monotonic()
+        while self.state.step < t.steps:
+            step = self.state.step + 1
+            log.set_step(step)
+            with self._watchdog(f"step-{step}"):
+                time_due = self.cfg.checkpoint.interval_seconds > 0 and time.monotonic() - last_save_time >= self.cfg.checkpoint.interval_seconds
+                record = self.train_step(step, time_due)
+            if record["preempt"]:
+                return self._preempt_exit(step)
+            if layout.should_save(step, t.steps, self.cfg.checkpoint.interval_steps, record["save_due"], False):
+                with self._watchdog(f"save-{step}"):
+                    self.ckpt.save(step)
+                last_save_time = time.monotonic()
+        with self._watchdog("final-commit"):
+            self.ckpt.finish()
+        return 0
+
+    def train_step(self, step: int, time_due: bool) -> dict:
+        t0 = time.monotonic()
+        micro = self.batches.for_cursor(self.state.cursor)
+        local_count = sum(int((mb.targets != IGNORE_INDEX).sum()) for mb in micro)
+        # One small all-reduce per step carries the loss normaliser and the agreed flags, so the
+        # time-based save trigger and preemption need no collective of their own.
+        agreed = torch.tensor([local_count, float(self.preempt.requested), float(time_due)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(agreed)
+        global_count, preempt, save_due = agreed.tolist()
+        if preempt > 0:
+            return {"preempt": True, "save_due": True}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for mb in micro:
+            x, y = mb.inputs.to(self.device), mb.targets.to(self.device)
+            logits = logits_of(self.model(x))
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum") / global_count
+            loss.backward()
+            loss_sum += loss.detach().double()
+        self.ckpt.wait_for_staging()
+        if self.cfg.train.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        dist.all_reduce(loss_sum)
+        loss = float(loss_sum)
+        self.state.step = step
+        self.state.cursor += self.cfg.train.global_batch_size
+        tokens = int(global_count)
+        self.state.tokens_seen += tokens
+        dt = time.monotonic() - t0
+        self.losses.append(loss)
+        rec = self.events.emit(
+            "step",
+            step=step,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            world_size=self.world_size,
+            step_time_s=round(dt, 6),
+            tokens_per_s=round(tokens / dt, 2) if dt > 0 else 0.0,
+        )
+        self._observe(rec, tokens)
+        if self.rank == 0 and (step % self.cfg.train.log_every == 0 or step == 1 or step == self.cfg.train.steps):
+            logger.info("%s", self._progress_line(rec))
+        return {"preempt": False, "save_due": save_due > 0}
+
+    def _observe(self, rec: dict, tokens: int) -> None:
+        m = self.metrics
+        m.gauge("elastic_trainer_train_step", rec["step"])
+        m.gauge("elastic_trainer_train_loss", rec["loss"])
+        m.gauge("elastic_trainer_train_learning_rate", rec["lr"])
+        m.gauge("elastic_trainer_train_grad_norm", rec["grad_norm"])
+        m.gauge("elastic_trainer_train_tokens_per_second", rec["tokens_per_s"])
+        m.histogram("elastic_trainer_train_step_duration_seconds", rec["step_time_s"])
+        m.counter("elastic_trainer_train_samples_total", self.cfg.train.global_batch_size)
+        m.counter("elastic_trainer_train_tokens_total", tokens)
+
+    def _progress_line(self, rec: dict) -> str:
+        every = self.cfg.checkpoint.interval_steps
+        nxt = f"{every - rec['step'] % every} steps" if every else "-"
+        return (
+            f"step {rec['step']}/{self.cfg.train.steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
+            f"grad {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {rec['step_time_s'] * 1000:.0f} ms | "
+            f"world {self.world_size} | next ckpt in {nxt}"
+        )
+
+    def _preempt_exit(self, step_not_run: int) -> int:
+        """All ranks agreed to stop: commit one final checkpoint within the grace budget."""
+        done = self.state.step
+        grace = self.cfg.checkpoint.preempt_grace_seconds
+        started = self.preempt.received_at or time.monotonic()
+        deadline = started + grace
+        self.events.emit("preempt_requested", step=done, signal=self.preempt.signal_name, grace_seconds=grace)
+        logger.warning("preemption (%s): saving step %d within %.0fs", self.preempt.signal_name, done, grace)
+        try:
+            # Decisions below depend only on state every rank shares (steps saved so far), so
+            # all ranks enter the same collectives.
+            self.ckpt.finish(timeout=max(0.0, deadline - time.monotonic()))
+            if not self._already_saved(done) and done > 0:
+                self.ckpt.save(done)
+            self.ckpt.finish(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            self.events.emit("preempted", step=done, committed=False, reason="grace budget exceeded")
+            logger.error("preemption checkpoint of step %d missed the %.0fs grace budget; exiting uncommitted", done, grace)
+            return EXIT_PREEMPTED_UNCOMMITTED
+        committed = self.rank != 0 or self.ckpt.last_committed_step == done
+        self.events.emit("preempted", step=done, committed=committed, seconds=round(time.monotonic() - started, 3))
+        return EXIT_PREEMPTED if committed else EXIT_PREEMPTED_UNCOMMITTED
+
+    def _already_saved(self, step: int) -> bool:
+        return any(s.step == step for s in self.ckpt.save_stats)
+
+    @contextlib.contextmanager
+    def _watchdog(self, scope: str):
+        if self.timer_scope is None:
+            yield
+            return
+        from torch.distributed.elastic import timer
+
+        with timer.expires(after=self.cfg.elastic.hang_timeout_seconds, scope=scope):
+            yield
