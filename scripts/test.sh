@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up .venv (see scripts/setup.sh) and run the whole test suite.
+# Soak rounds are bounded by default; ELASTIC_TRAINER_SOAK=1 runs the long versions.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup.sh
+export PATH="$ROOT/.venv/bin:$PATH"
+exec .venv/bin/python -m pytest -p no:cacheprovider -ra "$@"
