@@ -15,7 +15,7 @@ import logging
 import sys
 
 from . import log
-from .errors import CheckpointError, ConfigError, StorageError
+from .errors import CheckpointError, CheckpointMismatchError, ConfigError, StorageError
 
 logger = logging.getLogger("elastic_trainer.cli")
 
@@ -99,6 +99,10 @@ def _cmd_launch(a) -> int:
     from .data_check import check_data_source
 
     check_data_source(cfg)
+    from .checkpoint.preflight import preflight
+
+    step = preflight(cfg)
+    logger.info("preflight ok: %s", f"will resume from step {step}" if step is not None else "fresh start")
     return launch(cfg, opts)
 
 
@@ -138,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return report.main(a)
     except ConfigError as e:
+        print(f"elastic-trainer: {e}", file=sys.stderr)
+        return 2
+    except CheckpointMismatchError as e:
         print(f"elastic-trainer: {e}", file=sys.stderr)
         return 2
     except (CheckpointError, StorageError) as e:

@@ -38,6 +38,7 @@ from ..errors import CheckpointError, CheckpointMismatchError
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
+from .. import faults
 from . import layout
 
 logger = logging.getLogger(__name__)
@@ -167,6 +168,7 @@ class CheckpointManager:
         step, manifest = decision["chosen"], decision["manifest"]
         path = self.storage.join(layout.step_dir_name(step))
         t0 = time.monotonic()
+        faults.maybe_inject("kill_in_load", step)
         try:
             dcp.load(self.states, storage_reader=self.storage.dcp_reader(path), process_group=self.group)
         except Exception as e:
@@ -202,26 +204,19 @@ class CheckpointManager:
         return {"chosen": sel.chosen.step, "manifest": manifest, "skipped": sel.skipped, "mismatch": mismatch}
 
     def _find_mismatch(self, step: int) -> tuple[str, str] | None:
-        """Compare the checkpoint's tensor keys and shapes with ours; the first difference."""
+        """Compare the checkpoint's tensor keys and shapes with the model's; the first difference."""
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from .preflight import compare_shapes
 
         meta = self.storage.dcp_reader(self.storage.join(layout.step_dir_name(step))).read_metadata()
         saved = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         ours = {}
-        for name in ("model",):
-            if name in self.states:
-                for k, v in self.states[name].state_dict().items():
-                    if isinstance(v, torch.Tensor):
-                        ours[f"{name}.{k}"] = tuple(v.shape)
-        for k in sorted(ours):
-            if k not in saved:
-                return (k, f"the model has {k} {list(ours[k])} but the checkpoint of step {step} has no such tensor (different architecture)")
-            if saved[k] != ours[k]:
-                return (k, f"shape {list(saved[k])} in the checkpoint of step {step}, {list(ours[k])} in the model (different architecture)")
-        extra = sorted(k for k in saved if k.startswith("model.") and k not in ours)
-        if extra:
-            return (extra[0], f"the checkpoint of step {step} has {extra[0]} which the model does not (different architecture)")
-        return None
+        if "model" in self.states:
+            for k, v in self.states["model"].state_dict().items():
+                if isinstance(v, torch.Tensor):
+                    ours[f"model.{k}"] = tuple(v.shape)
+        return compare_shapes(saved, ours, step)
 
     # ------------------------------------------------------------------ save
     def _get_stager(self):
@@ -321,6 +316,7 @@ class CheckpointManager:
             self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
             return False
         name = layout.step_dir_name(inf.step)
+        faults.maybe_inject("kill_before_commit", inf.step)
         try:
             files = self.storage.list_files(self.storage.join(name))
             files.pop(layout.MANIFEST, None)

@@ -20,6 +20,7 @@ from ..checkpoint.state import TrainState
 from ..config import Config
 from ..events import EventLog
 from ..metrics.sink import MetricsSink
+from .. import faults
 from .data import IGNORE_INDEX, StepBatches
 from .model import logits_of
 
@@ -99,6 +100,7 @@ class Trainer:
             if layout.should_save(step, t.steps, self.cfg.checkpoint.interval_steps, record["save_due"], False):
                 with self._watchdog(f"save-{step}"):
                     self.ckpt.save(step)
+                faults.maybe_inject("kill_in_save", step)
                 last_save_time = time.monotonic()
         with self._watchdog("final-commit"):
             self.ckpt.finish()
@@ -106,6 +108,9 @@ class Trainer:
 
     def train_step(self, step: int, time_due: bool) -> dict:
         t0 = time.monotonic()
+        faults.maybe_inject("raise", step)
+        faults.maybe_inject("kill", step)
+        faults.maybe_inject("hang", step)
         micro = self.batches.for_cursor(self.state.cursor)
         local_count = sum(int((mb.targets != IGNORE_INDEX).sum()) for mb in micro)
         # One small all-reduce per step carries the loss normaliser and the agreed flags, so the

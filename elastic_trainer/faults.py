@@ -1,0 +1,65 @@
+"""Fault injection by (kind, rank, step, restart) for the chaos suite and tests.
+
+Enabled only through ``ELASTIC_TRAINER_INJECT_FAULT``, a comma-separated list of
+``KIND@rank=R,step=S[,restart=N]`` entries separated by ``;``. Kinds:
+
+* ``raise``   — raise RuntimeError at the start of step S on rank R;
+* ``kill``    — SIGKILL this worker at the start of step S;
+* ``hang``    — SIGSTOP this worker at the start of step S (a silent hang);
+* ``kill_in_save`` — SIGKILL rank R right after it starts the async save of step S;
+* ``kill_before_commit`` — SIGKILL rank 0 after every shard of step S is written but before
+  the manifest is (the commit thread);
+* ``kill_in_load`` — SIGKILL rank R while it loads a checkpoint (before ``dcp.load`` returns).
+
+``restart`` defaults to 0 (only the first incarnation). Never set this in production.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+ENV = "ELASTIC_TRAINER_INJECT_FAULT"
+KINDS = ("raise", "kill", "hang", "kill_in_save", "kill_before_commit", "kill_in_load")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    restart: int = 0
+
+
+def parse(spec: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        kind, _, rest = item.partition("@")
+        if kind not in KINDS:
+            raise ValueError(f"{ENV}: unknown fault kind {kind!r} (known: {', '.join(KINDS)})")
+        kv = dict(p.split("=", 1) for p in rest.split(",") if p)
+        faults.append(Fault(kind, int(kv.get("rank", 0)), int(kv.get("step", 0)), int(kv.get("restart", 0))))
+    return faults
+
+
+def _active() -> list[Fault]:
+    spec = os.environ.get(ENV, "")
+    return parse(spec) if spec else []
+
+
+def maybe_inject(kind: str, step: int) -> None:
+    """Trigger a configured fault of ``kind`` at ``step`` for this rank and incarnation."""
+    faults = _active()
+    if not faults:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for f in faults:
+        if f.kind == kind and f.rank == rank and f.step == step and f.restart == restart:
+            if kind == "raise":
+                raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+            if kind == "hang":
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return
+            os.kill(os.getpid(), signal.SIGKILL)

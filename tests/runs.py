@@ -1,0 +1,180 @@
+"""Helpers to run real training jobs in tests: write a tiny config, launch the supervisor
+(torchrun's elastic agent + real gloo workers) as a subprocess, read the event log, find and
+kill worker processes. Waiting is always on events in the log, with a deadline."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "elastic_trainer.cli"]
+
+TINY = {
+    "model": {"vocab_size": 256, "seq_len": 32, "dim": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 2},
+    "train": {"steps": 10, "global_batch_size": 10, "micro_batch_size": 2, "seed": 7, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 3, "log_every": 5},
+    "checkpoint": {"interval_steps": 5, "keep_last": 5, "mode": "async", "preempt_grace_seconds": 30.0},
+    "elastic": {"nproc_per_node": 2, "max_restarts": 0, "hang_timeout_seconds": 60.0, "monitor_interval_seconds": 0.2},
+    "metrics": {"port": 0},
+}
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))
+
+
+def write_config(path: Path, data_path: str, run_dir: Path, ckpt_dir: str | None = None, **sections) -> Path:
+    """A tiny-model TOML config; ``sections`` are dicts merged over :data:`TINY`."""
+    cfg = {k: dict(v) for k, v in TINY.items()}
+    cfg["run"] = {"dir": str(run_dir)}
+    cfg["data"] = {"path": data_path, "dtype": "uint16"}
+    cfg["checkpoint"]["dir"] = ckpt_dir or str(run_dir / "ckpt")
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    lines = []
+    for name, values in cfg.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+def env_for_tests(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("TORCHELASTIC_ENABLE_FILE_TIMER", None)
+    env.pop("TORCHELASTIC_TIMER_FILE", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def launch_args(config: Path, *args: str) -> list[str]:
+    return [*CLI, "launch", str(config), *args]
+
+
+def run_launch(config: Path, *args: str, timeout: float = 240, env: dict | None = None, log: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``elastic-trainer launch`` to completion."""
+    log = log or config.with_suffix(".log")
+    with open(log, "ab") as out:
+        proc = subprocess.run(launch_args(config, *args), stdout=out, stderr=subprocess.STDOUT, env=env_for_tests(env), timeout=timeout, cwd=REPO)
+    return proc
+
+
+def start_launch(config: Path, *args: str, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    """Start ``elastic-trainer launch`` in its own session; returns the supervisor process."""
+    log = log or config.with_suffix(".log")
+    out = open(log, "ab")
+    return subprocess.Popen(launch_args(config, *args), stdout=out, stderr=subprocess.STDOUT, env=env_for_tests(env), cwd=REPO, start_new_session=True)
+
+
+def read_events(run_dir: Path, name: str | None = None) -> list[dict]:
+    path = Path(run_dir) / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if name is None or rec.get("event") == name:
+            out.append(rec)
+    return out
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step; a step logged twice (redone after a restart) keeps its last value."""
+    return {r["step"]: r["loss"] for r in read_events(run_dir, "step")}
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, proc: subprocess.Popen | None = None, interval: float = 0.05):
+    """Poll ``predicate`` until truthy; fail after ``timeout`` or if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            value = predicate()
+            if value:
+                return value
+            raise AssertionError(f"process exited with {proc.returncode} while waiting for {what}")
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def wait_event(run_dir: Path, name: str, timeout: float, proc=None, where: Callable[[dict], bool] = lambda r: True) -> dict:
+    def find():
+        for r in read_events(run_dir, name):
+            if where(r):
+                return r
+        return None
+
+    return wait_for(find, timeout, f"event {name}", proc)
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def worker_pids(supervisor_pid: int) -> list[int]:
+    """Worker processes of a supervisor: its direct children running the worker module."""
+    pids = []
+    for c in children(supervisor_pid):
+        try:
+            cmd = open(f"/proc/{c}/cmdline", "rb").read().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if b"elastic_trainer.worker.main" in cmd:
+            pids.append(c)
+    return sorted(pids)
+
+
+def kill(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def stop(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """Stop a supervisor we started (its process group), then any of its workers left."""
+    if proc.poll() is None:
+        workers = worker_pids(proc.pid)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        kill(workers)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def close_rel(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
