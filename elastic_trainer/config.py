@@ -28,10 +28,14 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The demo GPT (``factory = ""``) or a user factory ``"pkg.module:function"``."""
+    """The demo GPT (``factory = ""``) or a user factory ``"pkg.module:function"``.
+
+    ``hf_config``: a local ``config.json`` (or a directory holding one) for the built-in
+    Hugging Face factory ``elastic_trainer.models.hf:causal_lm`` (needs the ``hf`` extra)."""
 
     factory: str = ""
     shard_modules: list[str] = field(default_factory=list)
+    hf_config: str = ""
     vocab_size: int = 256
     seq_len: int = 128
     dim: int = 128
@@ -43,10 +47,23 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Flat binary file of token ids (uint16 or uint32), memory-mapped."""
+    """Where samples come from (see :mod:`elastic_trainer.worker.sources`).
+
+    ``format = "memmap"``: ``path`` is a flat binary file of token ids (``dtype`` uint16/uint32).
+    ``format = "text"``: ``path`` is a Parquet/Arrow/JSONL file, a directory of them or a glob;
+    column ``column`` (default ``text``) is tokenised with the local ``tokenizer``
+    (``tokenizer.json`` or a directory holding one), ``eos_token`` is appended to each document,
+    and documents are packed into one token stream (cached under ``cache_dir``, default
+    ``<run.dir>/data-cache``). ``format = "tokens"``: the same files with a column of token-id
+    lists (default ``input_ids``), packed as they are."""
 
     path: str = "runs/data/demo.bin"
     dtype: str = "uint16"
+    format: str = "memmap"  # memmap | text | tokens
+    column: str = ""
+    tokenizer: str = ""
+    eos_token: str = ""
+    cache_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -248,9 +265,20 @@ def validate(cfg: Config) -> None:
     _require(m.init_std > 0, "model.init_std", "must be > 0")
     if m.factory:
         _require(":" in m.factory, "model.factory", f"expected 'package.module:function', got {m.factory!r}")
+    _require(
+        not m.hf_config or bool(m.factory),
+        "model.hf_config",
+        "is set but model.factory is empty: use factory = \"elastic_trainer.models.hf:causal_lm\"",
+    )
+    _require(d.format in ("memmap", "text", "tokens"), "data.format", f"expected memmap, text or tokens, got {d.format!r}")
+    if d.format == "text":
+        _require(bool(d.tokenizer), "data.tokenizer", "data.format = \"text\" needs a local tokenizer (tokenizer.json or its directory)")
+    else:
+        _require(not d.tokenizer, "data.tokenizer", f"is only used with data.format = \"text\" (format is {d.format!r})")
+        _require(not d.eos_token, "data.eos_token", f"is only used with data.format = \"text\" (format is {d.format!r})")
     _require(d.dtype in ("uint16", "uint32"), "data.dtype", f"expected uint16 or uint32, got {d.dtype!r}")
     _require(bool(d.path), "data.path", "must not be empty")
-    if d.dtype == "uint16":
+    if d.format == "memmap" and d.dtype == "uint16":
         _require(m.vocab_size <= 65536, "model.vocab_size", f"{m.vocab_size} does not fit data.dtype=uint16")
     _require(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
     _require(t.global_batch_size > 0, "train.global_batch_size", f"must be > 0, got {t.global_batch_size}")
