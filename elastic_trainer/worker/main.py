@@ -42,8 +42,9 @@ def build_and_train(cfg: Config, t_start: float) -> int:
     from ..metrics import factory as metrics_factory
     from ..storage.fs import open_storage
     from . import parallel
-    from .data import StepBatches, TokenFile
-    from .model_factory import build_model
+    from .data import StepBatches
+    from .model_factory import build_model_spec, initialise_buffers
+    from .sources import open_source
     from .train_loop import PreemptionFlag, Trainer, lr_lambda
 
     preempt = PreemptionFlag()
@@ -56,15 +57,17 @@ def build_and_train(cfg: Config, t_start: float) -> int:
     metrics.gauge("elastic_trainer_world_size", d.world_size)
 
     with torch.device("meta"):
-        model, init_param, shard_names = build_model(cfg.model)
-    shard_classes = parallel.resolve_shard_classes(model, shard_names)
+        spec = build_model_spec(cfg.model)
+    model = spec.model
+    shard_classes = parallel.resolve_shard_classes(model, spec.shard_modules)
     parallel.shard_model(model, d.mesh, parallel.mixed_precision_policy(cfg.train, d.device), shard_classes)
     model.to_empty(device=d.device)
-    parallel.deterministic_init(model, cfg.train.seed, init_param)
+    parallel.deterministic_init(model, cfg.train.seed, spec.init_param)
+    initialise_buffers(model, spec.init_buffers)
     t = cfg.train
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    source = TokenFile(cfg.data.path, cfg.data.dtype, cfg.model.seq_len, cfg.model.vocab_size)
+    source = open_source(cfg)
     batches = StepBatches(source, t.seed, t.global_batch_size, t.micro_batch_size, d.world_size, d.rank)
     state = TrainState()
     storage = open_storage(cfg.checkpoint.dir, cfg.checkpoint.s3_endpoint_url, cfg.checkpoint.storage_timeout_seconds, cfg.checkpoint.storage_retries)
