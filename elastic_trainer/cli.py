@@ -3,7 +3,7 @@
     elastic-trainer launch CONFIG [--set k=v ...] [torchrun-style elastic options]
     elastic-trainer config check CONFIG [--set k=v ...]
     elastic-trainer data build [--out PATH] [--text FILE ...]
-    elastic-trainer ckpt list URI | ckpt inspect URI [--step N] | ckpt export URI --out F [--dtype bf16|fp32]
+    elastic-trainer ckpt list URI | ckpt inspect URI [--step N] | ckpt export URI --out F [--dtype bf16|fp32] [--hf CONFIG]
     elastic-trainer report RUN_DIR [--out PNG]
 """
 
@@ -67,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--step", type=int)
     k.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     k.add_argument("--endpoint-url", default="")
+    k.add_argument("--hf", metavar="CONFIG", help="write a Hugging Face folder at --out (config.json + model.safetensors) for the model of training config CONFIG")
 
     p = sub.add_parser("report", help="summarise a run directory (goodput, restarts) and plot it")
     p.add_argument("run_dir")

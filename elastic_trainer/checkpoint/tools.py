@@ -108,6 +108,12 @@ def main(a) -> int:
         json.dump(inspect_checkpoint(a.uri, a.step, a.endpoint_url), sys.stdout, indent=2)
         print()
         return 0
+    if a.ckpt_cmd == "export" and getattr(a, "hf", None):
+        from ..config import load_config
+        from ..models.hf_export import export_hf
+
+        print(json.dumps(export_hf(a.uri, a.out, load_config(a.hf).model, a.step, a.dtype, a.endpoint_url)))
+        return 0
     if a.ckpt_cmd == "export":
         print(json.dumps(export_safetensors(a.uri, a.out, a.step, a.dtype, a.endpoint_url)))
         return 0
