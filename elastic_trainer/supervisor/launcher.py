@@ -98,6 +98,19 @@ def _make_agent_class():
             self._last_result = result
             return result
 
+        def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
+            """Stop the workers first, the hang watchdog after them.
+
+            torch stops the file-timer watchdog (and deletes its FIFO) *before* signalling the
+            workers; a worker that is finishing its step or writing its preemption checkpoint
+            inside a watchdog scope then fails with ``BrokenPipeError`` instead of committing."""
+            watchdog, self._worker_watchdog = self._worker_watchdog, None
+            try:
+                super()._shutdown(death_sig, timeout)
+            finally:
+                if watchdog is not None:
+                    watchdog.stop()
+
         def _restart_workers(self, worker_group):
             from torch.distributed.elastic.agent.server.api import WorkerState
 
