@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..config import Config, parse_nnodes
 from ..events import EventLog
+from ..metrics.sink import MetricsSink, NullSink
 from . import policy
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ def _make_agent_class():
         torch's ``@record`` error files) and backs off between failure restarts."""
 
         events: EventLog = EventLog(None)
+        metrics: MetricsSink = NullSink()
         _last_result = None
         _failure_restarts = 0
 
@@ -111,9 +113,20 @@ def _make_agent_class():
                 if watchdog is not None:
                     watchdog.stop()
 
+        def _rendezvous(self, worker_group):
+            super()._rendezvous(worker_group)
+            self.metrics.counter("elastic_trainer_rendezvous_rounds_total")
+
+        def _log_watchdog_event(self, name, request):
+            super()._log_watchdog_event(name, request)
+            if name == "kill worker process":
+                self.metrics.counter("elastic_trainer_hang_detections_total")
+
         def _restart_workers(self, worker_group):
             from torch.distributed.elastic.agent.server.api import WorkerState
 
+            t0 = time.monotonic()
+            self.metrics.counter("elastic_trainer_restarts_total")
             result = self._last_result
             failed = result is not None and result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
             if failed:
@@ -132,11 +145,12 @@ def _make_agent_class():
             if delay:
                 time.sleep(delay)
             super()._restart_workers(worker_group)
+            self.metrics.histogram("elastic_trainer_recovery_seconds", time.monotonic() - t0)
 
     return SupervisedAgent
 
 
-def run_agent(config, cmd, cmd_args, events: EventLog):
+def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | None = None):
     """The essential part of torch's ``launch_agent`` with our agent class."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
@@ -171,6 +185,7 @@ def run_agent(config, cmd, cmd_args, events: EventLog):
     agent_cls = _make_agent_class()
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method, shutdown_timeout=config.shutdown_timeout)
     agent.events = events
+    agent.metrics = metrics or NullSink()
     shutdown_rdzv = True
     try:
         return agent.run()
@@ -196,11 +211,14 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
         os.remove(marker)
     os.environ["ELASTIC_TRAINER_CONFIG_JSON"] = cfg.to_json()
     os.environ["ELASTIC_TRAINER_SUPERVISOR_PID"] = str(os.getpid())
+    # Workers get a fresh store per rendezvous round instead of reusing keys of dead workers.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
     os.environ.setdefault("TORCHELASTIC_TIMER_FILE", os.path.join(_runtime_dir(cfg), "watchdog.timer"))
     from ..metrics import factory as metrics_factory
 
     server = metrics_factory.start_supervisor_exporter(cfg)
+    metrics = server.sink if server is not None else NullSink()
     config, cmd, cmd_args = build_launch_config(cfg, opts)
     events.emit(
         "launch",
@@ -214,7 +232,7 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
     )
     failed = signalled = False
     try:
-        result = run_agent(config, cmd, cmd_args, events)
+        result = run_agent(config, cmd, cmd_args, events, metrics)
         failed = result.is_failed()
         if failed:
             events.emit("job_failed", failures=policy.describe_failures(result.failures))
