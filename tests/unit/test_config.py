@@ -1,0 +1,111 @@
+"""Every class of bad config input fails with a ConfigError that names the key."""
+
+import subprocess
+import sys
+
+import pytest
+
+from elastic_trainer.config import check_world_size, config_from_dict, load_config
+from elastic_trainer.errors import ConfigError
+
+
+def test_defaults_are_valid():
+    cfg = load_config(None)
+    assert cfg.train.steps > 0 and cfg.checkpoint.interval_steps > 0
+
+
+def test_demo_and_cluster_configs_load():
+    load_config("configs/demo-cpu.toml")
+    load_config("configs/gpt-1b-cluster.toml")
+
+
+@pytest.mark.parametrize(
+    "data, key, fragment",
+    [
+        ({"trian": {"steps": 1}}, "trian", "unknown section"),
+        ({"train": {"stepz": 1}}, "train.stepz", "unknown key"),
+        ({"train": {"steps": "ten"}}, "train.steps", "expected an integer"),
+        ({"train": {"steps": 1.5}}, "train.steps", "expected an integer"),
+        ({"train": {"lr": "fast"}}, "train.lr", "expected a number"),
+        ({"train": {"steps": 0}}, "train.steps", "must be > 0"),
+        ({"train": {"global_batch_size": 4, "micro_batch_size": 8}}, "train.micro_batch_size", "larger than train.global_batch_size"),
+        ({"train": {"mixed_precision": "fp8"}}, "train.mixed_precision", "expected auto, fp32 or bf16"),
+        ({"model": {"dim": 100, "n_heads": 3}}, "model.dim", "not divisible"),
+        ({"model": {"factory": "nocolon"}}, "model.factory", "package.module:function"),
+        ({"model": {"shard_modules": "Block"}}, "model.shard_modules", "expected a list"),
+        ({"data": {"dtype": "int8"}}, "data.dtype", "uint16 or uint32"),
+        ({"model": {"vocab_size": 70000}}, "model.vocab_size", "does not fit data.dtype=uint16"),
+        ({"checkpoint": {"dir": "gs://bucket/x"}}, "checkpoint.dir", "unsupported scheme"),
+        ({"checkpoint": {"dir": "s3://Bad_Bucket/x"}}, "checkpoint.dir", "invalid S3 bucket"),
+        ({"checkpoint": {"dir": "file://relative/x"}}, "checkpoint.dir", "must be absolute"),
+        ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last", ">= 1"),
+        ({"checkpoint": {"resume": "yesterday"}}, "checkpoint.resume", "'latest', 'none' or a step"),
+        ({"checkpoint": {"mode": "eventually"}}, "checkpoint.mode", "async or sync"),
+        ({"checkpoint": {"s3_endpoint_url": "localhost:9000"}}, "checkpoint.s3_endpoint_url", "http(s) URL"),
+        ({"elastic": {"nnodes": "3:1"}}, "elastic.nnodes", "MIN <= MAX"),
+        ({"elastic": {"nnodes": "two"}}, "elastic.nnodes", "N or MIN:MAX"),
+        ({"elastic": {"hang_timeout_seconds": 1}}, "elastic.hang_timeout_seconds", ">= 5"),
+        ({"metrics": {"port": 70000}}, "metrics.port", "0..65535"),
+        ({"run": "x"}, "run", "must be a table"),
+    ],
+)
+def test_bad_values_name_the_key(data, key, fragment):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(data)
+    assert e.value.key == key
+    assert f"'{key}'" in str(e.value) and fragment in str(e.value)
+
+
+def test_global_batch_that_cannot_be_split():
+    cfg = config_from_dict({"train": {"global_batch_size": 2, "micro_batch_size": 1}})
+    with pytest.raises(ConfigError, match="train.global_batch_size.*cannot be split across 3 ranks"):
+        check_world_size(cfg, 3)
+    check_world_size(cfg, 2)
+
+
+def test_overrides_and_their_errors(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[train]\nsteps = 5\n[checkpoint]\ndir = "/tmp/x"\n')
+    cfg = load_config(p, ["train.steps=7", "checkpoint.dir=s3://bucket/prefix", "checkpoint.resume=12", "model.shard_modules=[\"Block\"]"])
+    assert cfg.train.steps == 7 and cfg.checkpoint.dir == "s3://bucket/prefix" and cfg.checkpoint.resume == "12"
+    assert cfg.model.shard_modules == ["Block"]
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(p, ["train.steps"])
+    with pytest.raises(ConfigError, match="section.key"):
+        load_config(p, ["steps=3"])
+    with pytest.raises(ConfigError) as e:
+        load_config(p, ["train.steps=many"])
+    assert e.value.key == "train.steps"
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_fingerprint_tracks_model_shape_only():
+    a = config_from_dict({})
+    b = config_from_dict({"train": {"steps": 99}})
+    c = config_from_dict({"model": {"dim": 64}})
+    assert a.model_fingerprint() == b.model_fingerprint() != c.model_fingerprint()
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "elastic_trainer.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_launch_rejects_bad_config_before_any_worker_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    r = _cli("launch", "configs/demo-cpu.toml", "--set", f"run.dir={run_dir}", "--set", "train.micro_batch_size=0")
+    assert r.returncode == 2
+    assert "train.micro_batch_size" in r.stderr
+    assert not run_dir.exists(), "nothing may be written before the config is valid"
+    r = _cli("launch", "configs/demo-cpu.toml", "--set", f"run.dir={run_dir}", "--set", "train.global_batch_size=3", "--set", "train.micro_batch_size=1", "--nproc-per-node", "4")
+    assert r.returncode == 2 and "train.global_batch_size" in r.stderr and "4 ranks" in r.stderr
+    r = _cli("launch", "configs/demo-cpu.toml", "--set", f"run.dir={run_dir}", "--set", f"data.path={tmp_path}/missing.bin")
+    assert r.returncode == 2 and "data.path" in r.stderr
+    assert not run_dir.exists()
