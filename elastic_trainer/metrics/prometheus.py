@@ -1,0 +1,235 @@
+"""The Prometheus exporter: the only module that imports ``prometheus_client``.
+
+One endpoint per node, served by the supervisor, which outlives worker restarts. Every process
+on the node (the supervisor and each worker) writes its metrics to its own memory-mapped files
+in a per-supervisor directory (prometheus_client's multiprocess mode, ``PROMETHEUS_MULTIPROC_DIR``);
+the supervisor's HTTP server aggregates them on each scrape as the catalogue says
+(:mod:`elastic_trainer.metrics.catalog`): counters and histograms summed over every process that
+ever ran, so they survive restarts; gauges per their multiprocess mode.
+
+* :func:`start_supervisor_exporter` — supervisor, before any worker starts: makes a fresh
+  directory, exports ``PROMETHEUS_MULTIPROC_DIR`` (workers inherit it), serves
+  ``metrics.host:metrics.port``. Returns a :class:`SupervisorExporter` (``.sink``, ``.stop()``).
+* :func:`make_worker_sink` — worker: a :class:`PrometheusSink` writing to that directory.
+
+Metrics are a side channel: an unknown name or a wrong type is logged once and dropped, and an
+exporter that cannot bind its port logs an error and lets training run without metrics.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import shutil
+import threading
+
+import prometheus_client
+from prometheus_client import values
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from ..config import Config
+from . import catalog
+from .catalog import COUNTER, GAUGE, HISTOGRAM, Metric
+from .sink import MetricsSink, NullSink
+
+logger = logging.getLogger(__name__)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def _use_multiprocess_values() -> None:
+    """prometheus_client picks its value storage when it is first imported; if that happened
+    before ``PROMETHEUS_MULTIPROC_DIR`` was set, switch to the multiprocess storage now (it must
+    be in place before the first metric object is built)."""
+    if values.ValueClass is values.MutexValue:
+        values.ValueClass = values.MultiProcessValue()
+
+
+class PrometheusSink:
+    """A :class:`MetricsSink` over prometheus_client multiprocess metrics.
+
+    Records only the catalogue metrics whose scope is in ``scopes`` (other calls are dropped
+    silently: e.g. job-wide metrics on ranks other than 0); fills the ``rank`` label itself.
+    Thread-safe (the checkpoint commit thread records from the background)."""
+
+    def __init__(self, scopes: frozenset[str], rank: int | None = None, metrics: dict[str, Metric] | None = None):
+        self._scopes = scopes
+        self._labels = {"rank": str(rank)} if rank is not None else {}
+        self._catalog = catalog.METRICS if metrics is None else metrics
+        self._children: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    def _child(self, name: str, kind: str):
+        child = self._children.get(name)
+        if child is not None:
+            return child
+        spec = self._catalog.get(name)
+        if spec is None or spec.type != kind:
+            if name not in self._warned:
+                self._warned.add(name)
+                why = "not in the metrics catalogue" if spec is None else f"a {spec.type}, recorded as a {kind}"
+                logger.warning("metric %s dropped: %s", name, why)
+            return None
+        if spec.scope not in self._scopes:
+            return None
+        with self._lock:
+            child = self._children.get(name)
+            if child is None:
+                child = _build(spec)
+                if spec.labels:
+                    child = child.labels(**{k: self._labels[k] for k in spec.labels})
+                self._children[name] = child
+        return child
+
+    def gauge(self, name: str, value: float) -> None:
+        m = self._child(name, GAUGE)
+        if m is not None:
+            m.set(float(value))
+
+    def counter(self, name: str, amount: float = 1.0) -> None:
+        m = self._child(name, COUNTER)
+        if m is not None and amount > 0:
+            m.inc(float(amount))
+
+    def histogram(self, name: str, value: float) -> None:
+        m = self._child(name, HISTOGRAM)
+        if m is not None:
+            m.observe(float(value))
+
+    def touch(self) -> None:
+        """Create every in-scope counter and histogram at zero, so that their series exist
+        (``increase()``/alerts see 0, not "no data") before the first event."""
+        for spec in self._catalog.values():
+            if spec.scope in self._scopes and spec.type in (COUNTER, HISTOGRAM):
+                self._child(spec.name, spec.type)
+
+
+def _build(spec: Metric):
+    kw = {"registry": None}
+    if spec.type == GAUGE:
+        return prometheus_client.Gauge(spec.name, spec.help, spec.labels, multiprocess_mode=spec.mode, **kw)
+    if spec.type == COUNTER:
+        return prometheus_client.Counter(spec.name, spec.help, spec.labels, **kw)
+    return prometheus_client.Histogram(spec.name, spec.help, spec.labels, buckets=spec.buckets, **kw)
+
+
+def make_worker_sink(cfg: Config, rank: int) -> MetricsSink:
+    """A worker's sink. Needs ``PROMETHEUS_MULTIPROC_DIR`` from the supervisor; without it
+    (worker started outside ``elastic-trainer launch``) metrics are disabled with a warning."""
+    path = os.environ.get(MULTIPROC_ENV)
+    if not path or not os.path.isdir(path):
+        logger.warning("%s is not set to a directory: metrics disabled in this worker", MULTIPROC_ENV)
+        return NullSink()
+    _use_multiprocess_values()
+    scopes = frozenset({"global", "rank"} if rank == 0 else {"rank"})
+    sink = PrometheusSink(scopes, rank=rank)
+    sink.touch()
+    return sink
+
+
+def _pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_exited_processes(path: str) -> list[int]:
+    """Drop the ``live*`` gauge files of processes that have exited (their counters and
+    histograms stay). Returns the pids reaped."""
+    reaped = []
+    for f in glob.glob(os.path.join(path, "gauge_live*_*.db")):
+        try:
+            pid = int(os.path.basename(f)[: -len(".db")].rsplit("_", 1)[1])
+        except ValueError:
+            continue
+        if pid != os.getpid() and pid not in reaped and not _pid_alive(pid):
+            mark_process_dead(pid, path)
+            reaped.append(pid)
+    return reaped
+
+
+class NodeCollector:
+    """Aggregates every process's files in ``path`` on each scrape, after dropping the live
+    gauges of processes that exited since the last one."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._inner = MultiProcessCollector(None, path=path)
+        self._lock = threading.Lock()
+
+    def collect(self):
+        with self._lock:
+            reap_exited_processes(self.path)
+            return list(self._inner.collect())
+
+
+class SupervisorExporter:
+    """The node's HTTP endpoint plus the supervisor's own sink. ``stop()`` is idempotent."""
+
+    def __init__(self, path: str, sink: MetricsSink, registry, httpd=None, thread=None):
+        self.path = path
+        self.sink = sink
+        self.registry = registry
+        self._httpd = httpd
+        self._thread = thread
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        return None if self._httpd is None else self._httpd.server_address[:2]
+
+    def exposition(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
+
+    def stop(self) -> None:
+        httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+def multiproc_dir(cfg: Config, pid: int | None = None) -> str:
+    """This supervisor's metrics directory: ``<run.dir>/.runtime/<pid>/prometheus``."""
+    return os.path.abspath(os.path.join(cfg.run.dir, ".runtime", str(pid or os.getpid()), "prometheus"))
+
+
+def start_supervisor_exporter(cfg: Config, *, serve: bool = True) -> SupervisorExporter:
+    """Make a fresh metrics directory, export it to future workers through the environment,
+    and serve the node's aggregate on ``metrics.host:metrics.port``. Call before any worker
+    starts. ``serve=False`` builds everything but the HTTP server (tests)."""
+    path = multiproc_dir(cfg)
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    os.makedirs(path)
+    os.environ[MULTIPROC_ENV] = path
+    _use_multiprocess_values()
+    registry = prometheus_client.CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(path))
+    sink = PrometheusSink(frozenset({"supervisor"}))
+    sink.touch()
+    exporter = SupervisorExporter(path, sink, registry)
+    if serve:
+        host, port = cfg.metrics.host, cfg.metrics.port
+        try:
+            exporter._httpd, exporter._thread = prometheus_client.start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            logger.error("metrics endpoint %s:%d not started (%s); training continues without it", host, port, e)
+        else:
+            logger.info("metrics: http://%s:%d/metrics (files in %s)", host, port, path)
+    return exporter
