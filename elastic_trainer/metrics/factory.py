@@ -17,8 +17,9 @@ def worker_sink(cfg: Config, rank: int) -> MetricsSink:
 
 
 def start_supervisor_exporter(cfg: Config):
-    """Start the node's exporter in the supervisor (which outlives worker restarts).
-    Returns an object with ``stop()``, or None when metrics are disabled."""
+    """Start the node's exporter in the supervisor (which outlives worker restarts), before
+    any worker starts. Returns an object with ``sink`` (the supervisor's own MetricsSink) and
+    ``stop()``, or None when metrics are disabled."""
     if cfg.metrics.port == 0:
         return None
     try:
