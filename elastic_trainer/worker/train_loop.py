@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -170,6 +171,12 @@ class Trainer:
         m.histogram("elastic_trainer_train_step_duration_seconds", rec["step_time_s"])
         m.counter("elastic_trainer_train_samples_total", self.cfg.train.global_batch_size)
         m.counter("elastic_trainer_train_tokens_total", tokens)
+        rss = _resident_bytes()
+        if rss is not None:
+            m.gauge("elastic_trainer_process_resident_memory_bytes", rss)
+        if self.device.type == "cuda":
+            m.gauge("elastic_trainer_process_cuda_memory_allocated_bytes", torch.cuda.memory_allocated(self.device))
+            m.gauge("elastic_trainer_process_cuda_memory_reserved_bytes", torch.cuda.memory_reserved(self.device))
 
     def _progress_line(self, rec: dict) -> str:
         every = self.cfg.checkpoint.interval_steps
@@ -215,3 +222,12 @@ class Trainer:
 
         with timer.expires(after=self.cfg.elastic.hang_timeout_seconds, scope=scope):
             yield
+
+
+def _resident_bytes() -> int | None:
+    """Resident set size of this process from /proc (None where there is no /proc)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
