@@ -1,0 +1,303 @@
+"""``elastic-trainer report RUN_DIR``: a run's summary and goodput from its event log, and a PNG.
+
+Everything here reads ``<run.dir>/events.jsonl`` (see :mod:`elastic_trainer.events`). The
+accounting (:func:`account`, :func:`summarize`) is pure and works on any list of event records.
+
+Goodput accounting. Wall time runs from the first to the last record and is split into:
+
+* **productive** — step time (``step_time_s``) of every step whose result was kept;
+* **recomputed** — step time of steps executed and then rolled back: a later incarnation resumed
+  from a checkpoint older than them and ran them again (work lost since the last checkpoint);
+* **interruptions** (restart, rendezvous, load) — from the end of the last step before a failure,
+  preemption, restart or relaunch to the start of the first step after it; includes failure
+  detection, backoff, rendezvous, process start-up and checkpoint loading (reported separately
+  as ``load_seconds``);
+* **startup** — from the first record (launch) to the start of the first step;
+* **other** — the rest: time between steps (checkpoint save calls, logging) and shutdown.
+
+``goodput = productive / wall``. A step's start is its record's ``time - step_time_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+from .events import read_events
+
+
+@dataclass
+class Interruption:
+    reason: str  # worker_failure | membership_change | preempted | relaunch | ...
+    after_step: int  # last step completed before it
+    resumed_step: int | None = None  # first step run after it, minus one (the checkpoint resumed from)
+    seconds: float = 0.0
+    load_seconds: float = 0.0
+    redone_steps: int = 0
+    world_size_before: int | None = None
+    world_size_after: int | None = None
+
+
+@dataclass
+class Goodput:
+    wall_seconds: float = 0.0
+    productive_seconds: float = 0.0
+    recompute_seconds: float = 0.0
+    recompute_steps: int = 0
+    interruption_seconds: float = 0.0
+    load_seconds: float = 0.0
+    startup_seconds: float = 0.0
+    other_seconds: float = 0.0
+    goodput: float | None = None
+    interruptions: list[Interruption] = field(default_factory=list)
+
+
+_DISRUPTIONS = {"failure": "worker_failure", "preempt_requested": "preempted", "preempted": "preempted"}
+
+
+def account(events: Iterable[dict[str, Any]]) -> Goodput:
+    """Split a run's wall time into productive, recomputed, interrupted, startup and other time
+    (see the module docstring). Pure: events in log order, as :func:`read_events` yields them."""
+    g = Goodput()
+    kept: list[tuple[int, float]] = []  # (step, seconds) of steps whose result still stands
+    lost: list[tuple[int, float]] = []
+    t_first = t_last = None
+    first_step_start = None
+    last_step_end = None
+    last_step = 0
+    world = None
+    pending: Interruption | None = None
+    begin = 0.0
+    launches = 0
+    for e in events:
+        t = e.get("time")
+        if isinstance(t, (int, float)):
+            t_first = t if t_first is None else t_first
+            t_last = t if t_last is None else max(t_last, t)
+        ev = e.get("event")
+        if ev == "step":
+            step = int(e["step"])
+            dur = float(e.get("step_time_s") or 0.0)
+            start = float(t) - dur
+            if first_step_start is None:
+                first_step_start = start
+            rolled_back = 0
+            while kept and kept[-1][0] >= step:
+                lost.append(kept.pop())
+                rolled_back += 1
+            if pending is not None:
+                pending.resumed_step = step - 1
+                pending.seconds = max(0.0, start - begin)
+                pending.redone_steps = rolled_back
+                pending.world_size_after = e.get("world_size")
+                g.interruptions.append(pending)
+                pending = None
+            kept.append((step, dur))
+            last_step_end, last_step, world = float(t), step, e.get("world_size", world)
+            continue
+        if ev == "launch":
+            launches += 1
+        reason = None
+        if ev == "restart":
+            reason = e.get("reason", "restart")
+        elif ev == "launch" and launches > 1:
+            reason = "relaunch"
+        elif ev in _DISRUPTIONS:
+            reason = _DISRUPTIONS[ev]
+        if reason is not None and pending is None and last_step_end is not None:
+            pending = Interruption(reason=reason, after_step=last_step, world_size_before=world)
+            begin = last_step_end
+        if ev == "resume" and pending is not None:
+            pending.load_seconds += float(e.get("load_seconds") or 0.0)
+    if t_first is None:
+        return g
+    g.wall_seconds = t_last - t_first
+    g.productive_seconds = sum(d for _, d in kept)
+    g.recompute_seconds = sum(d for _, d in lost)
+    g.recompute_steps = len(lost)
+    g.interruption_seconds = sum(i.seconds for i in g.interruptions)
+    g.load_seconds = sum(i.load_seconds for i in g.interruptions)
+    g.startup_seconds = max(0.0, first_step_start - t_first) if first_step_start is not None else g.wall_seconds
+    g.other_seconds = g.wall_seconds - g.productive_seconds - g.recompute_seconds - g.interruption_seconds - g.startup_seconds
+    g.goodput = g.productive_seconds / g.wall_seconds if g.wall_seconds > 0 else None
+    return g
+
+
+def kept_steps(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The step records whose results stand (a step redone after a restart keeps its last run),
+    in step order: the run's continuous loss curve."""
+    kept: list[dict[str, Any]] = []
+    for e in events:
+        if e.get("event") != "step":
+            continue
+        while kept and kept[-1]["step"] >= e["step"]:
+            kept.pop()
+        kept.append(e)
+    return kept
+
+
+def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's summary (steps, tokens, restarts, checkpoints, goodput). Pure."""
+    kept = kept_steps(events)
+    by = lambda name: [e for e in events if e.get("event") == name]  # noqa: E731
+    finished = by("finished")
+    exits = by("supervisor_exit")
+    if finished:
+        status = "finished"
+    elif by("preempted"):
+        status = "preempted"
+    elif by("job_failed") or (exits and exits[-1].get("exit_code") not in (0, None)):
+        status = "failed"
+    elif exits:
+        status = "stopped"
+    else:
+        status = "running or killed"
+    if finished and finished[-1].get("tokens_seen") is not None:
+        tokens = int(finished[-1]["tokens_seen"])
+    else:
+        tokens = int(round(sum(float(e.get("tokens_per_s") or 0) * float(e.get("step_time_s") or 0) for e in kept)))
+    restarts = by("restart")
+    reasons: dict[str, int] = {}
+    for r in restarts:
+        reasons[r.get("reason", "?")] = reasons.get(r.get("reason", "?"), 0) + 1
+    commits = by("checkpoint_committed")
+    g = account(events)
+    return {
+        "status": status,
+        "steps": kept[-1]["step"] if kept else 0,
+        "tokens": tokens,
+        "final_loss": kept[-1].get("loss") if kept else None,
+        "restarts": len(restarts),
+        "restart_reasons": reasons,
+        "launches": len(by("launch")),
+        "failures": len(by("failure")),
+        "reshards": len(by("reshard")),
+        "world_sizes": sorted({e["world_size"] for e in kept if e.get("world_size") is not None}),
+        "checkpoints_committed": len(commits),
+        "checkpoint_failures": len(by("checkpoint_failed")),
+        "last_committed_step": commits[-1]["step"] if commits else None,
+        "checkpoint_bytes": sum(int(c.get("bytes") or 0) for c in commits),
+        "goodput": asdict(g),
+    }
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole > 0 else "-"
+
+
+def render_text(s: dict[str, Any], run_dir: str = "") -> str:
+    g = s["goodput"]
+    wall = g["wall_seconds"]
+    loss = f", final loss {s['final_loss']:.4f}" if s["final_loss"] is not None else ""
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["restart_reasons"].items()))
+    lines = [
+        f"run {run_dir}: {s['status']} at step {s['steps']} ({s['tokens']:,} tokens){loss}",
+        f"restarts {s['restarts']}" + (f" ({reasons})" if reasons else "")
+        + f", reshards {s['reshards']}, world sizes {s['world_sizes'] or '-'}",
+        f"checkpoints {s['checkpoints_committed']} committed, {s['checkpoint_failures']} failed, last committed step {s['last_committed_step']}",
+        f"wall {wall:.1f} s = productive {g['productive_seconds']:.1f} s ({_pct(g['productive_seconds'], wall)})"
+        f" + recomputed {g['recompute_seconds']:.1f} s ({g['recompute_steps']} steps)"
+        f" + restart/rendezvous/load {g['interruption_seconds']:.1f} s (load {g['load_seconds']:.1f} s)"
+        f" + startup {g['startup_seconds']:.1f} s + other {g['other_seconds']:.1f} s",
+        "goodput " + (f"{100 * g['goodput']:.1f}%" if g["goodput"] is not None else "unknown (no steps)"),
+    ]
+    for i in g["interruptions"]:
+        ws = ""
+        if i["world_size_before"] != i["world_size_after"]:
+            ws = f", world {i['world_size_before']} -> {i['world_size_after']}"
+        lines.append(
+            f"  after step {i['after_step']}: {i['reason']}, resumed from step {i['resumed_step']} "
+            f"({i['redone_steps']} steps redone), {i['seconds']:.1f} s (load {i['load_seconds']:.2f} s){ws}"
+        )
+    return "\n".join(lines)
+
+
+def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
+    """Write the PNG: loss vs step (one continuous curve of the kept steps; rolled-back runs in
+    grey) with restarts, reshards and checkpoint commits marked; tokens/s and world size below.
+    Returns the matplotlib Figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    kept = kept_steps(events)
+    loss_at = {e["step"]: e["loss"] for e in kept}
+    fig = Figure(figsize=(11, 7), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax, ax2 = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1.3))
+    runs: list[list[dict[str, Any]]] = [[]]
+    for e in events:
+        if e.get("event") == "step":
+            if runs[-1] and e["step"] <= runs[-1][-1]["step"]:
+                runs.append([])
+            runs[-1].append(e)
+    kept_ids = {id(e) for e in kept}
+    label = "rolled back (redone after a restart)"
+    for run in runs:
+        lost = [e for e in run if id(e) not in kept_ids]
+        if lost:
+            ax.plot([e["step"] for e in lost], [e["loss"] for e in lost], color="0.6", lw=1, ls="--", marker="x", ms=3, label=label)
+            label = None
+    ax.plot([e["step"] for e in kept], [e["loss"] for e in kept], color="tab:blue", lw=1.5, label="loss", gid="loss")
+    commits = [e["step"] for e in events if e.get("event") == "checkpoint_committed"]
+    cs = [s for s in commits if s in loss_at]
+    if cs:
+        ax.plot(cs, [loss_at[s] for s in cs], ls="none", marker="v", color="tab:green", ms=7, label="checkpoint committed", gid="commits")
+    labelled = set()
+    for it in summary["goodput"]["interruptions"]:
+        lbl = f"restart ({it['reason']})"
+        ax.axvline(it["after_step"], color="tab:red", ls="--", lw=1.2, label=None if lbl in labelled else lbl)
+        labelled.add(lbl)
+        if it["resumed_step"] is not None and it["resumed_step"] != it["after_step"]:
+            ax.axvspan(it["resumed_step"], it["after_step"], color="tab:red", alpha=0.08)
+    for r in (e for e in events if e.get("event") == "reshard"):
+        ax.axvline(r["step"], color="tab:purple", lw=1.5, ls=":", label=None if "reshard" in labelled else "reshard")
+        labelled.add("reshard")
+        ax.annotate(f"world {r.get('from_world_size')}\u2192{r.get('to_world_size')}", (r["step"], 1), xycoords=("data", "axes fraction"),
+                    xytext=(3, -12), textcoords="offset points", color="tab:purple", fontsize=8)
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    g = summary["goodput"]
+    gp = f"{100 * g['goodput']:.1f}%" if g["goodput"] is not None else "unknown"
+    ax.set_title(
+        f"{summary['status']} at step {summary['steps']} | {summary['tokens']:,} tokens | restarts {summary['restarts']} | "
+        f"reshards {summary['reshards']} | checkpoints {summary['checkpoints_committed']} | goodput {gp}",
+        fontsize=10,
+    )
+    ax2.plot([e["step"] for e in kept], [e.get("tokens_per_s", 0) for e in kept], color="tab:orange", lw=1, label="tokens/s")
+    ax2.set_ylabel("tokens/s")
+    ax2.set_xlabel("step")
+    ax2.grid(alpha=0.3)
+    ax3 = ax2.twinx()
+    ax3.step([e["step"] for e in kept], [e.get("world_size", 0) for e in kept], where="post", color="tab:gray", lw=1.2, label="world size")
+    ax3.set_ylabel("world size")
+    ax3.set_ylim(bottom=0)
+    ax3.yaxis.get_major_locator().set_params(integer=True)
+    handles = ax2.get_legend_handles_labels()[0] + ax3.get_legend_handles_labels()[0]
+    ax2.legend(handles=handles, loc="lower right", fontsize=8)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return fig
+
+
+def main(args) -> int:
+    """CLI entry: ``args.run_dir``, ``args.out`` (PNG, default RUN_DIR/report.png), ``args.json``."""
+    path = os.path.join(args.run_dir, "events.jsonl")
+    if not os.path.exists(path):
+        print(f"elastic-trainer: no event log at {path}", file=sys.stderr)
+        return 2
+    events = list(read_events(path))
+    summary = summarize(events)
+    out = args.out or os.path.join(args.run_dir, "report.png")
+    plot(events, summary, out)
+    summary["run_dir"] = args.run_dir
+    summary["plot"] = out
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(render_text(summary, args.run_dir))
+        print(f"plot: {out}")
+    return 0
