@@ -105,13 +105,17 @@ def _make_agent_class():
 
             torch stops the file-timer watchdog (and deletes its FIFO) *before* signalling the
             workers; a worker that is finishing its step or writing its preemption checkpoint
-            inside a watchdog scope then fails with ``BrokenPipeError`` instead of committing."""
+            inside a watchdog scope then fails with ``BrokenPipeError`` instead of committing.
+            A second signal interrupts this wait (``SignalException``); the watchdog is then left
+            to the agent's next ``_shutdown``, which waits for the workers again."""
             watchdog, self._worker_watchdog = self._worker_watchdog, None
             try:
                 super()._shutdown(death_sig, timeout)
-            finally:
-                if watchdog is not None:
-                    watchdog.stop()
+            except BaseException:
+                self._worker_watchdog = watchdog
+                raise
+            if watchdog is not None:
+                watchdog.stop()
 
         def _rendezvous(self, worker_group):
             super()._rendezvous(worker_group)
