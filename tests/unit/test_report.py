@@ -1,0 +1,160 @@
+"""Goodput accounting and the run report, on synthetic event logs."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from elastic_trainer import report
+
+
+class Log:
+    """Builds an event list on a fake clock."""
+
+    def __init__(self, t0: float = 1000.0):
+        self.t = t0
+        self.events: list[dict] = []
+
+    def at(self, dt: float, event: str, **fields) -> "Log":
+        self.t += dt
+        self.events.append({"event": event, "time": self.t, **fields})
+        return self
+
+    def steps(self, first: int, last: int, seconds: float = 1.0, gap: float = 0.0, world: int = 2, loss0: float = 5.0) -> "Log":
+        for s in range(first, last + 1):
+            self.at(seconds + gap, "step", step=s, loss=loss0 - 0.01 * s, lr=1e-3, grad_norm=1.0, world_size=world, step_time_s=seconds, tokens_per_s=100.0 / seconds)
+        return self
+
+
+def test_no_events():
+    g = report.account([])
+    assert g.wall_seconds == 0 and g.goodput is None
+
+
+def test_clean_run_is_all_productive_but_startup_and_checkpoints():
+    log = Log().at(0, "launch").at(5, "start", world_size=2, restart_count=0)
+    log.steps(1, 10, seconds=1.0)
+    log.at(0.5, "checkpoint_committed", step=10, bytes=100, seconds=0.5)
+    log.at(0, "finished", step=10, tokens_seen=1000).at(0.5, "supervisor_exit", exit_code=0)
+    g = report.account(log.events)
+    assert g.wall_seconds == pytest.approx(5 + 10 + 1)
+    assert g.startup_seconds == pytest.approx(5)
+    assert g.productive_seconds == pytest.approx(10)
+    assert g.recompute_seconds == 0 and g.recompute_steps == 0
+    assert g.interruptions == []
+    assert g.other_seconds == pytest.approx(1)
+    assert g.goodput == pytest.approx(10 / 16)
+
+
+def test_restart_splits_recompute_and_recovery():
+    log = Log().at(0, "launch").at(2, "start", world_size=2, restart_count=0)
+    log.steps(1, 10)  # t = 1012
+    log.at(0.5, "checkpoint_committed", step=10, bytes=1, seconds=0.5)
+    log.steps(11, 13)  # ran, then lost: the job resumes from step 10
+    log.at(0.2, "failure", rank=1, error="boom")
+    log.at(0.3, "restart", reason="worker_failure", restart_count=1)
+    log.at(4.0, "start", world_size=2, restart_count=1)
+    log.at(1.5, "resume", step=10, from_world_size=2, world_size=2, load_seconds=1.5)
+    log.steps(11, 20)
+    log.at(0, "finished", step=20, tokens_seen=2000)
+    g = report.account(log.events)
+    assert g.productive_seconds == pytest.approx(20)
+    assert g.recompute_steps == 3 and g.recompute_seconds == pytest.approx(3)
+    [i] = g.interruptions
+    assert (i.reason, i.after_step, i.resumed_step, i.redone_steps) == ("worker_failure", 13, 10, 3)
+    # from the end of step 13 to the start of the redone step 11: failure + restart + start + load
+    assert i.seconds == pytest.approx(0.2 + 0.3 + 4.0 + 1.5)
+    assert i.load_seconds == pytest.approx(1.5)
+    assert g.interruption_seconds == pytest.approx(6.0)
+    total = g.productive_seconds + g.recompute_seconds + g.interruption_seconds + g.startup_seconds + g.other_seconds
+    assert total == pytest.approx(g.wall_seconds)
+    assert g.other_seconds == pytest.approx(0.5)  # the checkpoint between steps 10 and 11
+    assert g.goodput == pytest.approx(20 / g.wall_seconds)
+
+
+def test_rollback_without_resume_event_still_counts_as_recompute():
+    """A restart that found no checkpoint starts from step 1 again: every earlier step is lost."""
+    log = Log().at(0, "launch").steps(1, 5).at(0, "restart", reason="worker_failure").at(1, "start").steps(1, 5)
+    g = report.account(log.events)
+    assert g.recompute_steps == 5 and g.productive_seconds == pytest.approx(5)
+    assert g.interruptions[0].resumed_step == 0
+
+
+def test_membership_change_reshard_and_relaunch_after_preemption():
+    log = Log().at(0, "launch").steps(1, 4, world=2)
+    log.at(0.1, "checkpoint_committed", step=4, bytes=1, seconds=0.1)
+    log.at(0.1, "restart", reason="membership_change").at(2, "resume", step=4, from_world_size=2, world_size=3, load_seconds=0.5)
+    log.at(0, "reshard", step=4, from_world_size=2, to_world_size=3)
+    log.steps(5, 8, world=3)
+    log.at(0.1, "preempt_requested", step=8).at(0.5, "preempted", step=8, committed=True).at(0.1, "supervisor_exit", exit_code=75)
+    log.at(60, "launch").at(3, "resume", step=8, from_world_size=3, world_size=3, load_seconds=0.7).steps(9, 10, world=3)
+    log.at(0, "finished", step=10, tokens_seen=500)
+    g = report.account(log.events)
+    assert [i.reason for i in g.interruptions] == ["membership_change", "preempted"]
+    a, b = g.interruptions
+    assert (a.world_size_before, a.world_size_after, a.redone_steps) == (2, 3, 0)
+    assert b.seconds == pytest.approx(0.1 + 0.5 + 0.1 + 60 + 3 + 1.0 - 1.0)
+    assert g.load_seconds == pytest.approx(1.2)
+    s = report.summarize(log.events)
+    assert (s["status"], s["steps"], s["tokens"], s["reshards"], s["launches"], s["world_sizes"]) == ("finished", 10, 500, 1, 2, [2, 3])
+    assert s["restarts"] == 1 and s["restart_reasons"] == {"membership_change": 1}
+
+
+def test_kept_steps_is_one_continuous_curve():
+    log = Log().steps(1, 6, loss0=5).at(0, "restart").steps(4, 9, loss0=4)
+    kept = report.kept_steps(log.events)
+    assert [e["step"] for e in kept] == list(range(1, 10))
+    assert kept[3]["loss"] == pytest.approx(4 - 0.04), "a redone step keeps its last run"
+
+
+def test_summary_of_an_unfinished_run_estimates_tokens():
+    log = Log().at(0, "launch").steps(1, 3, seconds=2.0)
+    s = report.summarize(log.events)
+    assert s["status"] == "running or killed"
+    assert s["tokens"] == 300  # tokens_per_s * step_time_s per kept step
+    assert "goodput" in report.render_text(s, "x")
+
+
+def _write(tmp_path, events):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "step", "ti')  # torn last line
+    return run
+
+
+def test_cli_report_writes_png_and_text(tmp_path, capsys):
+    log = Log().at(0, "launch").steps(1, 6).at(0.1, "checkpoint_committed", step=5, bytes=1, seconds=0.1)
+    log.at(0.1, "restart", reason="worker_failure").at(1, "resume", step=5, from_world_size=2, world_size=1, load_seconds=0.3)
+    log.at(0, "reshard", step=5, from_world_size=2, to_world_size=1).steps(6, 9, world=1).at(0, "finished", step=9, tokens_seen=900)
+    run = _write(tmp_path, log.events)
+    out = tmp_path / "r.png"
+    assert report.main(argparse.Namespace(run_dir=str(run), out=str(out), json=False)) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "finished at step 9 (900 tokens)" in text and "restarts 1" in text and "goodput" in text
+    assert "after step 6: worker_failure, resumed from step 5 (1 steps redone)" in text
+
+    assert report.main(argparse.Namespace(run_dir=str(run), out=None, json=True)) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["restarts"] == 1 and data["goodput"]["recompute_steps"] == 1
+    assert (run / "report.png").exists()
+
+
+def test_plot_draws_the_kept_curve_and_markers(tmp_path):
+    log = Log().at(0, "launch").steps(1, 6).at(0.1, "checkpoint_committed", step=5, bytes=1, seconds=0.1)
+    log.at(0.1, "restart", reason="worker_failure").steps(6, 8)
+    s = report.summarize(log.events)
+    fig = report.plot(log.events, s, str(tmp_path / "p.png"))
+    ax = fig.axes[0]
+    [loss] = [l for l in ax.lines if l.get_gid() == "loss"]
+    assert list(loss.get_xdata()) == list(range(1, 9))
+    [commits] = [l for l in ax.lines if l.get_gid() == "commits"]
+    assert list(commits.get_xdata()) == [5]
+    labels = ax.get_legend_handles_labels()[1]
+    assert "restart (worker_failure)" in labels and any("rolled back" in l for l in labels)
+
+
+def test_missing_event_log(tmp_path, capsys):
+    assert report.main(argparse.Namespace(run_dir=str(tmp_path), out=None, json=False)) == 2
+    assert "no event log" in capsys.readouterr().err
