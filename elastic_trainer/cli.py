@@ -1,6 +1,7 @@
 """``elastic-trainer`` command line.
 
     elastic-trainer launch CONFIG [--set k=v ...] [torchrun-style elastic options]
+    elastic-trainer store [--host H] [--port P]
     elastic-trainer config check CONFIG [--set k=v ...]
     elastic-trainer data build [--out PATH] [--text FILE ...]
     elastic-trainer ckpt list URI | ckpt inspect URI [--step N] | ckpt export URI --out F [--dtype bf16|fp32] [--hf CONFIG]
@@ -38,7 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-conf", "--rdzv_conf", help="extra rendezvous settings, key=value,...")
     p.add_argument("--max-restarts", "--max_restarts", type=int, help="worker-group restarts before giving up")
     p.add_argument("--node-rank", "--node_rank", type=int, help="rank of this node (static rendezvous only)")
+    p.add_argument("--local-addr", "--local_addr", help="address other nodes reach this node at (default: its hostname)")
     p.add_argument("--standalone", action="store_true", help="single node, local rendezvous (default when one node and no endpoint)")
+
+    p = sub.add_parser("store", help="host the c10d rendezvous store that the nodes' agents join (outlives any node)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=29400, help="port (default 29400; 0 picks a free one, printed on stdout)")
 
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_cmd", required=True)
@@ -89,6 +95,7 @@ def _cmd_launch(a) -> int:
         rdzv_conf=a.rdzv_conf,
         max_restarts=a.max_restarts,
         node_rank=a.node_rank,
+        local_addr=a.local_addr,
         standalone=a.standalone,
     )
     from .config import check_max_world_size, parse_nnodes
@@ -105,6 +112,18 @@ def _cmd_launch(a) -> int:
     step = preflight(cfg)
     logger.info("preflight ok: %s", f"will resume from step {step}" if step is not None else "fresh start")
     return launch(cfg, opts)
+
+
+def _cmd_store(a) -> int:
+    from .supervisor.store import StoreAddress, serve
+
+    if not 0 <= a.port < 65536:
+        raise ConfigError("--port", f"must be in 0..65535, got {a.port}")
+
+    def ready(port: int) -> None:
+        print(f"rendezvous store ready on {a.host}:{port}", flush=True)
+
+    return serve(StoreAddress(a.host, a.port), on_ready=ready)
 
 
 def _cmd_config(a) -> int:
@@ -130,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cmd == "launch":
             return _cmd_launch(a)
+        if a.cmd == "store":
+            return _cmd_store(a)
         if a.cmd == "config":
             return _cmd_config(a)
         if a.cmd == "data":
