@@ -107,6 +107,11 @@ class ElasticConfig:
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str = ""
     rdzv_id: str = "elastic-trainer"
+    # Multi-node rendezvous settings (torchrun's --rdzv-conf), used when an endpoint is given.
+    # The default re-forms the group within seconds of a node loss or join (torch's defaults:
+    # ~45 s). Run the store with 'elastic-trainer store' so that no node's loss stops the job
+    # (docs/elasticity.md); add is_host=false to require it.
+    rdzv_conf: str = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
     hang_timeout_seconds: float = 120.0
     monitor_interval_seconds: float = 0.5
 
@@ -255,6 +260,26 @@ def parse_nnodes(value: str, key: str = "elastic.nnodes") -> tuple[int, int]:
     return nums[0], nums[1]
 
 
+_RDZV_INT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval", "keep_alive_max_attempt", "read_timeout", "timeout")
+_RDZV_OTHER_KEYS = ("is_host", "store_type", "local_addr", "protocol", "cacert", "cert", "key", "etcd_prefix", "ca_cert", "ssl_cert", "ssl_cert_key")
+
+
+def parse_rdzv_conf(value: str, key: str = "elastic.rdzv_conf") -> dict[str, str]:
+    """``k=v,k=v`` → dict, checking names and value types torch's rendezvous handlers read."""
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in value.split(","))):
+        k, sep, v = item.partition("=")
+        k, v = k.strip(), v.strip()
+        _require(bool(sep and k), key, f"expected key=value items separated by commas, got {item!r}")
+        _require(k in _RDZV_INT_KEYS or k in _RDZV_OTHER_KEYS, key, f"unknown rendezvous setting {k!r} (known: {', '.join(_RDZV_INT_KEYS + _RDZV_OTHER_KEYS)})")
+        if k in _RDZV_INT_KEYS:
+            _require(v.isdigit() and int(v) > 0, key, f"{k} must be a positive integer (seconds or count), got {v!r}")
+        if k == "is_host":
+            _require(v.lower() in ("true", "false", "1", "0", "yes", "no"), key, f"is_host must be true or false, got {v!r}")
+        out[k] = v
+    return out
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks. Pure; raises ConfigError naming the key."""
     m, t, c, e, d = cfg.model, cfg.train, cfg.checkpoint, cfg.elastic, cfg.data
@@ -320,6 +345,7 @@ def validate(cfg: Config) -> None:
     parse_nnodes(e.nnodes)
     _require(e.nproc_per_node >= 1, "elastic.nproc_per_node", "must be >= 1")
     _require(e.max_restarts >= 0, "elastic.max_restarts", "must be >= 0")
+    parse_rdzv_conf(e.rdzv_conf)
     _require(e.hang_timeout_seconds >= 5, "elastic.hang_timeout_seconds", "must be >= 5")
     _require(e.monitor_interval_seconds > 0, "elastic.monitor_interval_seconds", "must be > 0")
     _require(0 <= cfg.metrics.port <= 65535, "metrics.port", f"must be in 0..65535 (0 disables), got {cfg.metrics.port}")
