@@ -17,10 +17,24 @@ def restart_backoff(restart_index: int, base: float = 1.0, cap: float = 30.0) ->
 
 
 def launch_exit_code(*, failed: bool, signalled: bool, preempt_marker: dict | None) -> int:
-    """Exit code of ``elastic-trainer launch`` from how the agent ended."""
-    if preempt_marker is not None or signalled:
+    """Exit code of ``elastic-trainer launch`` from how the agent ended. Workers that all
+    finished win over a preemption marker (one left by a group restarted for a membership
+    change must not turn a finished job into "requeue me")."""
+    if signalled:
         return EXIT_PREEMPTED
-    return EXIT_FAILED if failed else EXIT_OK
+    if not failed:
+        return EXIT_OK
+    return EXIT_PREEMPTED if preempt_marker is not None else EXIT_FAILED
+
+
+def refund_restart(*, failed: bool, nodes_before: int, nodes_after: int) -> bool:
+    """Whether a failure restart after which the group has fewer nodes gives its restart back.
+
+    Losing a node makes every surviving worker fail its next collective, which torch's agent
+    counts as a failure of each survivor; it is a membership change, so it should not use up
+    ``max_restarts`` (a join never does). Failures of the survivors themselves keep the node
+    count and still count."""
+    return failed and nodes_after < nodes_before
 
 
 def describe_failures(failures: dict) -> list[dict]:
