@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..config import Config, parse_nnodes
+from ..config import Config, parse_nnodes, parse_rdzv_conf
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from . import policy
@@ -36,6 +36,7 @@ class LaunchOptions:
     rdzv_conf: str | None = None
     max_restarts: int | None = None
     node_rank: int | None = None
+    local_addr: str | None = None
     standalone: bool = False
     extra: list[str] = field(default_factory=list)
 
@@ -57,11 +58,26 @@ def torchrun_argv(cfg: Config, opts: LaunchOptions) -> list[str]:
         argv.append("--standalone")
     else:
         argv += ["--rdzv-backend", e.rdzv_backend, "--rdzv-endpoint", endpoint or "localhost:29400", "--rdzv-id", opts.rdzv_id or e.rdzv_id]
-        if opts.rdzv_conf:
-            argv += ["--rdzv-conf", opts.rdzv_conf]
+        conf = rdzv_conf(e.rdzv_conf, opts.rdzv_conf)
+        if conf:
+            argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
+    if opts.local_addr:
+        argv += ["--local-addr", opts.local_addr]
     if opts.node_rank is not None:
         argv += ["--node-rank", str(opts.node_rank)]
     return argv + list(opts.extra) + ["-m", WORKER_MODULE]
+
+
+def rdzv_conf(configured: str, override: str | None) -> dict[str, str]:
+    """``elastic.rdzv_conf`` with the ``--rdzv-conf`` items replacing same-named ones (pure)."""
+    conf = parse_rdzv_conf(configured)
+    conf.update(parse_rdzv_conf(override or "", "--rdzv-conf"))
+    return conf
+
+
+def uses_external_store(config) -> bool:
+    """True when this agent joins a store it does not host (``is_host=false``)."""
+    return str(config.rdzv_configs.get("is_host", "")).lower() in ("false", "0", "no")
 
 
 def build_launch_config(cfg: Config, opts: LaunchOptions):
@@ -92,6 +108,7 @@ def _make_agent_class():
 
         events: EventLog = EventLog(None)
         metrics: MetricsSink = NullSink()
+        preempt_marker: str | None = None
         _last_result = None
         _failure_restarts = 0
 
@@ -118,7 +135,18 @@ def _make_agent_class():
                 watchdog.stop()
 
         def _rendezvous(self, worker_group):
+            t0 = time.monotonic()
             super()._rendezvous(worker_group)
+            self.events.emit(
+                "rendezvous",
+                node=os.environ.get("ELASTIC_TRAINER_NODE", os.uname().nodename),
+                pid=os.getpid(),
+                group_rank=worker_group.group_rank,
+                nodes=worker_group.group_world_size,
+                world_size=_world_size(worker_group),
+                seconds=round(time.monotonic() - t0, 4),
+                mono=time.monotonic(),
+            )
             self.metrics.counter("elastic_trainer_rendezvous_rounds_total")
 
         def _log_watchdog_event(self, name, request):
@@ -148,13 +176,36 @@ def _make_agent_class():
             )
             if delay:
                 time.sleep(delay)
+            nodes_before, world_before = worker_group.group_world_size, _world_size(worker_group)
             super()._restart_workers(worker_group)
+            if self.preempt_marker and os.path.exists(self.preempt_marker):
+                os.remove(self.preempt_marker)  # written by the incarnation just replaced
+            nodes_after = worker_group.group_world_size
+            if nodes_after != nodes_before:
+                refund = policy.refund_restart(failed=failed, nodes_before=nodes_before, nodes_after=nodes_after)
+                if refund:
+                    self._remaining_restarts += 1
+                    self._failure_restarts -= 1
+                self.events.emit(
+                    "membership_change",
+                    from_nodes=nodes_before,
+                    to_nodes=nodes_after,
+                    from_world_size=world_before,
+                    to_world_size=_world_size(worker_group),
+                    restart_refunded=refund,
+                    remaining_restarts=self._remaining_restarts,
+                    node=os.environ.get("ELASTIC_TRAINER_NODE", os.uname().nodename),
+                )
             self.metrics.histogram("elastic_trainer_recovery_seconds", time.monotonic() - t0)
 
     return SupervisedAgent
 
 
-def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | None = None):
+def _world_size(worker_group) -> int | None:
+    return worker_group.workers[0].world_size if worker_group.workers else None
+
+
+def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | None = None, preempt_marker: str | None = None):
     """The essential part of torch's ``launch_agent`` with our agent class."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
@@ -190,6 +241,7 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
     agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method, shutdown_timeout=config.shutdown_timeout)
     agent.events = events
     agent.metrics = metrics or NullSink()
+    agent.preempt_marker = preempt_marker
     shutdown_rdzv = True
     try:
         return agent.run()
@@ -224,6 +276,8 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
     server = metrics_factory.start_supervisor_exporter(cfg)
     metrics = server.sink if server is not None else NullSink()
     config, cmd, cmd_args = build_launch_config(cfg, opts)
+    if config.max_nodes > 1:
+        _check_store(config)
     events.emit(
         "launch",
         nnodes=f"{config.min_nodes}:{config.max_nodes}",
@@ -236,7 +290,7 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
     )
     failed = signalled = False
     try:
-        result = run_agent(config, cmd, cmd_args, events, metrics)
+        result = run_agent(config, cmd, cmd_args, events, metrics, preempt_marker=marker)
         failed = result.is_failed()
         if failed:
             events.emit("job_failed", failures=policy.describe_failures(result.failures))
@@ -253,6 +307,32 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
     code = policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=preempt)
     events.emit("supervisor_exit", exit_code=code, preempted=preempt, signalled=signalled)
     return code
+
+
+def _check_store(config, timeout_seconds: float = 60.0) -> None:
+    """With ``is_host=false``, wait for the external rendezvous store and fail clearly when it
+    never answers. Otherwise warn when no store runs yet: the first agent will host it."""
+    from ..errors import ConfigError
+    from .store import StoreAddress, reachable
+
+    addr = StoreAddress.parse(config.rdzv_endpoint)
+    if not uses_external_store(config):
+        if reachable(addr, 0.5):
+            logger.info("joining the rendezvous store at %s", addr)
+        else:
+            logger.warning(
+                "no rendezvous store runs at %s: the first agent hosts it, and losing that node stops the job; "
+                "run 'elastic-trainer store' for a store that outlives any node (docs/elasticity.md)",
+                addr,
+            )
+        return
+    if not reachable(addr, timeout_seconds):
+        raise ConfigError(
+            "elastic.rdzv_endpoint",
+            f"no rendezvous store answers at {addr} after {timeout_seconds:.0f}s: start one with "
+            f"'elastic-trainer store --host {addr.host} --port {addr.port}', or let the first agent host it "
+            "with --rdzv-conf is_host=true (then losing that node stops the job)",
+        )
 
 
 def _runtime_dir(cfg: Config) -> str:
