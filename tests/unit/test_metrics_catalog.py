@@ -75,3 +75,10 @@ def test_only_the_exporter_imports_prometheus_client():
         str(f.relative_to(PACKAGE)) for f in PACKAGE.rglob("*.py") if re.search(r"^\s*(import|from)\s+prometheus_client", f.read_text(), re.M)
     )
     assert importers == ["metrics/prometheus.py"]
+
+
+def test_docs_list_every_metric():
+    docs = (PACKAGE.parent / "docs" / "metrics.md").read_text()
+    for m in catalog.CATALOG:
+        assert f"`{m.name}`" in docs, f"docs/metrics.md does not describe {m.name}"
+    assert "9400" in docs
