@@ -37,7 +37,7 @@ SECTIONS = dict(
     checkpoint={"interval_steps": INTERVAL, "keep_last": 20},
     elastic={"nproc_per_node": 2, "max_restarts": 0},
 )
-FIRST_COMMIT_TIMEOUT_S = 60.0
+FIRST_COMMIT_TIMEOUT_S = 90.0
 PREEMPT_TIMEOUT_S = 30.0
 FINISH_TIMEOUT_S = 120.0
 

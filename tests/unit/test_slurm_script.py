@@ -166,7 +166,7 @@ trap 'echo USR1 >> "$FAKE_DIR/srun.signals"; got=1' USR1
 trap 'echo TERM >> "$FAKE_DIR/srun.signals"; got=1' TERM
 touch "$FAKE_DIR/srun.started"
 for _ in $(seq 200); do
-    [ -n "$got" ] && { sleep 0.5; exit 75; }
+    [ -n "$got" ] && { sleep 1.5; exit 75; }
     sleep 0.05
 done
 exit 9
@@ -286,8 +286,10 @@ def test_signal_forwarded_once_then_requeued(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "stub srun not started"
             time.sleep(0.02)
         proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        while not _calls(tmp_path, "srun.signals"):
+            assert time.monotonic() < deadline, "USR1 never reached the stub srun"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)  # while the step is still "checkpointing"
         _, err = proc.communicate(timeout=20)
     finally:
         if proc.poll() is None:
