@@ -63,23 +63,29 @@ class StorageOptions:
         client_kwargs: dict[str, Any] = {}
         if endpoint:
             client_kwargs["endpoint_url"] = endpoint
-        timeout = max(1.0, self.timeout_seconds / 2)
-        return {
-            "client_kwargs": client_kwargs,
-            # botocore's own retries stay small; the outer loop here owns the budget.
-            "config_kwargs": {
-                "retries": {"max_attempts": 3, "mode": "standard"},
-                "connect_timeout": timeout,
-                "read_timeout": timeout,
-            },
-            "retries": 1,
-            "skip_instance_cache": True,
+        # Measured against SeaweedFS through a fault proxy (tests/contract): 4 botocore attempts
+        # plus s3fs's own 2 absorb >= 3 consecutive 5xx, and a permanent outage surfaces in
+        # ~5-15 s. The read timeout scales with ``timeout_seconds`` for large shards.
+        config_kwargs: dict[str, Any] = {
+            "retries": {"total_max_attempts": 4, "mode": "standard"},
+            "connect_timeout": min(5.0, max(1.0, self.timeout_seconds / 4)),
+            "read_timeout": max(2.0, self.timeout_seconds / 4),
         }
+        region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
+        if region:
+            config_kwargs["region_name"] = region
+        return {"client_kwargs": client_kwargs, "config_kwargs": config_kwargs, "skip_instance_cache": True}
 
 
 def _is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
+    try:
+        from botocore.exceptions import BotoCoreError
+    except ImportError:  # pragma: no cover - s3fs is a dependency
+        BotoCoreError = ()  # type: ignore[assignment]
+    if BotoCoreError and isinstance(exc, BotoCoreError):
+        return True
     text = f"{type(exc).__name__} {exc}"
     permanent = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket", "403")
     if any(p in text for p in permanent):
@@ -118,6 +124,8 @@ class Storage:
             self.root = uri.rstrip("/")
         self._kwargs = self.options.fsspec_kwargs(self.protocol)
         self.fs, _ = fsspec.core.url_to_fs(self.root if self.protocol != "file" else "file://" + self.root, **self._kwargs)
+        if self.protocol == "s3":
+            self.fs.retries = 2  # s3fs's outer retry loop (a class attribute; not a constructor option)
 
     # -- naming -----------------------------------------------------------------
     def join(self, *parts: str) -> str:
