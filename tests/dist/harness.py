@@ -1,0 +1,75 @@
+"""Run a function on W real processes joined in a gloo process group (no elastic agent).
+
+``run_ranks(fn, world, *args)`` spawns ``world`` processes, each initialising the default
+group from a TCPStore on a free 127.0.0.1 port, calls ``fn(rank, world, *args)`` and returns
+the list of return values (rank order). Bounded by ``timeout``; stragglers are killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _entry(fn, rank, world, port, args, queue):
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
+    )
+    import torch.distributed as dist
+
+    try:
+        import io
+
+        import torch
+
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        value = fn(rank, world, *args)
+        buf = io.BytesIO()
+        torch.save(value, buf)  # plain bytes: tensors must not travel as shared-memory handles
+        queue.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 120.0):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in range(world):
+            rank, ok, value = queue.get(timeout=timeout)
+            if ok:
+                import io
+
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]
