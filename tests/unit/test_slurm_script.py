@@ -83,6 +83,7 @@ def test_traps_and_background_wait():
     assert re.search(r'^"\$\{srun_cmd\[@\]\}" "\$\{cmd\[@\]\}" &$', t, re.M)
     assert 'wait "$step_pid"' in t
     assert t.index("trap 'on_signal USR1' USR1") < t.index('"${srun_cmd[@]}" "${cmd[@]}" &')
+    assert 'kill -s USR1 "$step_pid"' in t
     assert 'scontrol requeue "$SLURM_JOB_ID"' in t
     assert "scontrol show hostnames" in t
 
@@ -275,9 +276,9 @@ def test_exit_code_and_requeue(tmp_path, rc, state, requeued):
     assert _events(tmp_path)[-1]["requeued"] is requeued
 
 
-def test_signal_forwarded_once_then_requeued(tmp_path):
-    """USR1 to the batch shell reaches the step once; a TERM after it is not forwarded again
-    (a second signal would interrupt the supervisor's graceful shutdown)."""
+def _start_and_signal(tmp_path: Path, *signals: int) -> tuple[int, str]:
+    """Run the script with a stub step that waits for a signal and send it ``signals`` in order,
+    the second one only once the stub has recorded the first forward. Returns (exit code, stderr)."""
     env = _stub_env(tmp_path, FAKE_WAIT="1")
     proc = subprocess.Popen(["bash", str(SCRIPT)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -285,17 +286,33 @@ def test_signal_forwarded_once_then_requeued(tmp_path):
         while not (tmp_path / "srun.started").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "stub srun not started"
             time.sleep(0.02)
-        proc.send_signal(signal.SIGUSR1)
-        while not _calls(tmp_path, "srun.signals"):
-            assert time.monotonic() < deadline, "USR1 never reached the stub srun"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)  # while the step is still "checkpointing"
+        for i, sig in enumerate(signals):
+            proc.send_signal(sig)
+            if i == 0:
+                while not _calls(tmp_path, "srun.signals"):
+                    assert time.monotonic() < deadline, "no signal reached the stub srun"
+                    time.sleep(0.02)
         _, err = proc.communicate(timeout=20)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 75, err
+    return proc.returncode, err
+
+
+def test_term_is_forwarded_as_usr1(tmp_path):
+    """srun answers SIGTERM by cancelling the step; the trap sends USR1, which srun passes through."""
+    rc, err = _start_and_signal(tmp_path, signal.SIGTERM)
+    assert rc == 75, err
+    assert _calls(tmp_path, "srun.signals") == ["USR1"], err
+    assert _events(tmp_path)[-1]["signal"] == "TERM"
+
+
+def test_signal_forwarded_once_then_requeued(tmp_path):
+    """USR1 to the batch shell reaches the step once; a TERM after it is not forwarded again
+    (a second signal would interrupt the supervisor's graceful shutdown)."""
+    rc, err = _start_and_signal(tmp_path, signal.SIGUSR1, signal.SIGTERM)
+    assert rc == 75, err
     assert _calls(tmp_path, "srun.signals") == ["USR1"], err
     assert "not forwarding again" in err
     assert "requeue 4242" in _calls(tmp_path, "scontrol.calls")
