@@ -27,6 +27,18 @@ def launch_exit_code(*, failed: bool, signalled: bool, preempt_marker: dict | No
     return EXIT_PREEMPTED if preempt_marker is not None else EXIT_FAILED
 
 
+FAILED_STOP_GRACE_SECONDS = 5.0
+
+
+def stop_grace_seconds(*, failed: bool, preempt_shutdown: float) -> float:
+    """Seconds the workers get between SIGTERM and SIGKILL when the agent restarts the group.
+
+    A healthy group (a node joined) uses them to commit a preemption checkpoint, so it gets the
+    preemption budget (``preempt_shutdown``); a failed group cannot complete a collective, and
+    waiting for it only delays the restart."""
+    return min(FAILED_STOP_GRACE_SECONDS, preempt_shutdown) if failed else preempt_shutdown
+
+
 def refund_restart(*, failed: bool, nodes_before: int, nodes_after: int) -> bool:
     """Whether a failure restart after which the group has fewer nodes gives its restart back.
 
