@@ -117,6 +117,28 @@ def _make_agent_class():
             self._last_result = result
             return result
 
+        def _setup_local_watchdog(self, envs):
+            super()._setup_local_watchdog(envs)
+            if self._worker_watchdog is not None:
+                self._worker_watchdog.__class__ = _agent_safe_timer_server()
+
+        def _stop_workers(self, worker_group):
+            """Stop the group before a restart. A healthy group (membership change) gets the
+            preemption grace to commit a checkpoint; a failed one is broken (its collectives
+            cannot complete), so it gets a short grace. SIGCONT first: a SIGSTOPped worker
+            cannot act on SIGTERM and would hold the restart for the whole grace."""
+            from torch.distributed.elastic.agent.server.api import WorkerState
+
+            result = self._last_result
+            failed = result is not None and result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+            if self._pcontext is not None:
+                for pid in self._pcontext.pids().values():
+                    try:
+                        os.kill(pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
+            self._shutdown(timeout=policy.stop_grace_seconds(failed=failed, preempt_shutdown=self._shutdown_timeout))
+
         def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
             """Stop the workers first, the hang watchdog after them.
 
@@ -199,6 +221,25 @@ def _make_agent_class():
             self.metrics.histogram("elastic_trainer_recovery_seconds", time.monotonic() - t0)
 
     return SupervisedAgent
+
+
+def _agent_safe_timer_server():
+    """torch's ``FileTimerServer`` that reaps expired workers but never its own process.
+
+    torch (2.13) SIGKILLs the process hosting the server after reaping a hung worker; here
+    that is the supervisor, whose death takes every worker with it (``PR_SET_PDEATHSIG``) and
+    turns one hung rank into a dead node. The agent instead sees the reaped worker fail and
+    restarts the group."""
+    from torch.distributed.elastic.timer.file_based_local_timer import FileTimerServer
+
+    class AgentSafeFileTimerServer(FileTimerServer):
+        def _reap_worker(self, worker_pid: int, signal: int) -> bool:
+            if worker_pid == os.getpid():
+                logger.warning("hang watchdog: reaped a hung worker; the agent restarts the group")
+                return True
+            return super()._reap_worker(worker_pid, signal)
+
+    return AgentSafeFileTimerServer
 
 
 def _world_size(worker_group) -> int | None:
