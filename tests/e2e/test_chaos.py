@@ -27,10 +27,11 @@ import pytest
 from tests import runs
 
 STEPS = 12
+HANG_TIMEOUT = 10.0
 CHAOS = {
     "train": {"steps": STEPS},
     "checkpoint": {"interval_steps": 3},
-    "elastic": {"max_restarts": 3, "hang_timeout_seconds": 20.0},
+    "elastic": {"max_restarts": 3, "hang_timeout_seconds": HANG_TIMEOUT},
 }
 TIMEOUT = 240
 
@@ -134,6 +135,7 @@ class Case:
     resume_from: tuple[int, ...]  # acceptable steps of the (last) resume
     restarts: int = 1
     never_committed: int | None = None  # a step whose checkpoint must never commit
+    hang: bool = False
 
 
 CASES = [
@@ -145,6 +147,9 @@ CASES = [
     Case("sigkill_before_commit", "kill_before_commit@rank=0,step=6", (3,), never_committed=6),
     # The restart after a kill at step 8 is killed again while loading step 6.
     Case("sigkill_during_load", "kill@rank=1,step=8;kill_in_load@rank=1,step=6,restart=1", (6,), restarts=2),
+    # Rank 1 SIGSTOPs itself at the start of step 8 (a silent hang); the watchdog must kill it
+    # within elastic.hang_timeout_seconds and the group restart.
+    Case("sigstop_hang", "hang@rank=1,step=8", (6,), hang=True),
 ]
 
 
@@ -168,6 +173,10 @@ def test_chaos_case(case: Case, reference, token_file, tmp_path):
         assert case.never_committed in committed  # committed by the second incarnation
     recs = record(case.name, events)
     assert recs and all(r["recovery_s"] > 0 for r in recs)
+    if case.hang:
+        # From the last completed step to the restart: the hang is detected within the timeout
+        # (plus the agent's monitor interval and the watchdog's polling, a few seconds here).
+        assert recs[0]["detect_s"] <= HANG_TIMEOUT + 5, recs
 
 
 def test_truncated_newest_checkpoint(reference, token_file, tmp_path):
