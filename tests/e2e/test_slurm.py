@@ -176,7 +176,8 @@ def test_scontrol_requeue_checkpoints_within_killwait_and_resumes_exactly(slurm,
     slurm.requeue(job)  # SIGTERM to batch shell and step now, SIGKILL after KillWait
     _check_resumed_run(slurm, job, run_dir, tmp_path, reference, requeued_by_script=False)
     ev = read_events(run_dir, "preempt_requested")
-    assert ev and ev[0]["signal"] == "SIGTERM"
+    # SLURM's SIGTERM to the step and the script's forwarded SIGUSR1 race; either one starts it
+    assert ev and ev[0]["signal"] in ("SIGTERM", "SIGUSR1")
     print(f"\nslurm scontrol-requeue path: done in {time.monotonic() - t0:.1f}s")
 
 
