@@ -175,6 +175,17 @@ def cache_path(cfg: Config) -> str:
     return os.path.join(root, f"{d.format}-{key}.bin")
 
 
+def check_tokenizer(cfg: Config):
+    """The tokenizer of ``data.tokenizer``, refused (naming the key) if it has more tokens than
+    the model's vocabulary."""
+    d, vocab = cfg.data, cfg.model.vocab_size
+    tok = load_tokenizer(d.tokenizer)
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if n > vocab:
+        raise ConfigError("data.tokenizer", f"{tokenizer_file(d.tokenizer)} has {n} tokens but model.vocab_size is {vocab}: the tokenizer does not fit the model")
+    return tok
+
+
 def _token_chunks(cfg: Config) -> Iterator[np.ndarray]:
     d, vocab = cfg.data, cfg.model.vocab_size
     files = resolve_files(d.path)
@@ -191,10 +202,7 @@ def _token_chunks(cfg: Config) -> Iterator[np.ndarray]:
                 raise ConfigError("model.vocab_size", f"token id {bad} in {d.path} is outside [0, model.vocab_size={vocab})")
             yield values.astype(np.int64)
         return
-    tok = load_tokenizer(d.tokenizer)
-    n = tok.get_vocab_size(with_added_tokens=True)
-    if n > vocab:
-        raise ConfigError("data.tokenizer", f"{tokenizer_file(d.tokenizer)} has {n} tokens but model.vocab_size is {vocab}: the tokenizer does not fit the model")
+    tok = check_tokenizer(cfg)
     eos = eos_token(d)
     eos_id = None
     if eos:
@@ -220,17 +228,19 @@ def build_stream(cfg: Config, out_path: str) -> dict:
     dtype = token_dtype(cfg.model.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = f"{out_path}.tmp.{os.getpid()}"
-    total = 0
+    total, max_id = 0, -1
     try:
         with open(tmp, "wb") as f:
             for chunk in _token_chunks(cfg):
                 f.write(chunk.astype(dtype).tobytes())
                 total += len(chunk)
+                if len(chunk):
+                    max_id = max(max_id, int(chunk.max()))
         os.replace(tmp, out_path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    stats = {"path": out_path, "tokens": total, "dtype": dtype, "format": cfg.data.format, "source": cfg.data.path}
+    stats = {"path": out_path, "tokens": total, "max_id": max_id, "dtype": dtype, "format": cfg.data.format, "source": cfg.data.path}
     with open(out_path + ".json.tmp", "w") as f:
         json.dump(stats, f)
     os.replace(out_path + ".json.tmp", out_path + ".json")
@@ -244,8 +254,14 @@ def prepare(cfg: Config) -> tuple[str, str]:
     if d.format == "memmap":
         return d.path, d.dtype
     path = cache_path(cfg)
-    if not os.path.exists(path):
+    if d.format == "text":
+        check_tokenizer(cfg)  # also when cached: the key does not cover model.vocab_size
+    if not os.path.exists(path) or not os.path.exists(path + ".json"):
         build_stream(cfg, path)
+    with open(path + ".json") as f:
+        max_id = json.load(f).get("max_id", -1)
+    if max_id >= cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", f"token id {max_id} in the stream of {d.path} is >= model.vocab_size={cfg.model.vocab_size}")
     return path, token_dtype(cfg.model.vocab_size)
 
 

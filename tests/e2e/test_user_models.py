@@ -52,7 +52,7 @@ TRAIN = {"steps": STEPS, "global_batch_size": 6, "micro_batch_size": 2}
 CKPT = {"interval_steps": 5, "keep_last": 5}
 
 
-def make_corpus(limit_bytes: int = 200_000) -> list[str]:
+def make_corpus(limit_bytes: int = 120_000) -> list[str]:
     """Documents of varying length: paragraphs of the standard library's sources."""
     from elastic_trainer.worker.data import default_demo_texts
 
@@ -90,14 +90,15 @@ def text_data(tmp_path_factory) -> dict:
     docs = make_corpus()
     tokenizer = train_tokenizer(docs, root / "tok")
     pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), root / "docs.parquet", row_group_size=64)
-    return {"parquet": str(root / "docs.parquet"), "tokenizer": str(tokenizer)}
+    return {"parquet": str(root / "docs.parquet"), "tokenizer": str(tokenizer), "cache": str(root / "cache")}
 
 
 @pytest.fixture(scope="module")
 def sources(token_file, text_data) -> dict:
     return {
         "memmap": {"path": token_file, "dtype": "uint16"},
-        "parquet": {"format": "text", "path": text_data["parquet"], "tokenizer": text_data["tokenizer"], "eos_token": "<eos>"},
+        # one cache for every run: the stream is tokenised once (the key covers files and tokenizer)
+        "parquet": {"format": "text", "path": text_data["parquet"], "tokenizer": text_data["tokenizer"], "eos_token": "<eos>", "cache_dir": text_data["cache"]},
     }
 
 

@@ -109,6 +109,20 @@ def test_cache_is_reused_and_keyed_by_content(tmp_path, tokenizer):
     assert sources.cache_path(c) != path
 
 
+def test_vocab_checks_hold_when_the_stream_is_cached(tmp_path, tokenizer):
+    pq.write_table(pa.table({"text": DOCS}), tmp_path / "x.parquet")
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2, 30]], pa.list_(pa.int32()))}), tmp_path / "t.parquet")
+    shared = {"cache_dir": str(tmp_path / "cache")}
+    sources.prepare(cfg(tmp_path, tmp_path / "x.parquet", tokenizer, **shared))
+    sources.prepare(cfg(tmp_path, tmp_path / "t.parquet", format="tokens", **shared))
+    with pytest.raises(ConfigError) as e:
+        sources.prepare(cfg(tmp_path, tmp_path / "x.parquet", tokenizer, vocab=8, **shared))
+    assert e.value.key == "data.tokenizer"
+    with pytest.raises(ConfigError) as e:
+        sources.prepare(cfg(tmp_path, tmp_path / "t.parquet", format="tokens", vocab=20, **shared))
+    assert e.value.key == "model.vocab_size"
+
+
 @pytest.mark.parametrize(
     "setup, key",
     [
