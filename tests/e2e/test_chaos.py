@@ -81,8 +81,11 @@ def recoveries(events: list[dict]) -> list[dict]:
     for i, e in enumerate(events):
         if e["event"] not in ("restart", "launch"):
             continue
+        if e["event"] == "launch" and not any(x["event"] == "supervisor_exit" for x in events[:i]):
+            continue  # another node's supervisor joining, not a relaunch
         before = [x for x in events[:i] if x["event"] == "step"]
-        after = [x for x in events[i:] if x["event"] == "step"]
+        start = next((j for j in range(i, len(events)) if events[j]["event"] == "start"), len(events))
+        after = [x for x in events[start:] if x["event"] == "step"]
         if not before or not after or before[-1]["time"] == last_seen:
             continue  # no step yet, none after, or a second restart of the same outage
         last_seen = before[-1]["time"]
