@@ -16,6 +16,16 @@ def restart_backoff(restart_index: int, base: float = 1.0, cap: float = 30.0) ->
     return min(cap, base * 2 ** (restart_index - 2))
 
 
+BACKOFF_RESET_SECONDS = 60.0
+
+
+def failure_streak(previous: int, healthy_seconds: float, reset_after: float = BACKOFF_RESET_SECONDS) -> int:
+    """1-based index of this failure restart for :func:`restart_backoff`: consecutive failures
+    escalate the back-off; a group that ran ``reset_after`` seconds since the last restart
+    starts over (an occasional failure on a long job restarts at once)."""
+    return 1 if healthy_seconds >= reset_after else previous + 1
+
+
 def launch_exit_code(*, failed: bool, signalled: bool, preempt_marker: dict | None) -> int:
     """Exit code of ``elastic-trainer launch`` from how the agent ended. Workers that all
     finished win over a preemption marker (one left by a group restarted for a membership
