@@ -111,6 +111,7 @@ def _make_agent_class():
         preempt_marker: str | None = None
         _last_result = None
         _failure_restarts = 0
+        _last_restart = float("-inf")
 
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
@@ -184,7 +185,8 @@ def _make_agent_class():
             result = self._last_result
             failed = result is not None and result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
             if failed:
-                self._failure_restarts += 1
+                self._failure_restarts = policy.failure_streak(self._failure_restarts, time.monotonic() - self._last_restart)
+            self._last_restart = time.monotonic()
             delay = policy.restart_backoff(self._failure_restarts) if failed else 0.0
             self.events.emit(
                 "restart",
@@ -207,7 +209,7 @@ def _make_agent_class():
                 refund = policy.refund_restart(failed=failed, nodes_before=nodes_before, nodes_after=nodes_after)
                 if refund:
                     self._remaining_restarts += 1
-                    self._failure_restarts -= 1
+                    self._failure_restarts = max(0, self._failure_restarts - 1)
                 self.events.emit(
                     "membership_change",
                     from_nodes=nodes_before,
