@@ -1,0 +1,84 @@
+"""Pure supervisor decisions, table-tested."""
+
+import pytest
+
+from elastic_trainer.config import ConfigError, load_config
+from elastic_trainer.supervisor import policy
+from elastic_trainer.supervisor.launcher import LaunchOptions, rdzv_conf, torchrun_argv
+from elastic_trainer.supervisor.store import StoreAddress
+
+
+@pytest.mark.parametrize("index, seconds", [(0, 0.0), (1, 0.0), (2, 1.0), (3, 2.0), (4, 4.0), (7, 30.0), (50, 30.0)])
+def test_restart_backoff(index, seconds):
+    assert policy.restart_backoff(index) == seconds
+
+
+@pytest.mark.parametrize(
+    "previous, healthy, expected",
+    [(0, float("inf"), 1), (1, 5.0, 2), (3, 59.9, 4), (3, 60.0, 1), (5, 3600.0, 1)],
+)
+def test_failure_streak_resets_after_a_healthy_stretch(previous, healthy, expected):
+    assert policy.failure_streak(previous, healthy) == expected
+
+
+@pytest.mark.parametrize(
+    "failed, signalled, marker, code",
+    [
+        (False, False, None, 0),
+        (False, False, {"step": 5}, 0),  # finished after a membership restart left a marker
+        (True, False, None, 1),
+        (True, False, {"step": 5}, 75),
+        (False, True, None, 75),
+        (True, True, None, 75),
+    ],
+)
+def test_launch_exit_code(failed, signalled, marker, code):
+    assert policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=marker) == code
+
+
+@pytest.mark.parametrize(
+    "failed, before, after, refund",
+    [(True, 2, 1, True), (True, 3, 2, True), (True, 2, 2, False), (False, 1, 2, False), (False, 2, 1, False), (True, 1, 2, False)],
+)
+def test_refund_restart_only_for_a_failure_that_lost_a_node(failed, before, after, refund):
+    assert policy.refund_restart(failed=failed, nodes_before=before, nodes_after=after) is refund
+
+
+@pytest.mark.parametrize("failed, grace", [(True, 5.0), (False, 75.0)])
+def test_stop_grace(failed, grace):
+    assert policy.stop_grace_seconds(failed=failed, preempt_shutdown=75.0) == grace
+
+
+def test_rdzv_conf_cli_items_override_config_items():
+    conf = rdzv_conf("last_call_timeout=3,keep_alive_interval=1", "last_call_timeout=5,is_host=false")
+    assert conf == {"last_call_timeout": "5", "keep_alive_interval": "1", "is_host": "false"}
+
+
+@pytest.mark.parametrize(
+    "value, fragment",
+    [("foo=1", "unknown rendezvous setting 'foo'"), ("last_call_timeout=x", "positive integer"), ("is_host=maybe", "true or false"), ("novalue", "key=value")],
+)
+def test_rdzv_conf_errors_name_the_key(value, fragment):
+    with pytest.raises(ConfigError, match="elastic.rdzv_conf") as e:
+        load_config(None, [f'elastic.rdzv_conf="{value}"', "data.path=x", "checkpoint.dir=/tmp/x"])
+    assert fragment in str(e.value)
+
+
+def test_multi_node_argv_carries_rdzv_conf_and_local_addr():
+    cfg = load_config(None, ["data.path=x", "checkpoint.dir=/tmp/x"])
+    argv = torchrun_argv(cfg, LaunchOptions(nnodes="1:3", rdzv_endpoint="10.0.0.1:29400", local_addr="10.0.0.7"))
+    conf = argv[argv.index("--rdzv-conf") + 1]
+    assert conf == "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
+    assert argv[argv.index("--local-addr") + 1] == "10.0.0.7"
+    assert "--standalone" in torchrun_argv(cfg, LaunchOptions())
+
+
+@pytest.mark.parametrize("endpoint, addr", [("h:1", StoreAddress("h", 1)), ("h", StoreAddress("h", 29400)), ("[::1]:5", StoreAddress("::1", 5))])
+def test_store_address(endpoint, addr):
+    assert StoreAddress.parse(endpoint) == addr
+
+
+@pytest.mark.parametrize("endpoint", ["h:x", ":5", "h:70000"])
+def test_store_address_errors(endpoint):
+    with pytest.raises(ValueError):
+        StoreAddress.parse(endpoint)
