@@ -387,6 +387,21 @@ class CheckpointManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         return self._finish_inflight(deadline)
 
+    def drain_on_failure(self, timeout: float) -> bool:
+        """Exception path: start nothing, but give a save that is already uploading up to
+        ``timeout`` seconds to finish (and, on rank 0, to commit). Never raises."""
+        inf = self._inflight
+        if inf is None:
+            return False
+        try:
+            deadline = time.monotonic() + timeout
+            inf.upload.result(timeout=timeout)
+            if inf.commit is not None:
+                return bool(inf.commit.result(timeout=max(0.0, deadline - time.monotonic())))
+            return True
+        except BaseException:  # noqa: BLE001 - best effort by design
+            return False
+
     def close(self) -> None:
         if self._stager is not None:
             self._stager.close()

@@ -231,7 +231,9 @@ class Storage:
             return FileSystemWriter(self._p(path), single_file_per_rank=True, sync_files=True, thread_count=1)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        return FsspecWriter(path, single_file_per_rank=True, sync_files=False, thread_count=1, **self._kwargs)
+        writer = FsspecWriter(path, single_file_per_rank=True, sync_files=False, thread_count=1, **self._kwargs)
+        self._bound_retries(writer)
+        return writer
 
     def dcp_reader(self, path: str):
         if self.protocol == "file":
@@ -240,7 +242,14 @@ class Storage:
             return FileSystemReader(self._p(path))
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-        return FsspecReader(path, **self._kwargs)
+        reader = FsspecReader(path, **self._kwargs)
+        self._bound_retries(reader)
+        return reader
+
+    def _bound_retries(self, dcp_storage) -> None:
+        fs = getattr(getattr(dcp_storage, "fs", None), "fs", None)
+        if self.protocol == "s3" and fs is not None and hasattr(fs, "retries"):
+            fs.retries = 2
 
 
 def open_storage(uri: str, endpoint_url: str = "", timeout_seconds: float = 20.0, retries: int = 3) -> Storage:

@@ -25,6 +25,8 @@ logger = logging.getLogger("elastic_trainer.worker")
 
 CONFIG_ENV = "ELASTIC_TRAINER_CONFIG_JSON"
 EXIT_FAILURE = 1
+FAILURE_DRAIN_SECONDS = 10.0
+_ACTIVE: dict = {}  # the checkpoint manager, for the exception path
 
 
 def load_worker_config() -> Config:
@@ -84,6 +86,7 @@ def build_and_train(cfg: Config, t_start: float) -> int:
         metrics=metrics,
         use_cuda_staging=d.device.type == "cuda",
     )
+    _ACTIVE["ckpt"] = ckpt
     if d.rank == 0:
         logger.info("config: %s", cfg.to_json())
         logger.info("checkpoints: %s", storage.describe())
@@ -162,6 +165,11 @@ def main() -> None:
             EventLog(os.path.join(cfg.run.dir, "events.jsonl")).emit(
                 "failure", rank=rank, error=f"{type(e).__name__}: {e}"[:2000], restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             )
+            ckpt = _ACTIVE.get("ckpt")
+            if ckpt is not None and ckpt.in_flight:
+                # No new checkpoint or collective here; only let an upload already under way land.
+                logger.warning("letting the save already in flight finish (at most %.0fs)", FAILURE_DRAIN_SECONDS)
+                ckpt.drain_on_failure(FAILURE_DRAIN_SECONDS)
             ErrorHandler().record_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
         finally:
             sys.stdout.flush()
