@@ -116,3 +116,17 @@ def load_and_continue(rank, world, ckpt_dir):
     next_losses = _train_steps(model, opt, sched, cfg, 4, rank, world, start=3)
     mgr.close()
     return {"step": loaded.step if loaded else None, "saved_world": loaded.manifest["world_size"] if loaded else None, "state": state if rank == 0 else None, "next": next_losses, "train": (ts.step, ts.tokens_seen, ts.cursor), "lr": lr_after_load}
+
+
+def logits_after_load(rank, world, ckpt_dir):
+    """Load the newest checkpoint into the sharded model; logits of a fixed batch (rank 0)."""
+    from elastic_trainer.checkpoint.state import TrainState
+
+    cfg, _, model, opt, sched = build(world)
+    mgr = _manager(cfg, ckpt_dir, model, opt, sched, TrainState(), rank, world)
+    assert mgr.load() is not None
+    x = torch.randint(0, cfg.model.vocab_size, (3, cfg.model.seq_len), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits = model(x)
+    mgr.close()
+    return {"x": x, "logits": logits.detach().clone()} if rank == 0 else None
