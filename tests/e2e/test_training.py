@@ -74,3 +74,27 @@ def test_bf16_mixed_precision_runs_on_cpu_and_checkpoints_fp32(tmp_path, token_f
     assert weights and moments
     assert {v["dtype"] for v in weights.values()} == {"float32"}, "master weights are fp32"
     assert {v["dtype"] for v in moments.values()} == {"float32"}
+
+
+def test_retention_keeps_last_and_every(tmp_path, token_file):
+    cfg = runs.write_config(tmp_path / "c.toml", token_file, tmp_path / "run", checkpoint={"interval_steps": 2, "keep_last": 2, "keep_every": 4})
+    r = runs.run_launch(cfg)
+    assert r.returncode == 0, cfg.with_suffix(".log").read_text()[-3000:]
+    ckpt = tmp_path / "run" / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000008", "step-00000010"]
+    assert [e["step"] for e in runs.read_events(tmp_path / "run", "checkpoint_committed")] == [2, 4, 6, 8, 10]
+    deleted = sorted(e["step"] for e in runs.read_events(tmp_path / "run", "checkpoint_deleted"))
+    assert deleted == [2, 6]
+
+
+def test_time_based_saves_are_agreed_by_all_ranks(tmp_path, token_file):
+    """No step-based cadence; a save whenever 0.3 s have passed. Ranks must agree on the step
+    (a disagreement would deadlock the save's collectives or mismatch the shards)."""
+    cfg = runs.write_config(
+        tmp_path / "c.toml", token_file, tmp_path / "run", train={"steps": 12}, checkpoint={"interval_steps": 0, "interval_seconds": 0.3, "keep_last": 50}
+    )
+    r = runs.run_launch(cfg, "--nproc-per-node", "3")
+    assert r.returncode == 0, cfg.with_suffix(".log").read_text()[-3000:]
+    steps = [e["step"] for e in runs.read_events(tmp_path / "run", "checkpoint_committed")]
+    assert steps[-1] == 12 and len(steps) >= 2, steps
+    assert not runs.read_events(tmp_path / "run", "checkpoint_failed")
