@@ -45,6 +45,7 @@ def preflight(cfg: Config) -> int | None:
     c = cfg.checkpoint
     try:
         storage = open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
+        storage.check_access()
         names = storage.list_dirs()
     except StorageError as e:
         raise ConfigError("checkpoint.dir", f"cannot access {c.dir}: {e}") from None

@@ -140,6 +140,20 @@ class Storage:
         return self.fs._strip_protocol(path)
 
     # -- operations -------------------------------------------------------------
+    def check_access(self) -> None:
+        """Raise :class:`StorageError` unless the root can be listed with the credentials at hand.
+
+        An absent prefix is fine (a fresh run); on S3 an absent *bucket* is not: its listing is
+        empty too, so without this check a run would start and only its first save would fail.
+        """
+        if self.protocol == "s3":
+            bucket = self._p(self.root).split("/", 1)[0]
+            try:
+                self._retry(lambda: self.fs.call_s3("head_bucket", Bucket=bucket), f"head_bucket({bucket})")
+            except FileNotFoundError:
+                raise StorageError(f"S3 bucket {bucket!r} does not exist (at {self.describe()})") from None
+        self.list_dirs()
+
     def _retry(self, fn: Callable[[], T], what: str) -> T:
         return retry(fn, what=what, retries=self.options.retries)
 
