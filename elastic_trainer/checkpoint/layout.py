@@ -40,6 +40,8 @@ def verify(c: Candidate) -> str | None:
     """None when ``c`` is committed and complete, else the reason it is not usable."""
     if c.manifest is None:
         return "uncommitted (no manifest)"
+    if "unreadable" in c.manifest:
+        return f"manifest unreadable: {c.manifest['unreadable']}"
     if c.manifest.get("step") != c.step:
         return f"manifest step {c.manifest.get('step')} does not match directory {c.name}"
     expected = c.manifest.get("files")

@@ -39,7 +39,7 @@ from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
 from .. import faults
-from . import layout
+from . import layout, scan
 
 logger = logging.getLogger(__name__)
 
@@ -115,25 +115,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------ discovery
     def discover(self) -> list[layout.Candidate]:
         """Every ``step-*`` directory with its manifest (if any) and its files. Rank 0 only."""
-        out = []
-        for name in self.storage.list_dirs():
-            step = layout.parse_step_dir(name)
-            if step is None:
-                continue
-            d = self.storage.join(name)
-            files = self.storage.list_files(d)
-            manifest = None
-            if layout.MANIFEST in files:
-                try:
-                    manifest = self.storage.read_json(self.storage.join(name, layout.MANIFEST))
-                except (ValueError, OSError) as e:
-                    logger.warning("unreadable manifest in %s: %s", name, e)
-                    manifest = {"unreadable": str(e)}
-            out.append(layout.Candidate(step, name, manifest, {k: v for k, v in files.items() if k != layout.MANIFEST}))
-        return out
+        return scan.scan(self.storage)
 
     def _ignored_entries(self) -> list[str]:
-        return [n for n in self.storage.list_dirs() if layout.parse_step_dir(n) is None]
+        return scan.ignored_entries(self.storage)
 
     # ------------------------------------------------------------------ load
     def _broadcast(self, obj: Any) -> Any:

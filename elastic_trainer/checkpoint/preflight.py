@@ -10,7 +10,7 @@ import torch
 from ..config import Config
 from ..errors import CheckpointMismatchError, ConfigError, StorageError
 from ..storage.fs import open_storage
-from . import layout
+from . import layout, scan
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +53,7 @@ def preflight(cfg: Config) -> int | None:
         raise ConfigError("checkpoint.dir", f"cannot access {c.dir}: {type(e).__name__}: {e}") from None
     if c.resume == "none":
         return None
-    candidates = []
-    for name in names:
-        step = layout.parse_step_dir(name)
-        if step is None:
-            continue
-        files = storage.list_files(storage.join(name))
-        manifest = None
-        if layout.MANIFEST in files:
-            try:
-                manifest = storage.read_json(storage.join(name, layout.MANIFEST))
-            except (ValueError, OSError):
-                manifest = None
-        candidates.append(layout.Candidate(step, name, manifest, {k: v for k, v in files.items() if k != layout.MANIFEST}))
+    candidates = scan.scan(storage, names)
     sel = layout.select_for_resume(candidates, c.resume)
     if c.resume != "latest" and sel.chosen is None:
         reason = sel.skipped[0][1] if sel.skipped else "not found"

@@ -10,25 +10,16 @@ import torch
 
 from ..errors import CheckpointError
 from ..storage.fs import open_storage
-from . import layout
+from . import layout, scan
 
 
 def list_checkpoints(uri: str, endpoint_url: str = "") -> list[dict[str, Any]]:
     """One row per ``step-*`` directory, newest last: step, world size, bytes, committed, valid."""
     storage = open_storage(uri, endpoint_url)
     rows = []
-    for name in storage.list_dirs():
-        step = layout.parse_step_dir(name)
-        if step is None:
-            continue
-        files = storage.list_files(storage.join(name))
-        manifest = None
-        if layout.MANIFEST in files:
-            try:
-                manifest = storage.read_json(storage.join(name, layout.MANIFEST))
-            except (ValueError, OSError):
-                manifest = None
-        cand = layout.Candidate(step, name, manifest, {k: v for k, v in files.items() if k != layout.MANIFEST})
+    for cand in scan.scan(storage):
+        step, manifest = cand.step, cand.manifest
+        files = cand.files
         problem = layout.verify(cand)
         rows.append(
             {

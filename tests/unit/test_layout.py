@@ -69,3 +69,9 @@ def test_should_save(step, total, interval, time_due, preempt, expected):
 def test_manifest_contents():
     m = layout.build_manifest(step=7, world_size=2, mesh_shape=[2], files={"b": 2, "a": 1}, created=1.0, torch_version="x", fingerprint="f")
     assert m["total_bytes"] == 3 and list(m["files"]) == ["a", "b"] and m["world_size"] == 2 and m["config_fingerprint"] == "f"
+
+
+def test_unreadable_manifest_is_skipped_not_trusted():
+    c = Candidate(5, "step-00000005", {"unreadable": "Expecting value"}, {".metadata": 5})
+    assert "manifest unreadable" in layout.verify(c)
+    assert layout.select_for_resume([c, cand(3)], "latest").chosen.step == 3
