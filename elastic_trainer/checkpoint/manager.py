@@ -17,6 +17,9 @@ written. Rank 0 then lists the step directory and writes ``manifest.json`` (the 
 in one atomic PUT/rename, emits ``checkpoint_committed`` and applies retention. A save whose
 future fails is never committed: ``checkpoint_failed`` is emitted and training goes on with
 the previous commit as the latest.
+
+DCP reports a failed save or load as ``CheckpointException``, a ``BaseException``: it is
+caught explicitly next to ``Exception`` wherever a DCP future or call is awaited.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..config import CheckpointConfig
@@ -156,7 +160,7 @@ class CheckpointManager:
         faults.maybe_inject("kill_in_load", step)
         try:
             dcp.load(self.states, storage_reader=self.storage.dcp_reader(path), process_group=self.group)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
             raise CheckpointError(f"loading {path} failed: {type(e).__name__}: {e}") from e
         seconds = time.monotonic() - t0
         self.loaded_step = step
@@ -236,11 +240,16 @@ class CheckpointManager:
         self.metrics.histogram("elastic_trainer_checkpoint_wait_previous_seconds", stats.wait_previous)
         path = self.storage.join(layout.step_dir_name(step))
         if self.rank == 0:
-            # Never leave an old commit marker over shards about to be replaced.
+            # Never leave an old commit marker over shards about to be replaced. If storage
+            # cannot tell, go on: every rank is entering the save's collectives, and a save that
+            # completes writes a fresh manifest (one that fails is reported by _commit).
             manifest_path = self.storage.join(layout.step_dir_name(step), layout.MANIFEST)
-            if self.storage.exists(manifest_path):
-                self.storage.delete_tree(path)
-            self.storage.makedirs(path)
+            try:
+                if self.storage.exists(manifest_path):
+                    self.storage.delete_tree(path)
+                self.storage.makedirs(path)
+            except Exception as e:  # noqa: BLE001 - storage trouble must not stop training
+                logger.warning("before saving step %d: %s: %s", step, type(e).__name__, e)
         writer = self.storage.dcp_writer(path)
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 1)
         t1 = time.monotonic()
@@ -249,7 +258,7 @@ class CheckpointManager:
             try:
                 dcp.save(self.states, storage_writer=writer, process_group=self.group)
                 fut.set_result(None)
-            except Exception as e:  # noqa: BLE001 - handled as a failed save
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - handled as a failed save
                 fut.set_exception(e)
             self._inflight = _InFlight(step, t1, None, fut)
         else:
@@ -281,7 +290,7 @@ class CheckpointManager:
         t0 = time.monotonic()
         try:
             inf.staging.result()
-        except Exception:  # noqa: BLE001 - the upload future carries the same failure
+        except (Exception, CheckpointException):  # noqa: BLE001 - the upload future carries the same failure
             logger.exception("staging of step %d failed", inf.step)
         waited = time.monotonic() - t0
         inf.staged_at = time.monotonic()
@@ -358,7 +367,7 @@ class CheckpointManager:
                 ok = bool(inf.commit.result(timeout=timeout))
         except TimeoutError:
             raise
-        except Exception as e:  # noqa: BLE001 - recorded by _commit on rank 0
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - recorded by _commit on rank 0
             if self.rank != 0:
                 logger.warning("checkpoint step %d failed on this rank: %s", inf.step, e)
             ok = False
