@@ -146,13 +146,19 @@ class Storage:
         An absent prefix is fine (a fresh run); on S3 an absent *bucket* is not: its listing is
         empty too, so without this check a run would start and only its first save would fail.
         """
-        if self.protocol == "s3":
-            bucket = self._p(self.root).split("/", 1)[0]
-            try:
-                self._retry(lambda: self.fs.call_s3("head_bucket", Bucket=bucket), f"head_bucket({bucket})")
-            except FileNotFoundError:
-                raise StorageError(f"S3 bucket {bucket!r} does not exist (at {self.describe()})") from None
-        self.list_dirs()
+        try:
+            if self.protocol == "s3":
+                bucket = self._p(self.root).split("/", 1)[0]
+                try:
+                    self._retry(lambda: self.fs.call_s3("head_bucket", Bucket=bucket), f"head_bucket({bucket})")
+                except FileNotFoundError:
+                    raise StorageError(f"S3 bucket {bucket!r} does not exist (at {self.describe()})") from None
+            self.list_dirs()
+        except StorageError as e:
+            if self.protocol == "s3" and isinstance(e.__cause__, PermissionError):
+                hint = "access denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and their rights on the bucket"
+                raise StorageError(f"{e} ({hint})") from e.__cause__
+            raise
 
     def _retry(self, fn: Callable[[], T], what: str) -> T:
         return retry(fn, what=what, retries=self.options.retries)
