@@ -23,7 +23,7 @@ from elastic_trainer.storage.fs import Storage, open_storage
 
 pytestmark = pytest.mark.timeout(180)
 
-BACKENDS = ["local", "file", "memory", "s3"]
+BACKENDS = ["local", "file", "memory", pytest.param("s3", marks=pytest.mark.s3)]
 
 
 def _s3_env(monkeypatch, server, secret: str | None = None) -> None:
@@ -50,6 +50,7 @@ def storage(request, tmp_path, monkeypatch) -> Storage:
 
 # ---------------------------------------------------------------------------- every backend
 def test_empty_root_lists_nothing(storage):
+    storage.check_access()  # an absent prefix is a fresh root, not an error
     assert storage.list_dirs() == []
     assert storage.list_files(storage.join("step-00000001")) == {}
     assert not storage.exists(storage.join("step-00000001", "manifest.json"))
@@ -102,10 +103,10 @@ def test_dcp_round_trip(storage):
 
 
 # ---------------------------------------------------------------------------- S3 only
-pytest_s3 = pytest.mark.s3
+s3_only = pytest.mark.s3
 
 
-@pytest_s3
+@s3_only
 def test_wrong_secret_is_a_permanent_error_without_retries(s3_server, s3_bucket, monkeypatch):
     secret = "wrong-" + uuid.uuid4().hex
     _s3_env(monkeypatch, s3_server, secret=secret)
@@ -122,7 +123,7 @@ def test_wrong_secret_is_a_permanent_error_without_retries(s3_server, s3_bucket,
     assert secret not in str(e.value) and secret not in s.describe()
 
 
-@pytest_s3
+@s3_only
 def test_missing_bucket_is_an_error_not_an_empty_root(s3_server, monkeypatch):
     """An empty listing of a bucket that does not exist would make the run start "fresh" and
     fail at its first save; the storage layer must say the bucket is missing instead."""
@@ -132,12 +133,9 @@ def test_missing_bucket_is_an_error_not_an_empty_root(s3_server, monkeypatch):
         s.check_access()
 
 
-@pytest_s3
-def test_check_access_passes_on_an_empty_prefix(storage):
-    storage.check_access()
 
 
-@pytest_s3
+@s3_only
 def test_transient_faults_are_absorbed(s3_server, s3_bucket, fault_proxy, monkeypatch):
     _s3_env(monkeypatch, s3_server)
     s = open_storage(f"s3://{s3_bucket}/x", endpoint_url=fault_proxy.endpoint_url, timeout_seconds=8, retries=2)
@@ -153,7 +151,7 @@ def test_transient_faults_are_absorbed(s3_server, s3_bucket, fault_proxy, monkey
     assert fault_proxy.pending == 0 and sum(fault_proxy.faulted.values()) == 7
 
 
-@pytest_s3
+@s3_only
 def test_permanent_outage_surfaces_within_a_bound_and_recovers(s3_server, s3_bucket, fault_proxy, monkeypatch):
     _s3_env(monkeypatch, s3_server)
     s = open_storage(f"s3://{s3_bucket}/x", endpoint_url=fault_proxy.endpoint_url, timeout_seconds=8, retries=1)
@@ -170,7 +168,7 @@ def test_permanent_outage_surfaces_within_a_bound_and_recovers(s3_server, s3_buc
     assert s.read_bytes(s.join("after")) == b"ok"
 
 
-@pytest_s3
+@s3_only
 def test_dcp_write_through_an_outage_fails_and_writes_no_metadata(s3_server, s3_bucket, fault_proxy, monkeypatch):
     """DCP reports it as ``CheckpointException``, a ``BaseException`` (not an ``Exception``):
     the checkpoint manager has to catch it by name."""

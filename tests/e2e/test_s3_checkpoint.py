@@ -18,11 +18,13 @@ import re
 import subprocess
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests import runs
+from tests.fixtures.faultproxy import FaultProxy
 from tests.fixtures.procs import free_port
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(240)]
@@ -87,14 +89,40 @@ def ref(tmp_path_factory, token_file) -> Path:
     return run
 
 
+@dataclass
+class S3Run:
+    tmp_path: Path
+    cfg: Path
+    run: Path
+    bucket: str
+    prefix: str
+    exit_code: int
+    faulted: dict
+    seen: dict
+    pending_faults: int
+
+
 @pytest.fixture(scope="module")
-def killed_run(tmp_path_factory, token_file, s3_server):
-    """An S3 run at world 2 whose rank 1 is SIGKILLed after the commit of step 10; the
-    agent restarts the group, which resumes from S3 and finishes. The endpoint comes from
-    ``checkpoint.s3_endpoint_url``, the credentials from the environment only."""
-    tmp_path = tmp_path_factory.mktemp("killed")
+def s3_run(tmp_path_factory, token_file, s3_server) -> S3Run:
+    """An S3 run at world 2 through a fault proxy: transient faults hit the save of step 5,
+    and rank 1 is SIGKILLed after the commit of step 10; the agent restarts the group, which
+    resumes from S3 and finishes. The endpoint comes from ``checkpoint.s3_endpoint_url``,
+    the credentials from the environment only. (One run serves several tests: each launch
+    costs ~15 s on a loaded machine.)"""
+    tmp_path = tmp_path_factory.mktemp("s3run")
     bucket, prefix = s3_server.make_bucket(), "jobs/kill"
-    cfg, run = _config(tmp_path, token_file, "run", f"s3://{bucket}/{prefix}", checkpoint={"s3_endpoint_url": s3_server.endpoint_url}, elastic={"max_restarts": 1})
+    host, port = s3_server.endpoint_url.rsplit("//", 1)[1].rsplit(":", 1)
+    proxy = FaultProxy((host, int(port)), fs_factory=s3_server.fs).start()
+    # Nothing is PUT before the first save, so these hit the save of step 5: three 503s, a
+    # dropped connection, then a request held past the read timeout (2 s with a storage
+    # timeout of 8 s).
+    proxy.fail_next(3, status=503, methods=("PUT",))
+    proxy.drop_next(1, methods=("PUT",))
+    proxy.delay_next(1, 3.0, methods=("PUT",))
+    cfg, run = _config(
+        tmp_path, token_file, "run", f"s3://{bucket}/{prefix}",
+        checkpoint={"s3_endpoint_url": proxy.endpoint_url, "storage_timeout_seconds": 8.0}, elastic={"max_restarts": 1},
+    )
     sup = runs.start_launch(cfg, env=_creds(s3_server))
     try:
         runs.wait_event(run, "checkpoint_committed", timeout=120, proc=sup, where=lambda r: r["step"] == 10)
@@ -104,12 +132,13 @@ def killed_run(tmp_path_factory, token_file, s3_server):
         code = sup.wait(timeout=150)
     finally:
         runs.stop(sup)
-    return tmp_path, cfg, run, bucket, prefix, code
+        proxy.stop()
+    return S3Run(tmp_path, cfg, run, bucket, prefix, code, dict(proxy.faulted), dict(proxy.seen), proxy.pending)
 
 
-def test_sigkill_and_resume_on_s3_is_bitwise_identical_to_local_disk(killed_run, ref, s3_server):
-    tmp_path, cfg, run, bucket, prefix, code = killed_run
-    s3_bucket, uri = bucket, f"s3://{bucket}/{prefix}"
+def test_sigkill_and_resume_on_s3_is_bitwise_identical_to_local_disk(s3_run, ref, s3_server):
+    tmp_path, cfg, run, s3_bucket, prefix, code = s3_run.tmp_path, s3_run.cfg, s3_run.run, s3_run.bucket, s3_run.prefix, s3_run.exit_code
+    uri = f"s3://{s3_bucket}/{prefix}"
     assert code == 0, cfg.with_suffix(".log").read_text()[-4000:]
     assert len(runs.read_events(run, "restart")) == 1
     (resume,) = runs.read_events(run, "resume")
@@ -143,11 +172,11 @@ def test_sigkill_and_resume_on_s3_is_bitwise_identical_to_local_disk(killed_run,
     _assert_no_secrets(s3_server, tmp_path, listed.stdout, listed.stderr, exp.stdout, exp.stderr)
 
 
-def test_resharding_resume_2_to_3_from_s3(tmp_path, token_file, ref, killed_run, s3_server, s3_bucket):
+def test_resharding_resume_2_to_3_from_s3(tmp_path, token_file, ref, s3_run, s3_server, s3_bucket):
     """World 3 resumes from the step-5 checkpoint the world-2 run wrote to S3 (copied within
     the server to a bucket of its own). The endpoint comes from the environment
     (AWS_ENDPOINT_URL_S3), not the config."""
-    _, _, _, src_bucket, src_prefix, _ = killed_run
+    src_bucket, src_prefix = s3_run.bucket, s3_run.prefix
     prefix = "jobs/reshard"
     fs = s3_server.fs()
     src = f"{src_bucket}/{src_prefix}/step-00000005"
@@ -165,27 +194,24 @@ def test_resharding_resume_2_to_3_from_s3(tmp_path, token_file, ref, killed_run,
     assert _committed(s3_server, s3_bucket, prefix) == [5, 10, 15, 20]
 
 
-def test_transient_storage_faults_during_a_save_are_absorbed(tmp_path, token_file, ref, s3_server, s3_bucket, fault_proxy):
-    prefix = "jobs/flaky"
-    cfg, run = _config(
-        tmp_path, token_file, "run", f"s3://{s3_bucket}/{prefix}",
-        checkpoint={"s3_endpoint_url": fault_proxy.endpoint_url, "storage_timeout_seconds": 8.0},
-    )
-    # Nothing is PUT before the first save, so these hit the save of step 5: three 503s, a
-    # dropped connection, then a request held past the read timeout (2 s here).
-    fault_proxy.fail_next(3, status=503, methods=("PUT",))
-    fault_proxy.drop_next(1, methods=("PUT",))
-    fault_proxy.delay_next(1, 3.0, methods=("PUT",))
-    _launch_ok(cfg, env=_creds(s3_server))
-    assert fault_proxy.pending == 0, "every armed fault was hit"
-    assert fault_proxy.faulted["PUT"] == 5 and fault_proxy.seen["PUT"] > 5
-    assert not runs.read_events(run, "checkpoint_failed")
+def test_transient_storage_faults_during_a_save_are_absorbed(s3_run, ref, s3_server):
+    """3x503, a dropped connection and a request held past the read timeout, all during the
+    save of step 5: it commits anyway, nothing is reported failed, losses are untouched."""
+    assert s3_run.exit_code == 0
+    assert s3_run.pending_faults == 0, "every armed fault was hit"
+    assert s3_run.faulted == {"PUT": 5} and s3_run.seen["PUT"] > 5
+    run = s3_run.run
+    # A save the SIGKILL of rank 1 interrupts (its collective breaks) may be reported failed;
+    # nothing before the kill may be.
+    (restart,) = runs.read_events(run, "restart")
+    failed = runs.read_events(run, "checkpoint_failed")
+    assert all(e["step"] > 10 and e["time"] <= restart["time"] for e in failed), failed
     commits = {r["step"]: r["seconds"] for r in runs.read_events(run, "checkpoint_committed")}
-    assert sorted(commits) == [5, 10, 15, 20]
+    assert {5, 10, STEPS} <= set(commits)
     print(f"save of step 5 through 3x503 + drop + 3 s delay: {commits[5]:.2f}s; clean saves: "
-          + ", ".join(f"{commits[s]:.2f}s" for s in (10, 15, 20)))
-    assert _committed(s3_server, s3_bucket, prefix) == [5, 10, 15, 20]
-    assert runs.step_losses(run) == runs.step_losses(ref)
+          + ", ".join(f"{commits[s]:.2f}s" for s in sorted(commits) if s != 5))
+    assert 5 in _committed(s3_server, s3_run.bucket, s3_run.prefix)
+    assert all(v == runs.step_losses(ref)[s] for s, v in runs.step_losses(run).items())
 
 
 def _scrape(port: int) -> str:
