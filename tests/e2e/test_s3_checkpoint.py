@@ -62,12 +62,16 @@ def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def _texts_of_run(tmp_path: Path) -> dict[str, str]:
-    """Every text output a run leaves beside the checkpoints: launch logs, configs, events,
-    torch error files, PREEMPTED markers (binary checkpoint data excluded)."""
+    """Every text a run leaves: launch logs, configs, events, markers under ``tmp_path``
+    (binary checkpoint data excluded), and the torch error files its events point to."""
     out = {}
     for p in tmp_path.rglob("*"):
         if p.is_file() and p.suffix not in (".distcp", ".bin", ".safetensors") and p.stat().st_size < 50_000_000:
             out[str(p)] = p.read_bytes().decode("utf-8", errors="replace")
+    for events in tmp_path.rglob("events.jsonl"):
+        for path in re.findall(r'"error_file": "([^"]+)"', events.read_text()):
+            if Path(path).is_file():
+                out[path] = Path(path).read_text(errors="replace")
     return out
 
 
@@ -254,6 +258,7 @@ def test_permanent_outage_fails_saves_visibly_while_training_goes_on(tmp_path, t
     assert sorted(failed) == [10, 15, 20]
     assert all(r["seconds"] < OUTAGE_FAILURE_BOUND_S for r in failed.values())
     assert latency < OUTAGE_FAILURE_BOUND_S + 10
+    assert t_exit < 3 * OUTAGE_FAILURE_BOUND_S, "three failing saves, then the job must end"
     assert "checkpoint step 10 failed, not committed" in log  # rank 0, with the error
     assert "checkpoint step 10 failed on this rank" in log  # rank 1 got the failure too: nobody hangs
     assert _failures_metric(metrics) >= 1, [l for l in metrics.splitlines() if "save_failures" in l]
@@ -293,4 +298,5 @@ def test_bad_credentials_or_missing_bucket_stop_launch_before_any_worker(tmp_pat
     assert elapsed < 60
     for where, text in _texts_of_run(tmp_path).items():
         assert env["AWS_SECRET_ACCESS_KEY"] not in text and s3_server.secret_key not in text, f"secret leaked into {where}"
-    assert not s3_server.fs().exists(f"{bucket}/jobs/x") if problem == "wrong_secret" else True
+    if problem == "wrong_secret":
+        assert not s3_server.fs().find(bucket), "nothing may be written with refused credentials"
