@@ -250,7 +250,7 @@ class CheckpointManager:
                 self.storage.makedirs(path)
             except Exception as e:  # noqa: BLE001 - storage trouble must not stop training
                 logger.warning("before saving step %d: %s: %s", step, type(e).__name__, e)
-        writer = self.storage.dcp_writer(path)
+        writer = _without_crc32(self.storage.dcp_writer(path))
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 1)
         t1 = time.monotonic()
         if self.cfg.mode == "sync":
@@ -402,6 +402,30 @@ class CheckpointManager:
             self._stager = None
         if self._commit_pool is not None:
             self._commit_pool.shutdown(wait=True)
+
+
+def _without_crc32(writer):
+    """Make ``writer.write_data`` serialise without the zip CRC32s nobody reads.
+
+    DCP writes every tensor with ``torch.save``, whose zip writer computes a CRC32 of the data.
+    Measured on 2 CPUs (2 ranks, 556 MB shard each, 8 interleaved saves): 0.81 CPU-seconds per
+    rank with it, 0.46 without, CPU an async save's upload takes from training. Neither ``torch.load`` nor DCP's reader
+    verifies it (a shard's integrity check is the manifest's sizes). The switch is
+    process-wide, so it is off only while this writer writes, in the save's own thread; the
+    training thread does not ``torch.save`` meanwhile.
+    """
+    write_data = writer.write_data
+
+    def write_data_without_crc32(plan, planner):
+        previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            return write_data(plan, planner)
+        finally:
+            torch.serialization.set_crc32_options(previous)
+
+    writer.write_data = write_data_without_crc32
+    return writer
 
 
 def _chain(src: Future, dst: Future | None) -> None:
