@@ -1,0 +1,348 @@
+"""Training-loop stall per checkpoint: async save vs synchronous DCP vs full state dict (issue #3).
+
+    python bench/checkpoint_stall.py [--rounds 3] [--every 20] [--dim 768 --layers 13]
+                                     [--seq-len 64 --global-batch 2] [--json-out F]
+
+One run, 2 gloo ranks in-process (``tests/dist/harness.py``, no elastic agent). Each rank builds
+the demo GPT exactly as ``elastic_trainer.worker.main`` does (FSDP2 over the mesh, deterministic
+init, AdamW, LambdaLR, a separate gloo group for checkpoints, the real ``CheckpointManager`` and
+``Trainer.train_step`` on the demo byte data), scaled up so that params + AdamW moments are
+>= 1 GiB across the ranks. Checkpoints go to a local temp dir, removed at the end.
+
+Measured per round, interleaved so every method sees the same machine load:
+
+* ``A``  ``--every`` training steps, no checkpoint;
+* ``B``  ``--every`` training steps with one async save after the first of them, as
+  ``Trainer.run`` does it, then ``finish()`` (in steady state that wait is the next save's
+  ``wait_previous``), so ``A/B`` is the throughput with a checkpoint every ``--every`` steps
+  divided by the throughput without;
+* (a) async stall = the time the training thread was blocked by that save: ``save()`` (waiting
+  for the previous save + ``dcp.async_save`` returning) + ``wait_for_staging()`` before the next
+  ``optimizer.step``;
+* (b) synchronous ``dcp.save`` of the same ``Stateful`` objects with the project's storage
+  writer as torch runs it (zip CRC32s on); (b') the same with the manager's writer (CRC32s off,
+  see ``checkpoint.manager._without_crc32``), side by side;
+* (c) ``get_state_dict(full_state_dict=True, cpu_offload=True)`` + ``torch.save`` (+ fsync,
+  as DCP's writer fsyncs) on rank 0 + barrier;
+* floor: one plain ``clone()`` of the rank's state (local param shards + ``exp_avg`` +
+  ``exp_avg_sq``), both ranks at once (as staging runs on both); also ``copy_`` into
+  preallocated buffers (what the stager does from the second save on, its buffers cached).
+
+Every number per checkpoint is the slowest rank's (the step is collective). Prints a Markdown
+table and the machine facts; ``--json-out`` keeps every sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import loadavg, machine_info, median, table  # noqa: E402
+
+
+def _rank_main(rank: int, world: int, o: dict) -> dict:
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from elastic_trainer.checkpoint.manager import CheckpointManager, _without_crc32
+    from elastic_trainer.checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState, TrainState
+    from elastic_trainer.config import config_from_dict
+    from elastic_trainer.events import EventLog
+    from elastic_trainer.metrics.sink import NullSink
+    from elastic_trainer.storage.fs import open_storage
+    from elastic_trainer.worker import parallel
+    from elastic_trainer.worker.data import StepBatches
+    from elastic_trainer.worker.model_factory import build_model_spec, initialise_buffers
+    from elastic_trainer.worker.sources import open_source
+    from elastic_trainer.worker.train_loop import Trainer, lr_lambda
+
+    work = o["work"]
+    cfg = config_from_dict(
+        {
+            "run": {"dir": os.path.join(work, "run")},
+            "model": {"vocab_size": 256, "seq_len": o["seq_len"], "dim": o["dim"], "n_layers": o["layers"], "n_heads": o["heads"], "mlp_ratio": 4},
+            "data": {"path": o["data"], "dtype": "uint16"},
+            "train": {"steps": 1_000_000, "global_batch_size": o["global_batch"], "micro_batch_size": o["micro_batch"], "seed": 1234, "lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 10, "log_every": 1_000_000},
+            "checkpoint": {"dir": os.path.join(work, "ckpt"), "interval_steps": o["every"], "keep_last": 1, "mode": "async"},
+        }
+    )
+    # --- exactly the worker's build (elastic_trainer/worker/main.py: build_and_train) -----------
+    d = parallel.init_distributed(cfg.train, timeout_seconds=600)
+    with torch.device("meta"):
+        spec = build_model_spec(cfg.model)
+    model = spec.model
+    parallel.shard_model(model, d.mesh, parallel.mixed_precision_policy(cfg.train, d.device), parallel.resolve_shard_classes(model, spec.shard_modules))
+    model.to_empty(device=d.device)
+    parallel.deterministic_init(model, cfg.train.seed, spec.init_param)
+    initialise_buffers(model, spec.init_buffers)
+    t = cfg.train
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    batches = StepBatches(open_source(cfg), t.seed, t.global_batch_size, t.micro_batch_size, d.world_size, d.rank)
+    state = TrainState()
+    storage = open_storage(cfg.checkpoint.dir)
+    events = EventLog(os.path.join(work, "events.jsonl"), enabled=rank == 0)
+    states = {"model": ModelState(model), "optim": OptimizerState(model, optimizer), "lr_scheduler": SchedulerState(scheduler), "train": state, "rng": RNGState()}
+    ckpt = CheckpointManager(
+        cfg.checkpoint, storage, states, rank=d.rank, world_size=d.world_size, mesh_shape=list(d.mesh.shape),
+        group=d.ckpt_group, fingerprint=cfg.model_fingerprint(), events=events, metrics=NullSink(),
+    )
+    trainer = Trainer(cfg, model, optimizer, scheduler, batches, state, ckpt, EventLog(None), NullSink(), d.rank, d.world_size, d.device)
+    # ---------------------------------------------------------------------------------------
+
+    def local(x):
+        return x.to_local() if isinstance(x, DTensor) else x
+
+    def run_block(n: int, save: bool) -> dict:
+        """n steps as Trainer.run does them; with ``save``, one async save after the first."""
+        dist.barrier()
+        times, stats = [], None
+        c0 = time.process_time()
+        t0 = time.monotonic()
+        for i in range(n):
+            s0 = time.monotonic()
+            step = state.step + 1
+            trainer.train_step(step, False)
+            if save and i == 0:
+                stats = ckpt.save(step)
+            times.append(time.monotonic() - s0)
+        t_fin = time.monotonic()
+        if save:
+            ckpt.finish()
+        end = time.monotonic()
+        out = {"seconds": end - t0, "cpu_seconds": time.process_time() - c0, "step_times": times, "finish_wait": end - t_fin}
+        if stats is not None:
+            out.update(step=stats.step, wait_previous=stats.wait_previous, call=stats.call, staging_wait=stats.staging_wait, stall=stats.stall)
+        return out
+
+    def copy_floor() -> dict:
+        tensors = [local(p).detach() for p in model.parameters()]
+        for st in optimizer.state.values():
+            tensors += [local(st[k]) for k in ("exp_avg", "exp_avg_sq")]
+        nbytes = sum(x.numel() * x.element_size() for x in tensors)
+        dist.barrier()
+        t0 = time.monotonic()
+        clones = [x.clone() for x in tensors]
+        clone_s = time.monotonic() - t0
+        dist.barrier()
+        t0 = time.monotonic()
+        for c, x in zip(clones, tensors):
+            c.copy_(x)
+        copy_s = time.monotonic() - t0
+        del clones
+        return {"clone": clone_s, "copy_prealloc": copy_s, "bytes": nbytes}
+
+    def sync_save(r: int, crc: bool = True) -> float:
+        path = storage.join(f"sync-{r}-{crc}")
+        if rank == 0:
+            storage.makedirs(path)
+        dist.barrier()
+        t0 = time.monotonic()
+        writer = storage.dcp_writer(path) if crc else _without_crc32(storage.dcp_writer(path))
+        dcp.save(states, storage_writer=writer, process_group=d.ckpt_group)
+        dt = time.monotonic() - t0
+        dist.barrier()
+        if rank == 0:
+            storage.delete_tree(path)
+        return dt
+
+    def full_save(r: int) -> float:
+        path = os.path.join(work, f"full-{r}.pt")
+        dist.barrier()
+        t0 = time.monotonic()
+        msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            with open(path, "wb") as f:
+                torch.save({"model": msd, "optim": osd}, f)
+                f.flush()
+                os.fsync(f.fileno())
+        dist.barrier()
+        dt = time.monotonic() - t0
+        del msd, osd
+        if rank == 0:
+            os.remove(path)
+        return dt
+
+    res: dict = {"rank": rank}
+    res["params"] = sum(p.numel() for p in model.parameters())
+    res["local_param_bytes"] = parallel.local_param_bytes(model)
+    t0 = time.monotonic()
+    for _ in range(o["warmup_steps"]):
+        trainer.train_step(state.step + 1, False)
+    res["warmup_seconds"] = time.monotonic() - t0
+    # The first save allocates the stager's buffers and starts its threads: measured apart.
+    res["cold_save"] = run_block(2, save=True)
+    res["floor"] = [copy_floor() for _ in range(o["rounds"])]
+    res["rounds"] = []
+    for r in range(o["rounds"]):
+        rd = {}
+        for kind in ("AB" if r % 2 == 0 else "BA"):  # ABBA: slow drift in load hits both
+            rd[kind] = run_block(o["every"], save=kind == "B")
+        for crc in ((True, False) if r % 2 == 0 else (False, True)):
+            rd["sync" if crc else "sync_nocrc"] = sync_save(r, crc)
+        rd["full"] = full_save(r)
+        res["rounds"].append(rd)
+        if rank == 0:
+            print(f"round {r + 1}/{o['rounds']}: A {rd['A']['seconds']:.2f}s B {rd['B']['seconds']:.2f}s async stall {rd['B']['stall']:.3f}s "
+                  f"sync {rd['sync']:.2f}s sync-nocrc {rd['sync_nocrc']:.2f}s full {rd['full']:.2f}s", flush=True)
+    ckpt.close()
+    return res
+
+
+def summarise(ranks: list[dict], o: dict, info: dict) -> dict:
+    n = len(ranks[0]["rounds"])
+    worst = lambda f: [max(f(r, i) for r in ranks) for i in range(n)]  # noqa: E731 - slowest rank per sample
+    s = {
+        "async_stall": worst(lambda r, i: r["rounds"][i]["B"]["stall"]),
+        "async_call": worst(lambda r, i: r["rounds"][i]["B"]["call"]),
+        "async_staging_wait": worst(lambda r, i: r["rounds"][i]["B"]["staging_wait"]),
+        "async_wait_previous": worst(lambda r, i: r["rounds"][i]["B"]["wait_previous"]),
+        "sync": worst(lambda r, i: r["rounds"][i]["sync"]),
+        "sync_nocrc": worst(lambda r, i: r["rounds"][i]["sync_nocrc"]),
+        "full": worst(lambda r, i: r["rounds"][i]["full"]),
+        "floor_clone": worst(lambda r, i: r["floor"][i]["clone"]),
+        "floor_copy": worst(lambda r, i: r["floor"][i]["copy_prealloc"]),
+        "block_A": worst(lambda r, i: r["rounds"][i]["A"]["seconds"]),
+        "block_B": worst(lambda r, i: r["rounds"][i]["B"]["seconds"]),
+        "B_finish_wait": worst(lambda r, i: r["rounds"][i]["B"]["finish_wait"]),
+        "cpu_A": [sum(r["rounds"][i]["A"]["cpu_seconds"] for r in ranks) for i in range(n)],
+        "cpu_B": [sum(r["rounds"][i]["B"]["cpu_seconds"] for r in ranks) for i in range(n)],
+    }
+    m = {k: median(v) for k, v in s.items()}
+    ratios = {
+        "async_over_sync": m["async_stall"] / m["sync"],
+        "async_over_sync_nocrc": m["async_stall"] / m["sync_nocrc"],
+        "full_over_sync": m["full"] / m["sync"],
+        "async_over_floor": m["async_stall"] / m["floor_clone"],
+        "sync_over_floor": m["sync"] / m["floor_clone"],
+        "full_over_floor": m["full"] / m["floor_clone"],
+        "throughput_ckpt_over_none": m["block_A"] / m["block_B"],
+        "throughput_ckpt_over_none_totals": sum(s["block_A"]) / sum(s["block_B"]),
+        "per_round_throughput": [a / b for a, b in zip(s["block_A"], s["block_B"])],
+        "cpu_A_over_B": m["cpu_A"] / m["cpu_B"],
+    }
+    state_bytes = sum(r["floor"][0]["bytes"] for r in ranks)
+    steps_A = [x for r in ranks for rd in r["rounds"] for x in rd["A"]["step_times"]]
+    return {
+        "samples": s,
+        "median": m,
+        "ratios": ratios,
+        "model": {"params": ranks[0]["params"], "state_bytes_all_ranks": state_bytes, "state_bytes_per_rank": [r["floor"][0]["bytes"] for r in ranks],
+                  "dim": o["dim"], "layers": o["layers"], "seq_len": o["seq_len"], "global_batch": o["global_batch"], "micro_batch": o["micro_batch"]},
+        "step_seconds_median": median(steps_A),
+        "cold_save": {k: max(r["cold_save"].get(k, 0.0) for r in ranks) for k in ("call", "staging_wait", "stall", "seconds", "finish_wait")},
+        "info": info,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--every", type=int, default=20, help="steps per block; the async save cadence")
+    ap.add_argument("--dim", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=13)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--global-batch", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--warmup-steps", type=int, default=3)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--data", default=str(REPO / "runs/data/demo.bin"))
+    ap.add_argument("--workdir", default=None, help="parent of the temp checkpoint dir (default: the system temp dir)")
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+
+    from tests.dist.harness import run_ranks
+
+    if not os.path.exists(a.data):
+        import subprocess
+
+        subprocess.run([sys.executable, "-m", "elastic_trainer.cli", "data", "build", "--out", a.data], check=True, cwd=REPO)
+    info = machine_info()
+    info["loadavg_start"] = loadavg()
+    work = tempfile.mkdtemp(prefix="bench-ckpt-stall-", dir=a.workdir)
+    o = {"work": work, "data": a.data, "rounds": a.rounds, "every": a.every, "dim": a.dim, "layers": a.layers, "heads": a.heads,
+         "seq_len": a.seq_len, "global_batch": a.global_batch, "micro_batch": a.micro_batch, "warmup_steps": a.warmup_steps}
+    t0 = time.monotonic()
+    try:
+        ranks = run_ranks(_rank_main, a.world, o, timeout=1800)
+        committed = []
+        ev = Path(work) / "events.jsonl"
+        if ev.exists():
+            committed = [json.loads(x) for x in ev.read_text().splitlines() if '"checkpoint_committed"' in x]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    info["loadavg_end"] = loadavg()
+    info["wall_seconds"] = round(time.monotonic() - t0, 1)
+    info["command"] = " ".join([os.path.relpath(sys.executable, REPO) if sys.executable.startswith(str(REPO)) else "python", *sys.argv])
+    out = summarise(ranks, o, info)
+    out["async_save_seconds_to_commit"] = [c.get("seconds") for c in committed]
+    print_report(out)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({"summary": out, "ranks": ranks}, indent=1))
+    return 0
+
+
+def print_report(out: dict) -> None:
+    m, r, mod, info = out["median"], out["ratios"], out["model"], out["info"]
+    s = out["samples"]
+    fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    print()
+    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), {info['mem_total_gib']} GiB, torch {info['torch']}, python {info['python']}")
+    print(f"load average start {info['loadavg_start'][0]:.2f}/{info['loadavg_start'][1]:.2f}/{info['loadavg_start'][2]:.2f}, "
+          f"end {info['loadavg_end'][0]:.2f}/{info['loadavg_end'][1]:.2f}/{info['loadavg_end'][2]:.2f}; wall {info['wall_seconds']}s")
+    print(f"model: {mod['params'] / 1e6:.1f}M params (dim {mod['dim']}, {mod['layers']} layers), seq {mod['seq_len']}, global batch {mod['global_batch']}; "
+          f"state (params + exp_avg + exp_avg_sq) {mod['state_bytes_all_ranks'] / 1e9:.3f} GB across ranks "
+          f"({', '.join(f'{b / 1e6:.0f}' for b in mod['state_bytes_per_rank'])} MB per rank); median step {out['step_seconds_median']:.3f}s")
+    print(f"command: {info['command']}")
+    print()
+    rows = [
+        ["(a) async save (ours): save() + wait_for_staging()", f"{m['async_stall']:.3f}", fmt(s["async_stall"]), f"{r['async_over_sync']:.3f}", f"{r['async_over_floor']:.2f}"],
+        ["  of which save() call", f"{m['async_call']:.3f}", fmt(s["async_call"]), "", ""],
+        ["  of which wait_for_staging()", f"{m['async_staging_wait']:.3f}", fmt(s["async_staging_wait"]), "", ""],
+        ["(b) synchronous dcp.save (torch default: zip CRC32s)", f"{m['sync']:.3f}", fmt(s["sync"]), "1.000", f"{r['sync_over_floor']:.2f}"],
+        ["(b') synchronous dcp.save, manager's writer (no CRC32)", f"{m['sync_nocrc']:.3f}", fmt(s["sync_nocrc"]), f"{m['sync_nocrc'] / m['sync']:.3f}", f"{m['sync_nocrc'] / m['floor_clone']:.2f}"],
+        ["(c) full state dict + torch.save on rank 0", f"{m['full']:.3f}", fmt(s["full"]), f"{r['full_over_sync']:.3f}", f"{r['full_over_floor']:.2f}"],
+        ["floor: clone() of a rank's state", f"{m['floor_clone']:.3f}", fmt(s["floor_clone"]), f"{m['floor_clone'] / m['sync']:.3f}", "1.00"],
+        ["  copy_() into preallocated buffers", f"{m['floor_copy']:.3f}", fmt(s["floor_copy"]), "", f"{m['floor_copy'] / m['floor_clone']:.2f}"],
+    ]
+    print(table(["training thread blocked per checkpoint", "median s", "samples s", "÷ sync", "÷ copy floor"], rows))
+    print()
+    rows = [
+        [f"{out['model']['global_batch']}×{out['model']['seq_len']} tokens/step, block of steps without checkpoint (A)", f"{m['block_A']:.2f}", fmt(s["block_A"])],
+        ["same block with one async checkpoint (B), incl. finish()", f"{m['block_B']:.2f}", fmt(s["block_B"])],
+        ["  of which finish() at block end", f"{m['B_finish_wait']:.2f}", fmt(s["B_finish_wait"])],
+        ["CPU seconds (both ranks, all threads) in A", f"{m['cpu_A']:.2f}", fmt(s["cpu_A"])],
+        ["CPU seconds (both ranks, all threads) in B", f"{m['cpu_B']:.2f}", fmt(s["cpu_B"])],
+    ]
+    print(table(["throughput", "median s", "samples s"], rows))
+    print()
+    print(f"throughput with a checkpoint every block ÷ without: {r['throughput_ckpt_over_none']:.3f} (medians), "
+          f"{r['throughput_ckpt_over_none_totals']:.3f} (totals), per round {fmt(r['per_round_throughput'])}")
+    print(f"CPU time without ÷ with a checkpoint (load-independent view of the same ratio): {r['cpu_A_over_B']:.3f}")
+    print(f"effective cost per checkpoint (B − A, medians): {m['block_B'] - m['block_A']:.2f}s; "
+          f"async save to commit (s): {fmt([x for x in out['async_save_seconds_to_commit'] if x is not None])}")
+    cs = out["cold_save"]
+    print(f"first (cold) async save, not in the medians: stall {cs['stall']:.3f}s (call {cs['call']:.3f}, staging wait {cs['staging_wait']:.3f})")
+    print()
+    print(f"targets: async ≤ 0.05 × sync: {r['async_over_sync']:.3f} (÷ sync without CRC32s: {r['async_over_sync_nocrc']:.3f}) {'met' if r['async_over_sync'] <= 0.05 else 'MISSED'}; "
+          f"async ≤ 2 × floor: {r['async_over_floor']:.2f} {'met' if r['async_over_floor'] <= 2 else 'MISSED'}; "
+          f"throughput ratio ≥ 0.97: {r['throughput_ckpt_over_none']:.3f} {'met' if r['throughput_ckpt_over_none'] >= 0.97 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

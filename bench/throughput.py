@@ -1,0 +1,224 @@
+"""Demo throughput (tokens/s) at 1 and 2 workers, and peak memory per rank (issue #2).
+
+    python bench/throughput.py [--steps 120] [--max-seconds 90] [--repeats 3] [--variants 1,2,1:omp1]
+                               [--config configs/demo-cpu.toml] [--set k=v ...] [--json-out F]
+
+Each run is the user's command, unchanged but for a scratch run/checkpoint dir and the step count:
+
+    elastic-trainer launch configs/demo-cpu.toml --nproc-per-node N \
+        --set train.steps=S --set run.dir=D --set checkpoint.dir=D/ckpt
+
+(checkpoints stay on, every ``checkpoint.interval_steps`` as in the demo), in the caller's
+environment. A variant ``N:ompK`` runs N workers with ``OMP_NUM_THREADS=K`` exported (torchrun
+exports ``OMP_NUM_THREADS=1`` itself only when ``nproc_per_node > 1``, so a single worker
+otherwise runs torch's default thread pool). The variants' order is reversed every repeat
+(ABBA) so slow drift in the machine's load hits all sides. A run still going after
+``--max-seconds`` is stopped with SIGTERM (the job checkpoints and exits 75) and measured on
+the steps it did.
+
+* tokens/s per step: the ``tokens_per_s`` of each ``step`` event in ``<run.dir>/events.jsonl``
+  (global tokens of the step / its wall time on rank 0), median over the steps after
+  ``--skip`` warm-up steps; then the median over the repeats.
+* wall tokens/s: global tokens of steps ``skip+1..S`` / time between their events; this one
+  includes what happens between steps (the async checkpoint calls).
+* peak RSS per rank: ``VmHWM`` (the kernel's high-water mark of resident memory) of each worker
+  process, read from ``/proc/PID/status`` every 0.2 s while it runs (the mark only grows, so the
+  last read is the peak up to at most 0.2 s before the process exits); the rank is read from
+  the process's ``RANK`` environment variable. Shared pages (torch's libraries) count in each
+  rank's RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import loadavg, machine_info, median, table, vm_hwm_bytes  # noqa: E402
+from tests import runs  # noqa: E402
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)
+
+
+def _threads(pid: int) -> int | None:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def parse_variant(v: str) -> tuple[int, str | None]:
+    n, _, omp = v.partition(":")
+    if omp and not omp.startswith("omp"):
+        raise SystemExit(f"--variants: expected N or N:ompK, got {v!r}")
+    return int(n), (omp[3:] or None) if omp else None
+
+
+def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[str], max_seconds: float) -> dict:
+    nproc, omp = parse_variant(variant)
+    work = Path(tempfile.mkdtemp(prefix=f"bench-tput-{nproc}w-"))
+    run_dir = work / "run"
+    cmd = [*runs.CLI, "launch", config, "--nproc-per-node", str(nproc), "--set", f"train.steps={steps}",
+           "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={run_dir / 'ckpt'}"]
+    for o in overrides:
+        cmd += ["--set", o]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    log = open(work / "launch.log", "ab")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+    peak: dict[int, int] = {}
+    rank_of: dict[int, int] = {}
+    worker_env: dict[str, str] = {}
+    threads: dict[int, int] = {}
+    sup_peak = 0
+    stopped = False
+    try:
+        while proc.poll() is None:
+            if not stopped and time.monotonic() - t0 > max_seconds:
+                proc.send_signal(signal.SIGTERM)  # the supervisor forwards it: checkpoint, exit 75
+                stopped = True
+            if time.monotonic() - t0 > max_seconds + 120:
+                raise TimeoutError(f"{variant} run did not stop after SIGTERM (log: {work / 'launch.log'})")
+            for pid in runs.worker_pids(proc.pid):
+                if pid not in rank_of:
+                    e = _environ(pid)
+                    if "RANK" in e:
+                        rank_of[pid] = int(e["RANK"])
+                        worker_env = {k: e.get(k, "") for k in ("OMP_NUM_THREADS", "WORLD_SIZE")}
+                hwm = vm_hwm_bytes(pid)
+                if hwm is not None and pid in rank_of:
+                    peak[pid] = max(peak.get(pid, 0), hwm)
+                    n = _threads(pid)
+                    if n:
+                        threads[pid] = max(threads.get(pid, 0), n)
+            sup_peak = max(sup_peak, vm_hwm_bytes(proc.pid) or 0)
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            runs.stop(proc)
+    wall = time.monotonic() - t0
+    if proc.returncode not in (0, 75) or (proc.returncode == 75) != stopped:
+        raise RuntimeError(f"{variant} run exited {proc.returncode} (log: {work / 'launch.log'})")
+    ev = runs.read_events(run_dir, "step")
+    by_step = {e["step"]: e for e in ev}
+    kept = [by_step[s] for s in sorted(by_step) if s > skip]
+    if len(kept) < 3:
+        raise RuntimeError(f"{variant}: only {len(by_step)} steps done in {max_seconds}s; raise --max-seconds or lower --skip")
+    tps = [e["tokens_per_s"] for e in kept]
+    first, last = by_step[skip], by_step[max(by_step)]
+    tokens = sum(e["tokens_per_s"] * e["step_time_s"] for e in kept)
+    if len({r for r in rank_of.values()}) != nproc:
+        raise RuntimeError(f"saw ranks {sorted(rank_of.values())} for {nproc} workers")
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return {
+        "variant": variant,
+        "nproc": nproc,
+        "stopped_early": stopped,
+        "tokens_per_s_median": median(tps),
+        "tokens_per_s_p10_p90": [statistics.quantiles(tps, n=10)[0], statistics.quantiles(tps, n=10)[-1]],
+        "wall_tokens_per_s": tokens / (last["time"] - first["time"]),
+        "step_time_median": median(e["step_time_s"] for e in kept),
+        "peak_rss_by_rank": {rank_of[p]: peak[p] for p in peak},
+        "threads_by_rank": {rank_of[p]: threads.get(p) for p in peak},
+        "supervisor_peak_rss": sup_peak,
+        "worker_env": worker_env,
+        "launch_wall_seconds": wall,
+        "steps": len(by_step),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/demo-cpu.toml")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--skip", type=int, default=10, help="warm-up steps left out of the statistics")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", default="1,2,1:omp1", help="worker counts, N or N:ompK (OMP_NUM_THREADS=K)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--max-seconds", type=float, default=90, help="stop a run (SIGTERM) after this long; measured on the steps done")
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+    data = REPO / "runs/data/demo.bin"
+    if not data.exists():
+        subprocess.run([*runs.CLI, "data", "build", "--out", str(data)], check=True, cwd=REPO, env=runs.env_for_tests())
+    variants = a.variants.split(",")
+    for v in variants:
+        parse_variant(v)
+    info = machine_info()
+    info["loadavg_start"] = loadavg()
+    info["command"] = " ".join(["python", *sys.argv])
+    t0 = time.monotonic()
+    results: list[dict] = []
+    for rep in range(a.repeats):
+        order = variants if rep % 2 == 0 else list(reversed(variants))
+        for v in order:
+            r = one_run(a.config, v, a.steps, a.skip, a.overrides, a.max_seconds)
+            r["repeat"] = rep
+            results.append(r)
+            print(f"repeat {rep + 1} {v} ({r['steps']} steps{', stopped' if r['stopped_early'] else ''}): {r['tokens_per_s_median']:,.0f} tok/s (step median), {r['wall_tokens_per_s']:,.0f} tok/s (wall), "
+                  f"peak RSS {', '.join(f'rank {k} {v / 2**20:.0f} MiB' for k, v in sorted(r['peak_rss_by_rank'].items()))}", flush=True)
+    info["loadavg_end"] = loadavg()
+    info["wall_seconds"] = round(time.monotonic() - t0, 1)
+    summary = {}
+    for v in variants:
+        n = parse_variant(v)[0]
+        rs = [r for r in results if r["variant"] == v]
+        summary[v] = {
+            "nproc": n,
+            "tokens_per_s": median(r["tokens_per_s_median"] for r in rs),
+            "tokens_per_s_runs": [r["tokens_per_s_median"] for r in rs],
+            "wall_tokens_per_s": median(r["wall_tokens_per_s"] for r in rs),
+            "step_time": median(r["step_time_median"] for r in rs),
+            "peak_rss_by_rank_max": {k: max(r["peak_rss_by_rank"][k] for r in rs) for k in range(n)},
+            "peak_rss_by_rank_median": {k: median(r["peak_rss_by_rank"][k] for r in rs) for k in range(n)},
+            "supervisor_peak_rss": max(r["supervisor_peak_rss"] for r in rs),
+            "worker_env": rs[0]["worker_env"],
+            "threads": rs[0]["threads_by_rank"],
+        }
+    print()
+    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), {info['mem_total_gib']} GiB, torch {info['torch']}, python {info['python']}")
+    print(f"load average start {'/'.join(f'{x:.2f}' for x in info['loadavg_start'])}, end {'/'.join(f'{x:.2f}' for x in info['loadavg_end'])}; wall {info['wall_seconds']}s")
+    print(f"command: {info['command']}  ({a.repeats} runs per worker count, {a.steps} steps each, first {a.skip} left out)")
+    print()
+    rows = []
+    base = summary[variants[0]]["tokens_per_s"]
+    for v in variants:
+        s = summary[v]
+        n = s["nproc"]
+        rss = ", ".join(f"{s['peak_rss_by_rank_max'][k] / 2**20:.0f}" for k in range(n))
+        rows.append([v, f"{s['tokens_per_s']:,.0f}", ", ".join(f"{x:,.0f}" for x in s["tokens_per_s_runs"]), f"{s['tokens_per_s'] / base:.2f}",
+                     f"{s['wall_tokens_per_s']:,.0f}", f"{s['step_time'] * 1000:.0f}", rss, f"{s['supervisor_peak_rss'] / 2**20:.0f}",
+                     s["worker_env"].get("OMP_NUM_THREADS") or "unset"])
+    print(table(["workers", "tokens/s (median)", "per run", f"÷ {variants[0]}", "wall tokens/s", "step ms", "peak RSS per rank MiB (max of runs)",
+                 "supervisor peak RSS MiB", "OMP_NUM_THREADS in worker"], rows))
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({"info": info, "summary": summary, "runs": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
