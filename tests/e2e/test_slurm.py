@@ -169,6 +169,7 @@ def test_usr1_warning_checkpoints_requeues_and_resumes_exactly(slurm, tmp_path, 
     assert got["step"] == pre["step"]
 
 
+@pytest.mark.soak
 def test_scontrol_requeue_checkpoints_within_killwait_and_resumes_exactly(slurm, tmp_path, token_file, reference):
     t0 = time.monotonic()
     job, run_dir = _submit(slurm, tmp_path, token_file)

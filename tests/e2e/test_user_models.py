@@ -140,7 +140,7 @@ def losses(run_dir: Path) -> list[float]:
     return [got[s] for s in range(1, STEPS + 1)]
 
 
-@pytest.mark.parametrize("source", ["memmap", "parquet"])
+@pytest.mark.parametrize("source", [pytest.param("memmap", marks=pytest.mark.soak), "parquet"])
 def test_world_size_invariance(runs, source):
     ref = losses(runs.baseline(source, 1))
     for world in (2, 3):
@@ -200,7 +200,7 @@ def test_export_loads_with_from_pretrained_and_matches_sharded_logits(runs, tmp_
     import torch
     from transformers import AutoModelForCausalLM
 
-    run_dir = runs.baseline("memmap", 2)
+    run_dir = runs.baseline("parquet", 2)
     cfg = run_dir / "config.toml"
     out = tmp_path / "hf"
     proc = subprocess.run(
