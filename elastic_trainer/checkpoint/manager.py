@@ -115,6 +115,7 @@ class CheckpointManager:
         self.loaded_step: int | None = None
         self.save_stats: list[SaveStats] = []
         self.failures = 0
+        self._committed_steps: set[int] | None = None  # rank 0, known after load()
 
     # ------------------------------------------------------------------ discovery
     def discover(self) -> list[layout.Candidate]:
@@ -173,6 +174,7 @@ class CheckpointManager:
         for name in self._ignored_entries():
             self.events.emit("checkpoint_ignored", path=name, reason="not a step-XXXXXXXX directory")
         sel = layout.select_for_resume(candidates, self.cfg.resume)
+        self._committed_steps = {c.step for c in candidates if c.manifest is not None}
         for step, reason in sel.skipped:
             logger.warning("skipping checkpoint step %d: %s", step, reason)
             self.events.emit("checkpoint_skipped", step=step, reason=reason)
@@ -243,10 +245,15 @@ class CheckpointManager:
             # Never leave an old commit marker over shards about to be replaced. If storage
             # cannot tell, go on: every rank is entering the save's collectives, and a save that
             # completes writes a fresh manifest (one that fails is reported by _commit).
+            # After load() rank 0 knows which steps are committed, so the common case costs no
+            # storage round trip on the training thread.
             manifest_path = self.storage.join(layout.step_dir_name(step), layout.MANIFEST)
             try:
-                if self.storage.exists(manifest_path):
+                known = self._committed_steps
+                if (step in known) if known is not None else self.storage.exists(manifest_path):
                     self.storage.delete_tree(path)
+                    if known is not None:
+                        known.discard(step)
                 self.storage.makedirs(path)
             except Exception as e:  # noqa: BLE001 - storage trouble must not stop training
                 logger.warning("before saving step %d: %s: %s", step, type(e).__name__, e)
@@ -332,6 +339,8 @@ class CheckpointManager:
             return False
         duration = time.monotonic() - inf.started
         self.last_committed_step = inf.step
+        if self._committed_steps is not None:
+            self._committed_steps.add(inf.step)
         self.events.emit("checkpoint_committed", step=inf.step, bytes=manifest["total_bytes"], seconds=round(duration, 4), world_size=self.world_size)
         self.metrics.histogram("elastic_trainer_checkpoint_save_duration_seconds", duration)
         self.metrics.counter("elastic_trainer_checkpoint_written_bytes_total", manifest["total_bytes"])
@@ -347,6 +356,8 @@ class CheckpointManager:
             protected = {self.last_committed_step} if self.last_committed_step is not None else set()
             for step in layout.retention_victims(committed, self.cfg.keep_last, self.cfg.keep_every, protected):
                 self.storage.delete_tree(self.storage.join(layout.step_dir_name(step)))
+                if self._committed_steps is not None:
+                    self._committed_steps.discard(step)
                 self.events.emit("checkpoint_deleted", step=step, reason="retention")
         except Exception as e:  # noqa: BLE001 - retention is best effort
             logger.warning("retention failed: %s", e)
