@@ -256,7 +256,7 @@ def test_renders_expected_kinds(tree: Path):
     if "pytorchjob" in tree.name:
         assert kinds == ["ConfigMap", "PodMonitor", "PyTorchJob"]
     else:
-        assert kinds == ["ConfigMap", "Job", "PodMonitor", "Service"]
+        assert kinds == ["ConfigMap", "Deployment", "Job", "PodMonitor", "Service", "Service"]
 
 
 # --------------------------------------------------------------------------- validation
@@ -496,7 +496,8 @@ def test_pytorchjob_elastic_policy(tree: Path):
 @pytest.mark.parametrize("tree", [t for t in TREES if "indexed-job" in t.name], ids=_rel)
 def test_indexed_job_rendezvous(tree: Path):
     objs = render(tree)
-    job, svc = one(objs, "Job"), one(objs, "Service")
+    job = one(objs, "Job")
+    svc = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "elastic-trainer")
     spec = job["spec"]
     assert spec["completionMode"] == "Indexed"
     assert spec["parallelism"] == spec["completions"]
@@ -520,7 +521,16 @@ def test_indexed_job_rendezvous(tree: Path):
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert RDZV_PORT in ports.values()
     args = c["args"]
-    assert arg_value(args, "--rdzv-endpoint") == f"$(JOB_NAME)-0.{svc['metadata']['name']}:{RDZV_PORT}"
+    # The rendezvous store runs outside every node (store Deployment + Service): agents join it.
+    store_svc = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "elastic-trainer-store")
+    store = next(o for o in objs if o["kind"] == "Deployment")
+    assert arg_value(args, "--rdzv-endpoint") == f"{store_svc['metadata']['name']}:{RDZV_PORT}"
+    assert arg_value(args, "--rdzv-conf") == "is_host=false"
+    store_c = store["spec"]["template"]["spec"]["containers"][0]
+    assert store_c["command"] == ["elastic-trainer"] and store_c["args"][:1] == ["store"]
+    assert arg_value(store_c["args"], "--port") == str(RDZV_PORT)
+    assert store_svc["spec"]["selector"] == store["spec"]["template"]["metadata"]["labels"]
+    assert store["spec"]["replicas"] == 1
     assert arg_value(args, "--nnodes") == "$(NNODES)"
     assert arg_value(args, "--rdzv-id") == "$(JOB_UID)"
     assert env["JOB_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/job-name']"
