@@ -95,6 +95,8 @@ class CheckpointManager:
         events: EventLog | None = None,
         metrics: MetricsSink | None = None,
         use_cuda_staging: bool = False,
+        async_mode: str = "thread",
+        upload_nice: int = 0,
     ):
         self.cfg = cfg
         self.storage = storage
@@ -109,6 +111,13 @@ class CheckpointManager:
         self._inflight: _InFlight | None = None
         self._stager = None
         self._use_cuda_staging = use_cuda_staging
+        # Where an async save's upload runs ("thread" or "process": a saver process per rank,
+        # spawned by the first save) and the CPU niceness of the thread that writes. Measured
+        # side by side in bench/checkpoint_stall.py --modes: neither beat the defaults (BENCHMARKS.md).
+        if async_mode not in ("thread", "process"):
+            raise ValueError(f"async_mode: expected thread or process, got {async_mode!r}")
+        self._async_mode = async_mode
+        self._upload_nice = upload_nice
         self._commit_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit") if rank == 0 else None
         self._lock = threading.Lock()
         self.last_committed_step: int | None = None
@@ -218,7 +227,9 @@ class CheckpointManager:
             self._stager = DefaultStager(
                 StagingOptions(
                     use_pinned_memory=cuda,
-                    use_shared_memory=False,
+                    # PROCESS mode pickles the staged state to the saver process: buffers in
+                    # shared memory travel as handles instead of being copied on every save.
+                    use_shared_memory=self._async_mode == "process",
                     use_async_staging=True,
                     use_non_blocking_copy=cuda,
                 )
@@ -258,6 +269,8 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001 - storage trouble must not stop training
                 logger.warning("before saving step %d: %s: %s", step, type(e).__name__, e)
         writer = _without_crc32(self.storage.dcp_writer(path))
+        if self._upload_nice and self.cfg.mode != "sync" and isinstance(writer, _NoCrc32Writes):  # never the training thread
+            writer.upload_nice = self._upload_nice
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 1)
         t1 = time.monotonic()
         if self.cfg.mode == "sync":
@@ -269,7 +282,12 @@ class CheckpointManager:
                 fut.set_exception(e)
             self._inflight = _InFlight(step, t1, None, fut)
         else:
-            resp = dcp.async_save(self.states, storage_writer=writer, process_group=self.group, async_stager=self._get_stager())
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            kind = AsyncCheckpointerType.PROCESS if self._async_mode == "process" else AsyncCheckpointerType.THREAD
+            resp = dcp.async_save(
+                self.states, storage_writer=writer, process_group=self.group, async_stager=self._get_stager(), async_checkpointer_type=kind
+            )
             staging = getattr(resp, "staging_completion", None)
             upload = getattr(resp, "upload_completion", resp)
             self._inflight = _InFlight(step, t1, staging, upload)
@@ -415,28 +433,76 @@ class CheckpointManager:
             self._commit_pool.shutdown(wait=True)
 
 
-def _without_crc32(writer):
-    """Make ``writer.write_data`` serialise without the zip CRC32s nobody reads.
+class _NoCrc32Writes:
+    """Mixin for DCP storage writers: ``write_data`` serialises without the zip CRC32s nobody reads.
 
     DCP writes every tensor with ``torch.save``, whose zip writer computes a CRC32 of the data.
     Measured on 2 CPUs (2 ranks, 556 MB shard each, 8 interleaved saves): 0.81 CPU-seconds per
     rank with it, 0.46 without, CPU an async save's upload takes from training. Neither ``torch.load`` nor DCP's reader
     verifies it (a shard's integrity check is the manifest's sizes). The switch is
     process-wide, so it is off only while this writer writes, in the save's own thread; the
-    training thread does not ``torch.save`` meanwhile.
+    training thread does not ``torch.save`` meanwhile. A real subclass (not a patched bound
+    method) so that the writer survives pickling to PROCESS-mode ``async_save``'s saver process.
     """
-    write_data = writer.write_data
 
-    def write_data_without_crc32(plan, planner):
+    upload_nice = 0  # > 0: lower the CPU priority of the thread that writes (experiment knob)
+
+    def write_data(self, plan, planner):
+        if self.upload_nice > 0:
+            import os
+
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.upload_nice)
+            except OSError:  # pragma: no cover - best effort
+                pass
         previous = torch.serialization.get_crc32_options()
         torch.serialization.set_crc32_options(False)
         try:
-            return write_data(plan, planner)
+            return super().write_data(plan, planner)
         finally:
             torch.serialization.set_crc32_options(previous)
 
-    writer.write_data = write_data_without_crc32
-    return writer
+
+def _no_crc32_class(base: type) -> type | None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if base is FileSystemWriter:
+        return _NoCrc32FileSystemWriter
+    try:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    except ImportError:  # pragma: no cover - fsspec missing
+        return None
+    if base is FsspecWriter:
+        return _NoCrc32FsspecWriter
+    return None
+
+
+def _without_crc32(writer):
+    """A copy of ``writer`` (same attributes) of the no-CRC32 subclass (see ``_NoCrc32Writes``).
+    Other writer types are returned unchanged."""
+    cls = _no_crc32_class(type(writer))
+    if cls is None:
+        return writer
+    new = cls.__new__(cls)
+    new.__dict__.update(writer.__dict__)
+    return new
+
+
+from torch.distributed.checkpoint import FileSystemWriter as _FileSystemWriter  # noqa: E402
+
+
+class _NoCrc32FileSystemWriter(_NoCrc32Writes, _FileSystemWriter):
+    pass
+
+
+try:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as _FsspecWriter
+
+    class _NoCrc32FsspecWriter(_NoCrc32Writes, _FsspecWriter):
+        pass
+
+except ImportError:  # pragma: no cover - fsspec missing
+    _NoCrc32FsspecWriter = None  # type: ignore[assignment,misc]
 
 
 def _chain(src: Future, dst: Future | None) -> None:
