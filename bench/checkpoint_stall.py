@@ -101,16 +101,31 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         cfg.checkpoint, storage, states, rank=d.rank, world_size=d.world_size, mesh_shape=list(d.mesh.shape),
         group=d.ckpt_group, fingerprint=cfg.model_fingerprint(), events=events, metrics=NullSink(),
     )
+    # --modes: one manager per upload variant, each in its own directory ("thread" is ``ckpt``).
+    managers = {}
+    for mode in o["modes"]:
+        if mode == "thread":
+            managers[mode] = ckpt
+            continue
+        async_mode, _, nice = mode.partition("-nice")
+        mcfg = dataclasses.replace(cfg.checkpoint, dir=os.path.join(work, f"ckpt-{mode}"))
+        managers[mode] = CheckpointManager(
+            mcfg, open_storage(mcfg.dir), states, rank=d.rank, world_size=d.world_size, mesh_shape=list(d.mesh.shape),
+            group=d.ckpt_group, fingerprint=cfg.model_fingerprint(), events=events, metrics=NullSink(),
+            async_mode=async_mode, upload_nice=int(nice or 0),
+        )
     trainer = Trainer(cfg, model, optimizer, scheduler, batches, state, ckpt, EventLog(None), NullSink(), d.rank, d.world_size, d.device)
     # ---------------------------------------------------------------------------------------
 
     def local(x):
         return x.to_local() if isinstance(x, DTensor) else x
 
-    def run_block(n: int, save: bool) -> dict:
+    def run_block(n: int, save: bool, mgr=None) -> dict:
         """n steps as Trainer.run does them; with ``save``, one async save after the first."""
+        mgr = mgr or ckpt
+        trainer.ckpt = mgr
         dist.barrier()
-        times, stats = [], None
+        times, stats, marks = [], None, {}
         c0 = time.process_time()
         t0 = time.monotonic()
         for i in range(n):
@@ -118,13 +133,18 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
             step = state.step + 1
             trainer.train_step(step, False)
             if save and i == 0:
-                stats = ckpt.save(step)
+                stats = mgr.save(step)
+                marks = {"save_returned": time.monotonic() - t0}
+                inf = mgr._inflight
+                for name, f in (("staged", inf.staging), ("uploaded", inf.upload)):
+                    if f is not None:
+                        f.add_done_callback(lambda _f, name=name: marks.__setitem__(name, time.monotonic() - t0))
             times.append(time.monotonic() - s0)
         t_fin = time.monotonic()
         if save:
-            ckpt.finish()
+            mgr.finish()
         end = time.monotonic()
-        out = {"seconds": end - t0, "cpu_seconds": time.process_time() - c0, "step_times": times, "finish_wait": end - t_fin}
+        out = {"seconds": end - t0, "cpu_seconds": time.process_time() - c0, "step_times": times, "finish_wait": end - t_fin, "marks": marks}
         if stats is not None:
             out.update(step=stats.step, wait_previous=stats.wait_previous, call=stats.call, staging_wait=stats.staging_wait, stall=stats.stall)
         return out
@@ -186,12 +206,22 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     res["warmup_seconds"] = time.monotonic() - t0
     # The first save allocates the stager's buffers and starts its threads: measured apart.
     res["cold_save"] = run_block(2, save=True)
+    res["cold_save_modes"] = {m: run_block(2, save=True, mgr=g) for m, g in managers.items() if m != "thread"}
     res["floor"] = [copy_floor() for _ in range(o["rounds"])]
     res["rounds"] = []
     for r in range(o["rounds"]):
         rd = {}
-        for kind in ("AB" if r % 2 == 0 else "BA"):  # ABBA: slow drift in load hits both
-            rd[kind] = run_block(o["every"], save=kind == "B")
+        kinds = ["A"] + [f"B:{m}" for m in o["modes"]]
+        kinds = kinds[r % len(kinds):] + kinds[:r % len(kinds)]  # rotate: slow drift in load hits all
+        for kind in kinds:
+            rd[kind] = run_block(o["every"], save=kind != "A", mgr=managers.get(kind[2:]))
+        rd["B"] = rd["B:" + o["modes"][0]]
+        if o["skip_sync"]:
+            rd["sync"] = rd["sync_nocrc"] = rd["full"] = float("nan")
+            res["rounds"].append(rd)
+            if rank == 0:
+                print(f"round {r + 1}/{o['rounds']}: " + " ".join(f"{k} {rd[k]['seconds']:.2f}s" for k in kinds), flush=True)
+            continue
         for crc in ((True, False) if r % 2 == 0 else (False, True)):
             rd["sync" if crc else "sync_nocrc"] = sync_save(r, crc)
         rd["full"] = full_save(r)
@@ -199,6 +229,8 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         if rank == 0:
             print(f"round {r + 1}/{o['rounds']}: A {rd['A']['seconds']:.2f}s B {rd['B']['seconds']:.2f}s async stall {rd['B']['stall']:.3f}s "
                   f"sync {rd['sync']:.2f}s sync-nocrc {rd['sync_nocrc']:.2f}s full {rd['full']:.2f}s", flush=True)
+    for g in managers.values():
+        g.close()
     ckpt.close()
     return res
 
@@ -222,6 +254,16 @@ def summarise(ranks: list[dict], o: dict, info: dict) -> dict:
         "cpu_A": [sum(r["rounds"][i]["A"]["cpu_seconds"] for r in ranks) for i in range(n)],
         "cpu_B": [sum(r["rounds"][i]["B"]["cpu_seconds"] for r in ranks) for i in range(n)],
     }
+    for mode in o["modes"]:
+        k = "B:" + mode
+        s[f"block_{k}"] = worst(lambda r, i: r["rounds"][i][k]["seconds"])
+        s[f"stall_{k}"] = worst(lambda r, i: r["rounds"][i][k]["stall"])
+        s[f"cpu_{k}"] = [sum(r["rounds"][i][k]["cpu_seconds"] for r in ranks) for i in range(n)]
+        # the step right after the save (index 1; the save follows step index 0) vs the block's median step
+        s[f"after_{k}"] = worst(lambda r, i: r["rounds"][i][k]["step_times"][1])
+        s[f"step_{k}"] = worst(lambda r, i: median(r["rounds"][i][k]["step_times"][2:]))
+    s["after_A"] = worst(lambda r, i: r["rounds"][i]["A"]["step_times"][1])
+    s["step_A"] = worst(lambda r, i: median(r["rounds"][i]["A"]["step_times"][2:]))
     m = {k: median(v) for k, v in s.items()}
     ratios = {
         "async_over_sync": m["async_stall"] / m["sync"],
@@ -234,6 +276,9 @@ def summarise(ranks: list[dict], o: dict, info: dict) -> dict:
         "throughput_ckpt_over_none_totals": sum(s["block_A"]) / sum(s["block_B"]),
         "per_round_throughput": [a / b for a, b in zip(s["block_A"], s["block_B"])],
         "cpu_A_over_B": m["cpu_A"] / m["cpu_B"],
+        "modes": {mode: {"throughput": m["block_A"] / m[f"block_B:{mode}"],
+                         "per_round": [a / b for a, b in zip(s["block_A"], s[f"block_B:{mode}"])],
+                         "cpu_A_over_B": m["cpu_A"] / m[f"cpu_B:{mode}"]} for mode in o["modes"]},
     }
     state_bytes = sum(r["floor"][0]["bytes"] for r in ranks)
     steps_A = [x for r in ranks for rd in r["rounds"] for x in rd["A"]["step_times"]]
@@ -263,6 +308,9 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--data", default=str(REPO / "runs/data/demo.bin"))
     ap.add_argument("--workdir", default=None, help="parent of the temp checkpoint dir (default: the system temp dir)")
+    ap.add_argument("--modes", default="thread",
+                    help="comma-separated upload variants measured side by side as B blocks: thread, process, thread-nice10, process-nice10")
+    ap.add_argument("--skip-sync", action="store_true", help="only the A/B blocks (no sync, full-state-dict or floor comparisons)")
     ap.add_argument("--json-out")
     a = ap.parse_args()
 
@@ -276,10 +324,11 @@ def main() -> int:
     info["loadavg_start"] = loadavg()
     work = tempfile.mkdtemp(prefix="bench-ckpt-stall-", dir=a.workdir)
     o = {"work": work, "data": a.data, "rounds": a.rounds, "every": a.every, "dim": a.dim, "layers": a.layers, "heads": a.heads,
-         "seq_len": a.seq_len, "global_batch": a.global_batch, "micro_batch": a.micro_batch, "warmup_steps": a.warmup_steps}
+         "seq_len": a.seq_len, "global_batch": a.global_batch, "micro_batch": a.micro_batch, "warmup_steps": a.warmup_steps,
+         "modes": a.modes.split(","), "skip_sync": a.skip_sync}
     t0 = time.monotonic()
     try:
-        ranks = run_ranks(_rank_main, a.world, o, timeout=1800)
+        ranks = run_ranks(_rank_main, a.world, o, timeout=1800, daemon=False)  # PROCESS mode spawns a saver
         committed = []
         ev = Path(work) / "events.jsonl"
         if ev.exists():
@@ -336,6 +385,14 @@ def print_report(out: dict) -> None:
     print(f"CPU time without ÷ with a checkpoint (load-independent view of the same ratio): {r['cpu_A_over_B']:.3f}")
     print(f"effective cost per checkpoint (B − A, medians): {m['block_B'] - m['block_A']:.2f}s; "
           f"async save to commit (s): {fmt([x for x in out['async_save_seconds_to_commit'] if x is not None])}")
+    if len(out["ratios"]["modes"]) > 1 or out["samples"].get("after_A"):
+        rows = [["A (no checkpoint)", f"{m['block_A']:.2f}", "1.000", "", "", f"{m['after_A']:.2f}", f"{m['step_A']:.2f}", f"{m['cpu_A']:.1f}"]]
+        for mode, x in out["ratios"]["modes"].items():
+            k = "B:" + mode
+            rows.append([mode, f"{m['block_' + k]:.2f}", f"{x['throughput']:.3f}", fmt(x["per_round"]), f"{m['stall_' + k]:.3f}",
+                         f"{m['after_' + k]:.2f}", f"{m['step_' + k]:.2f}", f"{m['cpu_' + k]:.1f}"])
+        print(table(["upload variant", "block s", "throughput ÷ A", "per round", "stall s", "step after save s", "other steps s", "CPU s"], rows))
+        print()
     cs = out["cold_save"]
     print(f"first (cold) async save, not in the medians: stall {cs['stall']:.3f}s (call {cs['call']:.3f}, staging wait {cs['staging_wait']:.3f})")
     print()

@@ -44,11 +44,12 @@ def _entry(fn, rank, world, port, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 120.0):
+def run_ranks(fn, world: int, *args, timeout: float = 120.0, daemon: bool = True):
+    """``daemon=False`` lets the ranks start processes of their own (PROCESS-mode ``async_save``)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue), daemon=daemon) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
