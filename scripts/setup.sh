@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Create .venv in the repo root and install everything: torch 2.13.0 first (the CPU build on
 # local disk here; never let pip pull a CUDA build), then the project with its test extras,
-# then the system components the tests start (Prometheus, SLURM, kustomize, hadolint) when
+# (extras test,hf: the tests also train a tiny transformers Llama), then the system components the tests start (Prometheus, SLURM, kustomize, hadolint) when
 # running as root. Idempotent.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-EXTRAS="${ELASTIC_TRAINER_EXTRAS:-test}"
+EXTRAS="${ELASTIC_TRAINER_EXTRAS:-test,hf}"
 PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
