@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv in the repo root and install everything: torch 2.13.0 first (the CPU build on
-# local disk here; never let pip pull a CUDA build), then the project with its test extras,
-# (extras test,hf: the tests also train a tiny transformers Llama), then the system components the tests start (Prometheus, SLURM, kustomize, hadolint) when
-# running as root. Idempotent.
+# local disk here; never let pip pull a CUDA build), then the project with its extras (test,hf:
+# the tests also train a tiny transformers Llama), then, when running as root, the system
+# components the tests start (Prometheus, SLURM, kustomize, hadolint). Idempotent.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
