@@ -59,16 +59,14 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from elastic_trainer.checkpoint.manager import CheckpointManager, _without_crc32
-    from elastic_trainer.checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState, TrainState
+    from elastic_trainer.checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState
     from elastic_trainer.config import config_from_dict
     from elastic_trainer.events import EventLog
     from elastic_trainer.metrics.sink import NullSink
     from elastic_trainer.storage.fs import open_storage
     from elastic_trainer.worker import parallel
-    from elastic_trainer.worker.data import StepBatches
-    from elastic_trainer.worker.model_factory import build_model_spec, initialise_buffers
-    from elastic_trainer.worker.sources import open_source
-    from elastic_trainer.worker.train_loop import Trainer, lr_lambda
+    from elastic_trainer.worker.main import build_training
+    from elastic_trainer.worker.train_loop import Trainer
 
     work = o["work"]
     cfg = config_from_dict(
@@ -82,18 +80,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     )
     # --- exactly the worker's build (elastic_trainer/worker/main.py: build_and_train) -----------
     d = parallel.init_distributed(cfg.train, timeout_seconds=600)
-    with torch.device("meta"):
-        spec = build_model_spec(cfg.model)
-    model = spec.model
-    parallel.shard_model(model, d.mesh, parallel.mixed_precision_policy(cfg.train, d.device), parallel.resolve_shard_classes(model, spec.shard_modules))
-    model.to_empty(device=d.device)
-    parallel.deterministic_init(model, cfg.train.seed, spec.init_param)
-    initialise_buffers(model, spec.init_buffers)
-    t = cfg.train
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    batches = StepBatches(open_source(cfg), t.seed, t.global_batch_size, t.micro_batch_size, d.world_size, d.rank)
-    state = TrainState()
+    model, optimizer, scheduler, batches, state = build_training(cfg, d)
     storage = open_storage(cfg.checkpoint.dir)
     events = EventLog(os.path.join(work, "events.jsonl"), enabled=rank == 0)
     states = {"model": ModelState(model), "optim": OptimizerState(model, optimizer), "lr_scheduler": SchedulerState(scheduler), "train": state, "rng": RNGState()}

@@ -69,12 +69,7 @@ def main() -> int:
                 next_kill += a.kill_every
             time.sleep(0.2)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                runs.stop(proc)
+        runs.stop_gracefully(proc)
     events = runs.read_events(run_dir)
     g = account(events)
     out = asdict(g)

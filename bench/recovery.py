@@ -98,12 +98,7 @@ def main() -> int:
             results.append(res)
             print(json.dumps({"kill": i + 1, **{k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}}), flush=True)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                runs.stop(proc)
+        runs.stop_gracefully(proc)
     steady = [e["step_time_s"] for e in runs.read_events(run_dir, "step")[5:]]
     med = {k: statistics.median(r[k] for r in results) for k in ("total", *PHASES, "dcp_load")}
     print("\n| phase | median seconds |\n|---|---|")

@@ -161,6 +161,17 @@ def kill(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
             pass
 
 
+def stop_gracefully(proc: subprocess.Popen, timeout: float = 120) -> None:
+    """SIGTERM a supervisor we started (preemption: it checkpoints and exits 75); kill it if it
+    has not exited within ``timeout``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+
+
 def stop(proc: subprocess.Popen, timeout: float = 20) -> None:
     """Stop a supervisor we started (its process group), then any of its workers left."""
     if proc.poll() is None:

@@ -36,27 +36,15 @@ def load_worker_config() -> Config:
     return config_from_dict(json.loads(raw))
 
 
-def build_and_train(cfg: Config, t_start: float) -> int:
-    import torch.distributed as dist
-
-    from ..checkpoint.manager import CheckpointManager
-    from ..checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState, TrainState
-    from ..metrics import factory as metrics_factory
-    from ..storage.fs import open_storage
+def build_training(cfg: Config, d):
+    """Model (meta build, FSDP2 bottom-up, world-size-independent init), AdamW, LR schedule,
+    this rank's batches and the train state: everything a rank trains with. All ranks."""
+    from ..checkpoint.state import TrainState
     from . import parallel
     from .data import StepBatches
     from .model_factory import build_model_spec, initialise_buffers
     from .sources import open_source
-    from .train_loop import PreemptionFlag, Trainer, lr_lambda
-
-    preempt = PreemptionFlag()
-    preempt.install()
-    d = parallel.init_distributed(cfg.train, timeout_seconds=cfg.elastic.hang_timeout_seconds)
-    check_world_size(cfg, d.world_size)
-    events = EventLog(os.path.join(cfg.run.dir, "events.jsonl"), enabled=d.rank == 0)
-    metrics = metrics_factory.worker_sink(cfg, rank=d.rank)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    metrics.gauge("elastic_trainer_world_size", d.world_size)
+    from .train_loop import lr_lambda
 
     with torch.device("meta"):
         spec = build_model_spec(cfg.model)
@@ -69,9 +57,30 @@ def build_and_train(cfg: Config, t_start: float) -> int:
     t = cfg.train
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    source = open_source(cfg)
-    batches = StepBatches(source, t.seed, t.global_batch_size, t.micro_batch_size, d.world_size, d.rank)
-    state = TrainState()
+    batches = StepBatches(open_source(cfg), t.seed, t.global_batch_size, t.micro_batch_size, d.world_size, d.rank)
+    return model, optimizer, scheduler, batches, TrainState()
+
+
+def build_and_train(cfg: Config, t_start: float) -> int:
+    import torch.distributed as dist
+
+    from ..checkpoint.manager import CheckpointManager
+    from ..checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState
+    from ..metrics import factory as metrics_factory
+    from ..storage.fs import open_storage
+    from . import parallel
+    from .train_loop import PreemptionFlag, Trainer
+
+    preempt = PreemptionFlag()
+    preempt.install()
+    d = parallel.init_distributed(cfg.train, timeout_seconds=cfg.elastic.hang_timeout_seconds)
+    check_world_size(cfg, d.world_size)
+    events = EventLog(os.path.join(cfg.run.dir, "events.jsonl"), enabled=d.rank == 0)
+    metrics = metrics_factory.worker_sink(cfg, rank=d.rank)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    metrics.gauge("elastic_trainer_world_size", d.world_size)
+
+    model, optimizer, scheduler, batches, state = build_training(cfg, d)
     storage = open_storage(cfg.checkpoint.dir, cfg.checkpoint.s3_endpoint_url, cfg.checkpoint.storage_timeout_seconds, cfg.checkpoint.storage_retries)
     ckpt = CheckpointManager(
         cfg.checkpoint,
