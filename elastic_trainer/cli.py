@@ -107,7 +107,7 @@ def _cmd_launch(a) -> int:
     from .data_check import check_data_source
 
     check_data_source(cfg)
-    from .checkpoint.preflight import preflight
+    from .preflight import preflight
 
     step = preflight(cfg)
     logger.info("preflight ok: %s", f"will resume from step {step}" if step is not None else "fresh start")

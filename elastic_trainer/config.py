@@ -82,6 +82,7 @@ class TrainConfig:
     mixed_precision: str = "auto"  # auto | fp32 | bf16
     device: str = "auto"  # auto | cpu | cuda
     log_every: int = 10
+    on_nonfinite: str = "stop"  # stop | rollback
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class CheckpointConfig:
     s3_endpoint_url: str = ""
     storage_timeout_seconds: float = 20.0
     storage_retries: int = 3
+    # Per-save deadline: a save still writing this long after it started no longer holds up
+    # training (the next save is skipped with checkpoint_failed). Storage time is never hang time.
+    save_timeout_seconds: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -322,6 +326,7 @@ def validate(cfg: Config) -> None:
     _require(t.mixed_precision in ("auto", "fp32", "bf16"), "train.mixed_precision", f"expected auto, fp32 or bf16, got {t.mixed_precision!r}")
     _require(t.device in ("auto", "cpu", "cuda"), "train.device", f"expected auto, cpu or cuda, got {t.device!r}")
     _require(t.log_every > 0, "train.log_every", "must be > 0")
+    _require(t.on_nonfinite in ("stop", "rollback"), "train.on_nonfinite", f"expected stop or rollback, got {t.on_nonfinite!r}")
     _require(bool(c.dir), "checkpoint.dir", "must not be empty")
     _require(c.interval_steps >= 0, "checkpoint.interval_steps", "must be >= 0 (0 disables step-based saves)")
     _require(c.interval_seconds >= 0, "checkpoint.interval_seconds", "must be >= 0 (0 disables time-based saves)")
@@ -331,6 +336,7 @@ def validate(cfg: Config) -> None:
     _require(c.preempt_grace_seconds > 0, "checkpoint.preempt_grace_seconds", "must be > 0")
     _require(c.storage_timeout_seconds > 0, "checkpoint.storage_timeout_seconds", "must be > 0")
     _require(c.storage_retries >= 0, "checkpoint.storage_retries", "must be >= 0")
+    _require(c.save_timeout_seconds > 0, "checkpoint.save_timeout_seconds", "must be > 0")
     if c.resume not in ("latest", "none"):
         _require(c.resume.isdigit(), "checkpoint.resume", f"expected 'latest', 'none' or a step number, got {c.resume!r}")
     from .storage.fs import check_uri  # local import: storage depends on errors only

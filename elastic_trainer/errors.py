@@ -37,3 +37,11 @@ class CheckpointMismatchError(CheckpointError, ValueError):
     def __init__(self, key: str, message: str):
         self.key = key
         super().__init__(f"checkpoint does not match the model at '{key}': {message}")
+
+
+class CheckpointIntegrityError(CheckpointError):
+    """Bytes read from (or about to be committed to) a checkpoint do not match their checksums."""
+
+
+class FencedError(CheckpointError):
+    """A newer launch owns the checkpoint root: this writer must not commit, clean or delete."""

@@ -9,7 +9,8 @@ Enabled only through ``ELASTIC_TRAINER_INJECT_FAULT``, a comma-separated list of
 * ``kill_in_save`` — SIGKILL rank R right after it starts the async save of step S;
 * ``kill_before_commit`` — SIGKILL rank 0 after every shard of step S is written but before
   the manifest is (the commit thread);
-* ``kill_in_load`` — SIGKILL rank R while it loads a checkpoint (before ``dcp.load`` returns).
+* ``kill_in_load`` — SIGKILL rank R while it loads a checkpoint (before ``dcp.load`` returns);
+* ``nan``     — make rank R's loss (and so its gradients) NaN at step S (non-finite guard tests).
 
 ``restart`` defaults to 0 (only the first incarnation). Never set this in production.
 """
@@ -21,7 +22,7 @@ import signal
 from dataclasses import dataclass
 
 ENV = "ELASTIC_TRAINER_INJECT_FAULT"
-KINDS = ("raise", "kill", "hang", "kill_in_save", "kill_before_commit", "kill_in_load")
+KINDS = ("raise", "kill", "hang", "kill_in_save", "kill_before_commit", "kill_in_load", "nan")
 
 
 @dataclass(frozen=True)
@@ -48,18 +49,23 @@ def _active() -> list[Fault]:
     return parse(spec) if spec else []
 
 
-def maybe_inject(kind: str, step: int) -> None:
-    """Trigger a configured fault of ``kind`` at ``step`` for this rank and incarnation."""
+def active(kind: str, step: int) -> bool:
+    """Whether a fault of ``kind`` is configured at ``step`` for this rank and incarnation."""
     faults = _active()
     if not faults:
-        return
+        return False
     rank = int(os.environ.get("RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    for f in faults:
-        if f.kind == kind and f.rank == rank and f.step == step and f.restart == restart:
-            if kind == "raise":
-                raise RuntimeError(f"injected failure on rank {rank} at step {step}")
-            if kind == "hang":
-                os.kill(os.getpid(), signal.SIGSTOP)
-                return
-            os.kill(os.getpid(), signal.SIGKILL)
+    return any(f.kind == kind and f.rank == rank and f.step == step and f.restart == restart for f in faults)
+
+
+def maybe_inject(kind: str, step: int) -> None:
+    """Trigger a configured fault of ``kind`` at ``step`` for this rank and incarnation."""
+    if not active(kind, step):
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected failure on rank {os.environ.get('RANK', '0')} at step {step}")
+    if kind == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    os.kill(os.getpid(), signal.SIGKILL)

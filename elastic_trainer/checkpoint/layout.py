@@ -1,29 +1,60 @@
-"""Pure functions: checkpoint naming, manifests, selection and retention. No I/O here.
+"""Pure functions: checkpoint naming, manifests, verification, selection and retention. No I/O.
 
-A checkpoint is the directory ``step-XXXXXXXX/`` under the checkpoint root. It counts
-(is *committed*) only when its ``manifest.json`` exists: rank 0 writes it after every rank's
-shard write and DCP's ``.metadata`` are complete. A committed checkpoint is *valid* when every
-file listed in the manifest exists with exactly the listed size.
+A checkpoint is a directory ``step-XXXXXXXX/`` (or ``step-XXXXXXXX.G/`` when that step's name
+is already taken by an older, abandoned or quarantined directory: committed directories are never
+rewritten) under the checkpoint root. It counts (is *committed*) only when its
+``manifest.json`` exists. Rank 0 writes the manifest after DCP's final gather, from what DCP
+reported writing: every file with its size and XXH3 checksum and the checksum of every item, checked
+against the storage listing. A committed checkpoint is *valid* when its manifest seals
+(self-checksum; HMAC too when a key is set), it is not quarantined, and every listed file exists
+with exactly the listed size. Names starting with ``_`` under the root are reserved
+(``_epochs/``, ``_events/``, ...) and never taken for checkpoints.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
+QUARANTINE = "quarantine.json"
+WRITER = ".writer.json"
+MANIFEST_VERSION = 2
+RESERVED_PREFIX = "_"
+_STEP_RE = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
+_SEAL_KEYS = ("checksum", "hmac")
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
+def step_dir_name(step: int, gen: int = 0) -> str:
+    return f"step-{step:08d}" + (f".{gen}" if gen else "")
+
+
+def parse_dir(name: str) -> tuple[int, int] | None:
+    """(step, generation) of a checkpoint directory name, None for anything else."""
+    m = _STEP_RE.match(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
 def parse_step_dir(name: str) -> int | None:
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
+    p = parse_dir(name)
+    return p[0] if p else None
+
+
+def next_dir_name(step: int, taken: set[str]) -> str:
+    """The directory a new save of ``step`` writes to: the plain name unless some directory
+    (committed, quarantined or leftover) already has it. Pure, so every rank computes the same."""
+    gen = 0
+    while step_dir_name(step, gen) in taken:
+        gen += 1
+    return step_dir_name(step, gen)
+
+
+def is_reserved(name: str) -> bool:
+    return name.startswith(RESERVED_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -34,18 +65,109 @@ class Candidate:
     name: str
     manifest: dict[str, Any] | None  # None: uncommitted
     files: dict[str, int]  # relative name -> size, as listed in storage
+    quarantine: dict[str, Any] | None = None
+    writer: dict[str, Any] | None = None  # who wrote an uncommitted directory (epoch)
+
+    @property
+    def gen(self) -> int:
+        p = parse_dir(self.name)
+        return p[1] if p else 0
 
 
-def verify(c: Candidate) -> str | None:
-    """None when ``c`` is committed and complete, else the reason it is not usable."""
+# ------------------------------------------------------------------------------- manifests
+def _canonical(manifest: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in manifest.items() if k not in _SEAL_KEYS}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(manifest: dict[str, Any], key: bytes | None) -> dict[str, Any]:
+    """The manifest with its self-checksum (catches corruption of the manifest itself) and, when
+    ``key`` is given, an HMAC-SHA256 over the same bytes (catches forgery)."""
+    out = {k: v for k, v in manifest.items() if k not in _SEAL_KEYS}
+    data = _canonical(out)
+    out["checksum"] = hashlib.sha256(data).hexdigest()
+    if key:
+        out["hmac"] = hmac.new(key, data, hashlib.sha256).hexdigest()
+    return out
+
+
+def seal_problem(manifest: dict[str, Any], key: bytes | None) -> str | None:
+    """None when the manifest's seal holds, else why not."""
+    data = _canonical(manifest)
+    if manifest.get("checksum") != hashlib.sha256(data).hexdigest():
+        return "manifest checksum mismatch (corrupted manifest)"
+    if key:
+        mac = manifest.get("hmac")
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, hmac.new(key, data, hashlib.sha256).hexdigest()):
+            return "manifest signature does not verify with ELASTIC_TRAINER_CHECKPOINT_KEY (unsigned or tampered): refused"
+    return None
+
+
+def build_manifest(
+    *,
+    step: int,
+    world_size: int,
+    mesh_shape: list[int],
+    files: dict[str, dict[str, Any]],
+    created: float,
+    torch_version: str,
+    fingerprint: str,
+    epoch: str = "",
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``files``: relative name -> {"size", "xxh3", "items": [[offset, length, xxh3], ...]}."""
+    return {
+        "version": MANIFEST_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "mesh_shape": mesh_shape,
+        "time": created,
+        "files": dict(sorted(files.items())),
+        "total_bytes": sum(int(f["size"]) for f in files.values()),
+        "torch_version": torch_version,
+        "config_fingerprint": fingerprint,
+        "epoch": epoch,
+        **(extra or {}),
+    }
+
+
+def file_sizes(manifest: dict[str, Any]) -> dict[str, int]:
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return {}
+    return {k: int(v["size"]) if isinstance(v, dict) else int(v) for k, v in files.items()}
+
+
+def commit_problem(expected: dict[str, dict[str, Any]], listed: dict[str, int]) -> str | None:
+    """Why a save cannot be committed: a file DCP reported writing is absent or of another size
+    in storage (e.g. another node's shard in a directory that is not shared). Pure."""
+    if ".metadata" not in expected:
+        return "no .metadata among the written files"
+    for rel, f in sorted(expected.items()):
+        if rel not in listed:
+            return f"file {rel} (written by DCP) is missing from storage"
+        if listed[rel] != int(f["size"]):
+            return f"file {rel} has {listed[rel]} bytes in storage, {f['size']} were written"
+    return None
+
+
+def verify(c: Candidate, key: bytes | None = None) -> str | None:
+    """None when ``c`` is committed, sealed, not quarantined and complete, else why it is unusable."""
     if c.manifest is None:
         return "uncommitted (no manifest)"
     if "unreadable" in c.manifest:
         return f"manifest unreadable: {c.manifest['unreadable']}"
+    if c.quarantine is not None:
+        return f"quarantined: {c.quarantine.get('reason', 'unknown reason')}"
+    if c.manifest.get("version") != MANIFEST_VERSION:
+        return f"manifest version {c.manifest.get('version')!r} is not {MANIFEST_VERSION} (written by another elastic_trainer version)"
+    problem = seal_problem(c.manifest, key)
+    if problem:
+        return problem
     if c.manifest.get("step") != c.step:
         return f"manifest step {c.manifest.get('step')} does not match directory {c.name}"
-    expected = c.manifest.get("files")
-    if not isinstance(expected, dict) or not expected:
+    expected = file_sizes(c.manifest)
+    if not expected or ".metadata" not in expected:
         return "manifest lists no files"
     for rel, size in sorted(expected.items()):
         if rel not in c.files:
@@ -55,37 +177,37 @@ def verify(c: Candidate) -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------------- decisions
 @dataclass
 class Selection:
     chosen: Candidate | None
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (step, reason), newest first
 
 
-def select_for_resume(candidates: list[Candidate], resume: str) -> Selection:
+def _order(c: Candidate) -> tuple[int, int]:
+    return (c.step, c.gen)
+
+
+def select_for_resume(candidates: list[Candidate], resume: str, key: bytes | None = None, exclude: frozenset[str] = frozenset()) -> Selection:
     """Pick the checkpoint to resume from.
 
     ``resume == "none"`` → nothing. ``"latest"`` → the newest valid one, falling back past
-    invalid ones (each recorded in ``skipped``). A step number → exactly that one, or nothing
-    with the reason in ``skipped`` (the caller turns that into an error).
+    invalid ones (each recorded in ``skipped``). A step number → the newest valid directory of
+    exactly that step, or nothing with the reason in ``skipped`` (the caller turns that into an
+    error). Directories named in ``exclude`` (failed to load in this start) are skipped silently.
     """
     sel = Selection(None)
     if resume == "none":
         return sel
-    ordered = sorted(candidates, key=lambda c: c.step, reverse=True)
+    ordered = sorted((c for c in candidates if c.name not in exclude), key=_order, reverse=True)
     if resume != "latest":
         want = int(resume)
-        for c in ordered:
-            if c.step == want:
-                reason = verify(c)
-                if reason is None:
-                    sel.chosen = c
-                else:
-                    sel.skipped.append((c.step, reason))
-                return sel
-        sel.skipped.append((want, "no such checkpoint"))
-        return sel
+        ordered = [c for c in ordered if c.step == want]
+        if not ordered:
+            sel.skipped.append((want, "no such checkpoint"))
+            return sel
     for c in ordered:
-        reason = verify(c)
+        reason = verify(c, key)
         if reason is None:
             sel.chosen = c
             return sel
@@ -103,10 +225,26 @@ def retention_victims(committed_steps: list[int], keep_last: int, keep_every: in
     return sorted(s for s in ordered if s not in keep)
 
 
-def stale_uncommitted(candidates: list[Candidate]) -> list[Candidate]:
-    """Leftovers of crashed saves: directories without a manifest. Only safe to delete when no
-    save is in flight (at start-up, before the first save of this incarnation)."""
-    return [c for c in candidates if c.manifest is None]
+def epoch_key(name: str) -> tuple[int, str]:
+    """Order of epoch names ``NNNNNNNN-<launch id>``: the number, then the id (a tie between two
+    launches that raced for the same number is broken the same way by everyone)."""
+    num, _, rest = name.partition("-")
+    return (int(num) if num.isdigit() else -1, rest)
+
+
+def cleanable_uncommitted(candidates: list[Candidate], epoch: str) -> list[Candidate]:
+    """Leftovers that epoch ``epoch`` may delete: uncommitted directories written by this epoch
+    (an earlier incarnation of this launch) or by a superseded one (or by nobody known). Only
+    called at start-up, before this incarnation's first save."""
+    mine = epoch_key(epoch)
+    out = []
+    for c in candidates:
+        if c.manifest is not None:
+            continue
+        writer = (c.writer or {}).get("epoch")
+        if not writer or epoch_key(str(writer)) <= mine:
+            out.append(c)
+    return out
 
 
 def should_save(step: int, total_steps: int, interval_steps: int, time_due: bool, preempt: bool) -> bool:
@@ -118,26 +256,14 @@ def should_save(step: int, total_steps: int, interval_steps: int, time_due: bool
     return time_due
 
 
-def build_manifest(
-    *,
-    step: int,
-    world_size: int,
-    mesh_shape: list[int],
-    files: dict[str, int],
-    created: float,
-    torch_version: str,
-    fingerprint: str,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    return {
-        "version": MANIFEST_VERSION,
-        "step": step,
-        "world_size": world_size,
-        "mesh_shape": mesh_shape,
-        "time": created,
-        "files": dict(sorted(files.items())),
-        "total_bytes": sum(files.values()),
-        "torch_version": torch_version,
-        "config_fingerprint": fingerprint,
-        **(extra or {}),
-    }
+def compare_shapes(saved: dict[str, tuple[int, ...]], ours: dict[str, tuple[int, ...]], step: int) -> tuple[str, str] | None:
+    """First difference between checkpoint and model tensors."""
+    for k in sorted(ours):
+        if k not in saved:
+            return k, f"the model has {k} {list(ours[k])} but the checkpoint of step {step} does not (different architecture)"
+        if saved[k] != ours[k]:
+            return k, f"shape {list(saved[k])} in the checkpoint of step {step}, {list(ours[k])} in the model (different architecture)"
+    extra = sorted(k for k in saved if k.startswith("model.") and k not in ours)
+    if extra:
+        return extra[0], f"the checkpoint of step {step} has {extra[0]}, which the model does not (different architecture)"
+    return None

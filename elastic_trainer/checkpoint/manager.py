@@ -1,25 +1,28 @@
-"""The checkpoint manager: async DCP saves on a cadence, atomic commits, verified resume.
+"""The checkpoint manager: the collective, every-rank part of checkpointing.
 
-Public surface (all methods that touch collectives must be called on every rank, at the same
-step boundary, in the same order):
+Public surface (methods that touch collectives must be called on every rank, at the same step
+boundary, in the same order):
 
-* :meth:`load` → the step resumed from (or None); decides on rank 0, broadcasts the decision.
-* :meth:`save` → starts a save of ``step`` (async by default); waits for the previous one first.
+* :meth:`load` → resumes from what the catalog plans (or None); falls back past checkpoints
+  that fail to load, quarantining each, in the same start.
+* :meth:`save` → starts a save of ``step`` (async by default). Saving a step that is already
+  committed (the one just loaded, or one this incarnation saved) is a no-op that counts.
 * :meth:`wait_for_staging` → call before anything mutates the saved tensors (optimizer.step).
-* :meth:`finish` → waits for the save in flight (optionally with a deadline), commits it.
+* :meth:`finish` → waits (bounded) for the save in flight and its commit.
 * :meth:`close`.
 
-The manager never looks inside the ``Stateful`` objects it is given.
+Rank 0's bookkeeping (scan, verification, commit, quarantine, retention, fencing) is the
+:class:`~elastic_trainer.checkpoint.catalog.Catalog`'s. The manager never looks inside the
+``Stateful`` objects it is given.
 
-Commit protocol. DCP's save ends with a gather of every rank's write results to rank 0, which
-then writes ``.metadata``; so when rank 0's upload future resolves successfully, every shard is
-written. Rank 0 then lists the step directory and writes ``manifest.json`` (the commit marker)
-in one atomic PUT/rename, emits ``checkpoint_committed`` and applies retention. A save whose
-future fails is never committed: ``checkpoint_failed`` is emitted and training goes on with
-the previous commit as the latest.
+Storage time is bounded by ``checkpoint.save_timeout_seconds`` per save, never by the hang
+watchdog: a save still writing when the next one is due is waited for at most until its deadline;
+past it, the new save is skipped (``checkpoint_failed``) and training goes on. Whether every
+rank's previous save is done is agreed with one tiny all-reduce on the *control* group (the
+training group), never on the checkpoint group a background upload may be using.
 
-DCP reports a failed save or load as ``CheckpointException``, a ``BaseException``: it is
-caught explicitly next to ``Exception`` wherever a DCP future or call is awaited.
+DCP reports a failed save or load as ``CheckpointException``, a ``BaseException``: it is caught
+explicitly next to ``Exception`` wherever a DCP future or call is awaited.
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .. import faults
 from ..config import CheckpointConfig
-from ..errors import CheckpointError, CheckpointMismatchError
+from ..errors import CheckpointError, CheckpointMismatchError, FencedError
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
-from .. import faults
-from . import layout, scan
+from . import integrity, layout
+from .catalog import Catalog
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _InFlight:
     step: int
+    name: str
     started: float
     staging: Future | None
     upload: Future
@@ -61,9 +66,11 @@ class _InFlight:
 @dataclass
 class LoadResult:
     step: int
+    name: str
     manifest: dict[str, Any]
     seconds: float
     skipped: list[tuple[int, str]] = field(default_factory=list)
+    first_start: bool = True
 
 
 @dataclass
@@ -74,6 +81,7 @@ class SaveStats:
     wait_previous: float = 0.0
     call: float = 0.0  # time async_save (or save) blocked the caller
     staging_wait: float = 0.0  # time wait_for_staging blocked the caller
+    skipped: str = ""  # why no save was started ("" when one was)
 
     @property
     def stall(self) -> float:
@@ -97,6 +105,9 @@ class CheckpointManager:
         use_cuda_staging: bool = False,
         async_mode: str = "thread",
         upload_nice: int = 0,
+        control_group: dist.ProcessGroup | None = None,
+        epoch: str | None = None,
+        launch_id: str = "",
     ):
         self.cfg = cfg
         self.storage = storage
@@ -105,6 +116,7 @@ class CheckpointManager:
         self.world_size = world_size
         self.mesh_shape = mesh_shape
         self.group = group
+        self.control_group = control_group
         self.fingerprint = fingerprint
         self.events = events or EventLog(None)
         self.metrics = metrics or NullSink()
@@ -118,105 +130,142 @@ class CheckpointManager:
             raise ValueError(f"async_mode: expected thread or process, got {async_mode!r}")
         self._async_mode = async_mode
         self._upload_nice = upload_nice
+        self.catalog = Catalog(storage, epoch=epoch, events=self.events) if rank == 0 else None
+        self._launch_id = launch_id
         self._commit_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit") if rank == 0 else None
-        self._lock = threading.Lock()
-        self.last_committed_step: int | None = None
+        self._lock = threading.Lock()  # guards the fields the commit thread writes
+        self.last_committed_step: int | None = None  # rank 0: newest commit it knows of
+        self.fenced: str | None = None  # rank 0: why a newer launch stopped our commits
         self.loaded_step: int | None = None
+        self._parent: str | None = None  # the checkpoint the current state descends from
+        self._seq = 0
+        self._taken: set[str] = set()  # checkpoint directory names in use (same on every rank)
+        self._saved: set[int] = set()  # steps this incarnation saved (same on every rank)
         self.save_stats: list[SaveStats] = []
         self.failures = 0
-        self._committed_steps: set[int] | None = None  # rank 0, known after load()
 
-    # ------------------------------------------------------------------ discovery
-    def discover(self) -> list[layout.Candidate]:
-        """Every ``step-*`` directory with its manifest (if any) and its files. Rank 0 only."""
-        return scan.scan(self.storage)
-
-    def _ignored_entries(self) -> list[str]:
-        return scan.ignored_entries(self.storage)
-
-    # ------------------------------------------------------------------ load
+    # ------------------------------------------------------------------ collectives helpers
     def _broadcast(self, obj: Any) -> Any:
-        if self.group is None or self.world_size == 1:
+        if self.group is None and not dist.is_initialized() or self.world_size == 1:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def load(self) -> LoadResult | None:
-        """Resume from the checkpoint ``cfg.resume`` names. All ranks.
+    def _all_true(self, flag: bool, group) -> bool:
+        """Every rank's ``flag`` is true. Main thread only."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return flag
+        t = torch.tensor([0.0 if flag else 1.0], dtype=torch.float64)
+        if dist.get_backend(group) == "nccl":  # pragma: no cover - GPU only
+            t = t.cuda()
+        dist.all_reduce(t, group=group)
+        return float(t.item()) == 0.0
 
-        Rank 0 discovers and verifies (falling back past invalid ones with a
-        ``checkpoint_skipped`` event), cleans up uncommitted leftovers, and broadcasts the choice.
-        Raises CheckpointError when an explicitly requested step is unusable and
-        CheckpointMismatchError when the checkpoint belongs to a different model.
-        """
-        decision: dict[str, Any] = {}
-        if self.rank == 0:
+    # ------------------------------------------------------------------ load
+    def load(self, resume: str | None = None) -> LoadResult | None:
+        """Resume from what the catalog plans for ``resume`` (default ``cfg.resume``). All ranks.
+
+        A checkpoint that fails to load (checksum, unpickling, missing key, shape) is
+        quarantined with a ``checkpoint_skipped`` event and the next older valid one is loaded
+        in the same start. Raises CheckpointError when an explicitly requested step is unusable
+        or when every candidate failed after one had started to load (the state is then partly
+        overwritten: the restart that follows starts over cleanly), CheckpointMismatchError when
+        the checkpoint belongs to a different model and FencedError when a newer launch owns
+        the root."""
+        resume = self.cfg.resume if resume is None else resume
+        failed: set[str] = set()
+        skipped_all: list[tuple[int, str]] = []
+        while True:
+            decision = self._decide(resume, frozenset(failed)) if self.rank == 0 else {}
+            decision = self._broadcast(decision)
+            if "fenced" in decision:
+                raise FencedError(decision["fenced"])
+            if "error" in decision:
+                raise CheckpointError(decision["error"])
+            if decision.get("mismatch"):
+                raise CheckpointMismatchError(*decision["mismatch"])
+            self._taken = set(decision.get("taken", []))
+            skipped_all += [tuple(s) for s in decision.get("skipped", [])]
+            if decision.get("chosen") is None:
+                if failed:
+                    raise CheckpointError(f"every checkpoint failed to load ({len(failed)} quarantined); restarting from a clean state")
+                self._parent, self._seq = None, 0
+                return None
+            name, manifest = decision["chosen"], decision["manifest"]
+            step = int(manifest["step"])
+            t0 = time.monotonic()
+            faults.maybe_inject("kill_in_load", step)
+            error = ""
             try:
-                decision = self._decide_resume()
-            except Exception as e:  # noqa: BLE001 - reported on every rank below
-                decision = {"error": f"{type(e).__name__}: {e}"}
-        decision = self._broadcast(decision)
-        if "error" in decision:
-            raise CheckpointError(decision["error"])
-        if decision.get("mismatch"):
-            key, msg = decision["mismatch"]
-            raise CheckpointMismatchError(key, msg)
-        if decision.get("chosen") is None:
-            return None
-        step, manifest = decision["chosen"], decision["manifest"]
-        path = self.storage.join(layout.step_dir_name(step))
-        t0 = time.monotonic()
-        faults.maybe_inject("kill_in_load", step)
+                reader = integrity.verifying(self.storage.dcp_reader(self.storage.join(name)), integrity.Checks.from_manifest(manifest))
+                dcp.load(self.states, storage_reader=reader, process_group=self.group)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
+                error = f"{type(e).__name__}: {e}"[:2000]
+            if self._all_true(not error, self.group):
+                seconds = time.monotonic() - t0
+                self.loaded_step = step
+                self.last_committed_step = step
+                self._parent, self._seq = name, int(manifest.get("seq", 0))
+                self._saved = set()
+                self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
+                return LoadResult(step, name, manifest, seconds, skipped_all, bool(decision.get("first_start", True)))
+            reason = f"load failed: {error or 'on another rank'}"
+            logger.error("checkpoint %s %s", name, reason)
+            if self.rank == 0:
+                self.events.emit("checkpoint_skipped", step=step, name=name, reason=reason)
+                try:
+                    self.catalog.quarantine(name, reason)
+                except Exception as e:  # noqa: BLE001 - skipped in this start either way
+                    logger.warning("could not quarantine %s: %s", name, e)
+            skipped_all.append((step, reason))
+            failed.add(name)
+
+    def _decide(self, resume: str, exclude: frozenset[str]) -> dict[str, Any]:
+        """Rank 0: plan the resume. Never raises (the answer is broadcast to every rank)."""
+        cat = self.catalog
         try:
-            dcp.load(self.states, storage_reader=self.storage.dcp_reader(path), process_group=self.group)
-        except (Exception, CheckpointException) as e:
-            raise CheckpointError(f"loading {path} failed: {type(e).__name__}: {e}") from e
-        seconds = time.monotonic() - t0
-        self.loaded_step = step
-        self.last_committed_step = step
-        self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
-        return LoadResult(step, manifest, seconds, [tuple(s) for s in decision.get("skipped", [])])
+            if cat.epoch is None:
+                cat.acquire_epoch(self._launch_id or f"standalone-{time.time_ns()}")
+            plan = cat.plan_resume(resume, exclude)
+            for name in cat.ignored_entries():
+                self.events.emit("checkpoint_ignored", path=name, reason="not a step-XXXXXXXX directory")
+            for step, reason in plan.skipped:
+                logger.warning("skipping checkpoint step %d: %s", step, reason)
+                self.events.emit("checkpoint_skipped", step=step, reason=reason)
+            if resume not in ("latest", "none") and plan.first_start and plan.chosen is None:
+                reason = plan.skipped[0][1] if plan.skipped else "not found"
+                return {"error": f"checkpoint.resume={resume}: checkpoint step {resume} is unusable: {reason}"}
+            if not exclude:
+                cat.clean_uncommitted(frozenset({plan.chosen.name}) if plan.chosen else frozenset())
+                if plan.first_start:
+                    cat.record_base(plan.chosen.name if plan.chosen else None)
+            taken = sorted(c.name for c in cat.scan())
+            if plan.chosen is None:
+                return {"chosen": None, "skipped": plan.skipped, "taken": taken, "first_start": plan.first_start}
+            manifest = plan.chosen.manifest
+            mismatch = None
+            if manifest.get("config_fingerprint") != self.fingerprint:
+                mismatch = self._find_mismatch(plan.chosen)
+            self.last_committed_step = plan.chosen.step
+            return {"chosen": plan.chosen.name, "manifest": manifest, "skipped": plan.skipped, "mismatch": mismatch, "taken": taken, "first_start": plan.first_start}
+        except FencedError as e:
+            return {"fenced": str(e)}
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            return {"error": f"{type(e).__name__}: {e}"}
 
-    def _decide_resume(self) -> dict[str, Any]:
-        candidates = self.discover()
-        for name in self._ignored_entries():
-            self.events.emit("checkpoint_ignored", path=name, reason="not a step-XXXXXXXX directory")
-        sel = layout.select_for_resume(candidates, self.cfg.resume)
-        self._committed_steps = {c.step for c in candidates if c.manifest is not None}
-        for step, reason in sel.skipped:
-            logger.warning("skipping checkpoint step %d: %s", step, reason)
-            self.events.emit("checkpoint_skipped", step=step, reason=reason)
-        if self.cfg.resume not in ("latest", "none") and sel.chosen is None:
-            reason = sel.skipped[0][1] if sel.skipped else "not found"
-            return {"error": f"checkpoint.resume={self.cfg.resume}: checkpoint step {self.cfg.resume} is unusable: {reason}"}
-        for c in layout.stale_uncommitted(candidates):
-            if sel.chosen is None or c.step != sel.chosen.step:
-                logger.info("removing uncommitted leftover %s", c.name)
-                self.storage.delete_tree(self.storage.join(c.name))
-                self.events.emit("checkpoint_cleaned", step=c.step, reason="uncommitted")
-        if sel.chosen is None:
-            return {"chosen": None, "skipped": sel.skipped}
-        manifest = sel.chosen.manifest
-        mismatch = None
-        if manifest.get("config_fingerprint") != self.fingerprint:
-            mismatch = self._find_mismatch(sel.chosen.step)
-        return {"chosen": sel.chosen.step, "manifest": manifest, "skipped": sel.skipped, "mismatch": mismatch}
-
-    def _find_mismatch(self, step: int) -> tuple[str, str] | None:
+    def _find_mismatch(self, c: layout.Candidate) -> tuple[str, str] | None:
         """Compare the checkpoint's tensor keys and shapes with the model's; the first difference."""
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from .preflight import compare_shapes
-
-        meta = self.storage.dcp_reader(self.storage.join(layout.step_dir_name(step))).read_metadata()
+        meta = self.catalog.read_metadata(c)
         saved = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         ours = {}
         if "model" in self.states:
             for k, v in self.states["model"].state_dict().items():
                 if isinstance(v, torch.Tensor):
                     ours[f"model.{k}"] = tuple(v.shape)
-        return compare_shapes(saved, ours, step)
+        return layout.compare_shapes(saved, ours, c.step)
 
     # ------------------------------------------------------------------ save
     def _get_stager(self):
@@ -240,36 +289,42 @@ class CheckpointManager:
     def in_flight(self) -> bool:
         return self._inflight is not None
 
-    def save(self, step: int, *, blocking: bool = False) -> SaveStats:
-        """Start saving ``step``. All ranks. Waits for the previous save first (measured).
+    def is_committed(self, step: int) -> bool:
+        """Whether ``step`` is known committed on every rank's shared knowledge (loaded or saved
+        by this incarnation); a save of such a step is a no-op."""
+        return step == self.loaded_step or step in self._saved
 
-        With ``checkpoint.mode = "async"`` this returns once the state is handed to a
-        background stager; call :meth:`wait_for_staging` before mutating parameters.
-        """
+    def save(self, step: int, *, blocking: bool = False, meta: dict[str, Any] | None = None, force: bool = False) -> SaveStats:
+        """Start saving ``step``. All ranks. ``meta`` goes into the manifest (e.g. the loss).
+
+        Waits for the previous save first, at most until that save's deadline (measured); when
+        it is still writing on some rank past it, this save is skipped (``checkpoint_failed``).
+        With ``checkpoint.mode = "async"`` this returns once the state is handed to a background
+        stager; call :meth:`wait_for_staging` before mutating parameters."""
         stats = SaveStats(step)
+        if self.is_committed(step) and not force:
+            stats.skipped = "already committed"
+            return stats
         t0 = time.monotonic()
-        self._finish_inflight(deadline=None)
+        previous_done = self._finish_inflight(deadline=self._deadline_of(self._inflight), agree=True)
         stats.wait_previous = time.monotonic() - t0
         self.metrics.histogram("elastic_trainer_checkpoint_wait_previous_seconds", stats.wait_previous)
-        path = self.storage.join(layout.step_dir_name(step))
+        if previous_done is None:
+            stats.skipped = f"previous save of step {self._inflight.step} still writing after {self.cfg.save_timeout_seconds:.0f}s"
+            logger.error("checkpoint step %d skipped: %s", step, stats.skipped)
+            if self.rank == 0:
+                self.events.emit("checkpoint_failed", step=step, error=stats.skipped, seconds=0.0)
+                self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
+            self.save_stats.append(stats)
+            return stats
+        name = layout.next_dir_name(step, self._taken)
+        self._taken.add(name)
+        self._saved.add(step)
+        path = self.storage.join(name)
         if self.rank == 0:
-            # Never leave an old commit marker over shards about to be replaced. If storage
-            # cannot tell, go on: every rank is entering the save's collectives, and a save that
-            # completes writes a fresh manifest (one that fails is reported by _commit).
-            # After load() rank 0 knows which steps are committed, so the common case costs no
-            # storage round trip on the training thread.
-            manifest_path = self.storage.join(layout.step_dir_name(step), layout.MANIFEST)
-            try:
-                known = self._committed_steps
-                if (step in known) if known is not None else self.storage.exists(manifest_path):
-                    self.storage.delete_tree(path)
-                    if known is not None:
-                        known.discard(step)
-                self.storage.makedirs(path)
-            except Exception as e:  # noqa: BLE001 - storage trouble must not stop training
-                logger.warning("before saving step %d: %s: %s", step, type(e).__name__, e)
-        writer = _without_crc32(self.storage.dcp_writer(path))
-        if self._upload_nice and self.cfg.mode != "sync" and isinstance(writer, _NoCrc32Writes):  # never the training thread
+            self._commit_pool.submit(self._mark_writer, name)
+        writer = integrity.checksummed(self.storage.dcp_writer(path))
+        if self._upload_nice and self.cfg.mode != "sync":  # never the training thread
             writer.upload_nice = self._upload_nice
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 1)
         t1 = time.monotonic()
@@ -280,7 +335,7 @@ class CheckpointManager:
                 fut.set_result(None)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - handled as a failed save
                 fut.set_exception(e)
-            self._inflight = _InFlight(step, t1, None, fut)
+            self._inflight = _InFlight(step, name, t1, None, fut)
         else:
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -290,14 +345,17 @@ class CheckpointManager:
             )
             staging = getattr(resp, "staging_completion", None)
             upload = getattr(resp, "upload_completion", resp)
-            self._inflight = _InFlight(step, t1, staging, upload)
+            self._inflight = _InFlight(step, name, t1, staging, upload)
         stats.call = time.monotonic() - t1
+        parent, self._parent = self._parent, name
+        self._seq += 1
         if self.rank == 0 and self._commit_pool is not None:
             inflight = self._inflight
             inflight.commit = Future()
+            extra = {"parent": parent, "seq": self._seq, "launch": self._launch_id, "finite": True, **(meta or {})}
 
             def on_upload_done(f: Future, inflight: _InFlight = inflight) -> None:
-                inner = self._commit_pool.submit(self._commit, inflight)
+                inner = self._commit_pool.submit(self._commit, inflight, extra)
                 inner.add_done_callback(lambda r: _chain(r, inflight.commit))
 
             inflight.upload.add_done_callback(on_upload_done)
@@ -306,6 +364,15 @@ class CheckpointManager:
             self.wait_for_staging()
             self._finish_inflight(deadline=None)
         return stats
+
+    def _deadline_of(self, inf: _InFlight | None) -> float | None:
+        return None if inf is None else inf.started + self.cfg.save_timeout_seconds
+
+    def _mark_writer(self, name: str) -> None:
+        try:
+            self.catalog.mark_writer(name)
+        except Exception as e:  # noqa: BLE001 - the marker only refines cleanup; the save goes on
+            logger.warning("could not mark %s with this epoch: %s", name, e)
 
     def wait_for_staging(self) -> float:
         """Block until the in-flight save has copied the state out. Returns the seconds waited."""
@@ -324,91 +391,107 @@ class CheckpointManager:
             self.metrics.histogram("elastic_trainer_checkpoint_stall_seconds", self.save_stats[-1].stall)
         return waited
 
-    def _commit(self, inf: _InFlight) -> bool:
-        """Rank 0, background thread: write the manifest if the upload succeeded."""
+    def _commit(self, inf: _InFlight, extra: dict[str, Any]) -> bool:
+        """Rank 0, background thread: prove the save complete and commit it, then retention."""
         duration = time.monotonic() - inf.started
         exc = inf.upload.exception()
         if exc is not None:
-            self.failures += 1
-            logger.error("checkpoint step %d failed, not committed: %s: %s", inf.step, type(exc).__name__, exc)
-            self.events.emit("checkpoint_failed", step=inf.step, error=f"{type(exc).__name__}: {exc}"[:2000], seconds=duration)
-            self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
-            return False
-        name = layout.step_dir_name(inf.step)
+            return self._failed(inf, f"{type(exc).__name__}: {exc}", duration)
         faults.maybe_inject("kill_before_commit", inf.step)
         try:
-            files = self.storage.list_files(self.storage.join(name))
-            files.pop(layout.MANIFEST, None)
-            manifest = layout.build_manifest(
+            manifest = self.catalog.commit(
+                inf.name,
                 step=inf.step,
                 world_size=self.world_size,
                 mesh_shape=self.mesh_shape,
-                files=files,
-                created=time.time(),
-                torch_version=torch.__version__,
                 fingerprint=self.fingerprint,
+                torch_version=torch.__version__,
+                extra=extra,
             )
-            self.storage.write_json_atomic(self.storage.join(name, layout.MANIFEST), manifest)
-        except Exception as e:  # noqa: BLE001 - a failed commit is a failed save
-            self.failures += 1
-            logger.error("commit of step %d failed: %s", inf.step, e)
-            self.events.emit("checkpoint_failed", step=inf.step, error=f"commit: {type(e).__name__}: {e}"[:2000], seconds=duration)
-            self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
+        except FencedError as e:
+            with self._lock:
+                self.fenced = str(e)
+            logger.error("%s", e)
+            self.events.emit("checkpoint_fenced", step=inf.step, error=str(e))
             return False
+        except Exception as e:  # noqa: BLE001 - a failed commit is a failed save
+            return self._failed(inf, f"commit: {type(e).__name__}: {e}", duration)
         duration = time.monotonic() - inf.started
-        self.last_committed_step = inf.step
-        if self._committed_steps is not None:
-            self._committed_steps.add(inf.step)
-        self.events.emit("checkpoint_committed", step=inf.step, bytes=manifest["total_bytes"], seconds=round(duration, 4), world_size=self.world_size)
+        with self._lock:
+            self.last_committed_step = inf.step
+        logger.info("checkpoint step %d committed: %d bytes in %.2fs (%s)", inf.step, manifest["total_bytes"], duration, inf.name)
+        self.events.emit("checkpoint_committed", step=inf.step, name=inf.name, bytes=manifest["total_bytes"], seconds=round(duration, 4), world_size=self.world_size)
         self.metrics.histogram("elastic_trainer_checkpoint_save_duration_seconds", duration)
         self.metrics.counter("elastic_trainer_checkpoint_written_bytes_total", manifest["total_bytes"])
         self.metrics.gauge("elastic_trainer_checkpoint_last_committed_step", inf.step)
         self.metrics.gauge("elastic_trainer_checkpoint_last_commit_timestamp_seconds", manifest["time"])
-        self._apply_retention()
-        return True
-
-    def _apply_retention(self) -> None:
         try:
-            candidates = self.discover()
-            committed = [c.step for c in candidates if c.manifest is not None]
-            protected = {self.last_committed_step} if self.last_committed_step is not None else set()
-            for step in layout.retention_victims(committed, self.cfg.keep_last, self.cfg.keep_every, protected):
-                self.storage.delete_tree(self.storage.join(layout.step_dir_name(step)))
-                if self._committed_steps is not None:
-                    self._committed_steps.discard(step)
-                self.events.emit("checkpoint_deleted", step=step, reason="retention")
+            self.catalog.retention(inf.name, self.cfg.keep_last, self.cfg.keep_every)
+        except FencedError as e:
+            with self._lock:
+                self.fenced = str(e)
+            self.events.emit("checkpoint_fenced", step=inf.step, error=str(e))
         except Exception as e:  # noqa: BLE001 - retention is best effort
             logger.warning("retention failed: %s", e)
+        return True
 
-    def _finish_inflight(self, deadline: float | None) -> bool:
-        """Wait for the in-flight save (and, on rank 0, its commit). True if it committed
-        (rank 0) / succeeded (other ranks). ``deadline`` is a ``time.monotonic()`` value."""
+    def _failed(self, inf: _InFlight, error: str, duration: float) -> bool:
+        self.failures += 1
+        logger.error("checkpoint step %d failed, not committed: %s", inf.step, error)
+        self.events.emit("checkpoint_failed", step=inf.step, error=error[:2000], seconds=round(duration, 4))
+        self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
+        return False
+
+    def _finish_inflight(self, deadline: float | None, agree: bool = False) -> bool | None:
+        """Wait for the in-flight save (and, on rank 0, its commit) until ``deadline``
+        (``time.monotonic()``; None = forever). Returns True if it committed (rank 0) /
+        succeeded (other ranks), False if it failed, None if it is still running (then it stays
+        in flight). With ``agree``, the "still running" answer is agreed by every rank."""
         inf = self._inflight
         if inf is None:
+            if agree:
+                self._all_true(True, self.control_group)
             return True
         self.wait_for_staging()
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ok = True
+        ok: bool | None = True
         try:
-            inf.upload.result(timeout=timeout)
+            inf.upload.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             if inf.commit is not None:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ok = bool(inf.commit.result(timeout=timeout))
+                ok = bool(inf.commit.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())))
         except TimeoutError:
-            raise
+            ok = None
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - recorded by _commit on rank 0
             if self.rank != 0:
                 logger.warning("checkpoint step %d failed on this rank: %s", inf.step, e)
             ok = False
+        if agree and not self._all_true(ok is not None, self.control_group):
+            return None
+        if ok is None:
+            return None
         self._inflight = None
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 0)
         return ok
 
     def finish(self, timeout: float | None = None) -> bool:
-        """Wait for the save in flight to be written and committed. Raises TimeoutError past
-        ``timeout`` seconds (the save is then abandoned uncommitted)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        return self._finish_inflight(deadline)
+        """Wait for the save in flight to be written and committed, at most ``timeout`` seconds
+        (default: its per-save deadline). Raises TimeoutError past it (the save stays uncommitted
+        unless it lands later)."""
+        deadline = self._deadline_of(self._inflight) if timeout is None else time.monotonic() + timeout
+        ok = self._finish_inflight(deadline)
+        if ok is None:
+            raise TimeoutError(f"checkpoint step {self._inflight.step} still writing")
+        return ok
+
+    def finish_agreed(self, deadline: float | None) -> bool | None:
+        """Collective :meth:`finish`: None when the save is still running on some rank."""
+        return self._finish_inflight(deadline, agree=True)
+
+    def committed_everywhere(self, step: int) -> bool:
+        """Collective: rank 0's answer to "is ``step`` committed?", agreed by every rank. Call
+        with no save in flight (after :meth:`finish_agreed`)."""
+        with self._lock:
+            mine = self.rank != 0 or (self.last_committed_step == step and self.fenced is None)
+        return self._all_true(mine, self.control_group)
 
     def drain_on_failure(self, timeout: float) -> bool:
         """Exception path: start nothing, but give a save that is already uploading up to
@@ -431,78 +514,6 @@ class CheckpointManager:
             self._stager = None
         if self._commit_pool is not None:
             self._commit_pool.shutdown(wait=True)
-
-
-class _NoCrc32Writes:
-    """Mixin for DCP storage writers: ``write_data`` serialises without the zip CRC32s nobody reads.
-
-    DCP writes every tensor with ``torch.save``, whose zip writer computes a CRC32 of the data.
-    Measured on 2 CPUs (2 ranks, 556 MB shard each, 8 interleaved saves): 0.81 CPU-seconds per
-    rank with it, 0.46 without, CPU an async save's upload takes from training. Neither ``torch.load`` nor DCP's reader
-    verifies it (a shard's integrity check is the manifest's sizes). The switch is
-    process-wide, so it is off only while this writer writes, in the save's own thread; the
-    training thread does not ``torch.save`` meanwhile. A real subclass (not a patched bound
-    method) so that the writer survives pickling to PROCESS-mode ``async_save``'s saver process.
-    """
-
-    upload_nice = 0  # > 0: lower the CPU priority of the thread that writes (experiment knob)
-
-    def write_data(self, plan, planner):
-        if self.upload_nice > 0:
-            import os
-
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.upload_nice)
-            except OSError:  # pragma: no cover - best effort
-                pass
-        previous = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
-        try:
-            return super().write_data(plan, planner)
-        finally:
-            torch.serialization.set_crc32_options(previous)
-
-
-def _no_crc32_class(base: type) -> type | None:
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    if base is FileSystemWriter:
-        return _NoCrc32FileSystemWriter
-    try:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-    except ImportError:  # pragma: no cover - fsspec missing
-        return None
-    if base is FsspecWriter:
-        return _NoCrc32FsspecWriter
-    return None
-
-
-def _without_crc32(writer):
-    """A copy of ``writer`` (same attributes) of the no-CRC32 subclass (see ``_NoCrc32Writes``).
-    Other writer types are returned unchanged."""
-    cls = _no_crc32_class(type(writer))
-    if cls is None:
-        return writer
-    new = cls.__new__(cls)
-    new.__dict__.update(writer.__dict__)
-    return new
-
-
-from torch.distributed.checkpoint import FileSystemWriter as _FileSystemWriter  # noqa: E402
-
-
-class _NoCrc32FileSystemWriter(_NoCrc32Writes, _FileSystemWriter):
-    pass
-
-
-try:
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as _FsspecWriter
-
-    class _NoCrc32FsspecWriter(_NoCrc32Writes, _FsspecWriter):
-        pass
-
-except ImportError:  # pragma: no cover - fsspec missing
-    _NoCrc32FsspecWriter = None  # type: ignore[assignment,misc]
 
 
 def _chain(src: Future, dst: Future | None) -> None:

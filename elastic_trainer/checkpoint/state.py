@@ -12,7 +12,8 @@ bf16 copies would lose the low-order bits that small updates accumulate in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,18 +73,33 @@ class SchedulerState(Stateful):
 
 @dataclass
 class TrainState(Stateful):
-    """Trainer progress. ``cursor`` is the global sample cursor: the data state."""
+    """Trainer progress. ``cursor`` is the global sample cursor: the data state. ``skipped``
+    holds the global sample ranges ``[start, end)`` a non-finite rollback skipped, so that every
+    later resume skips them too."""
 
     step: int = 0
     tokens_seen: int = 0
     cursor: int = 0
+    skipped: list[list[int]] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: torch.tensor(getattr(self, k), dtype=torch.int64) for k in ("step", "tokens_seen", "cursor")}
+        out: dict[str, Any] = {k: torch.tensor(getattr(self, k), dtype=torch.int64) for k in ("step", "tokens_seen", "cursor")}
+        out["skipped"] = json.dumps(self.skipped)
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for k in ("step", "tokens_seen", "cursor"):
             setattr(self, k, int(state_dict[k]))
+        self.skipped = [list(map(int, r)) for r in json.loads(state_dict.get("skipped") or "[]")]
+
+    def skip_past_skipped(self) -> None:
+        """Move the cursor past any skipped range it stands in."""
+        moved = True
+        while moved:
+            moved = False
+            for start, end in self.skipped:
+                if start <= self.cursor < end:
+                    self.cursor, moved = end, True
 
 
 class RNGState(Stateful):

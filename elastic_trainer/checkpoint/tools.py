@@ -10,68 +10,90 @@ import torch
 
 from ..errors import CheckpointError
 from ..storage.fs import open_storage
-from . import layout, scan
+from .catalog import Catalog
 
 
 def list_checkpoints(uri: str, endpoint_url: str = "") -> list[dict[str, Any]]:
-    """One row per ``step-*`` directory, newest last: step, world size, bytes, committed, valid."""
-    storage = open_storage(uri, endpoint_url)
+    """One row per ``step-*`` directory, oldest first: step, name, world size, bytes, committed,
+    valid, why not, and its status: ``head`` (what ``latest`` resumes), ``lineage`` (an ancestor
+    of the head), ``parked`` (a valid commit off the current lineage: never picked by ``latest``),
+    ``quarantined``, ``invalid`` or ``uncommitted``."""
+    catalog = Catalog(open_storage(uri, endpoint_url))
+    candidates = catalog.scan()
+    head = catalog.head(candidates)
+    lineage = {c.name for c in catalog.lineage(head, candidates)}
     rows = []
-    for cand in scan.scan(storage):
-        step, manifest = cand.step, cand.manifest
-        files = cand.files
-        problem = layout.verify(cand)
+    for cand in candidates:
+        manifest = cand.manifest
+        problem = catalog.problem(cand)
+        if manifest is None:
+            status = "uncommitted"
+        elif cand.quarantine is not None:
+            status = "quarantined"
+        elif problem:
+            status = "invalid"
+        elif head is not None and cand.name == head.name:
+            status = "head"
+        else:
+            status = "lineage" if cand.name in lineage else "parked"
         rows.append(
             {
-                "step": step,
+                "step": cand.step,
+                "name": cand.name,
                 "committed": manifest is not None,
                 "valid": problem is None,
+                "status": status,
                 "problem": problem,
                 "world_size": (manifest or {}).get("world_size"),
-                "bytes": (manifest or {}).get("total_bytes", sum(files.values())),
+                "bytes": (manifest or {}).get("total_bytes", sum(cand.files.values())),
                 "time": (manifest or {}).get("time"),
             }
         )
-    return sorted(rows, key=lambda r: r["step"])
+    return sorted(rows, key=lambda r: (r["step"], r["name"]))
 
 
-def _pick_step(uri: str, step: int | None, endpoint_url: str) -> int:
-    rows = list_checkpoints(uri, endpoint_url)
-    if step is not None:
-        if not any(r["step"] == step for r in rows):
-            raise CheckpointError(f"no checkpoint of step {step} under {uri}")
-        return step
-    valid = [r["step"] for r in rows if r["valid"]]
-    if not valid:
-        raise CheckpointError(f"no committed checkpoint under {uri}")
-    return valid[-1]
+def _pick(uri: str, step: int | None, endpoint_url: str):
+    """(catalog, candidate) of ``step`` (its newest valid directory), or of the head."""
+    catalog = Catalog(open_storage(uri, endpoint_url))
+    candidates = catalog.scan()
+    if step is None:
+        chosen = catalog.head(candidates)
+        if chosen is None:
+            raise CheckpointError(f"no valid committed checkpoint under {uri}")
+        return catalog, chosen
+    mine = sorted((c for c in candidates if c.step == step), key=lambda c: c.gen, reverse=True)
+    if not mine:
+        raise CheckpointError(f"no checkpoint of step {step} under {uri}")
+    problems = []
+    for c in mine:
+        problem = catalog.problem(c)
+        if problem is None:
+            return catalog, c
+        problems.append(f"{c.name}: {problem}")
+    raise CheckpointError(f"checkpoint of step {step} under {uri} is unusable ({'; '.join(problems)}): refused before reading it")
 
 
 def inspect_checkpoint(uri: str, step: int | None = None, endpoint_url: str = "") -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    step = _pick_step(uri, step, endpoint_url)
-    storage = open_storage(uri, endpoint_url)
-    d = storage.join(layout.step_dir_name(step))
-    files = storage.list_files(d)
-    manifest = storage.read_json(storage.join(layout.step_dir_name(step), layout.MANIFEST)) if layout.MANIFEST in files else None
-    meta = storage.dcp_reader(d).read_metadata()
+    catalog, c = _pick(uri, step, endpoint_url)
+    meta = catalog.read_metadata(c)
     tensors = {}
     for key, m in sorted(meta.state_dict_metadata.items()):
         if isinstance(m, TensorStorageMetadata):
             tensors[key] = {"shape": list(m.size), "dtype": str(m.properties.dtype).replace("torch.", ""), "chunks": len(m.chunks)}
         elif isinstance(m, BytesStorageMetadata):
             tensors[key] = {"bytes_object": True}
-    return {"step": step, "manifest": manifest, "files": files, "entries": tensors}
+    return {"step": c.step, "name": c.name, "manifest": c.manifest, "files": c.files, "entries": tensors}
 
 
 def load_model_weights(uri: str, step: int | None = None, endpoint_url: str = "") -> tuple[int, dict[str, torch.Tensor]]:
     """Consolidated (unsharded) model weights of a checkpoint, in this process, no process group."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    step = _pick_step(uri, step, endpoint_url)
-    storage = open_storage(uri, endpoint_url)
-    sd = _load_state_dict_from_keys(keys={"model"}, storage_reader=storage.dcp_reader(storage.join(layout.step_dir_name(step))))
+    catalog, c = _pick(uri, step, endpoint_url)
+    step = c.step
+    sd = _load_state_dict_from_keys(keys={"model"}, storage_reader=catalog.reader(c))
     model = sd.get("model")
     if not model:
         raise CheckpointError(f"checkpoint of step {step} has no model weights")
@@ -91,9 +113,9 @@ def export_safetensors(uri: str, out: str, step: int | None = None, dtype: str =
 def main(a) -> int:
     if a.ckpt_cmd == "list":
         rows = list_checkpoints(a.uri, a.endpoint_url)
-        print(f"{'step':>10} {'committed':>9} {'valid':>5} {'world':>5} {'bytes':>14}  problem")
+        print(f"{'step':>10} {'name':<18} {'status':<11} {'world':>5} {'bytes':>14}  problem")
         for r in rows:
-            print(f"{r['step']:>10} {str(r['committed']):>9} {str(r['valid']):>5} {str(r['world_size'] or '-'):>5} {r['bytes']:>14,}  {r['problem'] or ''}")
+            print(f"{r['step']:>10} {r['name']:<18} {r['status']:<11} {str(r['world_size'] or '-'):>5} {r['bytes']:>14,}  {r['problem'] or ''}")
         return 0
     if a.ckpt_cmd == "inspect":
         json.dump(inspect_checkpoint(a.uri, a.step, a.endpoint_url), sys.stdout, indent=2)

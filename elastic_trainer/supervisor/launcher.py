@@ -116,6 +116,11 @@ def _make_agent_class():
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             self._last_result = result
+            if result.is_failed() and self._remaining_restarts > 0:
+                code = policy.terminal_code([f.exitcode for f in result.failures.values()])
+                if code is not None:  # non-finite stop / fenced: restarting would only repeat it
+                    self.events.emit("job_stopped", exit_code=code, failures=policy.describe_failures(result.failures))
+                    self._remaining_restarts = 0
             return result
 
         def _setup_local_watchdog(self, envs):
@@ -321,6 +326,7 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
     config, cmd, cmd_args = build_launch_config(cfg, opts)
     if config.max_nodes > 1:
         _check_store(config)
+    os.environ["ELASTIC_TRAINER_CHECKPOINT_EPOCH"] = take_epoch(cfg, config.run_id or "elastic-trainer", events)
     events.emit(
         "launch",
         nnodes=f"{config.min_nodes}:{config.max_nodes}",
@@ -332,10 +338,12 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
         mono=time.monotonic(),
     )
     failed = signalled = False
+    worker_codes: list[int | None] = []
     try:
         result = run_agent(config, cmd, cmd_args, events, metrics, preempt_marker=marker)
         failed = result.is_failed()
         if failed:
+            worker_codes = [f.exitcode for f in result.failures.values()]
             events.emit("job_failed", failures=policy.describe_failures(result.failures))
     except SignalException as e:
         signalled = True
@@ -347,9 +355,22 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
     if os.path.exists(marker):
         with open(marker) as f:
             preempt = json.load(f)
-    code = policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=preempt)
+    code = policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=preempt, worker_exit_codes=worker_codes)
     events.emit("supervisor_exit", exit_code=code, preempted=preempt, signalled=signalled)
     return code
+
+
+def take_epoch(cfg: Config, launch_id: str, events: EventLog) -> str:
+    """This launch's fencing epoch on the checkpoint root (joined by the other nodes of the same
+    launch, which share ``launch_id``): older launches stop committing there."""
+    from ..checkpoint.catalog import Catalog
+    from ..storage.fs import open_storage
+
+    c = cfg.checkpoint
+    storage = open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
+    epoch = Catalog(storage, events=events).acquire_epoch(launch_id)
+    logger.info("checkpoint root %s: this launch is epoch %s", storage.describe(), epoch)
+    return epoch
 
 
 def _check_store(config, timeout_seconds: float = 60.0) -> None:

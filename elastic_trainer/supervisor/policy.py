@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: requeue/restart the job and it resumes from the last commit
+from .. import exit_codes
 
 
 def restart_backoff(restart_index: int, base: float = 1.0, cap: float = 30.0) -> float:
@@ -26,15 +23,33 @@ def failure_streak(previous: int, healthy_seconds: float, reset_after: float = B
     return 1 if healthy_seconds >= reset_after else previous + 1
 
 
-def launch_exit_code(*, failed: bool, signalled: bool, preempt_marker: dict | None) -> int:
-    """Exit code of ``elastic-trainer launch`` from how the agent ended. Workers that all
-    finished win over a preemption marker (one left by a group restarted for a membership
-    change must not turn a finished job into "requeue me")."""
+def terminal_code(worker_exit_codes: list[int | None]) -> int | None:
+    """The terminal exit code (non-finite stop, fenced) when every failed worker reported the
+    same one: the group is not restarted for it. None otherwise."""
+    codes = set(worker_exit_codes)
+    if len(codes) == 1:
+        (code,) = codes
+        if code in exit_codes.TERMINAL:
+            return code
+    return None
+
+
+def launch_exit_code(*, failed: bool, signalled: bool, preempt_marker: dict | None, worker_exit_codes: list[int | None] = ()) -> int:
+    """Exit code of ``elastic-trainer launch`` from how the agent ended: what the workers
+    reported. 75 only when rank 0's marker says the final step's commit exists; a preemption
+    without that proof is 76. Workers that all finished win over a preemption marker (one left
+    by a group restarted for a membership change must not turn a finished job into "requeue me")."""
+    marker_code = (preempt_marker or {}).get("exit_code")
     if signalled:
-        return EXIT_PREEMPTED
+        return exit_codes.PREEMPTED if marker_code == exit_codes.PREEMPTED else exit_codes.PREEMPTED_UNCOMMITTED
     if not failed:
-        return EXIT_OK
-    return EXIT_PREEMPTED if preempt_marker is not None else EXIT_FAILED
+        return exit_codes.OK
+    terminal = terminal_code(list(worker_exit_codes))
+    if terminal is not None:
+        return terminal
+    if marker_code in (exit_codes.PREEMPTED, exit_codes.PREEMPTED_UNCOMMITTED):
+        return marker_code
+    return exit_codes.FAILED
 
 
 FAILED_STOP_GRACE_SECONDS = 5.0

@@ -17,14 +17,15 @@ import traceback
 
 import torch
 
-from .. import log
+from .. import exit_codes, log
 from ..config import Config, check_world_size, config_from_dict
 from ..events import EventLog
 
 logger = logging.getLogger("elastic_trainer.worker")
 
 CONFIG_ENV = "ELASTIC_TRAINER_CONFIG_JSON"
-EXIT_FAILURE = 1
+EPOCH_ENV = "ELASTIC_TRAINER_CHECKPOINT_EPOCH"  # set by the supervisor (fencing, see checkpoint/catalog.py)
+EXIT_FAILURE = exit_codes.FAILED
 FAILURE_DRAIN_SECONDS = 10.0
 _ACTIVE: dict = {}  # the checkpoint manager, for the exception path
 
@@ -94,6 +95,9 @@ def build_and_train(cfg: Config, t_start: float) -> int:
         events=events,
         metrics=metrics,
         use_cuda_staging=d.device.type == "cuda",
+        control_group=None,  # the training group: main-thread agreements never share the checkpoint group
+        epoch=os.environ.get(EPOCH_ENV) or None,
+        launch_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
     )
     _ACTIVE["ckpt"] = ckpt
     if d.rank == 0:
@@ -169,6 +173,15 @@ def main() -> None:
         rank = int(os.environ.get("RANK", "0"))
         if isinstance(e, SystemExit) and e.code in (0, None):
             os._exit(0)
+        from ..errors import FencedError
+
+        if isinstance(e, FencedError):  # every rank got the same answer at load: terminal, no restart
+            logger.error("rank %d: %s", rank, e)
+            if rank == 0:
+                EventLog(os.path.join(cfg.run.dir, "events.jsonl")).emit("fenced", step=None, error=str(e))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_codes.FENCED)
         logger.error("rank %d failed: %s", rank, "".join(traceback.format_exception(e)))
         try:
             EventLog(os.path.join(cfg.run.dir, "events.jsonl")).emit(

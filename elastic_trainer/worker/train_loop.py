@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import log
+from .. import exit_codes, log
 from ..checkpoint import layout
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.state import TrainState
@@ -27,8 +27,6 @@ from .model import logits_of
 
 logger = logging.getLogger(__name__)
 
-EXIT_PREEMPTED = 75  # preemption checkpoint committed; restart/requeue to resume
-EXIT_PREEMPTED_UNCOMMITTED = 76  # grace budget missed; resume uses the previous commit
 
 
 class PreemptionFlag:
@@ -85,26 +83,38 @@ class Trainer:
     preempt: PreemptionFlag = field(default_factory=PreemptionFlag)
     timer_scope: contextlib.AbstractContextManager | None = None
     losses: list[float] = field(default_factory=list)
+    _rollback_window_open: bool = False
 
     def run(self) -> int:
-        """Train to ``train.steps``. Returns the process exit code (0, or 75/76 on preemption)."""
+        """Train to ``train.steps``. Returns the process exit code (see ``exit_codes``)."""
         t = self.cfg.train
         last_save_time = time.monotonic()
         while self.state.step < t.steps:
             step = self.state.step + 1
             log.set_step(step)
-            with self._watchdog(f"step-{step}"):
+            with self._watchdog(f"step-{step}"):  # training progress only: storage waits have their own deadlines
                 time_due = self.cfg.checkpoint.interval_seconds > 0 and time.monotonic() - last_save_time >= self.cfg.checkpoint.interval_seconds
                 record = self.train_step(step, time_due)
+            if record["fenced"]:
+                return self._fenced_exit()
             if record["preempt"]:
                 return self._preempt_exit(step)
+            if record["nonfinite"]:
+                code = self._on_nonfinite(step, record)
+                if code is not None:
+                    return code
+                continue
             if layout.should_save(step, t.steps, self.cfg.checkpoint.interval_steps, record["save_due"], False):
-                with self._watchdog(f"save-{step}"):
-                    self.ckpt.save(step)
+                stats = self.ckpt.save(step, meta={"loss": record["loss"], "skipped_ranges": self.state.skipped})
+                if not stats.skipped:
+                    self._rollback_window_open = False
                 faults.maybe_inject("kill_in_save", step)
                 last_save_time = time.monotonic()
-        with self._watchdog("final-commit"):
+        try:
             self.ckpt.finish()
+        except TimeoutError as e:
+            logger.error("final checkpoint not committed within checkpoint.save_timeout_seconds: %s", e)
+            self.events.emit("checkpoint_failed", step=self.state.step, error=f"final save: {e}", seconds=self.cfg.checkpoint.save_timeout_seconds)
         return 0
 
     def train_step(self, step: int, time_due: bool) -> dict:
@@ -112,20 +122,25 @@ class Trainer:
         faults.maybe_inject("raise", step)
         faults.maybe_inject("kill", step)
         faults.maybe_inject("hang", step)
+        self.state.skip_past_skipped()
         micro = self.batches.for_cursor(self.state.cursor)
         local_count = sum(int((mb.targets != IGNORE_INDEX).sum()) for mb in micro)
         # One small all-reduce per step carries the loss normaliser and the agreed flags, so the
-        # time-based save trigger and preemption need no collective of their own.
-        agreed = torch.tensor([local_count, float(self.preempt.requested), float(time_due)], dtype=torch.float64, device=self.device)
+        # time-based save trigger, preemption and fencing need no collective of their own.
+        fenced = float(self.ckpt.fenced is not None)
+        agreed = torch.tensor([local_count, float(self.preempt.requested), float(time_due), fenced], dtype=torch.float64, device=self.device)
         dist.all_reduce(agreed)
-        global_count, preempt, save_due = agreed.tolist()
-        if preempt > 0:
-            return {"preempt": True, "save_due": True}
+        global_count, preempt, save_due, fenced = agreed.tolist()
+        if preempt > 0 or fenced > 0:
+            return {"preempt": preempt > 0, "fenced": fenced > 0, "nonfinite": False, "save_due": True}
+        poison = faults.active("nan", step)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in micro:
             x, y = mb.inputs.to(self.device), mb.targets.to(self.device)
             logits = logits_of(self.model(x))
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum") / global_count
+            if poison:
+                loss = loss * float("nan")
             loss.backward()
             loss_sum += loss.detach().double()
         self.ckpt.wait_for_staging()
@@ -134,12 +149,18 @@ class Trainer:
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        # The loss is agreed before the optimizer step (the same all-reduce as before, moved):
+        # with the global gradient norm, every rank sees the same two numbers and takes the same
+        # decision, so non-finite state is never stepped into, saved or committed.
+        dist.all_reduce(loss_sum)
+        loss = float(loss_sum)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"preempt": False, "fenced": False, "nonfinite": True, "loss": loss, "grad_norm": grad_norm, "save_due": False}
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        dist.all_reduce(loss_sum)
-        loss = float(loss_sum)
         self.state.step = step
         self.state.cursor += self.cfg.train.global_batch_size
         tokens = int(global_count)
@@ -159,7 +180,7 @@ class Trainer:
         self._observe(rec, tokens)
         if self.rank == 0 and (step % self.cfg.train.log_every == 0 or step == 1 or step == self.cfg.train.steps):
             logger.info("%s", self._progress_line(rec))
-        return {"preempt": False, "save_due": save_due > 0}
+        return {"preempt": False, "fenced": False, "nonfinite": False, "loss": loss, "save_due": save_due > 0}
 
     def _observe(self, rec: dict, tokens: int) -> None:
         m = self.metrics
@@ -188,30 +209,69 @@ class Trainer:
         )
 
     def _preempt_exit(self, step_not_run: int) -> int:
-        """All ranks agreed to stop: commit one final checkpoint within the grace budget."""
+        """All ranks agreed to stop: commit one final checkpoint within the grace budget.
+
+        Every decision below is agreed by all ranks (collectives on the training group), so all
+        ranks enter the same collectives and exit with the same code: 75 only when a commit of
+        the final step exists in storage (already, or written now), else 76."""
         done = self.state.step
         grace = self.cfg.checkpoint.preempt_grace_seconds
         started = self.preempt.received_at or time.monotonic()
         deadline = started + grace
         self.events.emit("preempt_requested", step=done, signal=self.preempt.signal_name, grace_seconds=grace)
         logger.warning("preemption (%s): saving step %d within %.0fs", self.preempt.signal_name, done, grace)
-        try:
-            # Decisions below depend only on state every rank shares (steps saved so far), so
-            # all ranks enter the same collectives.
-            self.ckpt.finish(timeout=max(0.0, deadline - time.monotonic()))
-            if not self._already_saved(done) and done > 0:
-                self.ckpt.save(done)
-            self.ckpt.finish(timeout=max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            self.events.emit("preempted", step=done, committed=False, reason="grace budget exceeded")
-            logger.error("preemption checkpoint of step %d missed the %.0fs grace budget; exiting uncommitted", done, grace)
-            return EXIT_PREEMPTED_UNCOMMITTED
-        committed = self.rank != 0 or self.ckpt.last_committed_step == done
-        self.events.emit("preempted", step=done, committed=committed, seconds=round(time.monotonic() - started, 3))
-        return EXIT_PREEMPTED if committed else EXIT_PREEMPTED_UNCOMMITTED
+        committed = False
+        if self.ckpt.finish_agreed(deadline) is not None:
+            committed = self.ckpt.committed_everywhere(done)
+            if not committed and done > 0:
+                self.ckpt.save(done, force=True, meta={"skipped_ranges": self.state.skipped})
+                committed = self.ckpt.finish_agreed(deadline) is not None and self.ckpt.committed_everywhere(done)
+        if not committed:
+            reason = "grace budget exceeded" if time.monotonic() >= deadline else "final checkpoint not committed"
+            self.events.emit("preempted", step=done, committed=False, reason=reason)
+            logger.error("preemption checkpoint of step %d not committed (%s); exiting %d", done, reason, exit_codes.PREEMPTED_UNCOMMITTED)
+            return exit_codes.PREEMPTED_UNCOMMITTED
+        self.events.emit("preempted", step=done, committed=True, seconds=round(time.monotonic() - started, 3))
+        return exit_codes.PREEMPTED
 
-    def _already_saved(self, step: int) -> bool:
-        return any(s.step == step for s in self.ckpt.save_stats)
+    def _fenced_exit(self) -> int:
+        """Rank 0 found a newer launch on the checkpoint root; every rank agreed in the step's all-reduce."""
+        reason = self.ckpt.fenced or "a newer launch owns the checkpoint root"
+        self.events.emit("fenced", step=self.state.step, error=reason)
+        logger.error("stopping: %s", reason)
+        return exit_codes.FENCED
+
+    def _on_nonfinite(self, step: int, rec: dict) -> int | None:
+        """A non-finite loss or gradient norm at ``step`` (agreed: both numbers are global).
+
+        ``stop``: exit 65 (nothing after the last finite step is committed). ``rollback``: reload
+        the newest commit of this lineage, skip the global sample range that produced the event
+        (recorded in the train state, so later resumes skip it too) and continue; a second event
+        before a save after the first stops. Returns an exit code, or None to continue."""
+        gbs = self.cfg.train.global_batch_size
+        sample_range = [self.state.cursor, self.state.cursor + gbs]
+        mode = self.cfg.train.on_nonfinite
+        self.events.emit("nonfinite", step=step, loss=rec["loss"], grad_norm=rec["grad_norm"], sample_range=sample_range, action=mode)
+        self.metrics.counter("elastic_trainer_train_nonfinite_events_total")
+        logger.error("non-finite loss %s / grad norm %s at step %d (samples %s)", rec["loss"], rec["grad_norm"], step, sample_range)
+        if mode == "rollback" and not self._rollback_window_open:
+            self.ckpt.finish_agreed(time.monotonic() + self.cfg.checkpoint.save_timeout_seconds)
+            loaded = self.ckpt.load(resume="latest")
+            if loaded is not None:
+                self.state.skipped.append(sample_range)
+                self._rollback_window_open = True
+                self.events.emit("rollback", from_step=step, to_step=loaded.step, skipped_range=sample_range, skipped_ranges=self.state.skipped)
+                logger.warning("rolled back to step %d; skipping samples %s", loaded.step, sample_range)
+                return None
+            why = "no committed checkpoint to roll back to"
+        elif mode == "rollback":
+            why = "a second non-finite event before a checkpoint after the last rollback"
+        else:
+            why = "train.on_nonfinite = stop"
+        self.ckpt.finish_agreed(time.monotonic() + self.cfg.checkpoint.save_timeout_seconds)
+        self.events.emit("nonfinite_stop", step=step, reason=why, last_finite_step=self.state.step)
+        logger.error("stopping at step %d (%s); last finite step %d", step, why, self.state.step)
+        return exit_codes.NONFINITE
 
     @contextlib.contextmanager
     def _watchdog(self, scope: str):

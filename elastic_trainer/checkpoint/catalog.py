@@ -1,0 +1,334 @@
+"""The catalog of a checkpoint root: the one home of rank 0's checkpoint bookkeeping.
+
+Scanning, verification, resume planning (lineage), commit, quarantine, retention, cleanup and
+fencing live here; the supervisor's preflight, the checkpoint manager (rank 0) and the ``ckpt``
+tools all use this class. It is thread-safe (the manager commits from a background thread).
+
+Fencing: every launch takes an *epoch* under ``_epochs/`` (``NNNNNNNN-<launch id>.json``, the
+number one above the newest; a race for the same number is broken by the id, the same way for
+everyone). A writer checks that its epoch is still the newest before every commit, clean and
+delete, and otherwise raises :class:`FencedError` naming the newer launch. A relaunch never waits.
+
+Lineage: each manifest records its epoch, a per-lineage sequence number and its parent (the
+checkpoint its state descends from). The epoch record stores the *base* a launch started from,
+so every restart inside a launch resumes from the newest commit of that launch (or its base),
+whatever ``checkpoint.resume`` said for the first start. Commits not on the current lineage are
+*parked*: never picked by ``latest``, never counted or deleted by retention, shown by ``ckpt list``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointError, FencedError
+from ..events import EventLog
+from ..storage.fs import Storage
+from . import integrity, layout
+
+logger = logging.getLogger(__name__)
+
+KEY_ENV = "ELASTIC_TRAINER_CHECKPOINT_KEY"
+EPOCHS = "_epochs"
+_UNSET: Any = object()
+
+
+def checkpoint_key() -> bytes | None:
+    """The manifest signing key from ``ELASTIC_TRAINER_CHECKPOINT_KEY`` (never logged)."""
+    raw = os.environ.get(KEY_ENV, "")
+    return raw.encode() if raw else None
+
+
+def _launch_slug(launch_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", launch_id)[:80] or "launch"
+
+
+@dataclass
+class ResumePlan:
+    chosen: layout.Candidate | None
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    first_start: bool = True
+
+
+class Catalog:
+    def __init__(self, storage: Storage, *, epoch: str | None = None, key: bytes | None = _UNSET, events: EventLog | None = None):
+        self.storage = storage
+        self.epoch = epoch
+        self.key = checkpoint_key() if key is _UNSET else key
+        self.events = events or EventLog(None)
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ reading
+    def scan(self) -> list[layout.Candidate]:
+        """Every ``step-*`` directory with its manifest, quarantine and writer markers and files.
+
+        One recursive listing of the root. An unreadable manifest becomes ``{"unreadable": why}``,
+        which :func:`layout.verify` reports, so a damaged commit marker is skipped, never trusted."""
+        listing = self.storage.list_files(self.storage.root)
+        per_dir: dict[str, dict[str, int]] = {}
+        for rel, size in listing.items():
+            top, sep, rest = rel.partition("/")
+            if sep and layout.parse_dir(top) is not None:
+                per_dir.setdefault(top, {})[rest] = size
+        for name in self.storage.list_dirs():
+            if layout.parse_dir(name) is not None:
+                per_dir.setdefault(name, {})  # an empty directory is an uncommitted leftover
+        out = []
+        for name, files in sorted(per_dir.items()):
+            step, _ = layout.parse_dir(name)
+            manifest = self._read_marker(name, layout.MANIFEST, files, unreadable_ok=True)
+            quarantine = self._read_marker(name, layout.QUARANTINE, files)
+            writer = self._read_marker(name, layout.WRITER, files) if manifest is None else None
+            plain = {k: v for k, v in files.items() if k not in (layout.MANIFEST, layout.QUARANTINE, layout.WRITER, integrity.CHECKSUMS)}
+            out.append(layout.Candidate(step, name, manifest, plain, quarantine, writer))
+        return out
+
+    def _read_marker(self, name: str, marker: str, files: dict[str, int], unreadable_ok: bool = False) -> dict[str, Any] | None:
+        if marker not in files:
+            return None
+        try:
+            data = self.storage.read_json(self.storage.join(name, marker))
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            return data
+        except (ValueError, OSError) as e:
+            logger.warning("unreadable %s in %s: %s", marker, name, e)
+            return {"unreadable": str(e)} if unreadable_ok else {"reason": f"unreadable {marker}: {e}"}
+
+    def ignored_entries(self) -> list[str]:
+        """Directories under the root that are neither checkpoints nor reserved (reported, never touched)."""
+        return [n for n in self.storage.list_dirs() if layout.parse_dir(n) is None and not layout.is_reserved(n)]
+
+    def problem(self, c: layout.Candidate) -> str | None:
+        return layout.verify(c, self.key)
+
+    def reader(self, c: layout.Candidate):
+        """A DCP storage reader for a *verified* candidate that checks every byte it reads."""
+        problem = self.problem(c)
+        if problem:
+            raise CheckpointError(f"checkpoint {c.name} is unusable: {problem}")
+        return integrity.verifying(self.storage.dcp_reader(self.storage.join(c.name)), integrity.Checks.from_manifest(c.manifest))
+
+    def read_metadata(self, c: layout.Candidate):
+        """DCP metadata of a verified candidate (checked against the manifest before unpickling)."""
+        return self.reader(c).read_metadata()
+
+    # ------------------------------------------------------------------ epochs
+    def epochs(self) -> dict[str, dict[str, Any]]:
+        """Epoch name (``NNNNNNNN-<launch>``) -> its record, oldest first."""
+        out = {}
+        for rel in sorted(self.storage.list_files(self.storage.join(EPOCHS)), key=lambda r: layout.epoch_key(r.removesuffix(".json"))):
+            if not rel.endswith(".json") or "/" in rel:
+                continue
+            try:
+                rec = self.storage.read_json(self.storage.join(EPOCHS, rel))
+            except (ValueError, OSError) as e:
+                rec = {"unreadable": str(e)}
+            out[rel.removesuffix(".json")] = rec if isinstance(rec, dict) else {}
+        return out
+
+    def current_epoch(self) -> str | None:
+        names = list(self.epochs())
+        return max(names, key=layout.epoch_key) if names else None
+
+    def acquire_epoch(self, launch_id: str) -> str:
+        """Take (or, for another node of the same launch, join) this launch's epoch. Never waits."""
+        slug = _launch_slug(launch_id)
+        with self._lock:
+            current = self.current_epoch()
+            if current is not None and current.partition("-")[2] == slug:
+                self.epoch = current
+                return current
+            number = layout.epoch_key(current)[0] + 1 if current else 1
+            name = f"{number:08d}-{slug}"
+            self.storage.write_json_atomic(
+                self.storage.join(EPOCHS, name + ".json"),
+                {"launch": launch_id, "created": time.time(), "host": socket.gethostname(), "pid": os.getpid()},
+            )
+            self.epoch = name
+            self.events.emit("checkpoint_epoch", epoch=name, previous=current)
+            self.check_epoch()
+            return name
+
+    def check_epoch(self) -> None:
+        """Raise FencedError when a newer launch has taken the root. No-op without an epoch."""
+        if not self.epoch:
+            return
+        current = self.current_epoch()
+        if current is not None and layout.epoch_key(current) > layout.epoch_key(self.epoch):
+            raise FencedError(
+                f"checkpoint root {self.storage.describe()} was taken over by a newer launch (epoch {current}); "
+                f"this launch (epoch {self.epoch}) no longer commits, cleans or deletes there and stops"
+            )
+
+    def record_base(self, base: str | None) -> None:
+        """Rank 0, first start of a launch: remember what this launch's lineage starts from."""
+        if not self.epoch:
+            return
+        path = self.storage.join(EPOCHS, self.epoch + ".json")
+        with self._lock:
+            try:
+                rec = self.storage.read_json(path)
+            except (ValueError, OSError):
+                rec = {}
+            rec["base"] = base
+            self.check_epoch()
+            self.storage.write_json_atomic(path, rec)
+
+    # ------------------------------------------------------------------ resume planning
+    def plan_resume(self, resume: str, exclude: frozenset[str] = frozenset()) -> ResumePlan:
+        """Which checkpoint this start loads (pure decisions over one scan)."""
+        candidates = self.scan()
+        epochs = self.epochs()
+        mine = epochs.get(self.epoch or "", {})
+        restart = "base" in mine
+        if restart:
+            order = self._lineage_order(candidates, epochs, only=self.epoch)
+        elif resume == "none":
+            return ResumePlan(None, [], True)
+        elif resume != "latest":
+            sel = layout.select_for_resume(candidates, resume, self.key, exclude)
+            return ResumePlan(sel.chosen, sel.skipped, True)
+        else:
+            order = self._lineage_order(candidates, epochs)
+        plan = ResumePlan(None, [], not restart)
+        for c in order:
+            if c.name in exclude:
+                continue
+            reason = self.problem(c)
+            if reason is None:
+                plan.chosen = c
+                break
+            plan.skipped.append((c.step, reason))
+        return plan
+
+    def _lineage_order(self, candidates: list[layout.Candidate], epochs: dict[str, dict[str, Any]], only: str | None = None) -> list[layout.Candidate]:
+        """Candidates in the order ``latest`` tries them: per epoch (newest first) its commits
+        newest first, then the base it started from (with that base's ancestors); then every
+        other directory by step. With ``only``: that epoch's commits and base chain only."""
+        by_name = {c.name: c for c in candidates}
+        out: list[layout.Candidate] = []
+        seen: set[str] = set()
+
+        def add(c: layout.Candidate | None) -> None:
+            while c is not None and c.name not in seen:
+                seen.add(c.name)
+                out.append(c)
+                parent = (c.manifest or {}).get("parent")
+                c = by_name.get(parent) if isinstance(parent, str) else None
+
+        names = [only] if only else sorted(epochs, key=layout.epoch_key, reverse=True)
+        for e in names:
+            own = [c for c in candidates if c.manifest and c.manifest.get("epoch") == e]
+            for c in sorted(own, key=lambda c: (c.manifest.get("seq", 0), c.step, c.gen), reverse=True):
+                add(c)
+            base = epochs.get(e, {}).get("base")
+            if isinstance(base, str):
+                add(by_name.get(base))
+        if not only:
+            for c in sorted(candidates, key=lambda c: (c.step, c.gen), reverse=True):
+                if c.manifest is not None:
+                    add(c)
+        return out
+
+    def head(self, candidates: list[layout.Candidate] | None = None) -> layout.Candidate | None:
+        """What ``latest`` would resume from now."""
+        candidates = self.scan() if candidates is None else candidates
+        for c in self._lineage_order(candidates, self.epochs()):
+            if self.problem(c) is None:
+                return c
+        return None
+
+    def lineage(self, head: layout.Candidate | None, candidates: list[layout.Candidate]) -> list[layout.Candidate]:
+        """``head`` and its ancestors (by the manifests' parent links), newest first."""
+        by_name = {c.name: c for c in candidates}
+        out, c = [], head
+        while c is not None and c not in out:
+            out.append(c)
+            parent = (c.manifest or {}).get("parent")
+            c = by_name.get(parent) if isinstance(parent, str) else None
+        return out
+
+    # ------------------------------------------------------------------ writing (rank 0)
+    def mark_writer(self, name: str) -> None:
+        """Record which epoch writes the (uncommitted) directory ``name``."""
+        self.storage.write_json_atomic(self.storage.join(name, layout.WRITER), {"epoch": self.epoch or ""})
+
+    def commit(self, name: str, *, step: int, world_size: int, mesh_shape: list[int], fingerprint: str, torch_version: str, extra: dict[str, Any]) -> dict[str, Any]:
+        """Prove the save complete and write its manifest (the commit marker).
+
+        The file list comes from what DCP wrote (``.checksums.json``, built from every rank's
+        write results); each file must be in storage with the size written. Raises
+        CheckpointError (not committed) or FencedError."""
+        with self._lock:
+            self.check_epoch()
+            d = self.storage.join(name)
+            try:
+                table = json.loads(self.storage.read_bytes(self.storage.join(name, integrity.CHECKSUMS)))
+                written = table["files"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"cannot commit {name}: no readable {integrity.CHECKSUMS} from DCP's writer ({type(e).__name__}: {e})") from e
+            problem = layout.commit_problem(written, self.storage.list_files(d))
+            if problem:
+                raise CheckpointError(f"cannot commit {name}: {problem}")
+            manifest = layout.build_manifest(
+                step=step,
+                world_size=world_size,
+                mesh_shape=mesh_shape,
+                files=written,
+                created=time.time(),
+                torch_version=torch_version,
+                fingerprint=fingerprint,
+                epoch=self.epoch or "",
+                extra=extra,
+            )
+            manifest = layout.seal(manifest, self.key)
+            self.storage.write_json_atomic(self.storage.join(name, layout.MANIFEST), manifest)
+            return manifest
+
+    def quarantine(self, name: str, reason: str) -> None:
+        """Mark a committed checkpoint bad (a marker next to its manifest; nothing is deleted)."""
+        with self._lock:
+            self.storage.write_json_atomic(self.storage.join(name, layout.QUARANTINE), {"reason": reason[:2000], "time": time.time(), "epoch": self.epoch or ""})
+        self.events.emit("checkpoint_quarantined", step=layout.parse_step_dir(name), name=name, reason=reason[:2000])
+
+    def retention(self, newest: str, keep_last: int, keep_every: int) -> list[int]:
+        """After ``newest`` was committed: delete older commits *of its lineage* beyond
+        ``keep_last`` (multiples of ``keep_every`` stay). Parked and quarantined ones stay."""
+        with self._lock:
+            candidates = self.scan()
+            by_name = {c.name: c for c in candidates}
+            head = by_name.get(newest)
+            if head is None or self.problem(head) is not None:
+                return []  # never delete anything unless the newer commit verifies
+            chain = [c for c in self.lineage(head, candidates) if self.problem(c) is None]
+            victims = set(layout.retention_victims([c.step for c in chain], keep_last, keep_every, {head.step}))
+            deleted = []
+            for c in chain:
+                if c.step in victims:
+                    self.check_epoch()
+                    self.storage.delete_tree(self.storage.join(c.name))
+                    deleted.append(c.step)
+                    self.events.emit("checkpoint_deleted", step=c.step, name=c.name, reason="retention")
+            return deleted
+
+    def clean_uncommitted(self, keep: frozenset[str] = frozenset()) -> list[layout.Candidate]:
+        """Start-up only: delete uncommitted leftovers this epoch may delete (see layout)."""
+        with self._lock:
+            self.check_epoch()
+            cleaned = []
+            for c in layout.cleanable_uncommitted(self.scan(), self.epoch or ""):
+                if c.name in keep:
+                    continue
+                logger.info("removing uncommitted leftover %s", c.name)
+                self.storage.delete_tree(self.storage.join(c.name))
+                self.events.emit("checkpoint_cleaned", step=c.step, name=c.name, reason="uncommitted")
+                cleaned.append(c)
+            return cleaned

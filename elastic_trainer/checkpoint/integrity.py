@@ -1,0 +1,309 @@
+"""Checksummed DCP writers and verifying readers: the one home of torch-private checkpoint APIs.
+
+Every byte DCP writes is hashed (XXH3-64, ~4.6 GB/s per core here, over the buffers DCP hands
+out, without a copy) *as it is written*, never re-read: the writer's file system is wrapped so each output stream hashes its bytes, cut into
+segments at every ``tell()``. DCP calls ``tell()`` exactly before and after each item it writes
+(``filesystem._write_item``), so each item's bytes are one segment. Each rank's write results
+carry their item checksums to the coordinator, which strips them before writing a plain DCP
+``.metadata`` (torch's own readers and ``format_utils`` read the checkpoint unchanged) and then
+writes ``.checksums.json``: per file its size, XXH3 and the (offset, length, xxh3) of every item.
+The commit (``catalog``) turns that table into the manifest.
+
+Reading verifies every byte it reads: ``.metadata`` is checked against the manifest *before* it
+is unpickled, and every item slice DCP reads is checked before ``torch.load`` sees it.
+
+Private torch APIs used here, and only here (``tests/unit/test_integrity.py`` fails loudly when
+torch changes them): ``torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter/Reader``,
+``filesystem._StorageInfo``, the readers' ``_slice_file`` / ``_get_metadata_path`` methods, the
+writers' ``fs`` attribute and the one-segment-per-item ``tell()`` pattern of ``_write_item``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..errors import CheckpointIntegrityError
+
+CHECKSUMS = ".checksums.json"
+METADATA = ".metadata"
+
+
+def digest(data) -> int:
+    """XXH3-64 of ``data`` (any buffer)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+# ---------------------------------------------------------------------------------- writing
+@dataclass
+class _FileRecord:
+    size: int = 0
+    hasher: Any = None  # XXH3 of the whole file
+    segments: dict[int, tuple[int, int]] | None = None  # start offset -> (length, xxh3)
+
+    @property
+    def digest(self) -> int:
+        return self.hasher.intdigest()
+
+
+class _HashingStream(io.RawIOBase):
+    """A write stream that hashes what passes through, cut into segments at every ``tell()``."""
+
+    def __init__(self, raw, record: _FileRecord):
+        self._raw = raw
+        self._rec = record
+        self._rec.segments = {}
+        self._rec.hasher = xxhash.xxh3_64()
+        self._seg_start = 0
+        self._seg = xxhash.xxh3_64()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")  # DCP hands out tensor storages and BytesIO buffers
+        n = self._raw.write(view)
+        n = len(view) if n is None else n
+        part = view[:n]
+        self._seg.update(part)
+        self._rec.hasher.update(part)
+        self._rec.size += n
+        return n
+
+    def tell(self) -> int:
+        if self._rec.size > self._seg_start:
+            self._rec.segments[self._seg_start] = (self._rec.size - self._seg_start, self._seg.intdigest())
+            self._seg_start = self._rec.size
+            self._seg.reset()
+        return self._rec.size
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        self.tell()
+        super().close()
+
+
+class _HashingFS:
+    """Wraps a DCP ``FileSystem``: every stream opened for writing hashes its bytes."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self._lock = threading.Lock()
+        self.records: dict[str, _FileRecord] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with self._inner.create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            rec = _FileRecord()
+            with self._lock:
+                self.records[os.path.basename(os.fspath(path))] = rec
+            stream = _HashingStream(raw, rec)
+            yield stream
+            stream.tell()
+
+    def record(self, name: str) -> _FileRecord | None:
+        with self._lock:
+            return self.records.get(name)
+
+
+@dataclass
+class _Checked:
+    """A write result's storage info with the item's checksum, on its way to the coordinator."""
+
+    info: Any  # _StorageInfo
+    digest: int
+    file_size: int
+    file_digest: int
+
+
+class _ChecksummedWrites:
+    """Mixin for DCP storage writers (see the module docstring). Also writes without the zip
+    CRC32 ``torch.save`` computes and nobody reads (measured: 0.81 → 0.46 CPU-s per rank for a
+    556 MB shard); the switch is process-wide, so it is off only while this writer writes."""
+
+    upload_nice = 0  # > 0: lower the CPU priority of the thread that writes (experiment knob)
+
+    def write_data(self, plan, planner):
+        if self.upload_nice > 0:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.upload_nice)
+            except OSError:  # pragma: no cover - best effort
+                pass
+        previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            results = super().write_data(plan, planner).wait()
+        finally:
+            torch.serialization.set_crc32_options(previous)
+        out = []
+        for wr in results:
+            info = wr.storage_data
+            rec = self.fs.record(info.relative_path)
+            seg = (rec.segments or {}).get(info.offset) if rec is not None else None
+            if info.length == 0:
+                seg = (0, 0)
+            if rec is None or seg is None or seg[0] != info.length:
+                raise CheckpointIntegrityError(
+                    f"cannot checksum item {wr.index.fqn} in {info.relative_path}: DCP's write pattern changed (see checkpoint/integrity.py)"
+                )
+            out.append(WriteResult(index=wr.index, size_in_bytes=wr.size_in_bytes, storage_data=_Checked(info, seg[1], rec.size, rec.digest)))
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(out)
+        return fut
+
+    def finish(self, metadata, results) -> None:
+        files: dict[str, dict[str, Any]] = {}
+        plain = []
+        for wr_list in results:
+            row = []
+            for wr in wr_list:
+                c = wr.storage_data
+                if not isinstance(c, _Checked):
+                    raise CheckpointIntegrityError(f"write result of {wr.index.fqn} carries no checksum")
+                f = files.setdefault(c.info.relative_path, {"size": c.file_size, "xxh3": c.file_digest, "items": []})
+                f["items"].append([c.info.offset, c.info.length, c.digest])
+                row.append(WriteResult(index=wr.index, size_in_bytes=wr.size_in_bytes, storage_data=c.info))
+            plain.append(row)
+        super().finish(metadata, plain)
+        meta = self.fs.record(f"{METADATA}.tmp")
+        if meta is None:
+            raise CheckpointIntegrityError("cannot checksum .metadata: DCP's write pattern changed (see checkpoint/integrity.py)")
+        files[METADATA] = {"size": meta.size, "xxh3": meta.digest}
+        for f in files.values():
+            if "items" in f:
+                f["items"].sort()
+        body = json.dumps({"version": 1, "files": files}, sort_keys=True).encode()
+        with self.fs.create_stream(self.fs.concat_path(self.path, CHECKSUMS), "wb") as out:
+            out.write(body)
+
+
+class ChecksummedFileSystemWriter(_ChecksummedWrites, FileSystemWriter):
+    pass
+
+
+try:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as _FsspecReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as _FsspecWriter
+
+    class ChecksummedFsspecWriter(_ChecksummedWrites, _FsspecWriter):
+        pass
+
+except ImportError:  # pragma: no cover - fsspec is a dependency
+    _FsspecReader = _FsspecWriter = ChecksummedFsspecWriter = None  # type: ignore[assignment,misc]
+
+
+def checksummed(writer):
+    """A copy of a DCP ``FileSystemWriter`` / ``FsspecWriter`` that checksums what it writes."""
+    cls = {FileSystemWriter: ChecksummedFileSystemWriter, _FsspecWriter: ChecksummedFsspecWriter}.get(type(writer))
+    if cls is None:
+        raise TypeError(f"no checksummed variant of {type(writer).__name__}")
+    new = cls.__new__(cls)
+    new.__dict__.update(writer.__dict__)
+    new.fs = _HashingFS(writer.fs)
+    return new
+
+
+# ---------------------------------------------------------------------------------- reading
+@dataclass(frozen=True)
+class Checks:
+    """What a reader verifies, from a verified manifest. Empty ``items`` = legacy (sizes only)."""
+
+    metadata: tuple[int, int] | None  # (size, xxh3) of .metadata
+    items: dict[tuple[str, int], tuple[int, int]]  # (file, offset) -> (length, xxh3)
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any]) -> "Checks":
+        files = manifest.get("files") or {}
+        meta = files.get(METADATA) or {}
+        items = {}
+        for rel, f in files.items():
+            for off, length, h in (f.get("items") or []) if isinstance(f, dict) else []:
+                items[(rel, int(off))] = (int(length), int(h))
+        metadata = (int(meta["size"]), int(meta["xxh3"])) if isinstance(meta, dict) and "xxh3" in meta else None
+        return cls(metadata, items)
+
+
+class _VerifyingReads:
+    """Mixin for DCP storage readers: verify ``.metadata`` before unpickling and every item slice."""
+
+    checks: Checks = Checks(None, {})
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            data = f.read()
+        if self.checks.metadata is not None:
+            size, want = self.checks.metadata
+            if len(data) != size:
+                raise CheckpointIntegrityError(f".metadata has {len(data)} bytes, the manifest says {size}")
+            if digest(data) != want:
+                raise CheckpointIntegrityError(".metadata checksum mismatch (corrupted): refused before unpickling")
+        metadata = pickle.loads(data)  # noqa: S301 - verified against the (optionally signed) manifest above
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _slice_file(self, file, sinfo):
+        want = self.checks.items.get((sinfo.relative_path, sinfo.offset))
+        if want is None and self.checks.items:
+            raise CheckpointIntegrityError(f"{sinfo.relative_path}@{sinfo.offset}: item not listed in the manifest")
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        if len(data) != sinfo.length:
+            raise CheckpointIntegrityError(f"{sinfo.relative_path}@{sinfo.offset}: short read, {len(data)} of {sinfo.length} bytes")
+        if want is not None and (want[0] != sinfo.length or digest(data) != want[1]):
+            raise CheckpointIntegrityError(f"{sinfo.relative_path}@{sinfo.offset}: checksum mismatch (corrupted shard)")
+        return io.BytesIO(data)
+
+
+class VerifyingFileSystemReader(_VerifyingReads, FileSystemReader):
+    pass
+
+
+if _FsspecReader is not None:
+
+    class VerifyingFsspecReader(_VerifyingReads, _FsspecReader):
+        pass
+
+else:  # pragma: no cover
+    VerifyingFsspecReader = None  # type: ignore[assignment,misc]
+
+
+def verifying(reader, checks: Checks):
+    """A copy of a DCP ``FileSystemReader`` / ``FsspecReader`` that verifies what it reads."""
+    cls = {FileSystemReader: VerifyingFileSystemReader, _FsspecReader: VerifyingFsspecReader}.get(type(reader))
+    if cls is None:
+        raise TypeError(f"no verifying variant of {type(reader).__name__}")
+    new = cls.__new__(cls)
+    new.__dict__.update(reader.__dict__)
+    new.checks = checks
+    return new
+
+
+_ = _StorageInfo  # imported so that a rename in torch fails this module's import loudly

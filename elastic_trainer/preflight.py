@@ -1,0 +1,57 @@
+"""Checks the supervisor runs before any worker starts: the checkpoint location is reachable
+with the given credentials, and the checkpoint that would be resumed verifies and fits the model."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .checkpoint import layout
+from .checkpoint.catalog import Catalog
+from .config import Config
+from .errors import CheckpointMismatchError, ConfigError, StorageError
+from .storage.fs import open_storage
+
+logger = logging.getLogger(__name__)
+
+
+def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Unsharded parameter shapes of the configured model, built on the meta device (free)."""
+    from .worker.model_factory import build_model
+
+    with torch.device("meta"):
+        model, _, _ = build_model(cfg.model)
+    return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def preflight(cfg: Config) -> int | None:
+    """Returns the step that would be resumed (None for a fresh start). Raises ConfigError /
+    CheckpointMismatchError naming the key."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    c = cfg.checkpoint
+    try:
+        storage = open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
+        storage.check_access()
+    except StorageError as e:
+        raise ConfigError("checkpoint.dir", f"cannot access {c.dir}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - e.g. credentials or endpoint errors from the client
+        raise ConfigError("checkpoint.dir", f"cannot access {c.dir}: {type(e).__name__}: {e}") from None
+    if c.resume == "none":
+        return None
+    catalog = Catalog(storage)
+    plan = catalog.plan_resume(c.resume)
+    if c.resume != "latest" and plan.chosen is None:
+        reason = plan.skipped[0][1] if plan.skipped else "not found"
+        raise ConfigError("checkpoint.resume", f"checkpoint step {c.resume} under {c.dir} is unusable: {reason}")
+    if plan.chosen is None:
+        return None
+    if plan.chosen.manifest.get("config_fingerprint") == cfg.model_fingerprint():
+        return plan.chosen.step
+    meta = catalog.read_metadata(plan.chosen)
+    saved = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    mismatch = layout.compare_shapes(saved, model_shapes(cfg), plan.chosen.step)
+    if mismatch:
+        raise CheckpointMismatchError(*mismatch)
+    return plan.chosen.step
