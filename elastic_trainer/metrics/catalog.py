@@ -73,6 +73,7 @@ CATALOG: tuple[Metric, ...] = (
     _g("elastic_trainer_train_loss", "Training loss of the last step (mean over the global batch)."),
     _g("elastic_trainer_train_learning_rate", "Learning rate used by the last step."),
     _g("elastic_trainer_train_grad_norm", "Global gradient norm of the last step, before clipping."),
+    _c("elastic_trainer_train_nonfinite_events_total", "Steps whose loss or global gradient norm was non-finite (the optimizer step was not taken)."),
     _g("elastic_trainer_train_tokens_per_second", "Tokens per second of the last step (whole job)."),
     _h("elastic_trainer_train_step_duration_seconds", "Wall time of one training step.", _FAST),
     _c("elastic_trainer_train_samples_total", "Samples (sequences) trained on, including steps redone after a restart."),

@@ -97,11 +97,12 @@ def save_after_training(rank, world, ckpt_dir, mode):
     mgr = _manager(cfg, ckpt_dir, model, opt, sched, ts, rank, world, mode)
     mgr.save(3)
     mgr.wait_for_staging()
-    state = full_state(model, opt) if True else None
+    state = full_state(model, opt)
+    lr_at_save = sched.get_last_lr()
     next_losses = _train_steps(model, opt, sched, cfg, 4, rank, world, start=3)  # mutates params while the save may still upload
     ok = mgr.finish()
     mgr.close()
-    return {"state": state if rank == 0 else None, "next": next_losses, "committed": ok, "lr": sched.get_last_lr()}
+    return {"state": state if rank == 0 else None, "next": next_losses, "committed": ok, "lr": lr_at_save}
 
 
 def load_and_continue(rank, world, ckpt_dir):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_trainer.checkpoint import layout
 from tests import runs
 
 
@@ -30,7 +31,7 @@ def refs(tmp_path_factory, token_file):
 
 
 def _committed_steps(ckpt: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in ckpt.glob("step-*") if (p / "manifest.json").exists())
+    return sorted(layout.parse_step_dir(p.name) for p in ckpt.glob("step-*") if (p / "manifest.json").exists())
 
 
 def test_sigkill_and_resume_is_bitwise_identical(tmp_path, token_file, refs):
@@ -39,7 +40,8 @@ def test_sigkill_and_resume_is_bitwise_identical(tmp_path, token_file, refs):
     assert runs.step_losses(tmp_path / "run") == runs.step_losses(refs[2])
     restart = runs.read_events(tmp_path / "run", "restart")
     assert len(restart) == 1 and restart[0]["reason"] == "worker_failure"
-    assert any(f["exit_code"] == -9 or f.get("signal") == "SIGKILL" for f in restart[0]["failures"]) or restart[0]["failures"]
+    killed = [f for f in restart[0]["failures"] if f["exit_code"] == -9 or f.get("signal") == "SIGKILL"]
+    assert [f["global_rank"] for f in killed] == [1], f"the restart names the SIGKILLed rank 1: {restart[0]['failures']}"
     (resume,) = runs.read_events(tmp_path / "run", "resume")
     assert resume["step"] == 5 and resume["world_size"] == 2
 

@@ -6,18 +6,28 @@ from elastic_trainer.checkpoint import layout
 from elastic_trainer.checkpoint.layout import Candidate
 
 
-def cand(step, files=None, manifest_files=None, committed=True):
+def manifest(step, files, key=None, **extra):
+    body = layout.build_manifest(
+        step=step, world_size=1, mesh_shape=[1], files={k: {"size": v, "xxh3": 1} for k, v in files.items()},
+        created=1.0, torch_version="x", fingerprint="f", extra=extra,
+    )
+    return layout.seal(body, key)
+
+
+def cand(step, files=None, manifest_files=None, committed=True, key=None, quarantine=None):
     files = files if files is not None else {"__0_0.distcp": 10, ".metadata": 5}
     mf = manifest_files if manifest_files is not None else dict(files)
-    manifest = {"step": step, "files": mf} if committed else None
-    return Candidate(step, layout.step_dir_name(step), manifest, files)
+    return Candidate(step, layout.step_dir_name(step), manifest(step, mf, key) if committed else None, files, quarantine)
 
 
 def test_names_roundtrip_and_garbage_is_ignored():
     assert layout.step_dir_name(1200) == "step-00001200"
     assert layout.parse_step_dir("step-00001200") == 1200
-    for junk in ("step-12", "foo", "step-0000120a", "step-00001200.tmp"):
+    for junk in ("step-12", "foo", "step-0000120a", "step-00001200.tmp", "_epochs"):
         assert layout.parse_step_dir(junk) is None
+    assert layout.parse_dir("step-00001200.2") == (1200, 2)
+    assert layout.next_dir_name(5, set()) == "step-00000005"
+    assert layout.next_dir_name(5, {"step-00000005", "step-00000005.1"}) == "step-00000005.2"
 
 
 def test_verify_reasons():
@@ -25,8 +35,40 @@ def test_verify_reasons():
     assert "uncommitted" in layout.verify(cand(5, committed=False))
     assert "missing" in layout.verify(cand(5, files={".metadata": 5}, manifest_files={".metadata": 5, "__0_0.distcp": 10}))
     assert "has 3 bytes, manifest says 10" in layout.verify(cand(5, files={".metadata": 5, "__0_0.distcp": 3}, manifest_files={".metadata": 5, "__0_0.distcp": 10}))
-    bad = Candidate(5, "step-00000005", {"step": 6, "files": {"a": 1}}, {"a": 1})
+    bad = Candidate(5, "step-00000005", manifest(6, {".metadata": 1}), {".metadata": 1})
     assert "does not match" in layout.verify(bad)
+    assert "quarantined: checksum" in layout.verify(cand(5, quarantine={"reason": "checksum mismatch"}))
+
+
+def test_manifest_seal_and_signature():
+    m = manifest(5, {".metadata": 5})
+    c = Candidate(5, "step-00000005", m, {".metadata": 5})
+    assert layout.verify(c) is None
+    tampered = dict(m, world_size=2)  # valid JSON, same shape, one value changed
+    assert "checksum mismatch" in layout.verify(Candidate(5, "step-00000005", tampered, {".metadata": 5}))
+    assert "signature" in layout.verify(c, key=b"k"), "an unsigned manifest is refused when a key is set"
+    signed = manifest(5, {".metadata": 5}, key=b"k")
+    assert layout.verify(Candidate(5, "step-00000005", signed, {".metadata": 5}), key=b"k") is None
+    assert "signature" in layout.verify(Candidate(5, "step-00000005", signed, {".metadata": 5}), key=b"other")
+    forged = layout.seal(dict(signed, world_size=2), None) | {"hmac": signed["hmac"]}
+    assert "signature" in layout.verify(Candidate(5, "step-00000005", forged, {".metadata": 5}), key=b"k")
+
+
+def test_commit_problem_names_the_missing_shard():
+    written = {".metadata": {"size": 5}, "__0_0.distcp": {"size": 10}, "__1_0.distcp": {"size": 10}}
+    assert layout.commit_problem(written, {".metadata": 5, "__0_0.distcp": 10, "__1_0.distcp": 10}) is None
+    assert "__1_0.distcp" in layout.commit_problem(written, {".metadata": 5, "__0_0.distcp": 10})
+    assert "9 bytes" in layout.commit_problem(written, {".metadata": 5, "__0_0.distcp": 10, "__1_0.distcp": 9})
+
+
+@pytest.mark.parametrize(
+    "writer, mine, cleanable",
+    [(None, "00000002-b", True), ("00000001-a", "00000002-b", True), ("00000002-b", "00000002-b", True), ("00000003-c", "00000002-b", False), ("00000002-c", "00000002-b", False)],
+)
+def test_uncommitted_cleaned_only_by_their_epoch_or_a_newer_one(writer, mine, cleanable):
+    c = Candidate(5, "step-00000005", None, {"__0_0.distcp": 3}, writer={"epoch": writer} if writer else None)
+    assert (layout.cleanable_uncommitted([c], mine) == [c]) is cleanable
+    assert layout.cleanable_uncommitted([cand(6)], mine) == [], "committed directories are never cleaned"
 
 
 def test_select_latest_falls_back_past_broken_ones():
@@ -67,8 +109,9 @@ def test_should_save(step, total, interval, time_due, preempt, expected):
 
 
 def test_manifest_contents():
-    m = layout.build_manifest(step=7, world_size=2, mesh_shape=[2], files={"b": 2, "a": 1}, created=1.0, torch_version="x", fingerprint="f")
+    m = layout.build_manifest(step=7, world_size=2, mesh_shape=[2], files={"b": {"size": 2}, "a": {"size": 1}}, created=1.0, torch_version="x", fingerprint="f", epoch="00000001-x")
     assert m["total_bytes"] == 3 and list(m["files"]) == ["a", "b"] and m["world_size"] == 2 and m["config_fingerprint"] == "f"
+    assert m["epoch"] == "00000001-x" and m["version"] == layout.MANIFEST_VERSION
 
 
 def test_unreadable_manifest_is_skipped_not_trusted():

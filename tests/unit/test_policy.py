@@ -22,18 +22,29 @@ def test_failure_streak_resets_after_a_healthy_stretch(previous, healthy, expect
 
 
 @pytest.mark.parametrize(
-    "failed, signalled, marker, code",
+    "failed, signalled, marker, workers, code",
     [
-        (False, False, None, 0),
-        (False, False, {"step": 5}, 0),  # finished after a membership restart left a marker
-        (True, False, None, 1),
-        (True, False, {"step": 5}, 75),
-        (False, True, None, 75),
-        (True, True, None, 75),
+        (False, False, None, [], 0),
+        (False, False, {"step": 5, "exit_code": 75}, [], 0),  # finished after a membership restart left a marker
+        (True, False, None, [1], 1),
+        (True, False, {"step": 5, "exit_code": 75}, [75, 75], 75),
+        (True, False, {"step": 5, "exit_code": 76}, [76, 76], 76),  # the workers said "not committed": so does launch
+        (False, True, None, [], 76),  # signalled, but no proof of a commit
+        (True, True, None, [], 76),
+        (True, True, {"step": 5, "exit_code": 75}, [], 75),
+        (True, True, {"step": 5, "exit_code": 76}, [], 76),
+        (True, False, None, [65, 65], 65),  # non-finite stop is terminal and reported as such
+        (True, False, None, [73, 73], 73),  # fenced
+        (True, False, None, [73, 1], 1),  # mixed: a real failure
     ],
 )
-def test_launch_exit_code(failed, signalled, marker, code):
-    assert policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=marker) == code
+def test_launch_exit_code(failed, signalled, marker, workers, code):
+    assert policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=marker, worker_exit_codes=workers) == code
+
+
+@pytest.mark.parametrize("codes, terminal", [([65, 65], 65), ([73], 73), ([65, 73], None), ([1], None), ([75, 75], None), ([], None)])
+def test_terminal_codes_stop_restarts(codes, terminal):
+    assert policy.terminal_code(codes) == terminal
 
 
 @pytest.mark.parametrize(
