@@ -9,7 +9,9 @@ Enabled only through ``ELASTIC_TRAINER_INJECT_FAULT``, a comma-separated list of
 * ``kill_in_save`` — SIGKILL rank R right after it starts the async save of step S;
 * ``kill_before_commit`` — SIGKILL rank 0 after every shard of step S is written but before
   the manifest is (the commit thread);
-* ``kill_in_load`` — SIGKILL rank R while it loads a checkpoint (before ``dcp.load`` returns).
+* ``kill_in_load`` — SIGKILL rank R while it loads a checkpoint (before ``dcp.load`` returns);
+* ``slow`` — rank R sleeps ``seconds=X`` (default 0.2) at the start of every step from S on (a
+  straggler: ``slow@rank=1,step=1,seconds=0.3``).
 
 ``restart`` defaults to 0 (only the first incarnation). Never set this in production.
 """
@@ -18,10 +20,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 ENV = "ELASTIC_TRAINER_INJECT_FAULT"
-KINDS = ("raise", "kill", "hang", "kill_in_save", "kill_before_commit", "kill_in_load")
+KINDS = ("raise", "kill", "hang", "kill_in_save", "kill_before_commit", "kill_in_load", "slow")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Fault:
     rank: int
     step: int
     restart: int = 0
+    seconds: float = 0.2
 
 
 def parse(spec: str) -> list[Fault]:
@@ -39,7 +43,7 @@ def parse(spec: str) -> list[Fault]:
         if kind not in KINDS:
             raise ValueError(f"{ENV}: unknown fault kind {kind!r} (known: {', '.join(KINDS)})")
         kv = dict(p.split("=", 1) for p in rest.split(",") if p)
-        faults.append(Fault(kind, int(kv.get("rank", 0)), int(kv.get("step", 0)), int(kv.get("restart", 0))))
+        faults.append(Fault(kind, int(kv.get("rank", 0)), int(kv.get("step", 0)), int(kv.get("restart", 0)), float(kv.get("seconds", 0.2))))
     return faults
 
 
@@ -56,6 +60,9 @@ def maybe_inject(kind: str, step: int) -> None:
     rank = int(os.environ.get("RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     for f in faults:
+        if kind == "slow" and f.kind == kind and f.rank == rank and f.step <= step and f.restart == restart:
+            time.sleep(f.seconds)
+            continue
         if f.kind == kind and f.rank == rank and f.step == step and f.restart == restart:
             if kind == "raise":
                 raise RuntimeError(f"injected failure on rank {rank} at step {step}")

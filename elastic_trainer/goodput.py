@@ -160,7 +160,7 @@ class Ledger:
             self._disrupt()
         elif ev == "launch":
             self._upto(t)
-            if self._launches > 1:
+            if self._launches > 1 and self._last_step_end is not None:  # not another node joining at the start
                 self._disrupt()
         elif ev == "finished":
             self._upto(t)

@@ -191,17 +191,36 @@ def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
     return fig
 
 
+def load_events(source: str, endpoint_url: str = "") -> tuple[list[dict[str, Any]], str] | None:
+    """The run's records from ``<source>/events.jsonl`` (a run directory), else from the event
+    logs mirrored under ``<source>/_events/`` (a checkpoint root: local, ``file://`` or ``s3://``).
+    Returns ``(events, where)``, or None when neither holds a log."""
+    if "://" not in source:
+        path = os.path.join(source, "events.jsonl")
+        if os.path.exists(path):
+            return list(read_events(path)), path
+    from .storage.fs import open_storage
+    from .supervisor.history import EVENTS_PREFIX, read_mirrored_events
+
+    storage = open_storage(source, endpoint_url)
+    events = read_mirrored_events(storage)
+    return (events, storage.join(EVENTS_PREFIX)) if events else None
+
+
 def main(args) -> int:
-    """CLI entry: ``args.run_dir``, ``args.out`` (PNG, default RUN_DIR/report.png), ``args.json``."""
-    path = os.path.join(args.run_dir, "events.jsonl")
-    if not os.path.exists(path):
-        print(f"elastic-trainer: no event log at {path}", file=sys.stderr)
+    """CLI entry: ``args.run_dir`` (a run directory or a checkpoint root), ``args.out`` (PNG),
+    ``args.json``, ``args.endpoint_url``."""
+    loaded = load_events(args.run_dir, getattr(args, "endpoint_url", "") or "")
+    if loaded is None:
+        print(f"elastic-trainer: no event log at {args.run_dir} (neither events.jsonl nor _events/ of a checkpoint root)", file=sys.stderr)
         return 2
-    events = list(read_events(path))
+    events, where = loaded
     summary = summarize(events)
-    out = args.out or os.path.join(args.run_dir, "report.png")
+    local_run_dir = "://" not in args.run_dir and os.path.exists(os.path.join(args.run_dir, "events.jsonl"))
+    out = args.out or (os.path.join(args.run_dir, "report.png") if local_run_dir else "report.png")
     plot(events, summary, out)
     summary["run_dir"] = args.run_dir
+    summary["events"] = where
     summary["plot"] = out
     if args.json:
         print(json.dumps(summary, indent=2))

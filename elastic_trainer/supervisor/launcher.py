@@ -319,6 +319,10 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
     server = metrics_factory.start_supervisor_exporter(cfg)
     metrics = server.sink if server is not None else NullSink()
     config, cmd, cmd_args = build_launch_config(cfg, opts)
+    metrics.gauge("elastic_trainer_world_size_expected", config.max_nodes * config.nproc_per_node)
+    history = _start_history(cfg, events.path, metrics)
+    if server is not None:
+        server.before_collect(history.export)
     if config.max_nodes > 1:
         _check_store(config)
     events.emit(
@@ -349,7 +353,23 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
             preempt = json.load(f)
     code = policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=preempt)
     events.emit("supervisor_exit", exit_code=code, preempted=preempt, signalled=signalled)
+    history.close()
     return code
+
+
+def _start_history(cfg: Config, events_path: str, metrics: MetricsSink):
+    """Follow events.jsonl for the live goodput ledger and mirror it under the checkpoint root."""
+    from ..storage.fs import open_storage
+    from .history import RunHistory
+
+    c = cfg.checkpoint
+    try:
+        storage = open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
+    except Exception as e:  # noqa: BLE001 - the mirror is a side channel; the workers report storage errors
+        logger.warning("event log mirror disabled: %s", e)
+        storage = None
+    node = os.environ.get("ELASTIC_TRAINER_NODE", os.uname().nodename)
+    return RunHistory(events_path, storage=storage, node=node, metrics=metrics).start()
 
 
 def _check_store(config, timeout_seconds: float = 60.0) -> None:

@@ -85,6 +85,7 @@ class Trainer:
     preempt: PreemptionFlag = field(default_factory=PreemptionFlag)
     timer_scope: contextlib.AbstractContextManager | None = None
     losses: list[float] = field(default_factory=list)
+    _collective_wait: float = 0.0  # seconds this rank spent in the step's explicit all-reduces
 
     def run(self) -> int:
         """Train to ``train.steps``. Returns the process exit code (0, or 75/76 on preemption)."""
@@ -112,12 +113,15 @@ class Trainer:
         faults.maybe_inject("raise", step)
         faults.maybe_inject("kill", step)
         faults.maybe_inject("hang", step)
+        faults.maybe_inject("slow", step)
         micro = self.batches.for_cursor(self.state.cursor)
         local_count = sum(int((mb.targets != IGNORE_INDEX).sum()) for mb in micro)
         # One small all-reduce per step carries the loss normaliser and the agreed flags, so the
         # time-based save trigger and preemption need no collective of their own.
         agreed = torch.tensor([local_count, float(self.preempt.requested), float(time_due)], dtype=torch.float64, device=self.device)
+        t_wait = time.monotonic()
         dist.all_reduce(agreed)
+        self._collective_wait = time.monotonic() - t_wait
         global_count, preempt, save_due = agreed.tolist()
         if preempt > 0:
             return {"preempt": True, "save_due": True}
@@ -138,7 +142,9 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        t_wait = time.monotonic()
         dist.all_reduce(loss_sum)
+        self._collective_wait += time.monotonic() - t_wait
         loss = float(loss_sum)
         self.state.step = step
         self.state.cursor += self.cfg.train.global_batch_size
@@ -171,6 +177,10 @@ class Trainer:
         m.histogram("elastic_trainer_train_step_duration_seconds", rec["step_time_s"])
         m.counter("elastic_trainer_train_samples_total", self.cfg.train.global_batch_size)
         m.counter("elastic_trainer_train_tokens_total", tokens)
+        # Straggler view: a slow rank's compute share grows; the others wait for it in the all-reduces.
+        m.counter("elastic_trainer_rank_compute_seconds_total", max(0.0, rec["step_time_s"] - self._collective_wait))
+        m.counter("elastic_trainer_rank_collective_wait_seconds_total", self._collective_wait)
+        m.counter("elastic_trainer_rank_steps_total")
         rss = _resident_bytes()
         if rss is not None:
             m.gauge("elastic_trainer_process_resident_memory_bytes", rss)
