@@ -18,6 +18,7 @@ Thread-safe: :meth:`poll` runs from a background thread and from the scrape hook
 from __future__ import annotations
 
 import collections
+import heapq
 import json
 import logging
 import os
@@ -150,22 +151,23 @@ class RunHistory:
 
 def read_mirrored_events(storage) -> list[dict]:
     """Every record of every mirrored object under ``<root>/_events/``, each distinct record once
-    (a node relaunched on the same ``run.dir`` mirrors its older records again), in time order."""
+    (a node relaunched on the same ``run.dir`` mirrors its older records again), merged by time;
+    each object keeps its own order (one object gives back exactly its log)."""
     files = storage.list_files(storage.join(EVENTS_PREFIX))
     seen: set[str] = set()
-    out: list[tuple[float, int, dict]] = []
+    logs: list[list[dict]] = []
     for name in sorted(files):
         if not name.endswith(".jsonl"):
             continue
+        log = []
         for line in storage.read_bytes(storage.join(EVENTS_PREFIX, name)).decode("utf-8", "replace").splitlines():
             line = line.strip()
             if not line or line in seen:
                 continue
             seen.add(line)
             try:
-                e = json.loads(line)
+                log.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-            out.append((float(e.get("time") or 0.0), len(out), e))
-    out.sort(key=lambda x: (x[0], x[1]))
-    return [e for _, _, e in out]
+        logs.append(log)
+    return list(heapq.merge(*logs, key=lambda e: float(e.get("time") or 0.0)))
