@@ -62,11 +62,12 @@ def test_goodput_straggler_and_history_through_prometheus(tmp_path, token_file, 
         runs.wait_for(lambda: prom.query(slowest), 20, "the straggler query to have data", sup)
         [row] = prom.query(slowest)
         assert row["metric"]["rank"] == "1" and row["metric"]["run"] == "ops-a", row
-        assert float(row["value"][1]) > 1.2, row
+        assert float(row["value"][1]) > 1.05, row  # with 2 ranks the median is their mean: at most 2
         assert prom.value('max(elastic_trainer_build_info{run="ops-a"})') == 1
         assert prom.value('max(elastic_trainer_world_size_expected{run="ops-a"})') == 2
 
         # 2. A failure after the commit: rank 0 SIGKILLed; the job resumes and finishes.
+        runs.wait_event(run_dir, "step", 60, sup, where=lambda e: e["step"] >= 13)  # steps after the commit of 10 will be redone
         first = runs.read_events(run_dir, "start")[0]
         os.kill(first["pid"], signal.SIGKILL)
         runs.wait_event(run_dir, "resume", 60, sup)
