@@ -91,6 +91,7 @@ class Trainer:
         """Train to ``train.steps``. Returns the process exit code (0, or 75/76 on preemption)."""
         t = self.cfg.train
         last_save_time = time.monotonic()
+        self.metrics.gauge("elastic_trainer_checkpoint_interval_steps", self.cfg.checkpoint.interval_steps)
         while self.state.step < t.steps:
             step = self.state.step + 1
             log.set_step(step)
