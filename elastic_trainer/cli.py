@@ -5,7 +5,7 @@
     elastic-trainer config check CONFIG [--set k=v ...]
     elastic-trainer data build [--out PATH] [--text FILE ...]
     elastic-trainer ckpt list URI | ckpt inspect URI [--step N] | ckpt export URI --out F [--dtype bf16|fp32] [--hf CONFIG]
-    elastic-trainer report RUN_DIR [--out PNG]
+    elastic-trainer report RUN_DIR|CHECKPOINT_ROOT [--out PNG]
 """
 
 from __future__ import annotations
@@ -75,9 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--endpoint-url", default="")
     k.add_argument("--hf", metavar="CONFIG", help="write a Hugging Face folder at --out (config.json + model.safetensors) for the model of training config CONFIG")
 
-    p = sub.add_parser("report", help="summarise a run directory (goodput, restarts) and plot it")
-    p.add_argument("run_dir")
-    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
+    p = sub.add_parser("report", help="summarise a run (goodput, restarts) from its run directory or its checkpoint root, and plot it")
+    p.add_argument("run_dir", metavar="RUN_DIR|CHECKPOINT_ROOT", help="run.dir (events.jsonl), or checkpoint.dir (local, file:// or s3://: the event logs mirrored under _events/)")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png; ./report.png for a checkpoint root)")
+    p.add_argument("--endpoint-url", default="", help="S3 endpoint for an s3:// checkpoint root (default: FSSPEC_S3_ENDPOINT_URL / AWS settings)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return ap
 

@@ -10,7 +10,9 @@ Enabled only through ``ELASTIC_TRAINER_INJECT_FAULT``, a comma-separated list of
 * ``kill_before_commit`` — SIGKILL rank 0 after every shard of step S is written but before
   the manifest is (the commit thread);
 * ``kill_in_load`` — SIGKILL rank R while it loads a checkpoint (before ``dcp.load`` returns);
-* ``nan``     — make rank R's loss (and so its gradients) NaN at step S (non-finite guard tests).
+* ``nan``     — make rank R's loss (and so its gradients) NaN at step S (non-finite guard tests);
+* ``slow`` — rank R sleeps ``seconds=X`` (default 0.2) at the start of every step from S on (a
+  straggler: ``slow@rank=1,step=1,seconds=0.3``).
 
 ``restart`` defaults to 0 (only the first incarnation). Never set this in production.
 """
@@ -19,10 +21,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 ENV = "ELASTIC_TRAINER_INJECT_FAULT"
-KINDS = ("raise", "kill", "hang", "kill_in_save", "kill_before_commit", "kill_in_load", "nan")
+KINDS = ("raise", "kill", "hang", "kill_in_save", "kill_before_commit", "kill_in_load", "nan", "slow")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class Fault:
     rank: int
     step: int
     restart: int = 0
+    seconds: float = 0.2
 
 
 def parse(spec: str) -> list[Fault]:
@@ -40,7 +44,7 @@ def parse(spec: str) -> list[Fault]:
         if kind not in KINDS:
             raise ValueError(f"{ENV}: unknown fault kind {kind!r} (known: {', '.join(KINDS)})")
         kv = dict(p.split("=", 1) for p in rest.split(",") if p)
-        faults.append(Fault(kind, int(kv.get("rank", 0)), int(kv.get("step", 0)), int(kv.get("restart", 0))))
+        faults.append(Fault(kind, int(kv.get("rank", 0)), int(kv.get("step", 0)), int(kv.get("restart", 0)), float(kv.get("seconds", 0.2))))
     return faults
 
 
@@ -61,6 +65,13 @@ def active(kind: str, step: int) -> bool:
 
 def maybe_inject(kind: str, step: int) -> None:
     """Trigger a configured fault of ``kind`` at ``step`` for this rank and incarnation."""
+    if kind == "slow":
+        rank = int(os.environ.get("RANK", "0"))
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        for f in _active():
+            if f.kind == "slow" and f.rank == rank and f.step <= step and f.restart == restart:
+                time.sleep(f.seconds)
+        return
     if not active(kind, step):
         return
     if kind == "raise":

@@ -16,6 +16,9 @@ Goodput accounting. Wall time runs from the first to the last record and is spli
 * **other** — the rest: time between steps (checkpoint save calls, logging) and shutdown.
 
 ``goodput = productive / wall``. A step's start is its record's ``time - step_time_s``.
+
+The same wall time is also split into the finer categories of :mod:`elastic_trainer.goodput`
+(``goodput.categories``), the ones the supervisor exports live as ``elastic_trainer_wall_seconds``.
 """
 
 from __future__ import annotations
@@ -23,107 +26,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Iterable
 
 from .events import read_events
-
-
-@dataclass
-class Interruption:
-    reason: str  # worker_failure | membership_change | preempted | relaunch | ...
-    after_step: int  # last step completed before it
-    resumed_step: int | None = None  # first step run after it, minus one (the checkpoint resumed from)
-    seconds: float = 0.0
-    load_seconds: float = 0.0
-    redone_steps: int = 0
-    world_size_before: int | None = None
-    world_size_after: int | None = None
-
-
-@dataclass
-class Goodput:
-    wall_seconds: float = 0.0
-    productive_seconds: float = 0.0
-    recompute_seconds: float = 0.0
-    recompute_steps: int = 0
-    interruption_seconds: float = 0.0
-    load_seconds: float = 0.0
-    startup_seconds: float = 0.0
-    other_seconds: float = 0.0
-    goodput: float | None = None
-    interruptions: list[Interruption] = field(default_factory=list)
-
-
-_DISRUPTIONS = {"failure": "worker_failure", "preempt_requested": "preempted", "preempted": "preempted"}
-
-
-def account(events: Iterable[dict[str, Any]]) -> Goodput:
-    """Split a run's wall time into productive, recomputed, interrupted, startup and other time
-    (see the module docstring). Pure: events in log order, as :func:`read_events` yields them."""
-    g = Goodput()
-    kept: list[tuple[int, float]] = []  # (step, seconds) of steps whose result still stands
-    lost: list[tuple[int, float]] = []
-    t_first = t_last = None
-    first_step_start = None
-    last_step_end = None
-    last_step = 0
-    world = None
-    pending: Interruption | None = None
-    begin = 0.0
-    launches = 0
-    for e in events:
-        t = e.get("time")
-        if isinstance(t, (int, float)):
-            t_first = t if t_first is None else t_first
-            t_last = t if t_last is None else max(t_last, t)
-        ev = e.get("event")
-        if ev == "step":
-            step = int(e["step"])
-            dur = float(e.get("step_time_s") or 0.0)
-            start = float(t) - dur
-            if first_step_start is None:
-                first_step_start = start
-            rolled_back = 0
-            while kept and kept[-1][0] >= step:
-                lost.append(kept.pop())
-                rolled_back += 1
-            if pending is not None:
-                pending.resumed_step = step - 1
-                pending.seconds = max(0.0, start - begin)
-                pending.redone_steps = rolled_back
-                pending.world_size_after = e.get("world_size")
-                g.interruptions.append(pending)
-                pending = None
-            kept.append((step, dur))
-            last_step_end, last_step, world = float(t), step, e.get("world_size", world)
-            continue
-        if ev == "launch":
-            launches += 1
-        reason = None
-        if ev == "restart":
-            reason = e.get("reason", "restart")
-        elif ev == "launch" and launches > 1:
-            reason = "relaunch"
-        elif ev in _DISRUPTIONS:
-            reason = _DISRUPTIONS[ev]
-        if reason is not None and pending is None and last_step_end is not None:
-            pending = Interruption(reason=reason, after_step=last_step, world_size_before=world)
-            begin = last_step_end
-        if ev == "resume" and pending is not None:
-            pending.load_seconds += float(e.get("load_seconds") or 0.0)
-    if t_first is None:
-        return g
-    g.wall_seconds = t_last - t_first
-    g.productive_seconds = sum(d for _, d in kept)
-    g.recompute_seconds = sum(d for _, d in lost)
-    g.recompute_steps = len(lost)
-    g.interruption_seconds = sum(i.seconds for i in g.interruptions)
-    g.load_seconds = sum(i.load_seconds for i in g.interruptions)
-    g.startup_seconds = max(0.0, first_step_start - t_first) if first_step_start is not None else g.wall_seconds
-    g.other_seconds = g.wall_seconds - g.productive_seconds - g.recompute_seconds - g.interruption_seconds - g.startup_seconds
-    g.goodput = g.productive_seconds / g.wall_seconds if g.wall_seconds > 0 else None
-    return g
+from .goodput import CATEGORIES, Goodput, Interruption, Ledger, account  # noqa: F401 - the accounting lives in goodput
 
 
 def kept_steps(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -203,6 +110,7 @@ def render_text(s: dict[str, Any], run_dir: str = "") -> str:
         f" + restart/rendezvous/load {g['interruption_seconds']:.1f} s (load {g['load_seconds']:.1f} s)"
         f" + startup {g['startup_seconds']:.1f} s + other {g['other_seconds']:.1f} s",
         "goodput " + (f"{100 * g['goodput']:.1f}%" if g["goodput"] is not None else "unknown (no steps)"),
+        "by category: " + ", ".join(f"{k} {v:.1f} s" for k, v in g["categories"].items()),
     ]
     for i in g["interruptions"]:
         ws = ""
@@ -283,17 +191,36 @@ def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
     return fig
 
 
+def load_events(source: str, endpoint_url: str = "") -> tuple[list[dict[str, Any]], str] | None:
+    """The run's records from ``<source>/events.jsonl`` (a run directory), else from the event
+    logs mirrored under ``<source>/_events/`` (a checkpoint root: local, ``file://`` or ``s3://``).
+    Returns ``(events, where)``, or None when neither holds a log."""
+    if "://" not in source:
+        path = os.path.join(source, "events.jsonl")
+        if os.path.exists(path):
+            return list(read_events(path)), path
+    from .storage.fs import open_storage
+    from .supervisor.history import EVENTS_PREFIX, read_mirrored_events
+
+    storage = open_storage(source, endpoint_url)
+    events = read_mirrored_events(storage)
+    return (events, storage.join(EVENTS_PREFIX)) if events else None
+
+
 def main(args) -> int:
-    """CLI entry: ``args.run_dir``, ``args.out`` (PNG, default RUN_DIR/report.png), ``args.json``."""
-    path = os.path.join(args.run_dir, "events.jsonl")
-    if not os.path.exists(path):
-        print(f"elastic-trainer: no event log at {path}", file=sys.stderr)
+    """CLI entry: ``args.run_dir`` (a run directory or a checkpoint root), ``args.out`` (PNG),
+    ``args.json``, ``args.endpoint_url``."""
+    loaded = load_events(args.run_dir, getattr(args, "endpoint_url", "") or "")
+    if loaded is None:
+        print(f"elastic-trainer: no event log at {args.run_dir} (neither events.jsonl nor _events/ of a checkpoint root)", file=sys.stderr)
         return 2
-    events = list(read_events(path))
+    events, where = loaded
     summary = summarize(events)
-    out = args.out or os.path.join(args.run_dir, "report.png")
+    local_run_dir = "://" not in args.run_dir and os.path.exists(os.path.join(args.run_dir, "events.jsonl"))
+    out = args.out or (os.path.join(args.run_dir, "report.png") if local_run_dir else "report.png")
     plot(events, summary, out)
     summary["run_dir"] = args.run_dir
+    summary["events"] = where
     summary["plot"] = out
     if args.json:
         print(json.dumps(summary, indent=2))

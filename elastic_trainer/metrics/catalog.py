@@ -29,7 +29,10 @@ HISTOGRAM = "histogram"
 
 SCOPES = ("global", "rank", "supervisor")
 GAUGE_MODES = ("livemostrecent", "mostrecent", "livemax", "max", "livesum", "sum", "liveall", "all", "livemin", "min")
-LABELS = ("rank",)
+LABELS = ("rank", "category", "version", "torch_version")
+# Every series also carries ``run`` (= ``run.name``), added by the exporter, so that concurrent runs
+# scraped by one Prometheus (one namespace, one job name) never merge.
+RUN_LABEL = "run"
 
 # Bucket layouts (seconds).
 _FAST = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -59,8 +62,8 @@ def _g(name, help, scope="global", mode="livemostrecent", labels=()):
     return Metric(name, GAUGE, help, scope, tuple(labels), mode=mode)
 
 
-def _c(name, help, scope="global"):
-    return Metric(name, COUNTER, help, scope)
+def _c(name, help, scope="global", labels=()):
+    return Metric(name, COUNTER, help, scope, tuple(labels))
 
 
 def _h(name, help, buckets, scope="global"):
@@ -90,6 +93,12 @@ CATALOG: tuple[Metric, ...] = (
     _g("elastic_trainer_checkpoint_saves_in_flight", "Checkpoint saves started and not yet finished (0 or 1)."),
     # elasticity
     _g("elastic_trainer_world_size", "Number of worker processes in the current worker group."),
+    _g(
+        "elastic_trainer_world_size_expected",
+        "Number of worker processes the job is configured for at full size (max nodes x processes per node); "
+        "above elastic_trainer_world_size while the job runs degraded.",
+        scope="supervisor",
+    ),
     _c("elastic_trainer_reshard_events_total", "Resumes from a checkpoint saved at a different world size."),
     _c("elastic_trainer_restarts_total", "Worker-group restarts by this node's supervisor (failures and membership changes).", scope="supervisor"),
     _c("elastic_trainer_rendezvous_rounds_total", "Completed rendezvous rounds on this node (the first one included).", scope="supervisor"),
@@ -101,6 +110,37 @@ CATALOG: tuple[Metric, ...] = (
         scope="supervisor",
     ),
     _c("elastic_trainer_hang_detections_total", "Workers killed by the hang watchdog (elastic.hang_timeout_seconds).", scope="supervisor"),
+    # goodput (the supervisor's live ledger of events.jsonl; same accounting as `elastic-trainer report`)
+    _g(
+        "elastic_trainer_wall_seconds",
+        "Wall time of the run so far (its whole event log, across restarts and relaunches), split by category: "
+        "productive, recompute, restart, rendezvous, startup, checkpoint_load, checkpoint_stall, preemption_save, idle.",
+        scope="supervisor",
+        labels=("category",),
+    ),
+    _g("elastic_trainer_goodput_ratio", "Productive step time / wall time over the whole run so far.", scope="supervisor"),
+    _g("elastic_trainer_goodput_recent_ratio", "Productive step time / wall time over the last 10 minutes.", scope="supervisor"),
+    # stragglers
+    _c(
+        "elastic_trainer_rank_compute_seconds_total",
+        "Step time a rank spent outside the step's explicit all-reduces (data, forward, backward, optimizer; "
+        "FSDP's own collectives included). A straggler's grows faster than the others'.",
+        scope="rank",
+        labels=("rank",),
+    ),
+    _c(
+        "elastic_trainer_rank_collective_wait_seconds_total",
+        "Step time a rank spent in the step's explicit all-reduces, mostly waiting for the slowest rank.",
+        scope="rank",
+        labels=("rank",),
+    ),
+    _c("elastic_trainer_rank_steps_total", "Training steps run by a rank (divides the two above into per-step times).", scope="rank", labels=("rank",)),
+    # build and configuration
+    _g("elastic_trainer_build_info", "Always 1; labels name the elastic_trainer and torch versions.", scope="supervisor", labels=("version", "torch_version")),
+    _g(
+        "elastic_trainer_checkpoint_interval_steps",
+        "Checkpoint interval in steps in force (fixed, or chosen by checkpoint.interval_steps = \"auto\").",
+    ),
     # process
     _g("elastic_trainer_process_resident_memory_bytes", "Resident memory of a worker process.", scope="rank", labels=("rank",)),
     _g("elastic_trainer_process_cuda_memory_allocated_bytes", "CUDA memory allocated by tensors of a worker process.", scope="rank", labels=("rank",)),

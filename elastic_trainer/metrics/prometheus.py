@@ -53,16 +53,18 @@ class PrometheusSink:
     silently: e.g. job-wide metrics on ranks other than 0); fills the ``rank`` label itself.
     Thread-safe (the checkpoint commit thread records from the background)."""
 
-    def __init__(self, scopes: frozenset[str], rank: int | None = None, metrics: dict[str, Metric] | None = None):
+    def __init__(self, scopes: frozenset[str], rank: int | None = None, metrics: dict[str, Metric] | None = None, run: str = ""):
         self._scopes = scopes
         self._labels = {"rank": str(rank)} if rank is not None else {}
+        self._run = run
         self._catalog = catalog.METRICS if metrics is None else metrics
         self._children: dict[str, object] = {}
         self._lock = threading.Lock()
         self._warned: set[str] = set()
 
-    def _child(self, name: str, kind: str):
-        child = self._children.get(name)
+    def _child(self, name: str, kind: str, labels: dict[str, str] | None = None):
+        key = (name, tuple(sorted(labels.items()))) if labels else name
+        child = self._children.get(key)
         if child is not None:
             return child
         spec = self._catalog.get(name)
@@ -74,17 +76,22 @@ class PrometheusSink:
             return None
         if spec.scope not in self._scopes:
             return None
+        values = {**self._labels, **(labels or {}), catalog.RUN_LABEL: self._run}
+        missing = [k for k in spec.labels if k not in values]
+        if missing:
+            if name not in self._warned:
+                self._warned.add(name)
+                logger.warning("metric %s dropped: labels %s not given", name, missing)
+            return None
         with self._lock:
-            child = self._children.get(name)
+            child = self._children.get(key)
             if child is None:
-                child = _build(spec)
-                if spec.labels:
-                    child = child.labels(**{k: self._labels[k] for k in spec.labels})
-                self._children[name] = child
+                child = _build(spec).labels(**{k: str(values[k]) for k in (catalog.RUN_LABEL, *spec.labels)})
+                self._children[key] = child
         return child
 
-    def gauge(self, name: str, value: float) -> None:
-        m = self._child(name, GAUGE)
+    def gauge(self, name: str, value: float, labels: dict[str, str] | None = None) -> None:
+        m = self._child(name, GAUGE, labels)
         if m is not None:
             m.set(float(value))
 
@@ -102,17 +109,18 @@ class PrometheusSink:
         """Create every in-scope counter and histogram at zero, so that their series exist
         (``increase()``/alerts see 0, not "no data") before the first event."""
         for spec in self._catalog.values():
-            if spec.scope in self._scopes and spec.type in (COUNTER, HISTOGRAM):
+            if spec.scope in self._scopes and spec.type in (COUNTER, HISTOGRAM) and set(spec.labels) <= set(self._labels):
                 self._child(spec.name, spec.type)
 
 
 def _build(spec: Metric):
     kw = {"registry": None}
+    labels = (catalog.RUN_LABEL, *spec.labels)
     if spec.type == GAUGE:
-        return prometheus_client.Gauge(spec.name, spec.help, spec.labels, multiprocess_mode=spec.mode, **kw)
+        return prometheus_client.Gauge(spec.name, spec.help, labels, multiprocess_mode=spec.mode, **kw)
     if spec.type == COUNTER:
-        return prometheus_client.Counter(spec.name, spec.help, spec.labels, **kw)
-    return prometheus_client.Histogram(spec.name, spec.help, spec.labels, buckets=spec.buckets, **kw)
+        return prometheus_client.Counter(spec.name, spec.help, labels, **kw)
+    return prometheus_client.Histogram(spec.name, spec.help, labels, buckets=spec.buckets, **kw)
 
 
 def make_worker_sink(cfg: Config, rank: int) -> MetricsSink:
@@ -124,7 +132,7 @@ def make_worker_sink(cfg: Config, rank: int) -> MetricsSink:
         return NullSink()
     _use_multiprocess_values()
     scopes = frozenset({"global", "rank"} if rank == 0 else {"rank"})
-    sink = PrometheusSink(scopes, rank=rank)
+    sink = PrometheusSink(scopes, rank=rank, run=cfg.run.name)
     sink.touch()
     return sink
 
@@ -170,9 +178,15 @@ class NodeCollector:
         self.path = path
         self._inner = MultiProcessCollector(None, path=path)
         self._lock = threading.Lock()
+        self.before_collect: list = []
 
     def collect(self):
         with self._lock:
+            for hook in self.before_collect:
+                try:
+                    hook()
+                except Exception:  # noqa: BLE001 - a side channel never breaks the scrape
+                    logger.exception("metrics hook %r failed", hook)
             reap_exited_processes(self.path)
             return list(self._inner.collect())
 
@@ -180,12 +194,19 @@ class NodeCollector:
 class SupervisorExporter:
     """The node's HTTP endpoint plus the supervisor's own sink. ``stop()`` is idempotent."""
 
-    def __init__(self, path: str, sink: MetricsSink, registry, httpd=None, thread=None):
+    def __init__(self, path: str, sink: MetricsSink, registry, httpd=None, thread=None, collector: NodeCollector | None = None):
         self.path = path
         self.sink = sink
         self.registry = registry
         self._httpd = httpd
         self._thread = thread
+        self._collector = collector
+
+    def before_collect(self, hook) -> None:
+        """Run ``hook()`` at each scrape, before the files are aggregated (e.g. to set gauges
+        computed at scrape time, such as the goodput ledger's)."""
+        if self._collector is not None:
+            self._collector.before_collect.append(hook)
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -204,6 +225,21 @@ class SupervisorExporter:
             self._thread = None
 
 
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def _torch_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("torch")
+    except Exception:  # noqa: BLE001 - build info is best effort
+        return "unknown"
+
+
 def multiproc_dir(cfg: Config, pid: int | None = None) -> str:
     """This supervisor's metrics directory: ``<run.dir>/.runtime/<pid>/prometheus``."""
     return os.path.abspath(os.path.join(cfg.run.dir, ".runtime", str(pid or os.getpid()), "prometheus"))
@@ -220,10 +256,12 @@ def start_supervisor_exporter(cfg: Config, *, serve: bool = True) -> SupervisorE
     os.environ[MULTIPROC_ENV] = path
     _use_multiprocess_values()
     registry = prometheus_client.CollectorRegistry(auto_describe=False)
-    registry.register(NodeCollector(path))
-    sink = PrometheusSink(frozenset({"supervisor"}))
+    collector = NodeCollector(path)
+    registry.register(collector)
+    sink = PrometheusSink(frozenset({"supervisor"}), run=cfg.run.name)
     sink.touch()
-    exporter = SupervisorExporter(path, sink, registry)
+    sink.gauge("elastic_trainer_build_info", 1, {"version": _version(), "torch_version": _torch_version()})
+    exporter = SupervisorExporter(path, sink, registry, collector=collector)
     if serve:
         host, port = cfg.metrics.host, cfg.metrics.port
         try:

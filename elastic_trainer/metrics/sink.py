@@ -7,7 +7,10 @@ from typing import Protocol
 
 
 class MetricsSink(Protocol):
-    def gauge(self, name: str, value: float) -> None: ...
+    def gauge(self, name: str, value: float, labels: dict[str, str] | None = None) -> None:
+        """``labels``: the catalogue labels of ``name`` other than ``rank`` (which the sink fills)."""
+
+
 
     def counter(self, name: str, amount: float = 1.0) -> None: ...
 
@@ -17,7 +20,7 @@ class MetricsSink(Protocol):
 class NullSink:
     """Default sink: drops everything. Core code never needs an exporter."""
 
-    def gauge(self, name: str, value: float) -> None:
+    def gauge(self, name: str, value: float, labels: dict[str, str] | None = None) -> None:
         pass
 
     def counter(self, name: str, amount: float = 1.0) -> None:
@@ -35,8 +38,9 @@ class RecordingSink:
         self.counters: dict[str, float] = {}
         self.histograms: dict[str, list[float]] = {}
 
-    def gauge(self, name: str, value: float) -> None:
-        self.gauges[name] = float(value)
+    def gauge(self, name: str, value: float, labels: dict[str, str] | None = None) -> None:
+        key = name if not labels else name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+        self.gauges[key] = float(value)
 
     def counter(self, name: str, amount: float = 1.0) -> None:
         self.counters[name] = self.counters.get(name, 0.0) + float(amount)

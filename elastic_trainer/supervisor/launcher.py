@@ -324,6 +324,10 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
     server = metrics_factory.start_supervisor_exporter(cfg)
     metrics = server.sink if server is not None else NullSink()
     config, cmd, cmd_args = build_launch_config(cfg, opts)
+    metrics.gauge("elastic_trainer_world_size_expected", config.max_nodes * config.nproc_per_node)
+    history = _start_history(cfg, events.path, metrics)
+    if server is not None:
+        server.before_collect(history.export)
     if config.max_nodes > 1:
         _check_store(config)
     os.environ["ELASTIC_TRAINER_CHECKPOINT_EPOCH"] = take_epoch(cfg, config.run_id or "elastic-trainer", events)
@@ -357,6 +361,7 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
             preempt = json.load(f)
     code = policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=preempt, worker_exit_codes=worker_codes)
     events.emit("supervisor_exit", exit_code=code, preempted=preempt, signalled=signalled)
+    history.close()
     return code
 
 
@@ -371,6 +376,21 @@ def take_epoch(cfg: Config, launch_id: str, events: EventLog) -> str:
     epoch = Catalog(storage, events=events).acquire_epoch(launch_id)
     logger.info("checkpoint root %s: this launch is epoch %s", storage.describe(), epoch)
     return epoch
+
+
+def _start_history(cfg: Config, events_path: str, metrics: MetricsSink):
+    """Follow events.jsonl for the live goodput ledger and mirror it under the checkpoint root."""
+    from ..storage.fs import open_storage
+    from .history import RunHistory
+
+    c = cfg.checkpoint
+    try:
+        storage = open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
+    except Exception as e:  # noqa: BLE001 - the mirror is a side channel; the workers report storage errors
+        logger.warning("event log mirror disabled: %s", e)
+        storage = None
+    node = os.environ.get("ELASTIC_TRAINER_NODE", os.uname().nodename)
+    return RunHistory(events_path, storage=storage, node=node, metrics=metrics).start()
 
 
 def _check_store(config, timeout_seconds: float = 60.0) -> None:

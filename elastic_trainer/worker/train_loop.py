@@ -84,11 +84,13 @@ class Trainer:
     timer_scope: contextlib.AbstractContextManager | None = None
     losses: list[float] = field(default_factory=list)
     _rollback_window_open: bool = False
+    _collective_wait: float = 0.0  # seconds this rank spent in the step's explicit all-reduces
 
     def run(self) -> int:
         """Train to ``train.steps``. Returns the process exit code (see ``exit_codes``)."""
         t = self.cfg.train
         last_save_time = time.monotonic()
+        self.metrics.gauge("elastic_trainer_checkpoint_interval_steps", self.cfg.checkpoint.interval_steps)
         while self.state.step < t.steps:
             step = self.state.step + 1
             log.set_step(step)
@@ -122,6 +124,7 @@ class Trainer:
         faults.maybe_inject("raise", step)
         faults.maybe_inject("kill", step)
         faults.maybe_inject("hang", step)
+        faults.maybe_inject("slow", step)
         self.state.skip_past_skipped()
         micro = self.batches.for_cursor(self.state.cursor)
         local_count = sum(int((mb.targets != IGNORE_INDEX).sum()) for mb in micro)
@@ -129,7 +132,9 @@ class Trainer:
         # time-based save trigger, preemption and fencing need no collective of their own.
         fenced = float(self.ckpt.fenced is not None)
         agreed = torch.tensor([local_count, float(self.preempt.requested), float(time_due), fenced], dtype=torch.float64, device=self.device)
+        t_wait = time.monotonic()
         dist.all_reduce(agreed)
+        self._collective_wait = time.monotonic() - t_wait
         global_count, preempt, save_due, fenced = agreed.tolist()
         if preempt > 0 or fenced > 0:
             return {"preempt": preempt > 0, "fenced": fenced > 0, "nonfinite": False, "save_due": True}
@@ -152,7 +157,9 @@ class Trainer:
         # The loss is agreed before the optimizer step (the same all-reduce as before, moved):
         # with the global gradient norm, every rank sees the same two numbers and takes the same
         # decision, so non-finite state is never stepped into, saved or committed.
+        t_wait = time.monotonic()
         dist.all_reduce(loss_sum)
+        self._collective_wait += time.monotonic() - t_wait
         loss = float(loss_sum)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -192,6 +199,10 @@ class Trainer:
         m.histogram("elastic_trainer_train_step_duration_seconds", rec["step_time_s"])
         m.counter("elastic_trainer_train_samples_total", self.cfg.train.global_batch_size)
         m.counter("elastic_trainer_train_tokens_total", tokens)
+        # Straggler view: a slow rank's compute share grows; the others wait for it in the all-reduces.
+        m.counter("elastic_trainer_rank_compute_seconds_total", max(0.0, rec["step_time_s"] - self._collective_wait))
+        m.counter("elastic_trainer_rank_collective_wait_seconds_total", self._collective_wait)
+        m.counter("elastic_trainer_rank_steps_total")
         rss = _resident_bytes()
         if rss is not None:
             m.gauge("elastic_trainer_process_resident_memory_bytes", rss)

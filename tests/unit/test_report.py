@@ -158,3 +158,51 @@ def test_plot_draws_the_kept_curve_and_markers(tmp_path):
 def test_missing_event_log(tmp_path, capsys):
     assert report.main(argparse.Namespace(run_dir=str(tmp_path), out=None, json=False)) == 2
     assert "no event log" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the finer categories (live ledger)
+
+
+def _cats(g):
+    assert sum(g.categories.values()) == pytest.approx(g.wall_seconds), g.categories
+    return g.categories
+
+
+def test_categories_partition_the_wall_time_of_a_failure_and_preemption():
+    log = Log().at(0, "launch").at(1.0, "rendezvous", seconds=0.4).at(2.0, "start").steps(1, 4)
+    log.at(0.3, "checkpoint_committed", step=4, bytes=1, seconds=0.2)  # 0.3 s after step 4: stall
+    log.steps(5, 6, gap=0.1)  # 0.1 s idle before step 5 (after the stall) and before step 6
+    log.at(0.2, "failure", rank=1).at(0.5, "restart", reason="worker_failure")
+    log.at(1.5, "rendezvous", seconds=0.5).at(0.5, "start").at(0.8, "resume", step=4, load_seconds=0.6)
+    log.steps(5, 8)  # 5 and 6 redone
+    log.at(0.1, "preempt_requested", step=8).at(0.7, "preempted", step=8, committed=True).at(0.2, "supervisor_exit", exit_code=75)
+    c = _cats(report.account(log.events))
+    assert c["productive"] == pytest.approx(8.0)
+    assert c["recompute"] == pytest.approx(2.0)
+    assert c["rendezvous"] == pytest.approx(0.4 + 0.5)
+    assert c["startup"] == pytest.approx(0.6 + 2.0 + 0.7)  # launch->rdzv, rdzv->step 1, rdzv->resume minus its load
+    assert c["checkpoint_load"] == pytest.approx(0.6)
+    assert c["checkpoint_stall"] == pytest.approx(0.3 + 0.1)  # the gap after step 4 holds the save
+    assert c["restart"] == pytest.approx(0.2 + 0.5 + 1.0 + 0.2)  # step 6 -> failure -> restart -> rdzv start; preempted -> exit
+    assert c["preemption_save"] == pytest.approx(0.7)
+    assert c["idle"] == pytest.approx(0.1 + 0.1)  # before step 6, and step 8 -> preempt_requested
+
+
+def test_the_live_ledger_fed_record_by_record_agrees_with_the_whole_log_at_every_moment():
+    log = Log().at(0, "launch").at(1.0, "rendezvous", seconds=0.4).steps(1, 4).at(0.3, "checkpoint_committed", step=4, bytes=1, seconds=0.2)
+    log.steps(5, 6).at(0.2, "failure", rank=1).at(0.5, "restart", reason="worker_failure").at(1.5, "rendezvous", seconds=0.5)
+    log.at(0.8, "resume", step=4, load_seconds=0.6).steps(5, 8).at(0.1, "finished", step=8)
+    ledger = report.Ledger()
+    for i, e in enumerate(log.events):
+        ledger.feed(e)
+        whole = report.account(log.events[: i + 1])
+        assert ledger.result().categories == pytest.approx(whole.categories)
+        assert ledger.result().goodput == whole.goodput
+    # Live: the time since the last record goes to the category the run is in.
+    live = ledger.result(now=log.t + 5.0)
+    assert live.wall_seconds == pytest.approx(report.account(log.events).wall_seconds + 5.0)
+    assert live.categories["idle"] == pytest.approx(report.account(log.events).categories["idle"] + 5.0)
+    mid = report.Ledger()
+    for e in log.events[:3]:  # launch, rendezvous, step 1: now between steps 1 and 2 -> idle
+        mid.feed(e)
+    assert _cats(mid.result(now=log.events[2]["time"] + 2.0))["idle"] == pytest.approx(2.0)

@@ -1,0 +1,239 @@
+"""Goodput accounting from the event log: one implementation for ``elastic-trainer report`` (a
+whole log) and the supervisor's live ledger (fed record by record while the job runs).
+
+:class:`Ledger` takes event records in log order (:meth:`Ledger.feed`) and gives the accounting
+at any moment (:meth:`Ledger.result`): ``result()`` ends the wall time at the last record (what
+``report`` prints); ``result(now=t)`` extends it to ``t`` and puts the time since the last record
+in the category the run is in (what the live metrics show). Pure: no I/O, no clocks.
+
+Two views of the same wall time:
+
+* the coarse one ``report`` has always printed — productive, recomputed, interruptions (restart,
+  rendezvous, load), startup and other (see :mod:`elastic_trainer.report`);
+* :data:`CATEGORIES`, a partition of the wall time (they sum to it exactly):
+
+  - ``productive`` — step time of the steps whose result stands;
+  - ``recompute`` — step time of steps executed and then rolled back (redone after a resume);
+  - ``restart`` — from the end of the last step before a failure, restart, preemption or relaunch
+    to the start of the next rendezvous: failure detection, stopping the group, backoff, and the
+    time a preempted job waits to be relaunched;
+  - ``rendezvous`` — rendezvous rounds (the ``seconds`` of ``rendezvous`` records);
+  - ``startup`` — launch to the first rendezvous, and rendezvous to the first step except
+    checkpoint loading: process start, ``init_process_group``, building the model;
+  - ``checkpoint_load`` — the ``load_seconds`` of ``resume`` records;
+  - ``checkpoint_stall`` — the time between step N and the next step when step N was saved
+    (a ``checkpoint_committed``/``checkpoint_failed`` record of step N): the save call blocking;
+  - ``preemption_save`` — from ``preempt_requested`` to ``preempted``;
+  - ``idle`` — the rest: time between steps without a save (logging), and shutdown.
+
+``goodput = productive / wall``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+CATEGORIES = ("productive", "recompute", "restart", "rendezvous", "startup", "checkpoint_load", "checkpoint_stall", "preemption_save", "idle")
+
+
+@dataclass
+class Interruption:
+    reason: str  # worker_failure | membership_change | preempted | relaunch | ...
+    after_step: int  # last step completed before it
+    resumed_step: int | None = None  # first step run after it, minus one (the checkpoint resumed from)
+    seconds: float = 0.0
+    load_seconds: float = 0.0
+    redone_steps: int = 0
+    world_size_before: int | None = None
+    world_size_after: int | None = None
+
+
+@dataclass
+class Goodput:
+    wall_seconds: float = 0.0
+    productive_seconds: float = 0.0
+    recompute_seconds: float = 0.0
+    recompute_steps: int = 0
+    interruption_seconds: float = 0.0
+    load_seconds: float = 0.0
+    startup_seconds: float = 0.0
+    other_seconds: float = 0.0
+    goodput: float | None = None
+    interruptions: list[Interruption] = field(default_factory=list)
+    categories: dict[str, float] = field(default_factory=dict)
+
+
+_DISRUPTIONS = {"failure": "worker_failure", "preempt_requested": "preempted", "preempted": "preempted"}
+
+
+class Ledger:
+    """Incremental goodput accounting (see the module docstring). Not thread-safe: one feeder."""
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[int, float]] = []  # (step, seconds) of steps whose result still stands
+        self._lost: list[tuple[int, float]] = []
+        self._t_first: float | None = None
+        self._t_last: float | None = None
+        self._first_step_start: float | None = None
+        self._last_step_end: float | None = None
+        self._last_step = 0
+        self._world = None
+        self._pending: Interruption | None = None
+        self._begin = 0.0
+        self._launches = 0
+        self._interruptions: list[Interruption] = []
+        # The partition: time up to ``_cursor`` is attributed; the time after it goes to ``_state``.
+        self._cursor: float | None = None
+        self._state = "startup"
+        self._spent = dict.fromkeys(CATEGORIES, 0.0)
+        self._gap_after: dict[int, float] = {}  # between-step time after step N (idle or stall)
+        self._saved: set[int] = set()
+
+    def _upto(self, t: float, category: str | None = None) -> None:
+        """Attribute ``[cursor, t]`` to ``category`` (default: the current state)."""
+        if self._cursor is None or t <= self._cursor:
+            return
+        dt, self._cursor = t - self._cursor, t
+        cat = category or self._state
+        if cat == "between":
+            self._gap_after[self._last_step] = self._gap_after.get(self._last_step, 0.0) + dt
+        else:
+            self._spent[cat] += dt
+
+    def _disrupt(self) -> None:
+        """A failure/restart/relaunch: the open between-steps time was the failure's."""
+        if self._state == "between":
+            self._spent["restart"] += self._gap_after.pop(self._last_step, 0.0)
+        self._state = "restart"
+
+    def feed(self, e: dict[str, Any]) -> None:
+        t = e.get("time")
+        if isinstance(t, (int, float)):
+            t = float(t)
+            self._t_first = t if self._t_first is None else self._t_first
+            self._t_last = t if self._t_last is None else max(self._t_last, t)
+            if self._cursor is None:
+                self._cursor = t
+        else:
+            t = None
+        ev = e.get("event")
+        if ev == "step":
+            self._step(e, t)
+            return
+        if ev == "launch":
+            self._launches += 1
+        reason = None
+        if ev == "restart":
+            reason = e.get("reason", "restart")
+        elif ev == "launch" and self._launches > 1:
+            reason = "relaunch"
+        elif ev in _DISRUPTIONS:
+            reason = _DISRUPTIONS[ev]
+        if reason is not None and self._pending is None and self._last_step_end is not None:
+            self._pending = Interruption(reason=reason, after_step=self._last_step, world_size_before=self._world)
+            self._begin = self._last_step_end
+        if ev == "resume" and self._pending is not None:
+            self._pending.load_seconds += float(e.get("load_seconds") or 0.0)
+        if t is None:
+            return
+        self._timeline(ev, e, t)
+
+    def _timeline(self, ev: str, e: dict[str, Any], t: float) -> None:
+        if ev == "rendezvous":
+            secs = float(e.get("seconds") or 0.0)
+            self._upto(t - secs)
+            self._upto(t, "rendezvous")
+            self._state = "startup"
+        elif ev == "resume":
+            load = float(e.get("load_seconds") or 0.0)
+            self._upto(t - load)
+            self._upto(t, "checkpoint_load")
+        elif ev in ("checkpoint_committed", "checkpoint_failed") and e.get("step") is not None:
+            self._upto(t)
+            self._saved.add(int(e["step"]))
+        elif ev == "preempt_requested":
+            self._upto(t)
+            self._state = "preemption_save"
+        elif ev in ("preempted", "failure", "restart", "job_failed"):
+            self._upto(t)
+            self._disrupt()
+        elif ev == "launch":
+            self._upto(t)
+            if self._launches > 1 and self._last_step_end is not None:  # not another node joining at the start
+                self._disrupt()
+        elif ev == "finished":
+            self._upto(t)
+            self._state = "idle"
+        else:
+            self._upto(t)
+
+    def _step(self, e: dict[str, Any], t: float | None) -> None:
+        step = int(e["step"])
+        dur = float(e.get("step_time_s") or 0.0)
+        end = t if t is not None else (self._last_step_end or 0.0)
+        start = end - dur
+        if self._first_step_start is None:
+            self._first_step_start = start
+        rolled_back = 0
+        while self._kept and self._kept[-1][0] >= step:
+            self._lost.append(self._kept.pop())
+            rolled_back += 1
+        if self._pending is not None:
+            self._pending.resumed_step = step - 1
+            self._pending.seconds = max(0.0, start - self._begin)
+            self._pending.redone_steps = rolled_back
+            self._pending.world_size_after = e.get("world_size")
+            self._interruptions.append(self._pending)
+            self._pending = None
+        if t is not None:
+            self._upto(start)
+            before = self._cursor
+            self._upto(end, "productive")
+            dur = max(0.0, end - max(before, start)) if before is not None else dur
+        self._kept.append((step, dur))
+        self._last_step_end, self._last_step, self._world = end, step, e.get("world_size", self._world)
+        self._state = "between"
+
+    def result(self, now: float | None = None) -> Goodput:
+        """The accounting so far; wall time ends at ``now`` when given (live), else at the last record."""
+        g = Goodput(interruptions=list(self._interruptions))
+        if self._t_first is None:
+            g.categories = dict.fromkeys(CATEGORIES, 0.0)
+            return g
+        end = self._t_last if now is None else max(self._t_last, now)
+        spent = dict(self._spent)
+        gaps = dict(self._gap_after)
+        tail = max(0.0, end - self._cursor)
+        state = self._state
+        if state == "between":
+            gaps[self._last_step] = gaps.get(self._last_step, 0.0) + tail
+        else:
+            spent[state] += tail
+        for step, secs in gaps.items():
+            spent["checkpoint_stall" if step in self._saved else "idle"] += secs
+        productive = sum(d for _, d in self._kept)
+        recompute = sum(d for _, d in self._lost)
+        spent["productive"], spent["recompute"] = productive, recompute
+        g.categories = spent
+        g.wall_seconds = end - self._t_first
+        g.productive_seconds = productive
+        g.recompute_seconds = recompute
+        g.recompute_steps = len(self._lost)
+        g.interruption_seconds = sum(i.seconds for i in g.interruptions)
+        g.load_seconds = sum(i.load_seconds for i in g.interruptions)
+        if self._first_step_start is not None:
+            g.startup_seconds = max(0.0, self._first_step_start - self._t_first)
+        else:
+            g.startup_seconds = g.wall_seconds
+        g.other_seconds = g.wall_seconds - g.productive_seconds - g.recompute_seconds - g.interruption_seconds - g.startup_seconds
+        g.goodput = g.productive_seconds / g.wall_seconds if g.wall_seconds > 0 else None
+        return g
+
+
+def account(events: Iterable[dict[str, Any]]) -> Goodput:
+    """The accounting of a whole log (events in log order, as ``read_events`` yields them)."""
+    ledger = Ledger()
+    for e in events:
+        ledger.feed(e)
+    return ledger.result()

@@ -1,0 +1,173 @@
+"""The run history a supervisor keeps while the job runs.
+
+:class:`RunHistory` follows the node's ``events.jsonl`` (written by the supervisor and, on the
+node hosting it, by rank 0) and
+
+* feeds every record into the goodput :class:`~elastic_trainer.goodput.Ledger`, which the metrics
+  exporter reads at each scrape (``elastic_trainer_wall_seconds{category}``,
+  ``elastic_trainer_goodput_ratio``, ``elastic_trainer_goodput_recent_ratio``);
+* mirrors the whole file to ``<checkpoint.dir>/_events/<node>-<launch>.jsonl`` after each
+  checkpoint commit, restart or rendezvous, and at exit, so ``elastic-trainer report`` works from
+  the checkpoint root after every pod (and its ``run.dir``) is gone. One object per node and
+  launch, rewritten whole (an atomic PUT or rename): nodes never write each other's objects, and a
+  reader sees a complete earlier version or the new one, never a torn line.
+
+Thread-safe: :meth:`poll` runs from a background thread and from the scrape hook.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import json
+import logging
+import os
+import threading
+import time
+
+from ..goodput import CATEGORIES, Ledger
+from ..metrics.sink import MetricsSink, NullSink
+
+logger = logging.getLogger(__name__)
+
+EVENTS_PREFIX = "_events"
+RECENT_WINDOW_SECONDS = 600.0
+_MIRROR_ON = ("checkpoint_committed", "restart", "rendezvous", "membership_change", "finished", "preempted", "job_failed")
+
+
+def mirror_name(node: str, launch_time: float, pid: int) -> str:
+    """Object name of one node's launch under ``_events/`` (pure)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in node) or "node"
+    return f"{safe}-{int(launch_time)}-{pid}.jsonl"
+
+
+class RunHistory:
+    def __init__(self, events_path: str, storage=None, node: str | None = None, metrics: MetricsSink | None = None,
+                 clock=time.time):
+        self.events_path = events_path
+        self.storage = storage
+        self.metrics = metrics or NullSink()
+        self._clock = clock
+        self.ledger = Ledger()
+        self._offset = 0
+        self._partial = b""
+        self._lock = threading.Lock()
+        self._mirror_due = False
+        self._recent: collections.deque[tuple[float, float, float]] = collections.deque()
+        self.object = None
+        if storage is not None:
+            self.object = storage.join(EVENTS_PREFIX, mirror_name(node or os.uname().nodename, clock(), os.getpid()))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- following the log ------------------------------------------------------------------
+    def poll(self) -> None:
+        """Feed the records appended since the last call; mirror when one of them asks for it."""
+        with self._lock:
+            try:
+                with open(self.events_path, "rb") as f:
+                    f.seek(self._offset)
+                    data = f.read()
+            except FileNotFoundError:
+                return
+            self._offset += len(data)
+            data = self._partial + data
+            lines = data.split(b"\n")
+            self._partial = lines.pop()  # an incomplete last line waits for the rest
+            for line in lines:
+                if not line.strip():
+                    continue
+                try:
+                    e = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                self.ledger.feed(e)
+                if e.get("event") in _MIRROR_ON:
+                    self._mirror_due = True
+        if self._mirror_due:
+            self.mirror()
+
+    def export(self) -> None:
+        """Set the goodput gauges (called at each scrape, after :meth:`poll`)."""
+        self.poll()
+        with self._lock:
+            now = self._clock()
+            g = self.ledger.result(now=now)
+            self._recent.append((now, g.productive_seconds, g.wall_seconds))
+            while len(self._recent) > 2 and self._recent[1][0] <= now - RECENT_WINDOW_SECONDS:
+                self._recent.popleft()
+        if g.wall_seconds <= 0:
+            return
+        for cat in CATEGORIES:
+            self.metrics.gauge("elastic_trainer_wall_seconds", g.categories.get(cat, 0.0), {"category": cat})
+        if g.goodput is not None:
+            self.metrics.gauge("elastic_trainer_goodput_ratio", g.goodput)
+        t0, p0, w0 = self._recent[0]
+        if g.wall_seconds - w0 > 0:
+            self.metrics.gauge("elastic_trainer_goodput_recent_ratio", (g.productive_seconds - p0) / (g.wall_seconds - w0))
+        elif g.goodput is not None:
+            self.metrics.gauge("elastic_trainer_goodput_recent_ratio", g.goodput)
+
+    # -- the mirror ---------------------------------------------------------------------------
+    def mirror(self) -> bool:
+        """Upload the whole local event log; failures are logged, never raised (a side channel)."""
+        self._mirror_due = False
+        if self.storage is None:
+            return False
+        try:
+            with open(self.events_path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return False
+        end = data.rfind(b"\n") + 1  # complete lines only
+        try:
+            self.storage.write_bytes_atomic(self.object, data[:end])
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not mirror the event log to %s: %s", self.object, e)
+            return False
+        return True
+
+    # -- background ---------------------------------------------------------------------------
+    def start(self, interval: float = 1.0) -> "RunHistory":
+        def loop():
+            while not self._stop.wait(interval):
+                try:
+                    self.poll()
+                except Exception:  # noqa: BLE001
+                    logger.exception("run history poll failed")
+
+        self._thread = threading.Thread(target=loop, name="run-history", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop following, feed the last records and mirror the final log (at exit)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.poll()
+        self.mirror()
+
+
+def read_mirrored_events(storage) -> list[dict]:
+    """Every record of every mirrored object under ``<root>/_events/``, each distinct record once
+    (a node relaunched on the same ``run.dir`` mirrors its older records again), merged by time;
+    each object keeps its own order (one object gives back exactly its log)."""
+    files = storage.list_files(storage.join(EVENTS_PREFIX))
+    seen: set[str] = set()
+    logs: list[list[dict]] = []
+    for name in sorted(files):
+        if not name.endswith(".jsonl"):
+            continue
+        log = []
+        for line in storage.read_bytes(storage.join(EVENTS_PREFIX, name)).decode("utf-8", "replace").splitlines():
+            line = line.strip()
+            if not line or line in seen:
+                continue
+            seen.add(line)
+            try:
+                log.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        logs.append(log)
+    return list(heapq.merge(*logs, key=lambda e: float(e.get("time") or 0.0)))
