@@ -101,6 +101,9 @@ class CheckpointConfig:
     # Per-save deadline: a save still writing this long after it started no longer holds up
     # training (the next save is skipped with checkpoint_failed). Storage time is never hang time.
     save_timeout_seconds: float = 600.0
+    # Run-defining keys (Config.run_identity) a resume may change on purpose, e.g.
+    # ["train.global_batch_size"]; also "a,b" on the command line. Recorded in a config_changed event.
+    allow_changes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -142,10 +145,58 @@ class Config:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
+    def run_identity(self) -> dict[str, Any]:
+        """The resolved settings that define *which run* a checkpoint belongs to, as dotted
+        keys: the whole model (with the *content* of ``model.hf_config``), the data source, the
+        seed, the global batch and the sequence length. Recorded in every manifest; a resume
+        with any of them changed is refused before start unless ``checkpoint.allow_changes``
+        names it (see :func:`run_changes`)."""
+        out: dict[str, Any] = {f"model.{k}": v for k, v in dataclasses.asdict(self.model).items()}
+        if self.model.hf_config:
+            out["model.hf_config"] = _file_identity(self.model.hf_config, "config.json")
+        for k in ("path", "format", "dtype", "column", "tokenizer", "eos_token"):
+            out[f"data.{k}"] = getattr(self.data, k)
+        out["train.seed"] = self.train.seed
+        out["train.global_batch_size"] = self.train.global_batch_size
+        return out
+
     def model_fingerprint(self) -> str:
         """Hash of everything that fixes the shape of the training state (model + optimizer kind)."""
         payload = json.dumps({"model": dataclasses.asdict(self.model)}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _file_identity(path: str, default_name: str) -> str:
+    """``sha256:<hex>`` of a file's content (a directory means its ``default_name``), or the
+    path itself when it cannot be read (the worker then reports the missing file)."""
+    target = os.path.join(path, default_name) if os.path.isdir(path) else path
+    try:
+        with open(target, "rb") as f:
+            return "sha256:" + hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return path
+
+
+def run_changes(recorded: dict[str, Any], current: dict[str, Any], allowed: list[str]) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
+    """(refused, allowed) changes between a checkpoint's run identity and the config's, each
+    ``(key, checkpoint value, config value)``. Keys absent from ``recorded`` are not compared. Pure."""
+    refused, ok = [], []
+    for key in sorted(recorded):
+        if key in current and recorded[key] != current[key]:
+            (ok if key in allowed else refused).append((key, recorded[key], current[key]))
+    return refused, ok
+
+
+def check_run_identity(cfg: Config, recorded: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Raise RunChangedError naming every run-defining key that differs from a checkpoint's
+    ``recorded`` identity (unless ``checkpoint.allow_changes`` names it); returns the allowed
+    changes (for the ``config_changed`` event)."""
+    from .errors import RunChangedError
+
+    refused, allowed = run_changes(recorded, cfg.run_identity(), cfg.checkpoint.allow_changes)
+    if refused:
+        raise RunChangedError(refused)
+    return allowed
 
 
 _SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -166,6 +217,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     origin = typing.get_origin(typ)
     if origin is list:
         (item,) = typing.get_args(typ)
+        if isinstance(value, str) and key == "checkpoint.allow_changes":  # --set checkpoint.allow_changes=a,b
+            value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(key, f"expected a list, got {type(value).__name__} {value!r}")
         return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
@@ -337,6 +390,10 @@ def validate(cfg: Config) -> None:
     _require(c.storage_timeout_seconds > 0, "checkpoint.storage_timeout_seconds", "must be > 0")
     _require(c.storage_retries >= 0, "checkpoint.storage_retries", "must be >= 0")
     _require(c.save_timeout_seconds > 0, "checkpoint.save_timeout_seconds", "must be > 0")
+    for key in c.allow_changes:
+        section, _, name = key.partition(".")
+        fields = {f.name for f in dataclasses.fields(_SECTION_TYPES[section])} if section in _SECTION_TYPES else set()
+        _require(name in fields, "checkpoint.allow_changes", f"{key!r} is not a config key (section.key)")
     if c.resume not in ("latest", "none"):
         _require(c.resume.isdigit(), "checkpoint.resume", f"expected 'latest', 'none' or a step number, got {c.resume!r}")
     from .storage.fs import check_uri  # local import: storage depends on errors only

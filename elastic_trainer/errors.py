@@ -45,3 +45,17 @@ class CheckpointIntegrityError(CheckpointError):
 
 class FencedError(CheckpointError):
     """A newer launch owns the checkpoint root: this writer must not commit, clean or delete."""
+
+
+class RunChangedError(ConfigError):
+    """A resume would continue a checkpoint with run-defining settings changed: one line per key."""
+
+    def __init__(self, changes: list[tuple[str, object, object]]):
+        self.changes = changes
+        key, old, new = changes[0]
+        super().__init__(key, f"checkpoint has {old!r}, config has {new!r}")
+        self.args = ("\n".join(f"config error at '{k}': checkpoint has {o!r}, config has {n!r}" for k, o, n in changes)
+                     + "\n(to continue this checkpoint with these changes on purpose, set checkpoint.allow_changes = [...] naming them)",)
+
+    def __str__(self) -> str:
+        return self.args[0]

@@ -9,7 +9,7 @@ import torch
 
 from .checkpoint import layout
 from .checkpoint.catalog import Catalog
-from .config import Config
+from .config import Config, check_run_identity
 from .errors import CheckpointMismatchError, ConfigError, StorageError
 from .storage.fs import open_storage
 
@@ -47,6 +47,7 @@ def preflight(cfg: Config) -> int | None:
         raise ConfigError("checkpoint.resume", f"checkpoint step {c.resume} under {c.dir} is unusable: {reason}")
     if plan.chosen is None:
         return None
+    check_run_identity(cfg, plan.chosen.manifest.get("run_identity") or {})
     if plan.chosen.manifest.get("config_fingerprint") == cfg.model_fingerprint():
         return plan.chosen.step
     meta = catalog.read_metadata(plan.chosen)

@@ -108,6 +108,7 @@ class CheckpointManager:
         control_group: dist.ProcessGroup | None = None,
         epoch: str | None = None,
         launch_id: str = "",
+        run_identity: dict[str, Any] | None = None,
     ):
         self.cfg = cfg
         self.storage = storage
@@ -132,6 +133,7 @@ class CheckpointManager:
         self._upload_nice = upload_nice
         self.catalog = Catalog(storage, epoch=epoch, events=self.events) if rank == 0 else None
         self._launch_id = launch_id
+        self._run_identity = run_identity or {}
         self._commit_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit") if rank == 0 else None
         self._lock = threading.Lock()  # guards the fields the commit thread writes
         self.last_committed_step: int | None = None  # rank 0: newest commit it knows of
@@ -352,7 +354,7 @@ class CheckpointManager:
         if self.rank == 0 and self._commit_pool is not None:
             inflight = self._inflight
             inflight.commit = Future()
-            extra = {"parent": parent, "seq": self._seq, "launch": self._launch_id, "finite": True, **(meta or {})}
+            extra = {"parent": parent, "seq": self._seq, "launch": self._launch_id, "finite": True, "run_identity": self._run_identity, **(meta or {})}
 
             def on_upload_done(f: Future, inflight: _InFlight = inflight) -> None:
                 inner = self._commit_pool.submit(self._commit, inflight, extra)

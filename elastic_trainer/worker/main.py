@@ -18,7 +18,7 @@ import traceback
 import torch
 
 from .. import exit_codes, log
-from ..config import Config, check_world_size, config_from_dict
+from ..config import Config, check_run_identity, check_world_size, config_from_dict
 from ..events import EventLog
 
 logger = logging.getLogger("elastic_trainer.worker")
@@ -98,6 +98,7 @@ def build_and_train(cfg: Config, t_start: float) -> int:
         control_group=None,  # the training group: main-thread agreements never share the checkpoint group
         epoch=os.environ.get(EPOCH_ENV) or None,
         launch_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        run_identity=cfg.run_identity(),
     )
     _ACTIVE["ckpt"] = ckpt
     if d.rank == 0:
@@ -107,6 +108,9 @@ def build_and_train(cfg: Config, t_start: float) -> int:
     events.emit("start", world_size=d.world_size, restart_count=restart, rank0_host=os.uname().nodename, pid=os.getpid(), checkpoint_dir=storage.describe())
     loaded = ckpt.load()
     if loaded is not None:
+        allowed = check_run_identity(cfg, loaded.manifest.get("run_identity") or {})
+        if allowed and loaded.first_start:
+            events.emit("config_changed", step=loaded.step, changes=[{"key": k, "checkpoint": o, "config": n} for k, o, n in allowed])
         saved_world = loaded.manifest.get("world_size")
         events.emit(
             "resume",
