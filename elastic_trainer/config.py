@@ -156,6 +156,10 @@ _SECTION_TYPES = {
 }
 
 
+# String keys that also take an integer (``nnodes = 2`` means "2").
+_INT_AS_STR = ("elastic.nnodes",)
+
+
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     if isinstance(typ, str):
         typ = eval(typ, {**vars(typing), "list": list, "dict": dict}, {})  # noqa: S307 - own annotations
@@ -181,6 +185,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         return float(value)
     if typ is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and key.endswith(".resume"):
+            return str(value)
+        if isinstance(value, int) and not isinstance(value, bool) and key in _INT_AS_STR:
             return str(value)
         if not isinstance(value, str):
             raise ConfigError(key, f"expected a string, got {type(value).__name__} {value!r}")

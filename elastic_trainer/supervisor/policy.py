@@ -37,6 +37,14 @@ def launch_exit_code(*, failed: bool, signalled: bool, preempt_marker: dict | No
     return EXIT_PREEMPTED if preempt_marker is not None else EXIT_FAILED
 
 
+def preempted_by_exit_codes(failures: list[dict]) -> dict | None:
+    """A preemption record when a worker ended with :data:`EXIT_PREEMPTED` (its own "I saved and
+    stopped for preemption", e.g. a script under ``run`` that exits 75 on SIGTERM), else None.
+    ``failures``: :func:`describe_failures` output."""
+    codes = sorted({f.get("exit_code") for f in failures if f.get("exit_code") is not None})
+    return {"exit_codes": codes} if EXIT_PREEMPTED in codes else None
+
+
 FAILED_STOP_GRACE_SECONDS = 5.0
 
 

@@ -4,7 +4,6 @@ import pytest
 
 from elastic_trainer.config import ConfigError, load_config
 from elastic_trainer.supervisor import policy
-from elastic_trainer.supervisor.launcher import LaunchOptions, rdzv_conf, torchrun_argv
 from elastic_trainer.supervisor.store import StoreAddress
 
 
@@ -49,11 +48,6 @@ def test_stop_grace(failed, grace):
     assert policy.stop_grace_seconds(failed=failed, preempt_shutdown=75.0) == grace
 
 
-def test_rdzv_conf_cli_items_override_config_items():
-    conf = rdzv_conf("last_call_timeout=3,keep_alive_interval=1", "last_call_timeout=5,is_host=false")
-    assert conf == {"last_call_timeout": "5", "keep_alive_interval": "1", "is_host": "false"}
-
-
 @pytest.mark.parametrize(
     "value, fragment",
     [("foo=1", "unknown rendezvous setting 'foo'"), ("last_call_timeout=x", "positive integer"), ("is_host=maybe", "true or false"), ("novalue", "key=value")],
@@ -64,13 +58,13 @@ def test_rdzv_conf_errors_name_the_key(value, fragment):
     assert fragment in str(e.value)
 
 
-def test_multi_node_argv_carries_rdzv_conf_and_local_addr():
-    cfg = load_config(None, ["data.path=x", "checkpoint.dir=/tmp/x"])
-    argv = torchrun_argv(cfg, LaunchOptions(nnodes="1:3", rdzv_endpoint="10.0.0.1:29400", local_addr="10.0.0.7"))
-    conf = argv[argv.index("--rdzv-conf") + 1]
-    assert conf == "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
-    assert argv[argv.index("--local-addr") + 1] == "10.0.0.7"
-    assert "--standalone" in torchrun_argv(cfg, LaunchOptions())
+@pytest.mark.parametrize(
+    "codes, preempted",
+    [([75], True), ([1, 75], True), ([1], False), ([76], False), ([None], False), ([], False)],
+)
+def test_preempted_by_exit_codes(codes, preempted):
+    failures = [{"exit_code": c} for c in codes]
+    assert (policy.preempted_by_exit_codes(failures) is not None) is preempted
 
 
 @pytest.mark.parametrize("endpoint, addr", [("h:1", StoreAddress("h", 1)), ("h", StoreAddress("h", 29400)), ("[::1]:5", StoreAddress("::1", 5))])
