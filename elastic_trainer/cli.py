@@ -106,11 +106,25 @@ def _cmd_launch(argv: list[str]) -> int:
     from .data_check import check_data_source
 
     check_data_source(cfg)
+    _check_init_from(cfg)
     from .checkpoint.preflight import preflight
 
     step = preflight(cfg)
     logger.info("preflight ok: %s", f"will resume from step {step}" if step is not None else "fresh start")
     return launch(cfg, config, cmd, cmd_args)
+
+
+def _check_init_from(cfg) -> None:
+    if not cfg.model.init_from:
+        return
+    import torch
+
+    from .models.pretrained import check_init_from
+    from .worker.model_factory import build_model_spec
+
+    with torch.device("meta"):
+        model = build_model_spec(cfg.model).model
+    check_init_from(cfg.model.init_from, model)
 
 
 def _cmd_run(argv: list[str]) -> int:

@@ -31,11 +31,16 @@ class ModelConfig:
     """The demo GPT (``factory = ""``) or a user factory ``"pkg.module:function"``.
 
     ``hf_config``: a local ``config.json`` (or a directory holding one) for the built-in
-    Hugging Face factory ``elastic_trainer.models.hf:causal_lm`` (needs the ``hf`` extra)."""
+    Hugging Face factory ``elastic_trainer.models.hf:causal_lm`` (needs the ``hf`` extra).
+
+    ``init_from``: pretrained weights for a fresh start, a local Hugging Face folder of
+    ``*.safetensors`` files or one ``.safetensors`` file (see
+    :mod:`elastic_trainer.models.pretrained`); a resume loads the checkpoint instead."""
 
     factory: str = ""
     shard_modules: list[str] = field(default_factory=list)
     hf_config: str = ""
+    init_from: str = ""
     vocab_size: int = 256
     seq_len: int = 128
     dim: int = 128
@@ -140,7 +145,9 @@ class Config:
 
     def model_fingerprint(self) -> str:
         """Hash of everything that fixes the shape of the training state (model + optimizer kind)."""
-        payload = json.dumps({"model": dataclasses.asdict(self.model)}, sort_keys=True)
+        model = dataclasses.asdict(self.model)
+        model.pop("init_from")  # where the first weights came from does not shape the state
+        payload = json.dumps({"model": model}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
