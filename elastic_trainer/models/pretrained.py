@@ -20,7 +20,6 @@ import os
 import time
 from typing import Mapping
 
-import torch
 from torch import nn
 
 from ..config import ModelConfig
