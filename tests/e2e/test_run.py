@@ -182,3 +182,27 @@ def test_bad_input_fails_before_start(tmp_path):
     assert r.returncode == 2 and "--nproc-per-node" in r.stderr
     r = subprocess.run([*CLI, "run", "--config", str(tmp_path / "missing.toml"), str(SCRIPT)], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
     assert r.returncode == 2 and "missing.toml" in r.stderr
+
+
+def test_kubeflow_static_pet_variables_form_a_two_node_job(tmp_path):
+    """PET_NNODES/PET_NPROC_PER_NODE/PET_NODE_RANK/PET_MASTER_ADDR/PET_MASTER_PORT, as the
+    Kubeflow operator sets them without an elastic policy, and no flags: torchrun's static
+    rendezvous forms one world of 2 nodes x 1 worker."""
+    from tests.fixtures.procs import free_port
+
+    out = tmp_path / "out"
+    out.mkdir()
+    port = str(free_port())
+    procs = []
+    try:
+        for node in (0, 1):
+            env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(node), "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port}
+            procs.append(start(tmp_path / f"node{node}", str(SCRIPT), "ok", str(out), env=env))
+        codes = [p.wait(120) for p in procs]
+    finally:
+        for p in procs:
+            cleanup(p, script_pids(p.pid))
+    assert codes == [0, 0], [log_of(tmp_path / f"node{n}") for n in (0, 1)]
+    assert (result(out)["world"], result(out)["sum"]) == (2, 1.0)
+    launch = read_events(tmp_path / "node1", "launch")[0]
+    assert (launch["rdzv_backend"], launch["nnodes"], launch["rdzv_endpoint"]) == ("static", "2:2", f"127.0.0.1:{port}")
