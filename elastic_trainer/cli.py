@@ -1,6 +1,8 @@
 """``elastic-trainer`` command line.
 
-    elastic-trainer launch CONFIG [--set k=v ...] [torchrun-style elastic options]
+    elastic-trainer --version
+    elastic-trainer launch CONFIG [--set k=v ...] [torchrun options]
+    elastic-trainer run [--config F] [--set k=v ...] [torchrun options] SCRIPT.py|-m MODULE [script args]
     elastic-trainer store [--host H] [--port P]
     elastic-trainer config check CONFIG [--set k=v ...]
     elastic-trainer data build [--out PATH] [--text FILE ...]
@@ -28,19 +30,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="elastic-trainer", description="Fault-tolerant elastic FSDP2 training")
+    ap.add_argument("--version", action="version", version=version_string())
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("launch", help="run this node's supervisor (torchrun's elastic agent) for CONFIG")
-    _add_config_args(p)
-    p.add_argument("--nnodes", help="N or MIN:MAX nodes (torchrun convention); default elastic.nnodes")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, help="workers per node; default elastic.nproc_per_node")
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", help="HOST:PORT of the c10d rendezvous store")
-    p.add_argument("--rdzv-id", "--rdzv_id", help="job id shared by all nodes")
-    p.add_argument("--rdzv-conf", "--rdzv_conf", help="extra rendezvous settings, key=value,...")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, help="worker-group restarts before giving up")
-    p.add_argument("--node-rank", "--node_rank", type=int, help="rank of this node (static rendezvous only)")
-    p.add_argument("--local-addr", "--local_addr", help="address other nodes reach this node at (default: its hostname)")
-    p.add_argument("--standalone", action="store_true", help="single node, local rendezvous (default when one node and no endpoint)")
+    # launch and run are parsed by their own parsers (every torchrun option): see main().
+    sub.add_parser("launch", help="run this node's supervisor (torchrun's elastic agent) for the built-in trainer: launch CONFIG [--set k=v] [torchrun options]", add_help=False)
+    sub.add_parser("run", help="run any script under the supervisor: run [--config F] [--set k=v] [torchrun options] SCRIPT.py|-m MODULE [args]", add_help=False)
 
     p = sub.add_parser("store", help="host the c10d rendezvous store that the nodes' agents join (outlives any node)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
@@ -83,36 +78,65 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _cmd_launch(a) -> int:
-    from .config import load_config
-    from .supervisor.launcher import LaunchOptions, launch
+def version_string() -> str:
+    """``elastic-trainer X (torch Y)`` without importing torch."""
+    from importlib.metadata import PackageNotFoundError, version
 
+    from . import __version__
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return f"elastic-trainer {__version__} (torch {torch_version})"
+
+
+def _cmd_launch(argv: list[str]) -> int:
+    from .config import check_max_world_size, load_config
+    from .supervisor import options
+    from .supervisor.launcher import build_launch_config, launch
+
+    a, explicit = options.parse_explicit(options.launch_parser(), argv)
+    bad = [f"--{d.replace('_', '-')}" for d in options.SCRIPT_ONLY if getattr(a, d)]
+    if bad:
+        raise ConfigError(bad[0], "launch runs the built-in trainer (python -m elastic_trainer.worker.main); use 'elastic-trainer run' for a script")
     cfg = load_config(a.config, a.overrides)
-    opts = LaunchOptions(
-        nnodes=a.nnodes,
-        nproc_per_node=a.nproc_per_node,
-        rdzv_endpoint=a.rdzv_endpoint,
-        rdzv_id=a.rdzv_id,
-        rdzv_conf=a.rdzv_conf,
-        max_restarts=a.max_restarts,
-        node_rank=a.node_rank,
-        local_addr=a.local_addr,
-        standalone=a.standalone,
-    )
-    from .config import check_max_world_size, parse_nnodes
-
-    _, max_nodes = parse_nnodes(a.nnodes or cfg.elastic.nnodes, "--nnodes")
-    if a.nproc_per_node is not None and a.nproc_per_node < 1:
-        raise ConfigError("--nproc-per-node", "must be >= 1")
-    check_max_world_size(cfg, max_nodes * (a.nproc_per_node or cfg.elastic.nproc_per_node))
+    a.training_script, a.training_script_args, a.module = options.WORKER_MODULE, [], True
+    config, cmd, cmd_args = build_launch_config(cfg, a, explicit)
+    check_max_world_size(cfg, config.max_nodes * config.nproc_per_node)
     from .data_check import check_data_source
 
     check_data_source(cfg)
+    _check_init_from(cfg)
     from .preflight import preflight
 
     step = preflight(cfg)
     logger.info("preflight ok: %s", f"will resume from step {step}" if step is not None else "fresh start")
-    return launch(cfg, opts)
+    return launch(cfg, config, cmd, cmd_args)
+
+
+def _check_init_from(cfg) -> None:
+    if not cfg.model.init_from:
+        return
+    import torch
+
+    from .models.pretrained import check_init_from
+    from .worker.model_factory import build_model_spec
+
+    with torch.device("meta"):
+        model = build_model_spec(cfg.model).model
+    check_init_from(cfg.model.init_from, model)
+
+
+def _cmd_run(argv: list[str]) -> int:
+    from .config import load_config
+    from .supervisor import options
+    from .supervisor.launcher import build_launch_config, launch
+
+    a, explicit = options.parse_explicit(options.run_parser(), argv)
+    cfg = load_config(a.config, a.overrides)
+    config, cmd, cmd_args = build_launch_config(cfg, a, explicit)
+    return launch(cfg, config, cmd, cmd_args)
 
 
 def _cmd_store(a) -> int:
@@ -146,10 +170,11 @@ def _cmd_data(a) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     log.setup_logging()
-    a = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        if a.cmd == "launch":
-            return _cmd_launch(a)
+        if argv and argv[0] in ("launch", "run"):
+            return (_cmd_launch if argv[0] == "launch" else _cmd_run)(argv[1:])
+        a = _parser().parse_args(argv)
         if a.cmd == "store":
             return _cmd_store(a)
         if a.cmd == "config":

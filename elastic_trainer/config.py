@@ -31,11 +31,16 @@ class ModelConfig:
     """The demo GPT (``factory = ""``) or a user factory ``"pkg.module:function"``.
 
     ``hf_config``: a local ``config.json`` (or a directory holding one) for the built-in
-    Hugging Face factory ``elastic_trainer.models.hf:causal_lm`` (needs the ``hf`` extra)."""
+    Hugging Face factory ``elastic_trainer.models.hf:causal_lm`` (needs the ``hf`` extra).
+
+    ``init_from``: pretrained weights for a fresh start, a local Hugging Face folder of
+    ``*.safetensors`` files or one ``.safetensors`` file (see
+    :mod:`elastic_trainer.models.pretrained`); a resume loads the checkpoint instead."""
 
     factory: str = ""
     shard_modules: list[str] = field(default_factory=list)
     hf_config: str = ""
+    init_from: str = ""
     vocab_size: int = 256
     seq_len: int = 128
     dim: int = 128
@@ -162,7 +167,9 @@ class Config:
 
     def model_fingerprint(self) -> str:
         """Hash of everything that fixes the shape of the training state (model + optimizer kind)."""
-        payload = json.dumps({"model": dataclasses.asdict(self.model)}, sort_keys=True)
+        model = dataclasses.asdict(self.model)
+        model.pop("init_from")  # where the first weights came from does not shape the state
+        payload = json.dumps({"model": model}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -211,6 +218,10 @@ _SECTION_TYPES = {
 }
 
 
+# String keys that also take an integer (``nnodes = 2`` means "2").
+_INT_AS_STR = ("elastic.nnodes",)
+
+
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     if isinstance(typ, str):
         typ = eval(typ, {**vars(typing), "list": list, "dict": dict}, {})  # noqa: S307 - own annotations
@@ -238,6 +249,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         return float(value)
     if typ is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and key.endswith(".resume"):
+            return str(value)
+        if isinstance(value, int) and not isinstance(value, bool) and key in _INT_AS_STR:
             return str(value)
         if not isinstance(value, str):
             raise ConfigError(key, f"expected a string, got {type(value).__name__} {value!r}")

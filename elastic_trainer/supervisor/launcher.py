@@ -1,7 +1,7 @@
-"""Builds and runs torchrun's elastic agent for the worker module.
+"""Builds and runs torchrun's elastic agent for the worker module (``launch``) or any script (``run``).
 
-Uses torchrun's own argument parser and ``config_from_args`` so every elastic option keeps
-torchrun's name and meaning; then runs a :class:`SupervisedAgent` (a ``LocalElasticAgent``
+Uses torchrun's own argument parser and ``config_from_args`` (:mod:`.options`) so every option
+keeps torchrun's name and meaning; then runs a :class:`SupervisedAgent` (a ``LocalElasticAgent``
 that records restarts as events and backs off between failure restarts).
 """
 
@@ -11,92 +11,28 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
-from dataclasses import dataclass, field
 
-from ..config import Config, parse_nnodes, parse_rdzv_conf
+from ..config import Config
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
-from . import policy
+from . import options, policy
 
 logger = logging.getLogger(__name__)
-
-WORKER_MODULE = "elastic_trainer.worker.main"
-
-
-@dataclass(frozen=True)
-class LaunchOptions:
-    """Command-line elastic options; ``None`` means "take it from the config"."""
-
-    nnodes: str | None = None
-    nproc_per_node: int | None = None
-    rdzv_endpoint: str | None = None
-    rdzv_id: str | None = None
-    rdzv_conf: str | None = None
-    max_restarts: int | None = None
-    node_rank: int | None = None
-    local_addr: str | None = None
-    standalone: bool = False
-    extra: list[str] = field(default_factory=list)
-
-
-def torchrun_argv(cfg: Config, opts: LaunchOptions) -> list[str]:
-    """torchrun-style argv for this launch (pure)."""
-    e = cfg.elastic
-    nnodes = opts.nnodes or e.nnodes
-    parse_nnodes(nnodes, "--nnodes")
-    endpoint = opts.rdzv_endpoint if opts.rdzv_endpoint is not None else e.rdzv_endpoint
-    _, max_nodes = parse_nnodes(nnodes)
-    argv = [
-        "--nnodes", nnodes,
-        "--nproc-per-node", str(opts.nproc_per_node or e.nproc_per_node),
-        "--max-restarts", str(opts.max_restarts if opts.max_restarts is not None else e.max_restarts),
-        "--monitor-interval", str(e.monitor_interval_seconds),
-    ]
-    if opts.standalone or (not endpoint and max_nodes == 1):
-        argv.append("--standalone")
-    else:
-        argv += ["--rdzv-backend", e.rdzv_backend, "--rdzv-endpoint", endpoint or "localhost:29400", "--rdzv-id", opts.rdzv_id or e.rdzv_id]
-        conf = rdzv_conf(e.rdzv_conf, opts.rdzv_conf)
-        if conf:
-            argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
-    if opts.local_addr:
-        argv += ["--local-addr", opts.local_addr]
-    if opts.node_rank is not None:
-        argv += ["--node-rank", str(opts.node_rank)]
-    return argv + list(opts.extra) + ["-m", WORKER_MODULE]
-
-
-def rdzv_conf(configured: str, override: str | None) -> dict[str, str]:
-    """``elastic.rdzv_conf`` with the ``--rdzv-conf`` items replacing same-named ones (pure)."""
-    conf = parse_rdzv_conf(configured)
-    conf.update(parse_rdzv_conf(override or "", "--rdzv-conf"))
-    return conf
-
 
 def uses_external_store(config) -> bool:
     """True when this agent joins a store it does not host (``is_host=false``)."""
     return str(config.rdzv_configs.get("is_host", "")).lower() in ("false", "0", "no")
 
 
-def build_launch_config(cfg: Config, opts: LaunchOptions):
-    """(LaunchConfig, cmd, cmd_args) through torchrun's own parser."""
-    import uuid
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
-    from torch.distributed.run import config_from_args, get_args_parser
 
-    args = get_args_parser().parse_args(torchrun_argv(cfg, opts))
-    if args.standalone:
-        args.rdzv_backend = "c10d"
-        args.rdzv_endpoint = "localhost:0"
-        args.rdzv_id = str(uuid.uuid4())
-    if args.master_port is None:
-        args.master_port = 29500
-    config, cmd, cmd_args = config_from_args(args)
-    config.shutdown_timeout = int(cfg.checkpoint.preempt_grace_seconds + 15)
-    config.signals_to_handle = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-    return config, cmd, cmd_args
+def build_launch_config(cfg: Config, args, explicit: set[str], env=None):
+    """``(LaunchConfig, cmd, cmd_args)`` from torchrun's parsed options (see :mod:`.options`)
+    with the config applied where neither a flag nor ``PET_*`` set a value."""
+    args = options.resolve(args, explicit, cfg.elastic, env)
+    return options.launch_config(args, explicit, env, shutdown_timeout=int(cfg.checkpoint.preempt_grace_seconds + 15), signals=SIGNALS_TO_HANDLE)
 
 
 def _make_agent_class():
@@ -284,9 +220,20 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
         master_addr=master_addr,
         master_port=master_port,
         local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
     )
     agent_cls = _make_agent_class()
-    agent = agent_cls(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method, shutdown_timeout=config.shutdown_timeout)
+    agent = agent_cls(
+        spec=spec,
+        logs_specs=config.logs_specs,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout,
+    )
     agent.events = events
     agent.metrics = metrics or NullSink()
     agent.preempt_marker = preempt_marker
@@ -297,6 +244,7 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         if isinstance(e, SignalException):
+            e.worker_exit_codes = _exit_codes(agent)  # what the workers reported as they stopped
             shutdown_rdzv = False
         raise
     finally:
@@ -304,8 +252,11 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
             spec.rdzv_handler.shutdown()
 
 
-def launch(cfg: Config, opts: LaunchOptions) -> int:
-    """Run this node's supervisor until the job ends. Returns the process exit code."""
+def launch(cfg: Config, launch_config, cmd, cmd_args) -> int:
+    """Run this node's supervisor until the job ends. Returns the process exit code.
+
+    ``launch_config, cmd, cmd_args``: from :func:`build_launch_config` (the built-in trainer
+    for ``launch``, the user's script for ``run``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     os.makedirs(cfg.run.dir, exist_ok=True)
@@ -323,12 +274,12 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
 
     server = metrics_factory.start_supervisor_exporter(cfg)
     metrics = server.sink if server is not None else NullSink()
-    config, cmd, cmd_args = build_launch_config(cfg, opts)
+    config = launch_config
     metrics.gauge("elastic_trainer_world_size_expected", config.max_nodes * config.nproc_per_node)
     history = _start_history(cfg, events.path, metrics)
     if server is not None:
         server.before_collect(history.export)
-    if config.max_nodes > 1:
+    if config.max_nodes > 1 and config.rdzv_backend != "static":
         _check_store(config)
     os.environ["ELASTIC_TRAINER_CHECKPOINT_EPOCH"] = take_epoch(cfg, config.run_id or "elastic-trainer", events)
     events.emit(
@@ -337,6 +288,8 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
         nproc_per_node=config.nproc_per_node,
         max_restarts=config.max_restarts,
         rdzv_endpoint=config.rdzv_endpoint,
+        rdzv_backend=config.rdzv_backend,
+        entrypoint=" ".join(map(str, [getattr(cmd, "__name__", cmd), *cmd_args]))[:500],
         node=os.uname().nodename,
         pid=os.getpid(),
         mono=time.monotonic(),
@@ -351,6 +304,7 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
             events.emit("job_failed", failures=policy.describe_failures(result.failures))
     except SignalException as e:
         signalled = True
+        worker_codes = list(getattr(e, "worker_exit_codes", []))
         logger.warning("supervisor got %s: workers were asked to checkpoint and stop", e.sigval)
     finally:
         if server is not None:
@@ -363,6 +317,16 @@ def launch(cfg: Config, opts: LaunchOptions) -> int:
     events.emit("supervisor_exit", exit_code=code, preempted=preempt, signalled=signalled)
     history.close()
     return code
+
+
+def _exit_codes(agent) -> list[int | None]:
+    """Exit codes of the agent's worker processes once they stopped (torch's SubprocessContext)."""
+    handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None) or {}
+    out = []
+    for h in handlers.values():
+        proc = getattr(h, "proc", None)
+        out.append(proc.poll() if proc is not None else None)
+    return out
 
 
 def take_epoch(cfg: Config, launch_id: str, events: EventLog) -> str:

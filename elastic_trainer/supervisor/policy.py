@@ -40,16 +40,20 @@ def launch_exit_code(*, failed: bool, signalled: bool, preempt_marker: dict | No
     without that proof is 76. Workers that all finished win over a preemption marker (one left
     by a group restarted for a membership change must not turn a finished job into "requeue me")."""
     marker_code = (preempt_marker or {}).get("exit_code")
+    codes = {c for c in worker_exit_codes if c is not None}
+    preempted = {exit_codes.PREEMPTED, exit_codes.PREEMPTED_UNCOMMITTED}
+    # Without rank 0's marker (e.g. a script under ``run``), the workers' own exit codes say it.
+    reported = (exit_codes.PREEMPTED_UNCOMMITTED if exit_codes.PREEMPTED_UNCOMMITTED in codes else exit_codes.PREEMPTED) if codes and codes <= preempted else None
     if signalled:
-        return exit_codes.PREEMPTED if marker_code == exit_codes.PREEMPTED else exit_codes.PREEMPTED_UNCOMMITTED
+        return marker_code if marker_code in preempted else reported or exit_codes.PREEMPTED_UNCOMMITTED
     if not failed:
         return exit_codes.OK
     terminal = terminal_code(list(worker_exit_codes))
     if terminal is not None:
         return terminal
-    if marker_code in (exit_codes.PREEMPTED, exit_codes.PREEMPTED_UNCOMMITTED):
+    if marker_code in preempted:
         return marker_code
-    return exit_codes.FAILED
+    return reported or exit_codes.FAILED
 
 
 FAILED_STOP_GRACE_SECONDS = 5.0

@@ -68,6 +68,7 @@ def build_and_train(cfg: Config, t_start: float) -> int:
     from ..checkpoint.manager import CheckpointManager
     from ..checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState
     from ..metrics import factory as metrics_factory
+    from ..models.pretrained import init_from_pretrained
     from ..storage.fs import open_storage
     from . import parallel
     from .train_loop import PreemptionFlag, Trainer
@@ -107,6 +108,8 @@ def build_and_train(cfg: Config, t_start: float) -> int:
         logger.info("parameters on this rank: %.2f MB of %s total elements", parallel.local_param_bytes(model) / 1e6, sum(p.numel() for p in model.parameters()))
     events.emit("start", world_size=d.world_size, restart_count=restart, rank0_host=os.uname().nodename, pid=os.getpid(), checkpoint_dir=storage.describe())
     loaded = ckpt.load()
+    if loaded is None:
+        init_from_pretrained(cfg.model, model, events, d.rank)  # model.init_from, fresh start only
     if loaded is not None:
         allowed = check_run_identity(cfg, loaded.manifest.get("run_identity") or {})
         if allowed and loaded.first_start:

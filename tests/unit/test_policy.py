@@ -4,7 +4,6 @@ import pytest
 
 from elastic_trainer.config import ConfigError, load_config
 from elastic_trainer.supervisor import policy
-from elastic_trainer.supervisor.launcher import LaunchOptions, rdzv_conf, torchrun_argv
 from elastic_trainer.supervisor.store import StoreAddress
 
 
@@ -36,6 +35,11 @@ def test_failure_streak_resets_after_a_healthy_stretch(previous, healthy, expect
         (True, False, None, [65, 65], 65),  # non-finite stop is terminal and reported as such
         (True, False, None, [73, 73], 73),  # fenced
         (True, False, None, [73, 1], 1),  # mixed: a real failure
+        (True, False, None, [75, 75], 75),  # no marker (a script under run): the workers' codes say it
+        (True, False, None, [75, 76], 76),
+        (True, False, None, [75, 1], 1),
+        (True, True, None, [75, 75], 75),
+        (True, True, None, [75, 76], 76),
     ],
 )
 def test_launch_exit_code(failed, signalled, marker, workers, code):
@@ -60,11 +64,6 @@ def test_stop_grace(failed, grace):
     assert policy.stop_grace_seconds(failed=failed, preempt_shutdown=75.0) == grace
 
 
-def test_rdzv_conf_cli_items_override_config_items():
-    conf = rdzv_conf("last_call_timeout=3,keep_alive_interval=1", "last_call_timeout=5,is_host=false")
-    assert conf == {"last_call_timeout": "5", "keep_alive_interval": "1", "is_host": "false"}
-
-
 @pytest.mark.parametrize(
     "value, fragment",
     [("foo=1", "unknown rendezvous setting 'foo'"), ("last_call_timeout=x", "positive integer"), ("is_host=maybe", "true or false"), ("novalue", "key=value")],
@@ -73,15 +72,6 @@ def test_rdzv_conf_errors_name_the_key(value, fragment):
     with pytest.raises(ConfigError, match="elastic.rdzv_conf") as e:
         load_config(None, [f'elastic.rdzv_conf="{value}"', "data.path=x", "checkpoint.dir=/tmp/x"])
     assert fragment in str(e.value)
-
-
-def test_multi_node_argv_carries_rdzv_conf_and_local_addr():
-    cfg = load_config(None, ["data.path=x", "checkpoint.dir=/tmp/x"])
-    argv = torchrun_argv(cfg, LaunchOptions(nnodes="1:3", rdzv_endpoint="10.0.0.1:29400", local_addr="10.0.0.7"))
-    conf = argv[argv.index("--rdzv-conf") + 1]
-    assert conf == "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
-    assert argv[argv.index("--local-addr") + 1] == "10.0.0.7"
-    assert "--standalone" in torchrun_argv(cfg, LaunchOptions())
 
 
 @pytest.mark.parametrize("endpoint, addr", [("h:1", StoreAddress("h", 1)), ("h", StoreAddress("h", 29400)), ("[::1]:5", StoreAddress("::1", 5))])
