@@ -167,6 +167,30 @@ def _cmd_data(a) -> int:
     print(json.dumps(stats))
     return 0
 
+def _cmd_ckpt(a) -> int:
+    from .checkpoint import tools
+
+    if a.ckpt_cmd == "list":
+        rows = tools.list_checkpoints(a.uri, a.endpoint_url)
+        print(f"{'step':>10} {'name':<18} {'status':<11} {'world':>5} {'bytes':>14}  problem")
+        for r in rows:
+            print(f"{r['step']:>10} {r['name']:<18} {r['status']:<11} {str(r['world_size'] or '-'):>5} {r['bytes']:>14,}  {r['problem'] or ''}")
+        return 0
+    if a.ckpt_cmd == "inspect":
+        json.dump(tools.inspect_checkpoint(a.uri, a.step, a.endpoint_url), sys.stdout, indent=2)
+        print()
+        return 0
+    if a.ckpt_cmd == "export" and getattr(a, "hf", None):
+        from .config import load_config
+        from .models.hf_export import export_hf
+
+        print(json.dumps(export_hf(a.uri, a.out, load_config(a.hf).model, a.step, a.dtype, a.endpoint_url)))
+        return 0
+    if a.ckpt_cmd == "export":
+        print(json.dumps(tools.export_safetensors(a.uri, a.out, a.step, a.dtype, a.endpoint_url)))
+        return 0
+    return 2
+
 
 def main(argv: list[str] | None = None) -> int:
     log.setup_logging()
@@ -182,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "data":
             return _cmd_data(a)
         if a.cmd == "ckpt":
-            from .checkpoint import tools
-
-            return tools.main(a)
+            return _cmd_ckpt(a)
         if a.cmd == "report":
             from . import report
 

@@ -409,8 +409,6 @@ def validate(cfg: Config) -> None:
         _require(name in fields, "checkpoint.allow_changes", f"{key!r} is not a config key (section.key)")
     if c.resume not in ("latest", "none"):
         _require(c.resume.isdigit(), "checkpoint.resume", f"expected 'latest', 'none' or a step number, got {c.resume!r}")
-    from .storage.fs import check_uri  # local import: storage depends on errors only
-
     check_uri(c.dir, "checkpoint.dir")
     if c.s3_endpoint_url:
         _require(
@@ -425,6 +423,27 @@ def validate(cfg: Config) -> None:
     _require(e.hang_timeout_seconds >= 5, "elastic.hang_timeout_seconds", "must be >= 5")
     _require(e.monitor_interval_seconds > 0, "elastic.monitor_interval_seconds", "must be > 0")
     _require(0 <= cfg.metrics.port <= 65535, "metrics.port", f"must be in 0..65535 (0 disables), got {cfg.metrics.port}")
+
+
+_SUPPORTED_SCHEMES = ("file", "s3", "memory")
+
+
+def check_uri(uri: str, key: str = "checkpoint.dir") -> str:
+    """Validate a checkpoint location; returns its protocol. Raises ConfigError naming ``key``."""
+    if not isinstance(uri, str) or not uri.strip():
+        raise ConfigError(key, "must be a non-empty path or URL")
+    if "://" not in uri:
+        return "file"
+    proto, rest = uri.split("://", 1)
+    if proto not in _SUPPORTED_SCHEMES:
+        raise ConfigError(key, f"unsupported scheme {proto!r} in {uri!r} (supported: local path, file://, s3://, memory://)")
+    if proto == "s3":
+        bucket = rest.split("/", 1)[0]
+        if not bucket or bucket != bucket.lower() or not (3 <= len(bucket) <= 63) or "_" in bucket:
+            raise ConfigError(key, f"invalid S3 bucket name {bucket!r} in {uri!r}")
+    if proto == "file" and not rest.startswith("/"):
+        raise ConfigError(key, f"file:// URLs must be absolute, got {uri!r}")
+    return proto
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:

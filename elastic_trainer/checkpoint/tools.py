@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Any
 
 import torch
@@ -108,26 +106,3 @@ def export_safetensors(uri: str, out: str, step: int | None = None, dtype: str =
     tensors = {k: (v.to(target) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
     save_file(tensors, out, metadata={"step": str(step), "source": uri, "format": "pt"})
     return {"step": step, "out": out, "tensors": len(tensors), "dtype": dtype, "parameters": sum(v.numel() for v in tensors.values())}
-
-
-def main(a) -> int:
-    if a.ckpt_cmd == "list":
-        rows = list_checkpoints(a.uri, a.endpoint_url)
-        print(f"{'step':>10} {'name':<18} {'status':<11} {'world':>5} {'bytes':>14}  problem")
-        for r in rows:
-            print(f"{r['step']:>10} {r['name']:<18} {r['status']:<11} {str(r['world_size'] or '-'):>5} {r['bytes']:>14,}  {r['problem'] or ''}")
-        return 0
-    if a.ckpt_cmd == "inspect":
-        json.dump(inspect_checkpoint(a.uri, a.step, a.endpoint_url), sys.stdout, indent=2)
-        print()
-        return 0
-    if a.ckpt_cmd == "export" and getattr(a, "hf", None):
-        from ..config import load_config
-        from ..models.hf_export import export_hf
-
-        print(json.dumps(export_hf(a.uri, a.out, load_config(a.hf).model, a.step, a.dtype, a.endpoint_url)))
-        return 0
-    if a.ckpt_cmd == "export":
-        print(json.dumps(export_safetensors(a.uri, a.out, a.step, a.dtype, a.endpoint_url)))
-        return 0
-    return 2

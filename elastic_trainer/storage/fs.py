@@ -22,31 +22,11 @@ from typing import Any, Callable, TypeVar
 
 import fsspec
 
-from ..errors import ConfigError, StorageError, TransientStorageError
+from ..config import check_uri
+from ..errors import StorageError, TransientStorageError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_SUPPORTED = ("file", "s3", "memory")
-
-
-def check_uri(uri: str, key: str = "checkpoint.dir") -> str:
-    """Validate a checkpoint location; returns its protocol. Raises ConfigError naming ``key``."""
-    if not isinstance(uri, str) or not uri.strip():
-        raise ConfigError(key, "must be a non-empty path or URL")
-    if "://" not in uri:
-        return "file"
-    proto, rest = uri.split("://", 1)
-    if proto not in _SUPPORTED:
-        raise ConfigError(key, f"unsupported scheme {proto!r} in {uri!r} (supported: local path, file://, s3://, memory://)")
-    if proto == "s3":
-        bucket = rest.split("/", 1)[0]
-        if not bucket or bucket != bucket.lower() or not (3 <= len(bucket) <= 63) or "_" in bucket:
-            raise ConfigError(key, f"invalid S3 bucket name {bucket!r} in {uri!r}")
-    if proto == "file" and not rest.startswith("/"):
-        raise ConfigError(key, f"file:// URLs must be absolute, got {uri!r}")
-    return proto
-
 
 @dataclass(frozen=True)
 class StorageOptions:

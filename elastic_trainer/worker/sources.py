@@ -210,7 +210,7 @@ def _token_chunks(cfg: Config) -> Iterator[np.ndarray]:
         if eos_id is None:
             raise ConfigError("data.eos_token", f"{eos!r} is not a token of {tokenizer_file(d.tokenizer)}")
     for arr in iter_column(files, column):
-        if not (str(arr.type) in ("string", "large_string")):
+        if str(arr.type) not in ("string", "large_string"):
             raise ConfigError("data.column", f"column {column!r} holds {arr.type}, not text")
         texts = [t for t in arr.to_pylist() if t]
         if not texts:

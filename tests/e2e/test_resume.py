@@ -1,7 +1,6 @@
 """Checkpoint/resume end to end: exact resume after SIGKILL, resharding resume, the failure
 path, corrupt checkpoints, a different model, explicit resume, preemption."""
 
-import os
 import shutil
 import signal
 import time
@@ -41,7 +40,7 @@ def test_sigkill_and_resume_is_bitwise_identical(tmp_path, token_file, refs):
     restart = runs.read_events(tmp_path / "run", "restart")
     assert len(restart) == 1 and restart[0]["reason"] == "worker_failure"
     killed = [f for f in restart[0]["failures"] if f["exit_code"] == -9 or f.get("signal") == "SIGKILL"]
-    assert [f["global_rank"] for f in killed] == [1], f"the restart names the SIGKILLed rank 1: {restart[0]['failures']}"
+    assert [f["local_rank"] for f in killed] == [1], f"the restart names the SIGKILLed rank 1 (one node: local = global rank): {restart[0]['failures']}"
     (resume,) = runs.read_events(tmp_path / "run", "resume")
     assert resume["step"] == 5 and resume["world_size"] == 2
 
