@@ -227,7 +227,7 @@ def two_launches(tmp_path):
 
 
 def test_latest_follows_the_newest_launchs_lineage(tmp_path, two_launches):
-    a, b, n = two_launches
+    _, _, n = two_launches
     fresh = _catalog(tmp_path)
     assert fresh.head().name == n["b15"]
     assert [c.name for c in fresh.lineage(fresh.head(), fresh.scan())] == [n["b15"], n["10"], n["5"]]
@@ -244,7 +244,7 @@ def test_latest_follows_the_newest_launchs_lineage(tmp_path, two_launches):
 
 
 def test_a_restart_inside_a_launch_resumes_its_own_newest_commit_whatever_resume_says(tmp_path, two_launches):
-    a, b, n = two_launches
+    _, b, n = two_launches
     again = _catalog(tmp_path)
     again.epoch = b.epoch  # the same launch, restarted by the agent
     plan = again.plan_resume("none")
@@ -257,7 +257,7 @@ def test_a_restart_inside_a_launch_resumes_its_own_newest_commit_whatever_resume
 
 
 def test_a_restart_before_any_commit_resumes_the_launchs_base(tmp_path, two_launches):
-    a, b, n = two_launches
+    _, _, n = two_launches
     c = _catalog(tmp_path, "C")
     c.record_base(n["10"])  # C started from 10 (checkpoint.resume=10) and has not committed yet
     c2 = _catalog(tmp_path)
@@ -266,7 +266,7 @@ def test_a_restart_before_any_commit_resumes_the_launchs_base(tmp_path, two_laun
 
 
 def test_retention_deletes_only_within_the_lineage(tmp_path, two_launches):
-    a, b, n = two_launches
+    _, b, n = two_launches
     b20 = _save(b, 20, parent=n["b15"], seq=4)
     deleted = b.retention(b20, keep_last=2, keep_every=0)
     assert deleted == [10, 5]

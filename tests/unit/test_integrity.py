@@ -98,7 +98,7 @@ def test_checksums_list_every_item_of_every_file_as_written(saved):
         assert pos == len(data)
         n_items += len(f["items"])
     # Every item DCP's metadata points at is listed with exactly its (offset, length).
-    md = pickle.loads(meta)  # noqa: S301 - our own file
+    md = pickle.loads(meta)  # our own file
     listed = {(n, off, length) for n in shards for off, length, _ in table[n]["items"]}
     assert {(s.relative_path, s.offset, s.length) for s in md.storage_data.values()} == listed
     assert n_items == len(md.storage_data)
@@ -184,7 +184,7 @@ def test_metadata_is_verified_before_it_is_unpickled(saved, tmp_path):
     _raises_integrity(integrity.verifying(FileSystemReader(str(path)), checks).read_metadata, "the manifest says")
     assert not marker.exists()
     # The control: a reader without checks would have run it (so the test above can fail).
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - whatever the padded pickle does after running
         FileSystemReader(str(path)).read_metadata()
     assert marker.exists()
 
@@ -205,7 +205,10 @@ def test_plain_torch_reader_and_format_utils_still_read_it(saved, tmp_path):
 
 def test_fsspec_writer_and_reader_round_trip(tmp_path):
     """The fsspec variants (used for s3://) on fsspec's local file system."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import (
+        FsspecReader,
+        FsspecWriter,
+    )
 
     path = tmp_path / "ck"
     sd = _save(path, writer_cls=FsspecWriter)
