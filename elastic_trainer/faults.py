@@ -10,7 +10,9 @@ Enabled only through ``ELASTIC_TRAINER_INJECT_FAULT``, a comma-separated list of
 * ``kill_before_commit`` — SIGKILL rank 0 after every shard of step S is written but before
   the manifest is (the commit thread);
 * ``kill_in_load`` — SIGKILL rank R while it loads a checkpoint (before ``dcp.load`` returns);
-* ``nan``     — make rank R's loss (and so its gradients) NaN at step S (non-finite guard tests);
+* ``nan``     — make rank R's loss (and so its gradients) NaN at step S (non-finite guard tests),
+  once per process: a rollback retries step S with other samples, which are finite (as after a
+  real bad batch); two entries (steps S and S+1) make a second event before the next save;
 * ``slow`` — rank R sleeps ``seconds=X`` (default 0.2) at the start of every step from S on (a
   straggler: ``slow@rank=1,step=1,seconds=0.3``).
 
@@ -53,6 +55,9 @@ def _active() -> list[Fault]:
     return parse(spec) if spec else []
 
 
+_FIRED: set[Fault] = set()  # one-shot faults (``nan``) that already fired in this process
+
+
 def active(kind: str, step: int) -> bool:
     """Whether a fault of ``kind`` is configured at ``step`` for this rank and incarnation."""
     faults = _active()
@@ -60,7 +65,12 @@ def active(kind: str, step: int) -> bool:
         return False
     rank = int(os.environ.get("RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    return any(f.kind == kind and f.rank == rank and f.step == step and f.restart == restart for f in faults)
+    for f in faults:
+        if f.kind == kind and f.rank == rank and f.step == step and f.restart == restart and f not in _FIRED:
+            if kind == "nan":
+                _FIRED.add(f)
+            return True
+    return False
 
 
 def maybe_inject(kind: str, step: int) -> None:

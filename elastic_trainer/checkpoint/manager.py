@@ -495,6 +495,13 @@ class CheckpointManager:
             mine = self.rank != 0 or (self.last_committed_step == step and self.fenced is None)
         return self._all_true(mine, self.control_group)
 
+    def fenced_everywhere(self) -> bool:
+        """Collective: rank 0's answer to "did a newer launch fence our commits?", agreed by
+        every rank (e.g. after the final save, whose commit may be the one refused)."""
+        with self._lock:
+            mine = self.fenced is None
+        return not self._all_true(mine, self.control_group)
+
     def drain_on_failure(self, timeout: float) -> bool:
         """Exception path: start nothing, but give a save that is already uploading up to
         ``timeout`` seconds to finish (and, on rank 0, to commit). Never raises."""

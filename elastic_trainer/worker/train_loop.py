@@ -117,6 +117,8 @@ class Trainer:
         except TimeoutError as e:
             logger.error("final checkpoint not committed within checkpoint.save_timeout_seconds: %s", e)
             self.events.emit("checkpoint_failed", step=self.state.step, error=f"final save: {e}", seconds=self.cfg.checkpoint.save_timeout_seconds)
+        if self.ckpt.fenced_everywhere():  # the final commit was refused: a newer launch owns the root
+            return self._fenced_exit()
         return 0
 
     def train_step(self, step: int, time_due: bool) -> dict:

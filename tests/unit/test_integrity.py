@@ -1,0 +1,264 @@
+"""Checksummed DCP writer / verifying reader (checkpoint/integrity.py), in one process, world 1.
+
+A real ``dcp.save`` through the checksummed writer must list every item of every file with its
+XXH3 in ``.checksums.json``; the verifying reader loads it back, and refuses a single flipped
+byte anywhere in a shard, and a ``.metadata`` that does not match *before* unpickling it. The
+checkpoint stays a plain DCP checkpoint (torch's own reader and ``format_utils`` read it). The
+last tests fail loudly when torch changes the private APIs integrity.py relies on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from elastic_trainer.checkpoint import integrity
+from elastic_trainer.errors import CheckpointIntegrityError
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "model": {"w": torch.randn(64, 16, generator=g), "b": torch.randn(16, generator=g), "n": torch.arange(10)},
+        "train": {"step": 7, "skipped": [[10, 20]], "name": "x"},  # bytes items (pickled objects)
+    }
+
+
+def _empty_like(sd: dict) -> dict:
+    return {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "train": {"step": 0, "skipped": [], "name": ""}}
+
+
+def _save(path: Path, sd: dict | None = None, writer_cls=FileSystemWriter) -> dict:
+    sd = sd or _state()
+    writer = integrity.checksummed(writer_cls(str(path)))
+    dcp.save(sd, storage_writer=writer)
+    return sd
+
+
+def _table(path: Path) -> dict:
+    return json.loads((path / integrity.CHECKSUMS).read_text())["files"]
+
+
+def _checks(path: Path) -> integrity.Checks:
+    return integrity.Checks.from_manifest({"files": _table(path)})
+
+
+def _raises_integrity(fn, match: str) -> str:
+    """Run ``fn``; it must fail with a CheckpointIntegrityError whose message contains ``match``
+    (inside DCP's CheckpointException, a BaseException, when raised under ``dcp.load``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        fn()
+    except CheckpointIntegrityError as e:
+        assert match in str(e), e
+        return str(e)
+    except CheckpointException as e:
+        # DCP reports a rank's failure inside its own exception (wrapped, by message).
+        assert match in repr(e), f"DCP failed, but not because of the check: {e!r}"
+        return repr(e)
+    raise AssertionError("expected a CheckpointIntegrityError, nothing was raised")
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[Path, dict]:
+    path = tmp_path / "ck"
+    return path, _save(path)
+
+
+def test_checksums_list_every_item_of_every_file_as_written(saved):
+    path, _ = saved
+    table = _table(path)
+    on_disk = {p.name for p in path.iterdir()} - {integrity.CHECKSUMS}
+    assert set(table) == on_disk, "every file DCP wrote (shards and .metadata) is listed, nothing else"
+    meta = (path / ".metadata").read_bytes()
+    assert table[".metadata"] == {"size": len(meta), "xxh3": xxhash.xxh3_64_intdigest(meta)}
+    shards = [n for n in table if n.endswith(".distcp")]
+    assert shards
+    n_items = 0
+    for name in shards:
+        data = (path / name).read_bytes()
+        f = table[name]
+        assert f["size"] == len(data) and f["xxh3"] == xxhash.xxh3_64_intdigest(data)
+        # The items tile the file exactly: a flipped byte anywhere lands in a checked item.
+        pos = 0
+        for off, length, h in f["items"]:
+            assert off == pos and length > 0
+            assert h == xxhash.xxh3_64_intdigest(data[off : off + length])
+            pos += length
+        assert pos == len(data)
+        n_items += len(f["items"])
+    # Every item DCP's metadata points at is listed with exactly its (offset, length).
+    md = pickle.loads(meta)  # our own file
+    listed = {(n, off, length) for n in shards for off, length, _ in table[n]["items"]}
+    assert {(s.relative_path, s.offset, s.length) for s in md.storage_data.values()} == listed
+    assert n_items == len(md.storage_data)
+    # The coordinator stripped its checksums: .metadata is plain DCP metadata.
+    assert all(type(s).__name__ == "_StorageInfo" for s in md.storage_data.values())
+
+
+def test_verifying_reader_loads_it_back_exactly(saved):
+    path, sd = saved
+    out = _empty_like(sd)
+    dcp.load(out, storage_reader=integrity.verifying(FileSystemReader(str(path)), _checks(path)))
+    for k, v in sd["model"].items():
+        assert torch.equal(out["model"][k], v), k
+    assert out["train"] == sd["train"]
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_a_flipped_byte_anywhere_in_a_shard_is_refused(saved):
+    path, sd = saved
+    (shard,) = [n for n in _table(path) if n.endswith(".distcp")]
+    size = (path / shard).stat().st_size
+    items = _table(path)[shard]["items"]
+    # The first and last byte of every item, the middle of the file, and its last byte.
+    offsets = sorted({o for off, length, _ in items for o in (off, off + length - 1)} | {size // 2, size - 1})
+    pristine = (path / shard).read_bytes()
+    for off in offsets:
+        _flip(path / shard, off)
+        assert (path / shard).stat().st_size == size
+        _raises_integrity(
+            lambda: dcp.load(_empty_like(sd), storage_reader=integrity.verifying(FileSystemReader(str(path)), _checks(path))),
+            "checksum mismatch (corrupted shard)",
+        )
+        (path / shard).write_bytes(pristine)
+    # Sanity: restored, it loads again.
+    dcp.load(_empty_like(sd), storage_reader=integrity.verifying(FileSystemReader(str(path)), _checks(path)))
+
+
+def test_an_item_missing_from_the_manifest_is_refused(saved):
+    path, sd = saved
+    table = _table(path)
+    (shard,) = [n for n in table if n.endswith(".distcp")]
+    table[shard]["items"] = table[shard]["items"][1:]
+    checks = integrity.Checks.from_manifest({"files": table})
+    _raises_integrity(
+        lambda: dcp.load(_empty_like(sd), storage_reader=integrity.verifying(FileSystemReader(str(path)), checks)),
+        "item not listed in the manifest",
+    )
+
+
+class _Boom:
+    """Unpickling this runs ``os.system`` (what a forged ``.metadata`` could do)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_metadata_is_verified_before_it_is_unpickled(saved, tmp_path):
+    path, sd = saved
+    checks = _checks(path)
+    marker = tmp_path / "PWNED"
+    evil = pickle.dumps(_Boom(marker))
+    meta = path / ".metadata"
+    # Same size as the real one (padded: pickle stops at STOP), so only the checksum can tell.
+    real = meta.read_bytes()
+    assert len(evil) < len(real)
+    meta.write_bytes(evil + b"\0" * (len(real) - len(evil)))
+    reader = integrity.verifying(FileSystemReader(str(path)), checks)
+    _raises_integrity(reader.read_metadata, "refused before unpickling")
+    _raises_integrity(lambda: dcp.load(_empty_like(sd), storage_reader=integrity.verifying(FileSystemReader(str(path)), checks)), "before unpickling")
+    assert not marker.exists(), "the forged .metadata was unpickled"
+    # Another size: refused by size, also before unpickling.
+    meta.write_bytes(evil)
+    _raises_integrity(integrity.verifying(FileSystemReader(str(path)), checks).read_metadata, "the manifest says")
+    assert not marker.exists()
+    # The control: a reader without checks would have run it (so the test above can fail).
+    with pytest.raises(Exception):  # noqa: B017 - whatever the padded pickle does after running
+        FileSystemReader(str(path)).read_metadata()
+    assert marker.exists()
+
+
+def test_plain_torch_reader_and_format_utils_still_read_it(saved, tmp_path):
+    path, sd = saved
+    out = _empty_like(sd)
+    dcp.load(out, storage_reader=FileSystemReader(str(path)))
+    assert all(torch.equal(out["model"][k], v) for k, v in sd["model"].items())
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dst = tmp_path / "full.pt"
+    dcp_to_torch_save(str(path), str(dst))
+    full = torch.load(dst, weights_only=False)
+    assert all(torch.equal(full["model"][k], v) for k, v in sd["model"].items())
+    assert full["train"]["skipped"] == [[10, 20]]
+
+
+def test_fsspec_writer_and_reader_round_trip(tmp_path):
+    """The fsspec variants (used for s3://) on fsspec's local file system."""
+    from torch.distributed.checkpoint._fsspec_filesystem import (
+        FsspecReader,
+        FsspecWriter,
+    )
+
+    path = tmp_path / "ck"
+    sd = _save(path, writer_cls=FsspecWriter)
+    checks = _checks(path)
+    assert checks.metadata is not None and checks.items
+    out = _empty_like(sd)
+    dcp.load(out, storage_reader=integrity.verifying(FsspecReader(str(path)), checks))
+    assert all(torch.equal(out["model"][k], v) for k, v in sd["model"].items())
+    (shard,) = [n for n in _table(path) if n.endswith(".distcp")]
+    _flip(path / shard, (path / shard).stat().st_size // 2)
+    _raises_integrity(lambda: dcp.load(_empty_like(sd), storage_reader=integrity.verifying(FsspecReader(str(path)), checks)), "checksum mismatch")
+
+
+def test_the_crc32_switch_is_restored_after_a_save(tmp_path):
+    before = torch.serialization.get_crc32_options()
+    _save(tmp_path / "ck")
+    assert torch.serialization.get_crc32_options() == before
+
+
+# ------------------------------------------------------------------ torch's private APIs
+def test_torch_private_apis_integrity_relies_on_still_exist():
+    """Fails loudly when torch renames or reshapes what checkpoint/integrity.py uses (listed in
+    its docstring). When this fails, fix integrity.py (and its docstring) before anything else."""
+    from torch.distributed.checkpoint import _fsspec_filesystem, filesystem
+
+    assert hasattr(_fsspec_filesystem, "FsspecWriter") and hasattr(_fsspec_filesystem, "FsspecReader")
+    info = filesystem._StorageInfo
+    assert {"relative_path", "offset", "length"} <= set(inspect.signature(info).parameters)
+    for reader in (FileSystemReader, _fsspec_filesystem.FsspecReader):
+        assert list(inspect.signature(reader._slice_file).parameters) == ["self", "file", "sinfo"], reader
+        assert "rank" in inspect.signature(reader._get_metadata_path).parameters, reader
+        assert hasattr(reader, "read_metadata")
+    # The writers keep their file system in ``fs`` (integrity.checksummed wraps it).
+    assert hasattr(FileSystemWriter("/nonexistent-but-unused"), "fs")
+    assert hasattr(FileSystemReader("/nonexistent-but-unused"), "fs")
+    # ``_write_item`` calls tell() around each item; write_data/finish keep their signatures.
+    src = inspect.getsource(filesystem._write_item)
+    assert "tell()" in src
+    assert list(inspect.signature(FileSystemWriter.write_data).parameters)[:3] == ["self", "plan", "planner"]
+    assert list(inspect.signature(FileSystemWriter.finish).parameters)[:3] == ["self", "metadata", "results"]
+    # The coordinator writes ``.metadata`` through a ``.metadata.tmp`` stream.
+    assert ".tmp" in inspect.getsource(FileSystemWriter.finish) or ".tmp" in inspect.getsource(filesystem)
+    assert callable(torch.serialization.get_crc32_options) and callable(torch.serialization.set_crc32_options)
+
+
+def test_checksummed_and_verifying_refuse_unknown_storage_classes():
+    class Other(FileSystemWriter):
+        pass
+
+    with pytest.raises(TypeError, match="no checksummed variant"):
+        integrity.checksummed(Other("/x"))
+    with pytest.raises(TypeError, match="no verifying variant"):
+        integrity.verifying(object(), integrity.Checks(None, {}))
