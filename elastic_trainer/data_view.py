@@ -58,10 +58,10 @@ def check_data_view(recorded: list[dict], current: list[dict]) -> list[str]:
     return problems
 
 
-def added_files(recorded: list[dict], current: list[dict]) -> list[str]:
-    """Paths in ``current`` that the recorded view does not read (ignored on resume)."""
+def added_files(recorded: list[dict], current_paths: list[str]) -> list[str]:
+    """Paths among ``current_paths`` that the recorded view does not read (ignored on resume)."""
     known = {r["path"] for r in recorded}
-    return [c["path"] for c in current if c["path"] not in known]
+    return [p for p in current_paths if p not in known]
 
 
 def encode(view: list[dict]) -> str:
