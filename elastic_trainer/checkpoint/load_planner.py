@@ -16,7 +16,8 @@ if a torch release changes them.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 

@@ -34,7 +34,7 @@ import numpy as np
 from .. import data_view
 from ..config import Config, DataConfig
 from ..errors import ConfigError
-from .data import TokenFile, scan_max, unique_tmp
+from .data import TokenFile, unique_tmp
 
 logger = logging.getLogger(__name__)
 
