@@ -48,6 +48,7 @@ class ModelConfig:
     n_heads: int = 4
     mlp_ratio: int = 4
     init_std: float = 0.02
+    dropout: float = 0.0  # demo model: dropout probability in training (embeddings, attention, residuals)
 
 
 @dataclass(frozen=True)
@@ -358,6 +359,12 @@ def validate(cfg: Config) -> None:
         _require(getattr(m, k) > 0, f"model.{k}", f"must be > 0, got {getattr(m, k)}")
     _require(m.dim % m.n_heads == 0, "model.dim", f"{m.dim} is not divisible by model.n_heads={m.n_heads}")
     _require(m.init_std > 0, "model.init_std", "must be > 0")
+    _require(0.0 <= m.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {m.dropout}")
+    _require(
+        not (m.dropout and m.hf_config),
+        "model.dropout",
+        "is for the demo model; a Hugging Face model takes its dropout from its config.json (e.g. attention_dropout)",
+    )
     if m.factory:
         _require(":" in m.factory, "model.factory", f"expected 'package.module:function', got {m.factory!r}")
     _require(

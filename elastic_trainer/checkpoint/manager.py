@@ -48,6 +48,7 @@ from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
 from . import integrity, layout
 from .catalog import Catalog
+from .load_planner import load_planner
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ class CheckpointManager:
             error = ""
             try:
                 reader = integrity.verifying(self.storage.dcp_reader(self.storage.join(name)), integrity.Checks.from_manifest(manifest))
-                dcp.load(self.states, storage_reader=reader, process_group=self.group)
+                dcp.load(self.states, storage_reader=reader, process_group=self.group, planner=load_planner(self.states))
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
                 error = f"{type(e).__name__}: {e}"[:2000]
             if self._all_true(not error, self.group):

@@ -12,6 +12,7 @@ bf16 copies would lose the low-order bits that small updates accumulate in.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+
+from .. import data_view
 
 
 class ModelState(Stateful):
@@ -103,12 +106,70 @@ class TrainState(Stateful):
 
 
 class RNGState(Stateful):
-    """Host generator state (CUDA generator states are left out so a CPU checkpoint loads on a GPU). Every rank writes the same key, DCP keeps one copy and
-    every rank restores it; training draws no per-rank randomness from these generators (data
-    order and init are explicitly seeded), so this is for user code that does (e.g. dropout)."""
+    """This rank's random generators: the CPU generator and, where CUDA is available, every
+    CUDA device's (``torch.cuda.get_rng_state_all``). Saved under a key of this rank and world
+    size (``rank{r}_of_{W}``), so DCP keeps every rank's own stream and a resume at the same
+    world size gives each rank its stream back: dropout and other user-code randomness
+    continue exactly as in an uninterrupted run.
+
+    On a different world size per-rank streams cannot map 1:1 onto the new ranks, so nothing
+    is restored (the keys are absent; ``optional_on_load`` lets the load go on) and
+    ``restored`` is False: the caller then calls :meth:`reseed`, which gives each rank a
+    stream that is a function of (seed, rank, step) only. A CUDA state saved for fewer devices
+    than there are now restores the devices it has; a CPU-only checkpoint restores no CUDA
+    generator."""
+
+    optional_on_load = True
+
+    def __init__(self, rank: int | None = None, world_size: int | None = None):
+        import torch.distributed as dist
+
+        initialised = dist.is_available() and dist.is_initialized()
+        self.rank = rank if rank is not None else (dist.get_rank() if initialised else 0)
+        self.world_size = world_size if world_size is not None else (dist.get_world_size() if initialised else 1)
+        self.restored: bool | None = None  # after a load: whether this rank's streams came back
+
+    @property
+    def key(self) -> str:
+        return f"rank{self.rank}_of_{self.world_size}"
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cpu": torch.get_rng_state()}
+        mine: dict[str, Any] = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            mine["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+        return {self.key: mine}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        torch.set_rng_state(state_dict["cpu"])
+        mine = state_dict.get(self.key, {})
+        self.restored = "cpu" in mine
+        if "cpu" in mine:
+            torch.set_rng_state(mine["cpu"])
+        cuda = mine.get("cuda", {})
+        if cuda and torch.cuda.is_available():
+            for i, s in cuda.items():
+                if int(i) < torch.cuda.device_count():
+                    torch.cuda.set_rng_state(s, int(i))
+
+    def reseed(self, seed: int, step: int) -> int:
+        """Seed the CPU and every CUDA generator of this rank from (seed, rank, step). Returns the seed."""
+        derived = int.from_bytes(hashlib.sha256(f"{seed}:{self.rank}:{step}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+        torch.manual_seed(derived)  # also seeds every CUDA device
+        return derived
+
+
+class DataViewState(Stateful):
+    """The run's frozen data view (:mod:`elastic_trainer.data_view`): ``view`` is what this run
+    reads and saves; ``recorded`` is what a loaded checkpoint holds (None: a fresh start, or a
+    checkpoint written before views were recorded). The same on every rank (DCP keeps one copy)."""
+
+    optional_on_load = True
+
+    def __init__(self, view: list[dict] | None = None):
+        self.view: list[dict] = list(view or [])
+        self.recorded: list[dict] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"files": data_view.encode(self.view)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.recorded = data_view.decode(state_dict["files"]) if "files" in state_dict else None

@@ -36,28 +36,50 @@ def micro_steps(global_batch: int, world: int, micro_batch: int) -> int:
 
 
 class TokenFile:
-    """A flat binary file of token ids, memory-mapped read-only."""
+    """A flat binary file of token ids, memory-mapped read-only.
 
-    def __init__(self, path: str, dtype: str, seq_len: int, vocab_size: int):
+    Every token id is checked against ``vocab_size`` (a chunked max over the whole file; pass
+    ``max_id`` when it is already known, e.g. cached, to skip the scan)."""
+
+    def __init__(self, path: str, dtype: str, seq_len: int, vocab_size: int, max_id: int | None = None, key: str = "data.path"):
         if not os.path.exists(path):
-            raise ConfigError("data.path", f"no such token file: {path} (build one with 'elastic-trainer data build')")
+            raise ConfigError(key, f"no such token file: {path} (build one with 'elastic-trainer data build')")
         itemsize = np.dtype(dtype).itemsize
         size = os.path.getsize(path)
+        if size == 0:
+            raise ConfigError(key, f"{path} is empty: no tokens to train on")
         if size % itemsize:
             raise ConfigError("data.dtype", f"{path} has {size} bytes, not a multiple of {dtype} ({itemsize} bytes)")
         self.tokens = np.memmap(path, dtype=dtype, mode="r")
         self.seq_len = seq_len
         self.n_samples = (len(self.tokens) - 1) // seq_len
         if self.n_samples < 1:
-            raise ConfigError("data.path", f"{path} has {len(self.tokens)} tokens: fewer than one sample of model.seq_len={seq_len}")
-        probe = self.tokens[: min(len(self.tokens), 1 << 20)]
-        if int(probe.max()) >= vocab_size:
-            raise ConfigError("model.vocab_size", f"token id {int(probe.max())} in {path} is >= model.vocab_size={vocab_size}")
+            raise ConfigError(key, f"{path} has {len(self.tokens)} tokens: fewer than one sample of model.seq_len={seq_len}")
+        self.max_id = max_id if max_id is not None else scan_max(self.tokens, vocab_size, path)
+        if self.max_id >= vocab_size:
+            raise ConfigError("model.vocab_size", f"token id {self.max_id} in {path} is >= model.vocab_size={vocab_size}")
 
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = i * self.seq_len
         window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         return window[:-1], window[1:]
+
+
+SCAN_CHUNK = 1 << 24  # tokens per np.max call: bounded memory, numpy speed
+
+
+def scan_max(tokens: np.ndarray, vocab_size: int, path: str, chunk: int = SCAN_CHUNK) -> int:
+    """The largest token id in ``tokens``; stops at the first chunk holding an id >=
+    ``vocab_size`` and raises ConfigError naming ``model.vocab_size`` and that id's position."""
+    top = -1
+    for start in range(0, len(tokens), chunk):
+        part = tokens[start : start + chunk]
+        m = int(part.max())
+        if m >= vocab_size:
+            pos = start + int(np.argmax(part >= vocab_size))
+            raise ConfigError("model.vocab_size", f"token id {int(part[pos - start])} at token {pos} of {path} is >= model.vocab_size={vocab_size}")
+        top = max(top, m)
+    return top
 
 
 class GlobalOrder:
@@ -88,14 +110,20 @@ class MicroBatch:
 class StepBatches:
     """Produces the micro-batches of one rank for the step that starts at a global cursor."""
 
-    def __init__(self, source: TokenFile, seed: int, global_batch: int, micro_batch: int, world: int, rank: int):
-        self.source = source
-        self.order = GlobalOrder(source.n_samples, seed)
+    def __init__(self, source: TokenFile | None, seed: int, global_batch: int, micro_batch: int, world: int, rank: int):
+        self.seed = seed
         self.global_batch = global_batch
         self.micro_batch = micro_batch
         self.world = world
         self.rank = rank
         self.n_micro = micro_steps(global_batch, world, micro_batch)
+        if source is not None:
+            self.open(source)
+
+    def open(self, source: TokenFile) -> None:
+        """Read from ``source`` (a worker opens it once it knows the run's data view)."""
+        self.source = source
+        self.order = GlobalOrder(source.n_samples, self.seed)
 
     def for_cursor(self, cursor: int) -> list[MicroBatch]:
         start, count = rank_slice(self.global_batch, self.world, self.rank)
@@ -112,11 +140,20 @@ class StepBatches:
         return out
 
 
+def unique_tmp(path: str) -> str:
+    """A temporary name next to ``path`` that no other process on any node uses (host, pid,
+    random), for an atomic ``os.replace`` into ``path`` in a directory nodes may share."""
+    import socket
+    import uuid
+
+    return f"{path}.tmp.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:12]}"
+
+
 def build_token_file(texts: list[str], out_path: str) -> dict:
     """Byte-level tokenisation (vocab 256) of text files into a uint16 token file. Returns stats."""
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     total = 0
-    tmp = out_path + ".tmp"
+    tmp = unique_tmp(out_path)
     with open(tmp, "wb") as f:
         for path in texts:
             with open(path, "rb") as src:

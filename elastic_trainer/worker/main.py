@@ -37,9 +37,11 @@ def load_worker_config() -> Config:
     return config_from_dict(json.loads(raw))
 
 
-def build_training(cfg: Config, d):
+def build_training(cfg: Config, d, open_data: bool = True):
     """Model (meta build, FSDP2 bottom-up, world-size-independent init), AdamW, LR schedule,
-    this rank's batches and the train state: everything a rank trains with. All ranks."""
+    this rank's batches and the train state: everything a rank trains with. All ranks.
+    ``open_data=False``: the batches get their source later (``batches.open``), once the
+    run's data view is known from the checkpoint."""
     from ..checkpoint.state import TrainState
     from . import parallel
     from .data import StepBatches
@@ -58,7 +60,7 @@ def build_training(cfg: Config, d):
     t = cfg.train
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    batches = StepBatches(open_source(cfg), t.seed, t.global_batch_size, t.micro_batch_size, d.world_size, d.rank)
+    batches = StepBatches(open_source(cfg) if open_data else None, t.seed, t.global_batch_size, t.micro_batch_size, d.world_size, d.rank)
     return model, optimizer, scheduler, batches, TrainState()
 
 
@@ -66,11 +68,12 @@ def build_and_train(cfg: Config, t_start: float) -> int:
     import torch.distributed as dist
 
     from ..checkpoint.manager import CheckpointManager
-    from ..checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState
+    from ..checkpoint.state import DataViewState, ModelState, OptimizerState, RNGState, SchedulerState
     from ..metrics import factory as metrics_factory
     from ..models.pretrained import init_from_pretrained
     from ..storage.fs import open_storage
     from . import parallel
+    from .sources import open_data_view
     from .train_loop import PreemptionFlag, Trainer
 
     preempt = PreemptionFlag()
@@ -82,12 +85,13 @@ def build_and_train(cfg: Config, t_start: float) -> int:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     metrics.gauge("elastic_trainer_world_size", d.world_size)
 
-    model, optimizer, scheduler, batches, state = build_training(cfg, d)
+    model, optimizer, scheduler, batches, state = build_training(cfg, d, open_data=False)
+    rng, data = RNGState(d.rank, d.world_size), DataViewState()
     storage = open_storage(cfg.checkpoint.dir, cfg.checkpoint.s3_endpoint_url, cfg.checkpoint.storage_timeout_seconds, cfg.checkpoint.storage_retries)
     ckpt = CheckpointManager(
         cfg.checkpoint,
         storage,
-        {"model": ModelState(model), "optim": OptimizerState(model, optimizer), "lr_scheduler": SchedulerState(scheduler), "train": state, "rng": RNGState()},
+        {"model": ModelState(model), "optim": OptimizerState(model, optimizer), "lr_scheduler": SchedulerState(scheduler), "train": state, "rng": rng, "data": data},
         rank=d.rank,
         world_size=d.world_size,
         mesh_shape=list(d.mesh.shape),
@@ -110,6 +114,14 @@ def build_and_train(cfg: Config, t_start: float) -> int:
     loaded = ckpt.load()
     if loaded is None:
         init_from_pretrained(cfg.model, model, events, d.rank)  # model.init_from, fresh start only
+    if not rng.restored:  # a fresh start, or per-rank streams that do not map onto this world size
+        rng.reseed(cfg.train.seed, state.step)
+    rng_note = "restored" if rng.restored else ("seeded" if loaded is None else "reseeded from (train.seed, rank, step)")
+    source, data.view, ignored = open_data_view(cfg, data.recorded, d.rank, d.ckpt_group)
+    batches.open(source)
+    if ignored:
+        logger.warning("data view frozen at the run's first start: ignoring %d file(s) added since, e.g. %s", len(ignored), ignored[0])
+        events.emit("data_view_frozen", files=len(data.view), ignored=ignored[:100], ignored_count=len(ignored))
     if loaded is not None:
         allowed = check_run_identity(cfg, loaded.manifest.get("run_identity") or {})
         if allowed and loaded.first_start:
@@ -124,9 +136,11 @@ def build_and_train(cfg: Config, t_start: float) -> int:
             since_start_seconds=round(time.monotonic() - t_start, 4),
             cursor=state.cursor,
             skipped=[list(s) for s in loaded.skipped],
+            rng=rng_note,
+            data_view="recorded" if data.recorded is not None else "resolved now (the checkpoint has none)",
         )
         if saved_world != d.world_size:
-            events.emit("reshard", step=loaded.step, from_world_size=saved_world, to_world_size=d.world_size, from_mesh=loaded.manifest.get("mesh_shape"), to_mesh=list(d.mesh.shape))
+            events.emit("reshard", step=loaded.step, from_world_size=saved_world, to_world_size=d.world_size, from_mesh=loaded.manifest.get("mesh_shape"), to_mesh=list(d.mesh.shape), rng=rng_note)
             metrics.counter("elastic_trainer_reshard_events_total")
         if d.rank == 0:
             logger.info("resumed from step %d (saved at world %s, now %d) in %.2fs", loaded.step, saved_world, d.world_size, loaded.seconds)

@@ -31,9 +31,10 @@ from typing import Iterator
 
 import numpy as np
 
+from .. import data_view
 from ..config import Config, DataConfig
 from ..errors import ConfigError
-from .data import TokenFile
+from .data import TokenFile, unique_tmp
 
 logger = logging.getLogger(__name__)
 
@@ -154,11 +155,15 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 65536 else "uint32"
 
 
-def cache_path(cfg: Config) -> str:
-    """Where the packed stream of ``cfg.data`` lives; the name changes with anything that
-    changes its content."""
+def cache_root(cfg: Config) -> str:
+    return cfg.data.cache_dir or os.path.join(cfg.run.dir, "data-cache")
+
+
+def cache_path(cfg: Config, files: list[str] | None = None) -> str:
+    """Where the packed stream of ``cfg.data`` (of ``files``, default: resolved from
+    ``data.path`` now) lives; the name changes with anything that changes its content."""
     d = cfg.data
-    files = resolve_files(d.path)
+    files = resolve_files(d.path) if files is None else files
     ident = {
         "version": CACHE_VERSION,
         "format": d.format,
@@ -171,8 +176,7 @@ def cache_path(cfg: Config) -> str:
             ident["tokenizer_sha256"] = hashlib.sha256(f.read()).hexdigest()
         ident["eos_token"] = eos_token(d)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    root = d.cache_dir or os.path.join(cfg.run.dir, "data-cache")
-    return os.path.join(root, f"{d.format}-{key}.bin")
+    return os.path.join(cache_root(cfg), f"{d.format}-{key}.bin")
 
 
 def check_tokenizer(cfg: Config):
@@ -186,9 +190,8 @@ def check_tokenizer(cfg: Config):
     return tok
 
 
-def _token_chunks(cfg: Config) -> Iterator[np.ndarray]:
+def _token_chunks(cfg: Config, files: list[str]) -> Iterator[np.ndarray]:
     d, vocab = cfg.data, cfg.model.vocab_size
-    files = resolve_files(d.path)
     column = column_of(d)
     if d.format == "tokens":
         import pyarrow.compute as pc
@@ -223,15 +226,16 @@ def _token_chunks(cfg: Config) -> Iterator[np.ndarray]:
         yield np.asarray(ids, dtype=np.int64)
 
 
-def build_stream(cfg: Config, out_path: str) -> dict:
-    """Tokenise/pack ``cfg.data`` into ``out_path`` (atomic). Returns stats."""
+def build_stream(cfg: Config, out_path: str, files: list[str] | None = None) -> dict:
+    """Tokenise/pack ``cfg.data`` (``files``, default: resolved now) into ``out_path`` (atomic). Returns stats."""
     dtype = token_dtype(cfg.model.vocab_size)
+    files = resolve_files(cfg.data.path) if files is None else files
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = f"{out_path}.tmp.{os.getpid()}"
+    tmp = unique_tmp(out_path)
     total, max_id = 0, -1
     try:
         with open(tmp, "wb") as f:
-            for chunk in _token_chunks(cfg):
+            for chunk in _token_chunks(cfg, files):
                 f.write(chunk.astype(dtype).tobytes())
                 total += len(chunk)
                 if len(chunk):
@@ -241,31 +245,151 @@ def build_stream(cfg: Config, out_path: str) -> dict:
         if os.path.exists(tmp):
             os.remove(tmp)
     stats = {"path": out_path, "tokens": total, "max_id": max_id, "dtype": dtype, "format": cfg.data.format, "source": cfg.data.path}
-    with open(out_path + ".json.tmp", "w") as f:
-        json.dump(stats, f)
-    os.replace(out_path + ".json.tmp", out_path + ".json")
+    _write_json_atomic(out_path + ".json", stats)
     logger.info("packed %s (%s) into %d tokens at %s", cfg.data.path, cfg.data.format, total, out_path)
     return stats
 
 
-def prepare(cfg: Config) -> tuple[str, str]:
-    """``(path, dtype)`` of the token stream for ``cfg.data``, building the cache if needed."""
+def _write_json_atomic(path: str, obj: dict) -> None:
+    tmp = unique_tmp(path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def prepare(cfg: Config, files: list[str] | None = None) -> tuple[str, str, int | None]:
+    """``(path, dtype, max_id)`` of the token stream for ``cfg.data`` (of ``files``, default:
+    resolved from ``data.path`` now), building the cache if needed. ``max_id`` is None when
+    not known yet (a memmap scanned for the first time)."""
     d = cfg.data
     if d.format == "memmap":
-        return d.path, d.dtype
-    path = cache_path(cfg)
+        path = files[0] if files else d.path
+        return path, d.dtype, _cached_memmap_max(cfg, path)
+    path = cache_path(cfg, files)
     if d.format == "text":
         check_tokenizer(cfg)  # also when cached: the key does not cover model.vocab_size
     if not os.path.exists(path) or not os.path.exists(path + ".json"):
-        build_stream(cfg, path)
+        build_stream(cfg, path, files)
     with open(path + ".json") as f:
         max_id = json.load(f).get("max_id", -1)
     if max_id >= cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", f"token id {max_id} in the stream of {d.path} is >= model.vocab_size={cfg.model.vocab_size}")
-    return path, token_dtype(cfg.model.vocab_size)
+    return path, token_dtype(cfg.model.vocab_size), max_id
 
 
-def open_source(cfg: Config) -> TokenFile:
-    """The :class:`TokenFile` every data format resolves to."""
-    path, dtype = prepare(cfg)
-    return TokenFile(path, dtype, cfg.model.seq_len, cfg.model.vocab_size)
+def _memmap_max_path(cfg: Config, path: str) -> str | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    ident = json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns, cfg.data.dtype])
+    return os.path.join(cache_root(cfg), f"memmap-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.max.json")
+
+
+def _cached_memmap_max(cfg: Config, path: str) -> int | None:
+    p = _memmap_max_path(cfg, path)
+    try:
+        with open(p) as f:  # type: ignore[arg-type]
+            return int(json.load(f)["max_id"])
+    except (OSError, TypeError, ValueError, KeyError):
+        return None
+
+
+def _remember_memmap_max(cfg: Config, path: str, max_id: int) -> None:
+    """Cache the full-range scan of a memmap, keyed by (path, size, mtime, dtype), so a restart
+    does not read the whole file again. Best effort (the cache directory may be read-only)."""
+    p = _memmap_max_path(cfg, path)
+    if p is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        _write_json_atomic(p, {"max_id": max_id, "path": os.path.abspath(path)})
+    except OSError as e:
+        logger.debug("cannot cache the token scan of %s: %s", path, e)
+
+
+def open_source(cfg: Config, files: list[str] | None = None) -> TokenFile:
+    """The :class:`TokenFile` every data format resolves to: of ``files`` (a data view's paths)
+    or, by default, of whatever ``data.path`` resolves to now."""
+    path, dtype, max_id = prepare(cfg, files)
+    source = TokenFile(path, dtype, cfg.model.seq_len, cfg.model.vocab_size, max_id=max_id)
+    if max_id is None and cfg.data.format == "memmap":
+        _remember_memmap_max(cfg, path, source.max_id)
+    return source
+
+
+# ---------------------------------------------------------------- the frozen data view
+
+
+def view_paths(cfg: Config) -> list[str]:
+    """The files ``data.path`` names now (absolute, in read order)."""
+    d = cfg.data
+    if d.format == "memmap":
+        if not os.path.isfile(d.path):
+            raise ConfigError("data.path", f"no such token file: {d.path} (build one with 'elastic-trainer data build')")
+        return [os.path.abspath(d.path)]
+    return resolve_files(d.path)
+
+
+def current_view(cfg: Config) -> list[dict]:
+    """The data view a fresh run records: the files ``data.path`` resolves to now."""
+    paths = view_paths(cfg)
+    view = data_view.describe_all(paths)
+    if len(view) != len(paths):
+        gone = sorted(set(paths) - {e["path"] for e in view})
+        raise ConfigError("data.path", f"cannot read {gone[0]}")
+    return view
+
+
+def check_recorded_view(cfg: Config, recorded: list[dict]) -> list[str]:
+    """Raise ConfigError (``data.path``) naming every recorded file that vanished or changed;
+    return the files ``data.path`` resolves to now that the recorded view does not read
+    (they are ignored)."""
+    problems = data_view.check_data_view(recorded, data_view.describe_all([e["path"] for e in recorded]))
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ConfigError(
+            "data.path",
+            "the files this run has read since its first start are not all there unchanged: "
+            + "; ".join(problems[:3])
+            + more
+            + ". Restore them, or start a new run (another checkpoint.dir, or checkpoint.resume = \"none\")",
+        )
+    try:
+        now = view_paths(cfg)
+    except ConfigError:
+        now = []
+    return data_view.added_files(recorded, now)
+
+
+def open_data_view(cfg: Config, recorded: list[dict] | None, rank: int = 0, group=None) -> tuple[TokenFile, list[dict], list[str]]:
+    """``(source, view, added)``: the token stream of the run's data view. A resume reads
+    exactly the ``recorded`` view; a fresh start records what rank 0 resolves now (broadcast
+    over ``group`` when given, so nodes that start at different times agree). Every rank checks
+    that it sees the view's files unchanged. ``added``: files ignored because the view is frozen.
+    All ranks (collective when ``group`` is given and ``recorded`` is None)."""
+    if recorded is None:
+        view: list[dict] | tuple[str, str] | None = None
+        if rank == 0:
+            try:
+                view = current_view(cfg)
+            except ConfigError as e:  # every rank raises it; none waits for a broadcast that never comes
+                view = (e.key, str(e).removeprefix(f"config error at '{e.key}': "))
+        if group is not None:
+            import torch.distributed as dist
+
+            box = [view]
+            dist.broadcast_object_list(box, src=0, group=group)
+            view = box[0]
+        if isinstance(view, tuple):
+            raise ConfigError(*view)
+        check_recorded_view(cfg, view)  # another node may see other files than rank 0
+        added: list[str] = []
+    else:
+        view = recorded
+        added = check_recorded_view(cfg, view)
+    return open_source(cfg, [e["path"] for e in view]), view, added

@@ -100,7 +100,7 @@ def test_token_lists(tmp_path):
 def test_cache_is_reused_and_keyed_by_content(tmp_path, tokenizer):
     pq.write_table(pa.table({"text": DOCS}), tmp_path / "x.parquet")
     c = cfg(tmp_path, tmp_path / "x.parquet", tokenizer, eos_token="<eos>")
-    path, _ = sources.prepare(c)
+    path, _, _ = sources.prepare(c)
     assert path.startswith(str(tmp_path / "run" / "data-cache"))
     before = os.stat(path).st_mtime_ns
     assert sources.prepare(c)[0] == path and os.stat(path).st_mtime_ns == before
