@@ -141,7 +141,8 @@ def children(pid: int) -> list[int]:
 
 
 def worker_pids(supervisor_pid: int) -> list[int]:
-    """Worker processes of a supervisor: its direct children running the worker module."""
+    """Worker processes of a supervisor: its direct children running the worker module, or
+    (warm start, ``elastic.warm_start``) the children of its zygote."""
     pids = []
     for c in children(supervisor_pid):
         try:
@@ -150,7 +151,20 @@ def worker_pids(supervisor_pid: int) -> list[int]:
             continue
         if b"elastic_trainer.worker.main" in cmd:
             pids.append(c)
+        elif b"elastic_trainer.worker.zygote" in cmd:
+            pids += children(c)
     return sorted(pids)
+
+
+def zygote_pid(supervisor_pid: int) -> int | None:
+    """The supervisor's warm-start zygote, if it runs one."""
+    for c in children(supervisor_pid):
+        try:
+            if b"elastic_trainer.worker.zygote" in open(f"/proc/{c}/cmdline", "rb").read():
+                return c
+        except FileNotFoundError:
+            continue
+    return None
 
 
 def kill(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:

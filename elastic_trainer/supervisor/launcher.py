@@ -45,6 +45,8 @@ def _make_agent_class():
         events: EventLog = EventLog(None)
         metrics: MetricsSink = NullSink()
         preempt_marker: str | None = None
+        zygote = None  # warm.Zygote: workers are forked from it (elastic.warm_start)
+        _zygote_restarts = 1
         _last_result = None
         _failure_restarts = 0
         _last_restart = float("-inf")
@@ -58,6 +60,44 @@ def _make_agent_class():
                     self.events.emit("job_stopped", exit_code=code, failures=policy.describe_failures(result.failures))
                     self._remaining_restarts = 0
             return result
+
+        def _start_workers(self, worker_group):
+            from . import warm
+
+            t0 = time.monotonic()
+            zygote, fallbacks = self.zygote, []
+            if zygote is None:
+                pids = super()._start_workers(worker_group)
+            else:
+                with warm.warm_handlers(zygote, on_fallback=fallbacks.append):
+                    pids = super()._start_workers(worker_group)
+            warm_started = zygote is not None and not fallbacks
+            self.events.emit(
+                "workers_started",
+                warm=warm_started,
+                pids=sorted(pids.values()),
+                zygote_pid=zygote.pid if zygote is not None else None,
+                seconds=round(time.monotonic() - t0, 4),
+                node=os.environ.get("ELASTIC_TRAINER_NODE", os.uname().nodename),
+                mono=time.monotonic(),
+            )
+            if fallbacks:
+                self._warm_fallback(fallbacks[0])
+            return pids
+
+        def _warm_fallback(self, reason: str) -> None:
+            """The zygote could not start a worker (it was started cold instead): replace a dead
+            zygote once, in the background of this generation; otherwise stop using it."""
+            from . import warm
+
+            old, self.zygote = self.zygote, None
+            restart = not old.alive and self._zygote_restarts > 0
+            old.close()
+            if restart:
+                self._zygote_restarts -= 1
+                self.zygote = warm.Zygote().start()
+            logger.warning("warm start unavailable (%s): workers were started cold%s", reason, "; a new zygote is starting" if restart else "")
+            self.events.emit("warm_start_unavailable", reason=reason[:500], zygote_restarted=restart)
 
         def _setup_local_watchdog(self, envs):
             super()._setup_local_watchdog(envs)
@@ -189,7 +229,7 @@ def _world_size(worker_group) -> int | None:
     return worker_group.workers[0].world_size if worker_group.workers else None
 
 
-def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | None = None, preempt_marker: str | None = None):
+def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | None = None, preempt_marker: str | None = None, zygote=None):
     """The essential part of torch's ``launch_agent`` with our agent class."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
@@ -237,6 +277,7 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
     agent.events = events
     agent.metrics = metrics or NullSink()
     agent.preempt_marker = preempt_marker
+    agent.zygote = zygote
     shutdown_rdzv = True
     try:
         return agent.run()
@@ -250,6 +291,8 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+        if agent.zygote is not None:
+            agent.zygote.close()
 
 
 def launch(cfg: Config, launch_config, cmd, cmd_args) -> int:
@@ -270,6 +313,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
     os.environ.setdefault("TORCHELASTIC_TIMER_FILE", os.path.join(_runtime_dir(cfg), "watchdog.timer"))
+    zygote = _start_zygote(cfg, cmd, cmd_args)  # imports torch while this supervisor sets up
     from ..metrics import factory as metrics_factory
 
     server = metrics_factory.start_supervisor_exporter(cfg)
@@ -297,7 +341,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args) -> int:
     failed = signalled = False
     worker_codes: list[int | None] = []
     try:
-        result = run_agent(config, cmd, cmd_args, events, metrics, preempt_marker=marker)
+        result = run_agent(config, cmd, cmd_args, events, metrics, preempt_marker=marker, zygote=zygote)
         failed = result.is_failed()
         if failed:
             worker_codes = [f.exitcode for f in result.failures.values()]
@@ -309,6 +353,8 @@ def launch(cfg: Config, launch_config, cmd, cmd_args) -> int:
     finally:
         if server is not None:
             server.stop()
+        if zygote is not None:
+            zygote.close()
     preempt = None
     if os.path.exists(marker):
         with open(marker) as f:
@@ -317,6 +363,15 @@ def launch(cfg: Config, launch_config, cmd, cmd_args) -> int:
     events.emit("supervisor_exit", exit_code=code, preempted=preempt, signalled=signalled)
     history.close()
     return code
+
+
+def _start_zygote(cfg: Config, cmd, cmd_args):
+    """The warm-start zygote for ``launch``'s trainer (``elastic.warm_start``), or None."""
+    from . import warm
+
+    if not cfg.elastic.warm_start or not warm.is_warm_entrypoint(cmd, cmd_args, options.WORKER_MODULE):
+        return None
+    return warm.Zygote().start()
 
 
 def _exit_codes(agent) -> list[int | None]:

@@ -176,7 +176,7 @@ def die_with_supervisor() -> None:
 
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    expected = os.environ.get("ELASTIC_TRAINER_SUPERVISOR_PID")
+    expected = os.environ.get("ELASTIC_TRAINER_PARENT_PID") or os.environ.get("ELASTIC_TRAINER_SUPERVISOR_PID")  # parent: warm-start zygote or supervisor
     if expected and os.getppid() != int(expected):
         os._exit(EXIT_FAILURE)
 

@@ -1,0 +1,257 @@
+"""Warm worker starts (``elastic.warm_start``): the supervisor's side of the zygote.
+
+:class:`Zygote` starts ``python -m elastic_trainer.worker.zygote`` ahead of the first
+rendezvous (it imports torch and the trainer while the supervisor does its own set-up) and
+asks it to fork each worker. :class:`ZygoteProcess` is the ``subprocess.Popen`` stand-in that
+torch's ``SubprocessContext`` then polls, waits for and signals (``pid``, ``poll``, ``wait``,
+``returncode``); the exit statuses come from the zygote, which reaps its children.
+
+The one private torch seam is here (:func:`warm_handlers`): during the agent's
+``_start_workers`` torch's ``SubprocessContext`` builds its handlers with a
+``SubprocessHandler`` whose ``_popen`` asks the zygote instead of ``Popen``. Everything else
+(environment, ``@record`` error files, log redirects, tee, the hang watchdog, stopping the group
+with ``killpg``) is torch's own code, unchanged. ``tests/unit/test_warm.py`` fails loudly if torch
+moves the seam. Anything the zygote cannot do falls back to torch's cold ``Popen`` with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+ZYGOTE_MODULE = "elastic_trainer.worker.zygote"
+READY_TIMEOUT_SECONDS = 300.0
+REPLY_TIMEOUT_SECONDS = 30.0
+MAX_MESSAGE = 4 << 20
+
+
+class ZygoteError(RuntimeError):
+    pass
+
+
+class Zygote:
+    """A pre-imported interpreter, child of the supervisor, that forks fresh worker processes."""
+
+    def __init__(self, python: str = sys.executable, ready_timeout: float = READY_TIMEOUT_SECONDS):
+        self.python = python
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.info: dict | None = None
+        self.exits: dict[int, int] = {}
+        self.spawned = 0
+        self._replies: dict[int, dict] = {}
+        self._next_id = 0
+        self._lock = threading.RLock()
+        self._dead = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> "Zygote":
+        """Start the zygote; returns at once (it imports torch in the background)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [self.python, "-m", ZYGOTE_MODULE, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor, which stops the workers itself
+        )
+        theirs.close()
+        self.sock = ours
+        self._dead = False
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def wait_ready(self) -> dict:
+        """Block until the zygote has imported everything; raises :class:`ZygoteError` if it
+        cannot be used (died, timed out, or has more than one thread: forking it is unsafe)."""
+        with self._lock:
+            deadline = time.monotonic() + self.ready_timeout
+            while self.info is None:
+                self._pump(max(0.0, deadline - time.monotonic()))
+                if self._dead:
+                    raise ZygoteError(f"the warm-start zygote exited (code {self.proc.poll() if self.proc else None}) before it was ready")
+                if self.info is None and time.monotonic() >= deadline:
+                    raise ZygoteError(f"the warm-start zygote was not ready after {self.ready_timeout:.0f}s")
+            if self.info.get("threads", 1) != 1:
+                raise ZygoteError(f"the warm-start zygote has {self.info['threads']} threads after its imports; forking it is unsafe")
+            return self.info
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead and self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        """Close the socket (the zygote exits on end of file) and reap it."""
+        with self._lock:
+            if self.sock is not None:
+                self.sock.close()
+                self.sock = None
+            self._dead = True
+        if self.proc is not None:
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    # -- workers -----------------------------------------------------------------------
+    def spawn(self, argv: list[str], env: dict[str, str], stdout=None, stderr=None) -> "ZygoteProcess":
+        """Fork one worker running ``argv`` (``python -u -m MODULE ...``) with exactly ``env``."""
+        self.wait_ready()
+        names, fds = [], []
+        for name, f in (("stdout", stdout), ("stderr", stderr)):
+            if f is not None:
+                names.append(name)
+                fds.append(f.fileno())
+        with self._lock:
+            self._next_id += 1
+            rid = self._next_id
+            msg = json.dumps({"id": rid, "argv": [str(a) for a in argv], "env": dict(env), "cwd": os.getcwd(), "fds": names}).encode()
+            try:
+                socket.send_fds(self.sock, [msg], fds)
+            except OSError as e:
+                self._dead = True
+                raise ZygoteError(f"the warm-start zygote is gone: {e}") from None
+            deadline = time.monotonic() + REPLY_TIMEOUT_SECONDS
+            while rid not in self._replies:
+                if self._dead or time.monotonic() >= deadline:
+                    raise ZygoteError("the warm-start zygote did not answer a start request")
+                self._pump(deadline - time.monotonic())
+            reply = self._replies.pop(rid)
+        if "error" in reply:
+            raise ZygoteError(reply["error"])
+        self.spawned += 1
+        return ZygoteProcess(self, reply["pid"], argv)
+
+    def exitcode(self, pid: int, timeout: float = 0.0) -> int | None:
+        """The exit code of worker ``pid`` once the zygote reaped it; waits up to ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                self._pump(0.0)
+                if pid in self.exits:
+                    return self.exits[pid]
+                if self._dead:  # the zygote is gone; its children got PR_SET_PDEATHSIG (SIGKILL)
+                    return self.exits.setdefault(pid, -signal.SIGKILL)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._pump(min(left, 1.0))
+
+    def _pump(self, timeout: float) -> None:
+        """Read every message already queued; wait up to ``timeout`` for the first one."""
+        if self.sock is None:
+            self._dead = True
+            return
+        wait = max(0.0, timeout)
+        while True:
+            try:
+                ready, _, _ = select.select([self.sock], [], [], wait)
+            except InterruptedError:
+                continue
+            if not ready:
+                return
+            try:
+                data = self.sock.recv(MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:
+                self._dead = True
+                return
+            msg = json.loads(data)
+            if "exit" in msg:
+                self.exits[msg["exit"]] = msg["code"]
+            elif "ready" in msg:
+                self.info = msg
+                if msg.get("missing"):
+                    logger.info("warm-start zygote: optional modules not preloaded: %s", ", ".join(msg["missing"]))
+            else:
+                self._replies[msg.get("id")] = msg
+            wait = 0.0
+
+
+class ZygoteProcess:
+    """What torch's ``SubprocessContext`` needs of a ``subprocess.Popen``, for a forked worker."""
+
+    def __init__(self, zygote: Zygote, pid: int, args):
+        self.zygote, self.pid, self.args = zygote, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exitcode(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.zygote.exitcode(self.pid, timeout=1e9 if timeout is None else timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def is_warm_entrypoint(cmd, cmd_args, module: str) -> bool:
+    """True for ``python [-u] -m MODULE ...``: what the zygote can start (``launch``'s trainer)."""
+    if not isinstance(cmd, str):
+        return False
+    rest = [str(a) for a in cmd_args]
+    while rest and rest[0] == "-u":
+        rest.pop(0)
+    return len(rest) >= 2 and rest[0] == "-m" and rest[1] == module and os.path.basename(cmd).startswith("python")
+
+
+def _handler_class(zygote: Zygote, on_fallback):
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+
+    class WarmSubprocessHandler(SubprocessHandler):
+        """torch's handler; the process comes from the zygote instead of ``Popen``."""
+
+        def _popen(self, args, env):
+            try:
+                return zygote.spawn(list(args), env, stdout=self._stdout, stderr=self._stderr)
+            except ZygoteError as e:
+                on_fallback(str(e))
+                return super()._popen(args, env)
+
+    return WarmSubprocessHandler
+
+
+@contextlib.contextmanager
+def warm_handlers(zygote: Zygote, on_fallback=lambda reason: None):
+    """While active, torch's ``SubprocessContext`` starts workers through ``zygote``."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = api.get_subprocess_handler
+    cls = _handler_class(zygote, on_fallback)
+
+    def get_subprocess_handler(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options=None):
+        return cls(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr, local_rank_id=local_rank_id, numa_options=numa_options)
+
+    api.get_subprocess_handler = get_subprocess_handler
+    try:
+        yield
+    finally:
+        api.get_subprocess_handler = original

@@ -1,0 +1,252 @@
+"""Warm worker starts (``elastic.warm_start``): a pre-imported interpreter that forks fresh workers.
+
+The supervisor starts ``python -m elastic_trainer.worker.zygote FD`` once, ahead of the first
+rendezvous. It imports torch, torch.distributed, DCP and the trainer's modules, and then only
+waits on the Unix socket ``FD`` (its end of a ``socketpair`` with the supervisor). For every
+worker the agent starts it forks one child, which becomes exactly what ``python -u -m MODULE``
+would be: its own session, the agent's environment and stdout/stderr, ``sys.argv`` of the
+module, then ``runpy`` runs the module as ``__main__``. Nothing else carries over: the zygote
+never trains, never initialises a process group, and has a single thread when it forks (it
+reports its thread count; the supervisor refuses a zygote with more than one and starts workers
+the cold way). So a replacement worker pays neither the interpreter start nor the torch import
+on the critical path, and is still a fresh process of its own (new PID, no state of the group
+it replaces).
+
+Protocol (one JSON message per ``SOCK_SEQPACKET`` packet):
+
+* zygote → supervisor at start: ``{"ready": pid, "threads": n, "preload_seconds": s}``
+* supervisor → zygote: ``{"id": i, "argv": [...], "env": {...}, "cwd": dir}`` with the worker's
+  ``"fds": ["stdout", "stderr"]`` naming the file descriptors passed with it (``SCM_RIGHTS``;
+  a stream not named is inherited from the zygote, i.e. the supervisor's)
+* zygote → supervisor: ``{"id": i, "pid": p}`` (or ``{"id": i, "error": msg}``), and for every
+  child that ends ``{"exit": p, "code": c}`` (``Popen.returncode`` convention: ``-N`` = signal N)
+
+The zygote dies with the supervisor (``PR_SET_PDEATHSIG``), and its children die with it; an
+end of file on the socket (the supervisor closed it) ends the zygote too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.elastic.multiprocessing.errors",
+    "torch.distributed.elastic.timer",
+    "elastic_trainer.worker.main",
+    "elastic_trainer.worker.parallel",
+    "elastic_trainer.worker.train_loop",
+    "elastic_trainer.worker.sources",
+    "elastic_trainer.worker.model_factory",
+    "elastic_trainer.checkpoint.manager",
+    "elastic_trainer.checkpoint.state",
+    "elastic_trainer.models.pretrained",
+    "elastic_trainer.storage.fs",
+    "elastic_trainer.metrics.factory",
+)
+MAX_MESSAGE = 4 << 20
+PARENT_ENV = "ELASTIC_TRAINER_PARENT_PID"
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+
+
+def thread_count() -> int:
+    """Threads of this process as the kernel sees them (torch's pools included)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def settle_threads() -> int:
+    """Thread count once library thread pools that stop themselves at ``fork`` have done so.
+
+    numpy's OpenBLAS starts its pool at import and shuts it down in a ``pthread_atfork``
+    handler (it restarts on the next BLAS call, which the zygote never makes): one throwaway
+    fork leaves the zygote single-threaded, so no lock of another thread is copied into a worker."""
+    if thread_count() > 1:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+    return thread_count()
+
+
+def preload(modules=PRELOAD) -> list[str]:
+    """Import ``modules``; returns the ones that could not be imported (optional extras)."""
+    missing = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def _prctl(option: int, arg) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg, 0, 0, 0)
+
+
+def _send(sock: socket.socket, msg: dict) -> None:
+    sock.send(json.dumps(msg).encode())
+
+
+def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int) -> None:
+    """In the forked child: become ``python -u -m MODULE`` with the request's env; never returns."""
+    code = 1
+    try:
+        os.setsid()  # like torch's SubprocessHandler (start_new_session): the agent signals the group
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != zygote_pid:  # the zygote died before the call
+            os._exit(1)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in keep_closed:
+            os.close(fd)
+        for name, fd in zip(req.get("fds", []), fds):
+            os.dup2(fd, {"stdout": 1, "stderr": 2}[name])
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        os.environ[PARENT_ENV] = str(zygote_pid)  # die_with_supervisor checks its parent
+        os.chdir(req["cwd"])
+        # -u: unbuffered binary stdout/stderr, as the cold start has
+        sys.stdout = _unbuffered(1, sys.stdout)
+        sys.stderr = _unbuffered(2, sys.stderr)
+        argv = req["argv"]
+        module, args = _module_of(argv)
+        _prctl(PR_SET_NAME, f"et-worker-{os.environ.get('LOCAL_RANK', '')}".encode()[:15])
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if threads and threads.isdigit():  # read by OpenMP at library load, i.e. in the zygote
+            import torch
+
+            torch.set_num_threads(int(threads))
+        _reseed()
+        import runpy
+
+        sys.argv = [module, *args]
+        sys.modules.pop(module, None)  # as with 'python -m': the module runs once, as __main__
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - report like the interpreter would, then exit
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _unbuffered(fd: int, like):
+    import io
+
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(raw, encoding=getattr(like, "encoding", None), errors=getattr(like, "errors", None), write_through=True)
+
+
+def _module_of(argv: list[str]) -> tuple[str, list[str]]:
+    """``[python, -u, -m, MODULE, *args]`` → ``(MODULE, args)``; anything else is refused."""
+    rest = list(argv[1:])
+    while rest and rest[0] == "-u":
+        rest.pop(0)
+    if len(rest) < 2 or rest[0] != "-m":
+        raise ValueError(f"the zygote starts only 'python -u -m MODULE ...', got {argv!r}")
+    return rest[1], rest[2:]
+
+
+def _reseed() -> None:
+    """A forked child shares its parent's global RNG states; a fresh interpreter would not.
+    (Python's ``random`` reseeds itself after fork; the trainer seeds its own streams.)"""
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+
+
+def serve(sock: socket.socket) -> int:
+    zygote_pid = os.getpid()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    while True:
+        try:
+            ready, _, _ = select.select([sock, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in ready:
+            try:
+                while os.read(wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        if sock in ready:
+            msg, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+            if not msg:  # the supervisor closed its end
+                return 0
+            req = json.loads(msg)
+            try:
+                _module_of(req["argv"])
+            except ValueError as e:
+                for fd in fds:
+                    os.close(fd)
+                _send(sock, {"id": req.get("id"), "error": str(e)})
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(req, fds, [sock.fileno(), wake_r, wake_w], zygote_pid)
+            for fd in fds:
+                os.close(fd)
+            _send(sock, {"id": req.get("id"), "pid": pid})
+
+
+def main() -> int:
+    fd = int(sys.argv[1])
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    expected = os.environ.get("ELASTIC_TRAINER_SUPERVISOR_PID")
+    if expected and os.getppid() != int(expected):
+        return 1
+    sock = socket.socket(fileno=fd)
+    t0 = time.monotonic()
+    missing = preload()
+    _send(sock, {"ready": os.getpid(), "threads": settle_threads(), "preload_seconds": round(time.monotonic() - t0, 3), "missing": missing})
+    return serve(sock)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
