@@ -43,8 +43,9 @@ class ZygoteError(RuntimeError):
 class Zygote:
     """A pre-imported interpreter, child of the supervisor, that forks fresh worker processes."""
 
-    def __init__(self, python: str = sys.executable, ready_timeout: float = READY_TIMEOUT_SECONDS):
+    def __init__(self, python: str = sys.executable, ready_timeout: float = READY_TIMEOUT_SECONDS, preload: tuple[str, ...] = ()):
         self.python = python
+        self.preload = tuple(preload)  # empty: the zygote's own list (torch and the trainer)
         self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
@@ -61,7 +62,7 @@ class Zygote:
         """Start the zygote; returns at once (it imports torch in the background)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
-            [self.python, "-m", ZYGOTE_MODULE, str(theirs.fileno())],
+            [self.python, "-m", ZYGOTE_MODULE, str(theirs.fileno()), *self.preload],
             pass_fds=[theirs.fileno()],
             start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor, which stops the workers itself
         )

@@ -1,7 +1,8 @@
 """Warm worker starts (``elastic.warm_start``): a pre-imported interpreter that forks fresh workers.
 
-The supervisor starts ``python -m elastic_trainer.worker.zygote FD`` once, ahead of the first
-rendezvous. It imports torch, torch.distributed, DCP and the trainer's modules, and then only
+The supervisor starts ``python -m elastic_trainer.worker.zygote FD [MODULE ...]`` once, ahead of the first
+rendezvous. It imports torch, torch.distributed, DCP and the trainer's modules (or the MODULEs
+given), and then only
 waits on the Unix socket ``FD`` (its end of a ``socketpair`` with the supervisor). For every
 worker the agent starts it forks one child, which becomes exactly what ``python -u -m MODULE``
 would be: its own session, the agent's environment and stdout/stderr, ``sys.argv`` of the
@@ -243,7 +244,7 @@ def main() -> int:
         return 1
     sock = socket.socket(fileno=fd)
     t0 = time.monotonic()
-    missing = preload()
+    missing = preload(sys.argv[2:] or PRELOAD)
     _send(sock, {"ready": os.getpid(), "threads": settle_threads(), "preload_seconds": round(time.monotonic() - t0, 3), "missing": missing})
     return serve(sock)
 

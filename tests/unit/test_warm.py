@@ -1,0 +1,151 @@
+"""Warm worker starts (elastic.warm_start): the zygote protocol with a real forked child, and the
+private torch seam it uses (fails loudly when torch moves it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elastic_trainer.supervisor import warm
+from elastic_trainer.supervisor.options import WORKER_MODULE
+
+CHILD = """
+import os, sys, time
+print("argv", sys.argv[1:], "env", os.environ.get("WARM_TEST"), "pid", os.getpid(), "ppid", os.getppid(), "sid", os.getsid(0), flush=True)
+print("to stderr", file=sys.stderr)
+if "sleep" in sys.argv:
+    time.sleep(60)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize(
+    "cmd, args, warm_ok",
+    [
+        (sys.executable, ["-u", "-m", WORKER_MODULE], True),
+        (sys.executable, ["-m", WORKER_MODULE, "--x"], True),
+        (sys.executable, ["-u", "-m", "other.module"], False),
+        (sys.executable, ["-u", "train.py"], False),  # 'run' with a script: cold
+        ("/usr/bin/env", ["-u", "-m", WORKER_MODULE], False),
+        (lambda: None, [], False),
+    ],
+)
+def test_only_the_trainer_module_is_started_warm(cmd, args, warm_ok):
+    assert warm.is_warm_entrypoint(cmd, args, WORKER_MODULE) is warm_ok
+
+
+class _FakeZygote:
+    def __init__(self, fail: bool = False):
+        self.fail, self.calls = fail, []
+
+    def spawn(self, argv, env, stdout=None, stderr=None):
+        self.calls.append((argv, env, stdout, stderr))
+        if self.fail:
+            raise warm.ZygoteError("zygote gone")
+        return warm.ZygoteProcess(self, 424242, argv)
+
+
+def _context(tmp_path):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    specs = DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), redirects=Std.ALL)
+    return SubprocessContext("t", sys.executable, {0: ("-c", "pass")}, {0: {"RANK": "0"}}, specs)
+
+
+def test_torch_seam_is_where_warm_start_expects_it(tmp_path):
+    """warm.warm_handlers swaps torch's api.get_subprocess_handler, which SubprocessContext calls
+    to build each worker, for a SubprocessHandler whose _popen asks the zygote: the context then
+    holds the zygote's process, with torch's env (error file) and log redirects. Fails loudly
+    when torch moves this seam."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = api.get_subprocess_handler
+    fake = _FakeZygote()
+    ctx = _context(tmp_path)
+    with warm.warm_handlers(fake):
+        assert api.get_subprocess_handler is not original
+        ctx._start()  # what PContext.start() runs after installing its signal handlers
+    assert api.get_subprocess_handler is original
+    assert ctx.pids() == {0: 424242}
+    ((argv, env, stdout, stderr),) = fake.calls
+    assert argv == [sys.executable, "-c", "pass"] and env["RANK"] == "0" and "TORCHELASTIC_ERROR_FILE" in env
+    assert env["PATH"] == os.environ["PATH"]  # torch's handler: the agent's environment plus the worker's
+    assert stdout is not None and stderr is not None and stdout.name.endswith("stdout.log")
+
+
+def test_a_zygote_failure_falls_back_to_a_cold_popen(tmp_path):
+    fake, reasons = _FakeZygote(fail=True), []
+    ctx = _context(tmp_path)
+    with warm.warm_handlers(fake, on_fallback=reasons.append):
+        ctx._start()
+    proc = ctx.subprocess_handlers[0].proc
+    assert isinstance(proc, subprocess.Popen) and proc.wait(60) == 0
+    assert reasons == ["zygote gone"]
+
+
+@pytest.fixture
+def zygote(tmp_path, monkeypatch):
+    (tmp_path / "warm_child.py").write_text(CHILD)
+    monkeypatch.chdir(tmp_path)  # 'python -m' puts the working directory first on sys.path
+    z = warm.Zygote(preload=("numpy",), ready_timeout=120).start()
+    yield z
+    z.close()
+
+
+def test_zygote_forks_fresh_single_threaded_children_with_exactly_the_given_env(zygote, tmp_path):
+    info = zygote.wait_ready()
+    assert info["threads"] == 1  # numpy's OpenBLAS pool is stopped before any fork
+    out, err = open(tmp_path / "out", "w"), open(tmp_path / "err", "w")
+    env = {"PATH": os.environ["PATH"], "WARM_TEST": "yes"}
+    procs = [zygote.spawn([sys.executable, "-u", "-m", "warm_child", "3"], env, stdout=out, stderr=err) for _ in range(2)]
+    assert [p.wait(30) for p in procs] == [3, 3]
+    out.close(), err.close()
+    lines = (tmp_path / "out").read_text().splitlines()
+    assert len(lines) == 2 and "to stderr" in (tmp_path / "err").read_text()
+    pids = set()
+    for line in lines:
+        f = line.split()
+        assert f[1:3] == ["['3']", "env"] and f[3] == "yes"
+        pid, ppid, sid = int(f[5]), int(f[7]), int(f[9])
+        assert ppid == zygote.pid and sid == pid  # a child of the zygote, in its own session (killpg works)
+        pids.add(pid)
+    assert pids == {p.pid for p in procs} and zygote.pid not in pids
+
+
+def test_signals_and_exit_codes_reach_the_agent_like_popen(zygote):
+    zygote.wait_ready()
+    env = {"PATH": os.environ["PATH"]}
+    p = zygote.spawn([sys.executable, "-u", "-m", "warm_child", "0", "sleep"], env)
+    assert p.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(0.2)
+    os.killpg(p.pid, signal.SIGKILL)  # what torch's SubprocessHandler.close does
+    assert p.wait(30) == -signal.SIGKILL and p.poll() == -signal.SIGKILL
+    ok = zygote.spawn([sys.executable, "-u", "-m", "warm_child", "0"], env)
+    assert ok.wait(30) == 0
+    with pytest.raises(warm.ZygoteError, match="python -u -m MODULE"):
+        zygote.spawn([sys.executable, "script.py"], env)
+
+
+def test_children_die_with_the_zygote_and_the_zygote_exits_when_the_supervisor_closes(zygote):
+    zygote.wait_ready()
+    p = zygote.spawn([sys.executable, "-u", "-m", "warm_child", "0", "sleep"], {"PATH": os.environ["PATH"]})
+    os.kill(zygote.pid, signal.SIGKILL)
+    assert p.wait(30) == -signal.SIGKILL  # PR_SET_PDEATHSIG
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{p.pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{p.pid}")
+    assert not zygote.alive
+
+
+def test_closing_the_socket_ends_the_zygote(zygote):
+    zygote.wait_ready()
+    zygote.close()
+    assert zygote.proc.returncode == 0
