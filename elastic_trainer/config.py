@@ -126,7 +126,7 @@ class ElasticConfig:
     # (docs/elasticity.md); add is_host=false to require it.
     rdzv_conf: str = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
     hang_timeout_seconds: float = 120.0
-    monitor_interval_seconds: float = 0.5
+    monitor_interval_seconds: float = 0.1  # detection latency of a dead worker; polls are cheap (waitpid)
     # Start workers by forking a pre-imported interpreter (the supervisor's zygote) instead of a
     # fresh 'python -m ...' that imports torch again: restarts skip the import (launch only).
     warm_start: bool = True
