@@ -70,6 +70,10 @@ PRELOAD = (
 )
 MAX_MESSAGE = 4 << 20
 PARENT_ENV = "ELASTIC_TRAINER_PARENT_PID"
+# Signals the supervisor handles (it forwards them to the workers, which then checkpoint). A
+# scheduler that signals every process of the job (SLURM's scancel, a time limit) must not kill
+# the zygote with them: its death would SIGKILL the workers (PR_SET_PDEATHSIG) mid-checkpoint.
+IGNORED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 
@@ -129,6 +133,8 @@ def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int) -
             os._exit(1)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for name in IGNORED_SIGNALS:  # a fresh interpreter's dispositions
+            signal.signal(getattr(signal, name), signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
         for fd in keep_closed:
             os.close(fd)
         for name, fd in zip(req.get("fds", []), fds):
@@ -247,6 +253,8 @@ def serve(sock: socket.socket) -> int:
 
 
 def main() -> int:
+    for name in IGNORED_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     fd = int(sys.argv[1])
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     expected = os.environ.get("ELASTIC_TRAINER_SUPERVISOR_PID")

@@ -133,6 +133,22 @@ def test_signals_and_exit_codes_reach_the_agent_like_popen(zygote):
         zygote.spawn([sys.executable, "script.py"], env)
 
 
+def test_the_zygote_ignores_the_signals_the_supervisor_forwards_but_its_workers_do_not(zygote, tmp_path):
+    """SLURM signals every process of a job step: the zygote must survive SIGTERM (its death
+    would SIGKILL the workers mid-checkpoint), while a worker gets SIGTERM's default action."""
+    zygote.wait_ready()
+    with open(tmp_path / "out", "w") as out:
+        p = zygote.spawn([sys.executable, "-u", "-m", "warm_child", "0", "sleep"], {"PATH": os.environ["PATH"]}, stdout=out)
+    deadline = time.monotonic() + 30
+    while "argv" not in (tmp_path / "out").read_text():  # the module runs: dispositions were restored before
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.02)
+    os.kill(zygote.pid, signal.SIGTERM)
+    os.kill(p.pid, signal.SIGTERM)
+    assert p.wait(30) == -signal.SIGTERM
+    assert zygote.alive and zygote.proc.poll() is None
+
+
 def test_children_die_with_the_zygote_and_the_zygote_exits_when_the_supervisor_closes(zygote):
     zygote.wait_ready()
     p = zygote.spawn([sys.executable, "-u", "-m", "warm_child", "0", "sleep"], {"PATH": os.environ["PATH"]})
