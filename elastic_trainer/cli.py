@@ -92,6 +92,42 @@ def version_string() -> str:
 
 
 def _cmd_launch(argv: list[str]) -> int:
+    zygote = _early_zygote(argv)  # imports torch for the workers while this process does the same
+    try:
+        return _launch(argv, zygote)
+    except BaseException:
+        if zygote is not None:
+            zygote.close()
+        raise
+
+
+def _early_zygote(argv: list[str]):
+    """The warm-start zygote (``elastic.warm_start``), started before anything here imports torch.
+
+    A light pre-parse (CONFIG and ``--set`` only); when it cannot tell, ``launch`` starts the
+    zygote itself later (and drops this one when the real config says otherwise)."""
+    import os
+
+    from .config import load_config
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("config", nargs="?")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    try:
+        known, _ = p.parse_known_args(argv)
+        if not known.config or not os.path.isfile(known.config):
+            return None
+        cfg = load_config(known.config, known.overrides)
+    except (ConfigError, SystemExit, ValueError, OSError):
+        return None  # the real parser reports it
+    if not cfg.elastic.warm_start:
+        return None
+    from .supervisor.warm import Zygote
+
+    return Zygote().start()
+
+
+def _launch(argv: list[str], zygote) -> int:
     from .config import check_max_world_size, load_config
     from .supervisor import options
     from .supervisor.launcher import build_launch_config, launch
@@ -112,7 +148,7 @@ def _cmd_launch(argv: list[str]) -> int:
 
     step = preflight(cfg)
     logger.info("preflight ok: %s", f"will resume from step {step}" if step is not None else "fresh start")
-    return launch(cfg, config, cmd, cmd_args)
+    return launch(cfg, config, cmd, cmd_args, zygote=zygote)
 
 
 def _check_init_from(cfg) -> None:

@@ -296,7 +296,7 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
             agent.zygote.close()
 
 
-def launch(cfg: Config, launch_config, cmd, cmd_args) -> int:
+def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
     """Run this node's supervisor until the job ends. Returns the process exit code.
 
     ``launch_config, cmd, cmd_args``: from :func:`build_launch_config` (the built-in trainer
@@ -314,7 +314,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
     os.environ.setdefault("TORCHELASTIC_TIMER_FILE", os.path.join(_runtime_dir(cfg), "watchdog.timer"))
-    zygote = _start_zygote(cfg, cmd, cmd_args)  # imports torch while this supervisor sets up
+    zygote = _start_zygote(cfg, cmd, cmd_args, zygote)  # imports torch while this supervisor sets up
     from ..metrics import factory as metrics_factory
 
     server = metrics_factory.start_supervisor_exporter(cfg)
@@ -366,13 +366,16 @@ def launch(cfg: Config, launch_config, cmd, cmd_args) -> int:
     return code
 
 
-def _start_zygote(cfg: Config, cmd, cmd_args):
-    """The warm-start zygote for ``launch``'s trainer (``elastic.warm_start``), or None."""
+def _start_zygote(cfg: Config, cmd, cmd_args, early=None):
+    """The warm-start zygote for ``launch``'s trainer (``elastic.warm_start``), or None.
+    ``early``: one the CLI already started."""
     from . import warm
 
     if not cfg.elastic.warm_start or not warm.is_warm_entrypoint(cmd, cmd_args, options.WORKER_MODULE):
+        if early is not None:
+            early.close()
         return None
-    return warm.Zygote().start()
+    return early if early is not None else warm.Zygote().start()
 
 
 def _exit_codes(agent) -> list[int | None]:

@@ -64,6 +64,7 @@ class Zygote:
         self.proc = subprocess.Popen(
             [self.python, "-m", ZYGOTE_MODULE, str(theirs.fileno()), *self.preload],
             pass_fds=[theirs.fileno()],
+            env=dict(os.environ, ELASTIC_TRAINER_SUPERVISOR_PID=str(os.getpid())),  # it checks its parent
             start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor, which stops the workers itself
         )
         theirs.close()
