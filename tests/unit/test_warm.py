@@ -165,3 +165,24 @@ def test_closing_the_socket_ends_the_zygote(zygote):
     zygote.wait_ready()
     zygote.close()
     assert zygote.proc.returncode == 0
+
+
+def test_launch_starts_the_zygote_before_it_imports_torch(tmp_path):
+    """'launch' starts the zygote from a light pre-parse, before the CLI imports torch, so the two
+    imports overlap; no zygote when the config opts out or cannot be read there."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[elastic]\nnproc_per_node = 1\n")
+    off = tmp_path / "off.toml"
+    off.write_text("[elastic]\nwarm_start = false\n")
+    code = f"""
+import sys
+from elastic_trainer import cli
+z = cli._early_zygote([{str(cfg)!r}, "--nproc-per-node", "1"])
+print("started", z is not None, "torch", "torch" in sys.modules)
+z.proc.kill(); z.close()
+print("off", cli._early_zygote([{str(off)!r}]), cli._early_zygote([{str(cfg)!r}, "--set", "elastic.warm_start=false"]))
+print("unreadable", cli._early_zygote(["--rdzv-id", "x"]), cli._early_zygote([str({str(tmp_path / "missing.toml")!r})]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=os.getcwd())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["started True torch False", "off None None", "unreadable None None"]
