@@ -17,6 +17,7 @@ moves the seam. Anything the zygote cannot do falls back to torch's cold ``Popen
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -56,6 +57,7 @@ class Zygote:
         self._next_id = 0
         self._lock = threading.RLock()
         self._dead = False
+        self._unusable = ""  # set once it timed out: later workers do not wait again
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> "Zygote":
@@ -82,11 +84,14 @@ class Zygote:
         with self._lock:
             deadline = time.monotonic() + self.ready_timeout
             while self.info is None:
+                if self._unusable:
+                    raise ZygoteError(self._unusable)
                 self._pump(max(0.0, deadline - time.monotonic()))
                 if self._dead:
                     raise ZygoteError(f"the warm-start zygote exited (code {self.proc.poll() if self.proc else None}) before it was ready")
                 if self.info is None and time.monotonic() >= deadline:
-                    raise ZygoteError(f"the warm-start zygote was not ready after {self.ready_timeout:.0f}s")
+                    self._unusable = f"the warm-start zygote was not ready after {self.ready_timeout:.0f}s"
+                    raise ZygoteError(self._unusable)
             if self.info.get("threads", 1) != 1:
                 raise ZygoteError(f"the warm-start zygote has {self.info['threads']} threads after its imports; forking it is unsafe")
             return self.info
@@ -125,6 +130,8 @@ class Zygote:
             try:
                 socket.send_fds(self.sock, [msg], fds)
             except OSError as e:
+                if e.errno == errno.EMSGSIZE:  # one packet: the environment exceeds the socket buffer
+                    raise ZygoteError(f"the worker's start request ({len(msg)} bytes) does not fit one packet") from None
                 self._dead = True
                 raise ZygoteError(f"the warm-start zygote is gone: {e}") from None
             deadline = time.monotonic() + REPLY_TIMEOUT_SECONDS
