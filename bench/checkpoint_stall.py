@@ -65,6 +65,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     from elastic_trainer.metrics.sink import NullSink
     from elastic_trainer.storage.fs import open_storage
     from elastic_trainer.worker import parallel
+    from elastic_trainer.runtime.session import PreemptionFlag, Session, init_distributed
     from elastic_trainer.worker.main import build_training
     from elastic_trainer.worker.train_loop import Trainer
 
@@ -79,7 +80,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         }
     )
     # --- exactly the worker's build (elastic_trainer/worker/main.py: build_and_train) -----------
-    d = parallel.init_distributed(cfg.train, timeout_seconds=600)
+    d = init_distributed(cfg.train, timeout_seconds=600)
     model, optimizer, scheduler, batches, state = build_training(cfg, d)
     storage = open_storage(cfg.checkpoint.dir)
     events = EventLog(os.path.join(work, "events.jsonl"), enabled=rank == 0)
@@ -101,7 +102,20 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
             group=d.ckpt_group, fingerprint=cfg.model_fingerprint(), events=events, metrics=NullSink(),
             async_mode=async_mode, upload_nice=int(nice or 0),
         )
-    trainer = Trainer(cfg, model, optimizer, scheduler, batches, state, ckpt, EventLog(None), NullSink(), d.rank, d.world_size, d.device)
+    class _Shim:
+        """What Trainer.train_step needs of a Checkpointer, over one of the managers compared here."""
+
+        def __init__(self, mgr):
+            self.manager, self.state = mgr, state
+
+        def time_due(self) -> bool:
+            return False
+
+        def wait_for_staging(self) -> float:
+            return self.manager.wait_for_staging()
+
+    session = Session(cfg, d, EventLog(None), NullSink(), PreemptionFlag())
+    trainer = Trainer(cfg, model, optimizer, scheduler, batches, session, _Shim(ckpt))
     # ---------------------------------------------------------------------------------------
 
     def local(x):
@@ -110,7 +124,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     def run_block(n: int, save: bool, mgr=None) -> dict:
         """n steps as Trainer.run does them; with ``save``, one async save after the first."""
         mgr = mgr or ckpt
-        trainer.ckpt = mgr
+        trainer.ckpt = _Shim(mgr)
         dist.barrier()
         times, stats, marks = [], None, {}
         c0 = time.process_time()
@@ -118,7 +132,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         for i in range(n):
             s0 = time.monotonic()
             step = state.step + 1
-            trainer.train_step(step, False)
+            trainer.train_step(step)
             if save and i == 0:
                 stats = mgr.save(step)
                 marks = {"save_returned": time.monotonic() - t0}

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -20,40 +16,6 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Dist:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    mesh: DeviceMesh
-    ckpt_group: dist.ProcessGroup  # gloo, for checkpoint collectives only
-
-
-def pick_device(train: TrainConfig, local_rank: int) -> torch.device:
-    if train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device", "cuda requested but no CUDA device is available")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def init_distributed(train: TrainConfig, timeout_seconds: float) -> Dist:
-    """Initialise the training group (NCCL on CUDA, gloo on CPU) and a separate gloo group for
-    checkpoints. Must be called on all ranks. ``timeout_seconds`` bounds every collective."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(train, local_rank)
-    timeout = timedelta(seconds=timeout_seconds)
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
-    ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
-    return Dist(rank, world, local_rank, device, mesh, ckpt_group)
 
 
 def mixed_precision_policy(train: TrainConfig, device: torch.device) -> MixedPrecisionPolicy:
