@@ -305,13 +305,18 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
             raise ConfigError("<config file>", f"no such file: {path}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("<config file>", f"{path} is not valid TOML: {e}") from None
+    return config_from_dict(apply_overrides(data, overrides))
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``data`` (nested sections, as parsed) with ``section.key=value`` overrides applied."""
     for item in overrides:
         (section, key), value = _parse_override(item)
         data.setdefault(section, {})
         if not isinstance(data[section], dict):
             raise ConfigError(section, "a section must be a table")
         data[section][key] = value
-    return config_from_dict(data)
+    return data
 
 
 def _require(cond: bool, key: str, message: str) -> None:

@@ -33,7 +33,8 @@ from .session import Session
 
 logger = logging.getLogger(__name__)
 
-EPOCH_ENV = "ELASTIC_TRAINER_CHECKPOINT_EPOCH"  # set by the supervisor (fencing, see checkpoint/catalog.py)
+EPOCH_ENV = "ELASTIC_TRAINER_CHECKPOINT_EPOCH"  # set by the supervisor (fencing, see checkpoint/catalog.py) ...
+ROOT_ENV = "ELASTIC_TRAINER_CHECKPOINT_ROOT"  # ... for this checkpoint.dir
 PREEMPT_MARKER = "PREEMPTED"  # rank 0 writes it in run.dir when it exits non-zero; the supervisor reads it
 
 
@@ -90,7 +91,9 @@ class Checkpointer:
             metrics=session.metrics,
             use_cuda_staging=session.device.type == "cuda",
             control_group=None,  # the training group: main-thread agreements never share the checkpoint group
-            epoch=os.environ.get(EPOCH_ENV) or None,
+            # The supervisor's epoch is for its checkpoint root; a script that checkpoints
+            # elsewhere takes its own (joined by every restart of this launch) at load.
+            epoch=(os.environ.get(EPOCH_ENV) or None) if os.environ.get(ROOT_ENV) == c.dir else None,
             launch_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
             run_identity=self._identity,
         )
@@ -208,15 +211,17 @@ class Checkpointer:
         logger.error("stopping: %s", reason)
         return exit_codes.FENCED
 
-    def on_nonfinite(self, step: int, loss: float, grad_norm: float, global_batch_size: int) -> int | None:
+    def on_nonfinite(self, step: int, loss: float, grad_norm: float, global_batch_size: int, sampler: Any = None) -> int | None:
         """A non-finite loss or gradient norm at ``step`` (agreed by every rank; the optimizer
         step was not taken). ``train.on_nonfinite = stop``: exit 65 (nothing after the last
         finite step is committed). ``rollback``: reload the newest commit of this lineage, skip
         the global sample range that produced the event (kept in the train state, so later
         resumes skip it too) and continue; a second event before a save after the first stops.
-        Returns an exit code, or None to continue."""
+        Returns an exit code, or None to continue. ``sampler``: a GlobalBatchSampler whose cursor
+        and skip list are the data state (else the train state's cursor is)."""
         s = self.session
-        sample_range = [self.state.cursor, self.state.cursor + global_batch_size]
+        cursor = sampler.cursor if sampler is not None else self.state.cursor
+        sample_range = [cursor, cursor + global_batch_size]
         mode = s.cfg.train.on_nonfinite
         s.events.emit("nonfinite", step=step, loss=loss, grad_norm=grad_norm, sample_range=sample_range, action=mode)
         s.metrics.counter("elastic_trainer_train_nonfinite_events_total")
@@ -225,7 +230,10 @@ class Checkpointer:
             self.manager.finish_agreed(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
             loaded = self.manager.load(resume="latest")
             if loaded is not None:
-                self.state.skipped.append(sample_range)
+                if sampler is not None:
+                    sampler.skip(sample_range)
+                else:
+                    self.state.skipped.append(sample_range)
                 self._rollback_window_open = True
                 s.events.emit("rollback", from_step=step, to_step=loaded.step, skipped_range=sample_range, skipped_ranges=self.state.skipped)
                 logger.warning("rolled back to step %d; skipping samples %s", loaded.step, sample_range)

@@ -11,6 +11,7 @@ the loss curve continues (torchtitan refuses a data-parallel degree change inste
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,9 +80,20 @@ class GlobalBatchSampler(Stateful):
         self.micro_batch_size = micro_batch_size
         self.rank, self.world_size = rank, world_size
         self.cursor = 0
+        self.skipped: list[list[int]] = []  # global ranges [start, end) a non-finite rollback skipped
+
+    def skip(self, sample_range: list[int]) -> None:
+        """Never use the global positions ``[start, end)`` (kept in the state: resumes skip them too)."""
+        self.skipped.append([int(sample_range[0]), int(sample_range[1])])
 
     def micro_batches(self) -> list[MicroBatchIndices]:
         """This rank's micro-batches of the current step (the same count on every rank)."""
+        moved = True
+        while moved:
+            moved = False
+            for a, b in self.skipped:
+                if a <= self.cursor < b:
+                    self.cursor, moved = b, True
         start, count = rank_slice(self.global_batch_size, self.world_size, self.rank)
         ids = [self.order[self.cursor + start + j] for j in range(count)]
         out = []
@@ -94,7 +106,8 @@ class GlobalBatchSampler(Stateful):
         self.cursor += self.global_batch_size
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": torch.tensor(self.cursor, dtype=torch.int64)}
+        return {"cursor": torch.tensor(self.cursor, dtype=torch.int64), "skipped": json.dumps(self.skipped)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.cursor = int(state_dict["cursor"])
+        self.skipped = [list(map(int, r)) for r in json.loads(state_dict.get("skipped") or "[]")]

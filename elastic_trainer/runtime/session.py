@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..config import Config, TrainConfig, config_from_dict, load_config
+from ..config import Config, TrainConfig, apply_overrides, config_from_dict, load_config
 from ..errors import ConfigError
 from ..events import EventLog
 from ..metrics import factory as metrics_factory
@@ -88,16 +88,16 @@ def init_distributed(train: TrainConfig, timeout_seconds: float) -> Dist:
 
 
 def resolve_config(config: str | os.PathLike | Config | dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """The supervisor's config when running under it, else ``config`` (a path, a Config or a
-    dict), else the defaults; ``overrides`` (``section.key=value``) apply on top of a path or the
-    defaults."""
+    """``config`` (a path, a Config or a dict), else the supervisor's config when running under
+    it, else the defaults; ``overrides`` (``section.key=value``) apply on top of a path, the
+    supervisor's config or the defaults."""
     if isinstance(config, Config):
         return config
     if isinstance(config, dict):
         return config_from_dict(config)
     raw = os.environ.get(CONFIG_ENV)
     if config is None and raw:
-        return config_from_dict(json.loads(raw))
+        return config_from_dict(apply_overrides(json.loads(raw), overrides))
     return load_config(config, overrides)
 
 
