@@ -74,7 +74,9 @@ def build_and_train(cfg: Config, t_start: float) -> int:
 
     preempt = PreemptionFlag()
     preempt.install()
-    d = parallel.init_distributed(cfg.train, timeout_seconds=cfg.elastic.hang_timeout_seconds)
+    # Storage time is bounded by checkpoint.save_timeout_seconds, never by the hang timeout.
+    ckpt_timeout = max(cfg.elastic.hang_timeout_seconds, cfg.checkpoint.save_timeout_seconds)
+    d = parallel.init_distributed(cfg.train, timeout_seconds=cfg.elastic.hang_timeout_seconds, ckpt_timeout_seconds=ckpt_timeout)
     check_world_size(cfg, d.world_size)
     events = EventLog(os.path.join(cfg.run.dir, "events.jsonl"), enabled=d.rank == 0)
     metrics = metrics_factory.worker_sink(cfg, rank=d.rank)

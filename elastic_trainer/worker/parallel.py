@@ -41,9 +41,11 @@ def pick_device(train: TrainConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(train: TrainConfig, timeout_seconds: float) -> Dist:
+def init_distributed(train: TrainConfig, timeout_seconds: float, ckpt_timeout_seconds: float | None = None) -> Dist:
     """Initialise the training group (NCCL on CUDA, gloo on CPU) and a separate gloo group for
-    checkpoints. Must be called on all ranks. ``timeout_seconds`` bounds every collective."""
+    checkpoints. Must be called on all ranks. ``timeout_seconds`` bounds every training
+    collective; ``ckpt_timeout_seconds`` (default: the same) the checkpoint group's, whose
+    collectives wait for storage (a gloo timeout there breaks the group for every later save)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(train, local_rank)
     timeout = timedelta(seconds=timeout_seconds)
@@ -52,7 +54,7 @@ def init_distributed(train: TrainConfig, timeout_seconds: float) -> Dist:
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
-    ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
+    ckpt_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ckpt_timeout_seconds or timeout_seconds))
     return Dist(rank, world, local_rank, device, mesh, ckpt_group)
 
 
