@@ -72,9 +72,12 @@ def pick_device(train: TrainConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(train: TrainConfig, timeout_seconds: float) -> Dist:
+def init_distributed(train: TrainConfig, timeout_seconds: float, ckpt_timeout_seconds: float | None = None) -> Dist:
     """Initialise the training group (NCCL on CUDA, gloo on CPU) and a separate gloo group for
-    checkpoints. Must be called on all ranks. ``timeout_seconds`` bounds every collective."""
+    checkpoints. Must be called on all ranks. ``timeout_seconds`` bounds every training
+    collective; ``ckpt_timeout_seconds`` (default: the same) the checkpoint group's, whose
+    collectives wait for storage: slow storage must not time the group out and break every
+    later save."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(train, local_rank)
     timeout = timedelta(seconds=timeout_seconds)
@@ -83,7 +86,7 @@ def init_distributed(train: TrainConfig, timeout_seconds: float) -> Dist:
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
-    ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
+    ckpt_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ckpt_timeout_seconds or timeout_seconds))
     return Dist(rank, world, local_rank, device, mesh, ckpt_group)
 
 
@@ -161,7 +164,9 @@ def init(config: str | os.PathLike | Config | dict | None = None, *, overrides: 
     cfg = resolve_config(config, overrides)
     preempt = PreemptionFlag()
     preempt.install()
-    d = init_distributed(cfg.train, timeout_seconds=cfg.elastic.hang_timeout_seconds)
+    # Storage time is bounded by checkpoint.save_timeout_seconds, never by the hang timeout.
+    ckpt_timeout = max(cfg.elastic.hang_timeout_seconds, cfg.checkpoint.save_timeout_seconds)
+    d = init_distributed(cfg.train, timeout_seconds=cfg.elastic.hang_timeout_seconds, ckpt_timeout_seconds=ckpt_timeout)
     events = EventLog(os.path.join(cfg.run.dir, "events.jsonl"), enabled=d.rank == 0)
     metrics = metrics_factory.worker_sink(cfg, rank=d.rank)
     metrics.gauge("elastic_trainer_world_size", d.world_size)
