@@ -65,13 +65,13 @@ def _check_data_view(cfg: Config, catalog: Catalog, chosen) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from .checkpoint.state import read_data_view
-    from .data_check import check_recorded_data_view
+    from .worker.sources import check_recorded_view
 
     try:
         recorded = read_data_view(catalog.reader(chosen))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged checkpoint is the workers' load to judge
         logger.warning("could not read the data view of %s before start: %s: %s", chosen.name, type(e).__name__, e)
         return
-    ignored = check_recorded_data_view(cfg, recorded)
+    ignored = [] if recorded is None else check_recorded_view(cfg, recorded)
     if ignored:
         logger.warning("the resume reads the %d file(s) recorded at the run's first start; ignoring %d added since, e.g. %s", len(recorded or []), len(ignored), ignored[0])
