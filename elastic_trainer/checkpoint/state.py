@@ -173,3 +173,15 @@ class DataViewState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.recorded = data_view.decode(state_dict["files"]) if "files" in state_dict else None
+
+
+def read_data_view(storage_reader) -> list[dict] | None:
+    """The data view recorded in a checkpoint (None if it has none), read without a process
+    group: for checks before any worker starts."""
+    import torch.distributed.checkpoint as dcp
+
+    from .load_planner import load_planner
+
+    states = {"data": DataViewState()}
+    dcp.load(states, storage_reader=storage_reader, planner=load_planner(states), no_dist=True)
+    return states["data"].recorded
