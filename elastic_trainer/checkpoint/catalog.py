@@ -55,6 +55,7 @@ class ResumePlan:
     chosen: layout.Candidate | None
     skipped: list[tuple[int, str]] = field(default_factory=list)
     first_start: bool = True
+    corrupt: list[tuple[str, str]] = field(default_factory=list)  # (name, reason): content that fails its seal
 
 
 class Catalog:
@@ -207,6 +208,8 @@ class Catalog:
                 plan.chosen = c
                 break
             plan.skipped.append((c.step, reason))
+            if c.quarantine is None and layout.is_corruption(reason):
+                plan.corrupt.append((c.name, reason))
         return plan
 
     def _lineage_order(self, candidates: list[layout.Candidate], epochs: dict[str, dict[str, Any]], only: str | None = None) -> list[layout.Candidate]:
@@ -275,7 +278,12 @@ class Catalog:
                 written = table["files"]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"cannot commit {name}: no readable {integrity.CHECKSUMS} from DCP's writer ({type(e).__name__}: {e})") from e
-            problem = layout.commit_problem(written, self.storage.list_files(d))
+            listed = self.storage.list_files(d)
+            problem = layout.commit_problem(written, listed)
+            if problem is None and self.epoch and layout.WRITER in listed:
+                writer = self._read_marker(name, layout.WRITER, listed) or {}
+                if writer.get("epoch") != self.epoch:  # two launches wrote one directory: mixed files
+                    problem = f"directory is being written by another launch (epoch {writer.get('epoch')!r}, ours {self.epoch})"
             if problem:
                 raise CheckpointError(f"cannot commit {name}: {problem}")
             manifest = layout.build_manifest(

@@ -236,6 +236,11 @@ class CheckpointManager:
             for step, reason in plan.skipped:
                 logger.warning("skipping checkpoint step %d: %s", step, reason)
                 self.events.emit("checkpoint_skipped", step=step, reason=reason)
+            for name, reason in plan.corrupt:
+                try:
+                    cat.quarantine(name, reason)
+                except Exception as e:  # noqa: BLE001 - skipped in this start either way
+                    logger.warning("could not quarantine %s: %s", name, e)
             if resume not in ("latest", "none") and plan.first_start and plan.chosen is None:
                 reason = plan.skipped[0][1] if plan.skipped else "not found"
                 return {"error": f"checkpoint.resume={resume}: checkpoint step {resume} is unusable: {reason}"}

@@ -30,6 +30,8 @@ from .. import faults
 
 logger = logging.getLogger(__name__)
 
+DRAIN_SECONDS = 10.0  # how long a failing step waits for a save already uploading
+
 
 class StepContext:
     def __init__(self, session, step: int, checkpointer=None):
@@ -52,8 +54,12 @@ class StepContext:
         self._t0 = time.monotonic()
         self._scope = self.session.watchdog(f"step-{self.step}")
         self._scope.__enter__()
-        for kind in ("raise", "kill", "hang", "slow"):
-            faults.maybe_inject(kind, self.step)
+        try:
+            for kind in ("raise", "kill", "hang", "slow"):
+                faults.maybe_inject(kind, self.step)
+        except BaseException as e:
+            self.__exit__(type(e), e, e.__traceback__)
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -62,6 +68,12 @@ class StepContext:
                 self.agree()
         finally:
             self._scope.__exit__(exc_type, exc, tb)
+        if exc_type is not None and self.ckpt is not None:
+            # The exception path starts no checkpoint and no collective; it only lets a save
+            # that is already uploading land (bounded), so the newest commit is not lost.
+            if self.ckpt.manager.in_flight:
+                logger.warning("step %d failed: letting the save already in flight finish (at most %.0fs)", self.step, DRAIN_SECONDS)
+                self.ckpt.manager.drain_on_failure(DRAIN_SECONDS)
         if exc_type is None and self.loss is not None and not self.nonfinite and not self.preempt and not self.fenced:
             self._emit()
         return False
