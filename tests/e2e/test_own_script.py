@@ -97,3 +97,42 @@ def test_plain_torchrun_checkpoints_and_resumes_exactly(tmp_path, reference):
     (resume,) = runs.read_events(run_dir, "resume")
     assert resume["step"] == 8
     assert runs.step_losses(run_dir) == reference["dropout"], "plain torchrun: the resumed run equals the uninterrupted one bitwise"
+
+
+def test_hung_rank_is_restarted_and_metrics_are_served(tmp_path, reference):
+    """A SIGSTOPped rank of the user's script is reaped by the hang watchdog, the group restarts
+    and resumes exactly; the supervisor's exporter serves the script's step metrics meanwhile."""
+    import urllib.request
+
+    from tests.fixtures.procs import free_port
+
+    run_dir, ckpt, port = tmp_path / "h", tmp_path / "h-ckpt", free_port()
+    run_dir.mkdir()
+    args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={ckpt}", "--set", f"metrics.port={port}", "--set", "metrics.host=127.0.0.1",
+            "--set", "elastic.hang_timeout_seconds=8", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2",
+            SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(ckpt), "--steps", "12"]
+    with open(run_dir / "run.log", "ab") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests({"ELASTIC_TRAINER_INJECT_FAULT": "hang@rank=1,step=7"}), cwd=runs.REPO, start_new_session=True)
+    try:
+        runs.wait_event(run_dir, "step", 120, proc, where=lambda r: r["step"] >= 3)
+        body = runs.wait_for(lambda: _scrape(urllib.request, port), 60, "step metrics on the supervisor's endpoint", proc)
+        assert "elastic_trainer_train_loss" in body
+        code = proc.wait(240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(20)
+    assert code == 0, (run_dir / "run.log").read_text()[-3000:]
+    (restart,) = runs.read_events(run_dir, "restart")
+    assert restart["reason"] == "worker_failure"
+    (resume,) = runs.read_events(run_dir, "resume")
+    assert resume["step"] == 5
+    assert runs.step_losses(run_dir) == reference["dropout"]
+
+
+def _scrape(urllib_request, port: int) -> str | None:
+    try:
+        body = urllib_request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return None
+    return body if "elastic_trainer_train_step{" in body or "elastic_trainer_train_step " in body else None
