@@ -15,7 +15,6 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 
 import elastic_trainer as et
 
@@ -35,13 +34,17 @@ class Regression(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
-def build_model(dim: int, dropout: float) -> nn.Module:
+class Block(nn.Sequential):
+    def __init__(self, dim: int, dropout: float):
+        super().__init__(nn.Linear(dim, dim), nn.GELU(), nn.Dropout(dropout))
+
+
+def build_model(session: "et.Session", dim: int, dropout: float) -> nn.Module:
     torch.manual_seed(0)  # the same initial weights at every world size
-    blocks = [nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Dropout(dropout)) for _ in range(3)]
-    model = nn.Sequential(*blocks, nn.Linear(dim, 1))
-    for b in blocks:
-        fully_shard(b)
-    return fully_shard(model)
+    model = nn.Sequential(*(Block(dim, dropout) for _ in range(3)), nn.Linear(dim, 1))
+    # fully_shard each Block, then the root; gradients reduced as a SUM (the loss below is
+    # normalised by the global batch), so they are the same at any world size
+    return session.shard(model, [Block])
 
 
 def main() -> int:
@@ -54,7 +57,7 @@ def main() -> int:
     session = et.init(overrides=[f"checkpoint.dir={a.ckpt}", f"run.dir={a.run_dir}", "checkpoint.interval_steps=5", "train.global_batch_size=12", "train.micro_batch_size=4", "metrics.port=0"])
     cfg = session.cfg.train
     data = Regression(1000, 32)
-    model = build_model(32, a.dropout)
+    model = build_model(session, 32, a.dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
     sampler = et.GlobalBatchSampler(len(data), cfg.global_batch_size, cfg.micro_batch_size, seed=cfg.seed, rank=session.rank, world_size=session.world_size)

@@ -144,6 +144,14 @@ class Session:
         with timer.expires(after=self.cfg.elastic.hang_timeout_seconds, scope=scope):
             yield
 
+    def shard(self, model: "torch.nn.Module", block_types: tuple[type, ...] | list[type]) -> "torch.nn.Module":
+        """``fully_shard`` every module of ``block_types`` (bottom-up), then the root, over this
+        session's mesh with the configured mixed precision, reducing gradients as a SUM: normalise
+        the loss by the *global* batch and the gradient is the same at any world size."""
+        from .sharding import mixed_precision_policy, shard_model
+
+        return shard_model(model, self.mesh, mixed_precision_policy(self.cfg.train, self.device), list(block_types))
+
     def step(self, step: int, *, checkpointer: Any = None):
         """A :class:`~elastic_trainer.runtime.step.StepContext` for ``step`` (see there)."""
         from .step import StepContext
