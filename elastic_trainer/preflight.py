@@ -47,15 +47,15 @@ def preflight(cfg: Config) -> int | None:
         raise ConfigError("checkpoint.resume", f"checkpoint step {c.resume} under {c.dir} is unusable: {reason}")
     if plan.chosen is None:
         return None
+    if plan.chosen.manifest.get("config_fingerprint") != cfg.model_fingerprint():
+        # A different architecture is named as such (tensor and shapes) before any config key.
+        meta = catalog.read_metadata(plan.chosen)
+        saved = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        mismatch = layout.compare_shapes(saved, model_shapes(cfg), plan.chosen.step)
+        if mismatch:
+            raise CheckpointMismatchError(*mismatch)
     check_run_identity(cfg, plan.chosen.manifest.get("run_identity") or {})
     _check_data_view(cfg, catalog, plan.chosen)
-    if plan.chosen.manifest.get("config_fingerprint") == cfg.model_fingerprint():
-        return plan.chosen.step
-    meta = catalog.read_metadata(plan.chosen)
-    saved = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    mismatch = layout.compare_shapes(saved, model_shapes(cfg), plan.chosen.step)
-    if mismatch:
-        raise CheckpointMismatchError(*mismatch)
     return plan.chosen.step
 
 

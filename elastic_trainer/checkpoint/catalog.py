@@ -235,10 +235,9 @@ class Catalog:
             base = epochs.get(e, {}).get("base")
             if isinstance(base, str):
                 add(by_name.get(base))
-        if not only:
+        if not only:  # then everything else, uncommitted leftovers included (reported as skipped)
             for c in sorted(candidates, key=lambda c: (c.step, c.gen), reverse=True):
-                if c.manifest is not None:
-                    add(c)
+                add(c)
         return out
 
     def head(self, candidates: list[layout.Candidate] | None = None) -> layout.Candidate | None:
