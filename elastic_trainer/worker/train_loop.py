@@ -15,11 +15,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import exit_codes, log
-from ..checkpoint import layout
+from ..checkpoint import cadence, layout
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.state import TrainState
 from ..config import Config
-from ..events import EventLog
+from ..events import EventLog, read_events
 from ..metrics.sink import MetricsSink
 from .. import faults
 from .data import IGNORE_INDEX, StepBatches
@@ -85,13 +85,16 @@ class Trainer:
     losses: list[float] = field(default_factory=list)
     _rollback_window_open: bool = False
     _collective_wait: float = 0.0  # seconds this rank spent in the step's explicit all-reduces
+    _cadence: cadence.AutoCadence | None = None  # checkpoint.interval_steps = "auto"
+    _tick: tuple[float, bool] | None = None  # (start of the loop iteration, it started a save)
 
     def run(self) -> int:
         """Train to ``train.steps``. Returns the process exit code (see ``exit_codes``)."""
         t = self.cfg.train
         last_save_time = time.monotonic()
-        self.metrics.gauge("elastic_trainer_checkpoint_interval_steps", self.cfg.checkpoint.interval_steps)
+        self._start_cadence()
         while self.state.step < t.steps:
+            self._measure_cadence()
             step = self.state.step + 1
             log.set_step(step)
             with self._watchdog(f"step-{step}"):  # training progress only: storage waits have their own deadlines
@@ -106,10 +109,11 @@ class Trainer:
                 if code is not None:
                     return code
                 continue
-            if layout.should_save(step, t.steps, self.cfg.checkpoint.interval_steps, record["save_due"], False):
+            if layout.should_save(step, t.steps, self._fixed_interval, record["save_due"] or self._cadence_due(step), False):
                 stats = self.ckpt.save(step, meta={"loss": record["loss"], "skipped_ranges": self.state.skipped})
                 if not stats.skipped:
                     self._rollback_window_open = False
+                self._cadence_saved(step)
                 faults.maybe_inject("kill_in_save", step)
                 last_save_time = time.monotonic()
         try:
@@ -133,11 +137,13 @@ class Trainer:
         # One small all-reduce per step carries the loss normaliser and the agreed flags, so the
         # time-based save trigger, preemption and fencing need no collective of their own.
         fenced = float(self.ckpt.fenced is not None)
-        agreed = torch.tensor([local_count, float(self.preempt.requested), float(time_due), fenced], dtype=torch.float64, device=self.device)
+        interval_vote = self._cadence.vote() if self._cadence is not None else 0.0
+        agreed = torch.tensor([local_count, float(self.preempt.requested), float(time_due), fenced, interval_vote], dtype=torch.float64, device=self.device)
         t_wait = time.monotonic()
         dist.all_reduce(agreed)
         self._collective_wait = time.monotonic() - t_wait
-        global_count, preempt, save_due, fenced = agreed.tolist()
+        global_count, preempt, save_due, fenced, interval_vote = agreed.tolist()
+        self._cadence_agreed(step, interval_vote)
         if preempt > 0 or fenced > 0:
             return {"preempt": preempt > 0, "fenced": fenced > 0, "nonfinite": False, "save_due": True}
         poison = faults.active("nan", step)
@@ -213,13 +219,76 @@ class Trainer:
             m.gauge("elastic_trainer_process_cuda_memory_reserved_bytes", torch.cuda.memory_reserved(self.device))
 
     def _progress_line(self, rec: dict) -> str:
-        every = self.cfg.checkpoint.interval_steps
-        nxt = f"{every - rec['step'] % every} steps" if every else "-"
+        if self._cadence is not None:
+            left = (self._cadence.interval or 0) - (rec["step"] - self._cadence.last_saved)
+            nxt = f"{max(0, left)} steps (auto)" if self._cadence.interval else "-"
+        else:
+            every = self._fixed_interval
+            nxt = f"{every - rec['step'] % every} steps" if every else "-"
         return (
             f"step {rec['step']}/{self.cfg.train.steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
             f"grad {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {rec['step_time_s'] * 1000:.0f} ms | "
             f"world {self.world_size} | next ckpt in {nxt}"
         )
+
+    # -- checkpoint.interval_steps = "auto" (see checkpoint/cadence.py) -------------------------
+    @property
+    def _fixed_interval(self) -> int:
+        every = self.cfg.checkpoint.interval_steps
+        return 0 if every == "auto" else every
+
+    def _start_cadence(self) -> None:
+        """Fixed interval: set the gauge. Auto: rank 0 reads this job's lineage from the event log
+        (failures, observed time, restart cost, last measurement); the interval itself is agreed
+        in the first step's all-reduce."""
+        c = self.cfg.checkpoint
+        if c.interval_steps != "auto":
+            self.metrics.gauge("elastic_trainer_checkpoint_interval_steps", c.interval_steps)
+            return
+        lineage = cadence.Lineage()
+        if self.rank == 0:
+            try:
+                lineage = cadence.lineage_from_events(read_events(os.path.join(self.cfg.run.dir, "events.jsonl")))
+            except (OSError, ValueError, TypeError, KeyError) as e:  # a damaged log: start from the prior
+                logger.warning("checkpoint cadence: could not read the event log (%s); using the prior", e)
+        self._cadence = cadence.AutoCadence(
+            rank=self.rank, start_step=self.state.step, lineage=lineage, prior_mtbf_seconds=c.auto_prior_mtbf_seconds,
+            prior_weight_seconds=c.auto_prior_weight_seconds, min_steps=c.auto_min_steps, max_steps=c.auto_max_steps, now=time.monotonic(),
+        )
+
+    def _measure_cadence(self) -> None:
+        """Rank 0, top of each loop iteration: feed the previous iteration's wall time."""
+        if self._cadence is None or self.rank != 0:
+            return
+        now = time.monotonic()
+        if self._tick is not None:
+            self._cadence.observe(now - self._tick[0], self._tick[1], self.ckpt.save_in_progress, now)
+        self._tick = (now, False)
+
+    def _cadence_due(self, step: int) -> bool:
+        return self._cadence is not None and self._cadence.due(step)
+
+    def _cadence_saved(self, step: int) -> None:
+        if self._cadence is not None:
+            self._cadence.saved(step)
+            if self._tick is not None:
+                self._tick = (self._tick[0], True)
+
+    def _cadence_agreed(self, step: int, vote: float) -> None:
+        if self._cadence is None:
+            return
+        change = self._cadence.agree(vote)
+        if change is None:
+            return
+        self.metrics.gauge("elastic_trainer_checkpoint_interval_steps", change.interval_steps)
+        b = change.basis
+        self.events.emit(
+            "checkpoint_interval_changed", step=step, interval_steps=change.interval_steps, previous=change.previous,
+            save_cost_s=b.get("save_cost_s"), restart_cost_s=b.get("restart_cost_s"), failure_rate_per_h=b.get("failure_rate_per_h"),
+            reason=b.get("reason"), step_seconds=b.get("step_seconds"), commit_lag_s=b.get("commit_lag_s"), failures=b.get("failures"),
+        )
+        if self.rank == 0:
+            logger.info("checkpoint interval %s -> %d steps (%s)", change.previous, change.interval_steps, b)
 
     def _preempt_exit(self, step_not_run: int) -> int:
         """All ranks agreed to stop: commit one final checkpoint within the grace budget.
