@@ -82,7 +82,8 @@ def print_one(out: dict) -> None:
     print("\n| | seconds | share |\n|---|---|---|")
     for k in ("productive_seconds", "recompute_seconds", "interruption_seconds", "startup_seconds", "other_seconds"):
         print(f"| {k.removesuffix('_seconds')} | {out[k]:.1f} | {out[k] / out['wall_seconds']:.3f} |")
-    print(f"| **wall** | {out['wall_seconds']:.1f} | goodput **{out['goodput']:.3f}** |")
+    g = f"{out['goodput']:.3f}" if out["goodput"] is not None else "-"
+    print(f"| **wall** | {out['wall_seconds']:.1f} | goodput **{g}** |")
 
 
 def print_sweep(results: list[dict]) -> None:
@@ -94,9 +95,10 @@ def print_sweep(results: list[dict]) -> None:
         best = max(fixed) if fixed else None
         for r in rows:
             ratio = f"{r['goodput'] / best:.3f}" if best and r["goodput"] is not None else "-"
+            g = f"{r['goodput']:.3f}" if r["goodput"] is not None else "-"
             chose = " → ".join(str(c) for c in r["chosen"]) if r["interval"] == "auto" else ""
             print(f"| {rate:.0f} s | {r['interval']} | {r['kills']} | {r['steps']} | {r['commits']} | {r['recompute_seconds']:.1f} s "
-                  f"({r['recompute_steps']} steps) | {r['goodput']:.3f} | {ratio} | {chose} |")
+                  f"({r['recompute_steps']} steps) | {g} | {ratio} | {chose} |")
 
 
 def main() -> int:
@@ -108,7 +110,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--json-out")
+    ap.add_argument("--table-from", help="only print the sweep table of a --json-out file")
     a = ap.parse_args()
+    if a.table_from:
+        print_sweep(json.loads(Path(a.table_from).read_text()))
+        return 0
     if not (REPO / "runs/data/demo.bin").exists():
         subprocess.run([*runs.CLI, "data", "build", "--out", str(REPO / "runs/data/demo.bin")], check=True, cwd=REPO, env=runs.env_for_tests())
     rates = [float(x) for x in a.kill_every.split(",")]
