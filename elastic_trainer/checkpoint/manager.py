@@ -297,6 +297,13 @@ class CheckpointManager:
     def in_flight(self) -> bool:
         return self._inflight is not None
 
+    @property
+    def save_in_progress(self) -> bool:
+        """Whether this rank's part of the latest save is still being written. Rank-local: a
+        measurement (checkpoint cadence), never a decision that ranks must share."""
+        inf = self._inflight
+        return inf is not None and not inf.upload.done()
+
     def is_committed(self, step: int) -> bool:
         """Whether ``step`` is known committed on every rank's shared knowledge (loaded or saved
         by this incarnation); a save of such a step is a no-op."""

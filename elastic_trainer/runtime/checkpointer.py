@@ -24,10 +24,11 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import exit_codes
-from ..checkpoint import layout
+from ..checkpoint import cadence, layout
 from ..checkpoint.manager import CheckpointManager, LoadResult, SaveStats
 from ..checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState, TrainState
 from ..config import check_run_identity
+from ..events import read_events
 from ..storage.fs import open_storage
 from .session import Session
 
@@ -100,6 +101,8 @@ class Checkpointer:
         self.loaded: LoadResult | None = None
         self._rollback_window_open = False
         self._last_save_time = time.monotonic()
+        self.cadence: cadence.AutoCadence | None = None  # checkpoint.interval_steps = "auto"
+        self._tick: tuple[float, bool] | None = None  # (start of the loop iteration, it started a save)
 
     # ------------------------------------------------------------------ resume
     def resume(self, after_load: Callable[[LoadResult | None], dict[str, Any]] | None = None) -> int:
@@ -115,6 +118,7 @@ class Checkpointer:
             self.rng.reseed(s.cfg.train.seed, self.state.step)
         rng_note = "restored" if self.rng.restored else ("seeded" if loaded is None else "reseeded from (train.seed, rank, step)")
         fields = after_load(loaded) if after_load else {}
+        self._start_cadence()
         if loaded is None:
             return 0
         allowed = check_run_identity(s.cfg, loaded.manifest.get("run_identity") or {}) if self._identity else []
@@ -144,7 +148,62 @@ class Checkpointer:
     def due(self, step: int, total_steps: int, save_due: bool = False) -> bool:
         """The cadence decision at the end of ``step`` (``save_due``: the agreed time trigger of
         the step's :class:`StepContext`). Pure given agreed inputs, so every rank decides alike."""
-        return layout.should_save(step, total_steps, self.session.cfg.checkpoint.interval_steps, save_due, False)
+        auto_due = self.cadence is not None and self.cadence.due(step)
+        return layout.should_save(step, total_steps, self.fixed_interval, save_due or auto_due, False)
+
+    @property
+    def fixed_interval(self) -> int:
+        every = self.session.cfg.checkpoint.interval_steps
+        return 0 if every == "auto" else every
+
+    # -- checkpoint.interval_steps = "auto" (see checkpoint/cadence.py) ----------------------------
+    def _start_cadence(self) -> None:
+        """Fixed interval: set the gauge. Auto: rank 0 reads this job's lineage from the event log
+        (failures, observed time, restart cost, last measurement); the interval itself is agreed
+        in the first step's all-reduce."""
+        s, c = self.session, self.session.cfg.checkpoint
+        if c.interval_steps != "auto":
+            s.metrics.gauge("elastic_trainer_checkpoint_interval_steps", c.interval_steps)
+            return
+        lineage = cadence.Lineage()
+        if s.rank == 0:
+            try:
+                lineage = cadence.lineage_from_events(read_events(os.path.join(s.cfg.run.dir, "events.jsonl")))
+            except (OSError, ValueError, TypeError, KeyError) as e:  # a damaged log: start from the prior
+                logger.warning("checkpoint cadence: could not read the event log (%s); using the prior", e)
+        self.cadence = cadence.AutoCadence(
+            rank=s.rank, start_step=self.state.step, lineage=lineage, prior_mtbf_seconds=c.auto_prior_mtbf_seconds,
+            prior_weight_seconds=c.auto_prior_weight_seconds, min_steps=c.auto_min_steps, max_steps=c.auto_max_steps, now=time.monotonic(),
+        )
+
+    def cadence_tick(self) -> None:
+        """Rank 0, start of each step: feed the previous loop iteration's wall time."""
+        if self.cadence is None or self.session.rank != 0:
+            return
+        now = time.monotonic()
+        if self._tick is not None:
+            self.cadence.observe(now - self._tick[0], self._tick[1], self.manager.save_in_progress, now)
+        self._tick = (now, False)
+
+    def cadence_vote(self) -> float:
+        """Rank 0's proposed interval (0 elsewhere): summed in the step's all-reduce."""
+        return self.cadence.vote() if self.cadence is not None else 0.0
+
+    def cadence_agreed(self, step: int, vote: float) -> None:
+        if self.cadence is None:
+            return
+        change = self.cadence.agree(vote)
+        if change is None:
+            return
+        s, b = self.session, change.basis
+        s.metrics.gauge("elastic_trainer_checkpoint_interval_steps", change.interval_steps)
+        s.events.emit(
+            "checkpoint_interval_changed", step=step, interval_steps=change.interval_steps, previous=change.previous,
+            save_cost_s=b.get("save_cost_s"), restart_cost_s=b.get("restart_cost_s"), failure_rate_per_h=b.get("failure_rate_per_h"),
+            reason=b.get("reason"), step_seconds=b.get("step_seconds"), commit_lag_s=b.get("commit_lag_s"), failures=b.get("failures"),
+        )
+        if s.rank == 0:
+            logger.info("checkpoint interval %s -> %d steps (%s)", change.previous, change.interval_steps, b)
 
     def time_due(self) -> bool:
         """This rank's view of the time-based trigger (agree it through the step context)."""
@@ -157,6 +216,10 @@ class Checkpointer:
         stats = self.manager.save(step, meta={"skipped_ranges": self.state.skipped, **(meta or {})})
         if not stats.skipped:
             self._rollback_window_open = False
+        if self.cadence is not None:
+            self.cadence.saved(step)
+            if self._tick is not None:
+                self._tick = (self._tick[0], True)
         self._last_save_time = time.monotonic()
         return stats
 

@@ -52,6 +52,8 @@ class StepContext:
 
     def __enter__(self) -> "StepContext":
         self._t0 = time.monotonic()
+        if self.ckpt is not None:
+            self.ckpt.cadence_tick()
         self._scope = self.session.watchdog(f"step-{self.step}")
         self._scope.__enter__()
         try:
@@ -91,15 +93,17 @@ class StepContext:
         ck = self.ckpt
         fenced = float(ck is not None and ck.manager.fenced is not None)
         time_due = float(ck is not None and ck.time_due())
-        t = torch.tensor([*map(float, sums), float(s.preempt.requested), time_due, fenced], dtype=torch.float64, device=s.device)
+        vote = ck.cadence_vote() if ck is not None else 0.0  # auto cadence: rank 0's interval
+        t = torch.tensor([*map(float, sums), float(s.preempt.requested), time_due, fenced, vote], dtype=torch.float64, device=s.device)
         t0 = time.monotonic()
         if s.world_size > 1:
             dist.all_reduce(t)
         self.collective_wait += time.monotonic() - t0
-        values = t.tolist()
-        *out, preempt, save_due, fenced = values
+        *out, preempt, save_due, fenced, vote = t.tolist()
         self.preempt, self.save_due, self.fenced = preempt > 0, save_due > 0, fenced > 0
         self._agreed = True
+        if ck is not None:
+            ck.cadence_agreed(self.step, vote)
         return out
 
     def check(self, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None) -> bool:

@@ -57,7 +57,6 @@ class Trainer:
     def run(self) -> int:
         """Train to ``train.steps``. Returns the process exit code (see ``exit_codes``)."""
         t = self.cfg.train
-        self.session.metrics.gauge("elastic_trainer_checkpoint_interval_steps", self.cfg.checkpoint.interval_steps)
         while self.state.step < t.steps:
             step = self.state.step + 1
             log.set_step(step)
@@ -117,8 +116,13 @@ class Trainer:
         return s
 
     def _progress_line(self, rec: dict) -> str:
-        every = self.cfg.checkpoint.interval_steps
-        nxt = f"{every - rec['step'] % every} steps" if every else "-"
+        c = self.ckpt.cadence
+        if c is not None:
+            left = (c.interval or 0) - (rec["step"] - c.last_saved)
+            nxt = f"{max(0, left)} steps (auto)" if c.interval else "-"
+        else:
+            every = self.ckpt.fixed_interval
+            nxt = f"{every - rec['step'] % every} steps" if every else "-"
         return (
             f"step {rec['step']}/{self.cfg.train.steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
             f"grad {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {rec['step_time_s'] * 1000:.0f} ms | "
