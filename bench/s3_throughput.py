@@ -14,7 +14,8 @@ machine load:
   s3fs's defaults (concurrent multipart parts of 50 MiB, ``max_concurrency`` 10).
 
 One process (no process group): what one rank does. Variants are ``Storage`` settings
-(``--variants``); ``default`` is what ``open_storage`` builds. Prints MB/s and ours ÷ raw.
+(``--variants``); ``default`` is what ``open_storage`` builds; ``S3_WRITE_THREADS=N`` uploads N
+files per rank in parallel. Prints MB/s and ours ÷ raw.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=512, help="checkpoint size (MB of float32 tensors)")
     ap.add_argument("--tensors", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="default", help="comma-separated labels of Storage settings to compare (only: default)")
+    ap.add_argument("--variants", default="default", help="comma-separated storage settings to compare: default (storage/fs.py as is) or "
+                    "NAME=VALUE+... of the S3_* constants in storage/fs.py, e.g. S3_WRITE_THREADS=4")
     ap.add_argument("--json-out")
     a = ap.parse_args()
 
@@ -105,6 +107,12 @@ def main() -> int:
                     del got
                     raw.rm(key)
                     continue
+                opts = {"default": {}}.get(v)
+                if opts is None:  # e.g. S3_WRITE_THREADS=4
+                    opts = {k: int(x) for k, x in (kv.split("=", 1) for kv in v.split("+"))}
+                saved = {k: getattr(storage_fs, k) for k in opts}
+                for k, x in opts.items():
+                    setattr(storage_fs, k, type(saved[k])(x))
                 storage = storage_fs.open_storage(f"s3://{bucket}/ours-{v}-{r}")
                 path = storage.join("ckpt")
                 writer = integrity.checksummed(storage.dcp_writer(path))
@@ -120,6 +128,8 @@ def main() -> int:
                 assert all(torch.equal(target[k], state[k]) for k in state)
                 del target
                 storage.delete_tree(storage.root)
+                for k, x in saved.items():
+                    setattr(storage_fs, k, x)
             print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {x[-1]:.2f}s" for k, x in samples.items()), flush=True)
     finally:
         stop_process(proc, 10)
