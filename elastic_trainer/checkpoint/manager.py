@@ -46,7 +46,7 @@ from ..errors import CheckpointError, CheckpointMismatchError, FencedError
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
-from . import integrity, layout
+from . import integrity, layout, save_planner
 from .catalog import Catalog
 from .load_planner import load_planner
 
@@ -146,6 +146,7 @@ class CheckpointManager:
         self._saved: set[int] = set()  # steps this incarnation saved (same on every rank)
         self.save_stats: list[SaveStats] = []
         self.failures = 0
+        self._plan_key = save_planner.new_key()  # DCP plan cache of this manager's saves
 
     # ------------------------------------------------------------------ collectives helpers
     def _broadcast(self, obj: Any) -> Any:
@@ -346,7 +347,7 @@ class CheckpointManager:
         if self.cfg.mode == "sync":
             fut: Future = Future()
             try:
-                dcp.save(self.states, storage_writer=writer, process_group=self.group)
+                dcp.save(self.states, storage_writer=writer, process_group=self.group, planner=save_planner.make(self._plan_key))
                 fut.set_result(None)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - handled as a failed save
                 fut.set_exception(e)
@@ -356,7 +357,8 @@ class CheckpointManager:
 
             kind = AsyncCheckpointerType.PROCESS if self._async_mode == "process" else AsyncCheckpointerType.THREAD
             resp = dcp.async_save(
-                self.states, storage_writer=writer, process_group=self.group, async_stager=self._get_stager(), async_checkpointer_type=kind
+                self.states, storage_writer=writer, process_group=self.group, async_stager=self._get_stager(), async_checkpointer_type=kind,
+                planner=save_planner.make(self._plan_key),
             )
             staging = getattr(resp, "staging_completion", None)
             upload = getattr(resp, "upload_completion", resp)
@@ -476,6 +478,7 @@ class CheckpointManager:
         except TimeoutError:
             ok = None
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - recorded by _commit on rank 0
+            save_planner.forget(self._plan_key)  # a failed save may have left the ranks' plan caches out of step
             if self.rank != 0:
                 logger.warning("checkpoint step %d failed on this rank: %s", inf.step, e)
             ok = False
@@ -531,6 +534,7 @@ class CheckpointManager:
             return False
 
     def close(self) -> None:
+        save_planner.forget(self._plan_key)
         if self._stager is not None:
             self._stager.close()
             self._stager = None
