@@ -109,6 +109,9 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     class _Shim:
         """What Trainer.train_step needs of a Checkpointer, over one of the managers compared here."""
 
+        cadence = None  # fixed cadence: the bench decides when to save
+        fixed_interval = 0
+
         def __init__(self, mgr):
             self.manager, self.state = mgr, state
 
