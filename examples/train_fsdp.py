@@ -54,7 +54,7 @@ def main() -> int:
     ap.add_argument("--run-dir", default="runs/example")
     ap.add_argument("--dropout", type=float, default=0.1)
     a = ap.parse_args()
-    session = et.init(overrides=[f"checkpoint.dir={a.ckpt}", f"run.dir={a.run_dir}", "checkpoint.interval_steps=5", "train.global_batch_size=12", "train.micro_batch_size=4", "metrics.port=0"])
+    session = et.init(overrides=[f"checkpoint.dir={a.ckpt}", f"run.dir={a.run_dir}", "checkpoint.interval_steps=5", "train.global_batch_size=12", "train.micro_batch_size=4"])
     cfg = session.cfg.train
     data = Regression(1000, 32)
     model = build_model(session, 32, a.dropout)

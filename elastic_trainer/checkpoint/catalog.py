@@ -200,7 +200,11 @@ class Catalog:
         else:
             order = self._lineage_order(candidates, epochs)
         plan = ResumePlan(None, [], not restart)
+        # Leftovers of crashed saves are reported (and cleaned at start-up), never loaded.
+        plan.skipped += [(c.step, "uncommitted (no manifest)") for c in sorted(candidates, key=lambda c: c.step, reverse=True) if c.manifest is None and c.name not in exclude]
         for c in order:
+            if c.manifest is None:
+                continue
             if c.name in exclude:
                 continue
             reason = self.problem(c)
