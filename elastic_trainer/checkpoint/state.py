@@ -74,6 +74,18 @@ class SchedulerState(Stateful):
             group["lr"] = lr
 
 
+def past_skipped(cursor: int, skipped: list[list[int]]) -> int:
+    """The first global sample position at or after ``cursor`` outside every ``[start, end)``
+    range a non-finite rollback skipped (ranges may chain)."""
+    moved = True
+    while moved:
+        moved = False
+        for start, end in skipped:
+            if start <= cursor < end:
+                cursor, moved = end, True
+    return cursor
+
+
 @dataclass
 class TrainState(Stateful):
     """Trainer progress. ``cursor`` is the global sample cursor: the data state. ``skipped``
@@ -97,12 +109,7 @@ class TrainState(Stateful):
 
     def skip_past_skipped(self) -> None:
         """Move the cursor past any skipped range it stands in."""
-        moved = True
-        while moved:
-            moved = False
-            for start, end in self.skipped:
-                if start <= self.cursor < end:
-                    self.cursor, moved = end, True
+        self.cursor = past_skipped(self.cursor, self.skipped)
 
 
 class RNGState(Stateful):

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ..checkpoint.state import past_skipped
+
 
 def rank_slice(global_batch: int, world: int, rank: int) -> tuple[int, int]:
     """(start, count) of ``rank``'s contiguous share of a global batch; first ``G % W`` ranks get one more."""
@@ -88,12 +90,7 @@ class GlobalBatchSampler(Stateful):
 
     def micro_batches(self) -> list[MicroBatchIndices]:
         """This rank's micro-batches of the current step (the same count on every rank)."""
-        moved = True
-        while moved:
-            moved = False
-            for a, b in self.skipped:
-                if a <= self.cursor < b:
-                    self.cursor, moved = b, True
+        self.cursor = past_skipped(self.cursor, self.skipped)
         start, count = rank_slice(self.global_batch_size, self.world_size, self.rank)
         ids = [self.order[self.cursor + start + j] for j in range(count)]
         out = []
