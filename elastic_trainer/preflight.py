@@ -47,12 +47,31 @@ def preflight(cfg: Config) -> int | None:
         raise ConfigError("checkpoint.resume", f"checkpoint step {c.resume} under {c.dir} is unusable: {reason}")
     if plan.chosen is None:
         return None
+    if plan.chosen.manifest.get("config_fingerprint") != cfg.model_fingerprint():
+        # A different architecture is named as such (tensor and shapes) before any config key.
+        meta = catalog.read_metadata(plan.chosen)
+        saved = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        mismatch = layout.compare_shapes(saved, model_shapes(cfg), plan.chosen.step)
+        if mismatch:
+            raise CheckpointMismatchError(*mismatch)
     check_run_identity(cfg, plan.chosen.manifest.get("run_identity") or {})
-    if plan.chosen.manifest.get("config_fingerprint") == cfg.model_fingerprint():
-        return plan.chosen.step
-    meta = catalog.read_metadata(plan.chosen)
-    saved = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    mismatch = layout.compare_shapes(saved, model_shapes(cfg), plan.chosen.step)
-    if mismatch:
-        raise CheckpointMismatchError(*mismatch)
+    _check_data_view(cfg, catalog, plan.chosen)
     return plan.chosen.step
+
+
+def _check_data_view(cfg: Config, catalog: Catalog, chosen) -> None:
+    """A resume reads the files recorded at the run's first start: stop here, naming the file,
+    if one is gone or changed (the workers would stop on the same check)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .checkpoint.state import read_data_view
+    from .worker.sources import check_recorded_view
+
+    try:
+        recorded = read_data_view(catalog.reader(chosen))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged checkpoint is the workers' load to judge
+        logger.warning("could not read the data view of %s before start: %s: %s", chosen.name, type(e).__name__, e)
+        return
+    ignored = [] if recorded is None else check_recorded_view(cfg, recorded)
+    if ignored:
+        logger.warning("the resume reads the %d file(s) recorded at the run's first start; ignoring %d added since, e.g. %s", len(recorded or []), len(ignored), ignored[0])

@@ -7,6 +7,6 @@ cd "$ROOT"
 bash scripts/setup.sh
 export PATH="$ROOT/.venv/bin:$PATH"
 # Static checks first: ruff, and the import-layering contract (pyproject [tool.importlinter]).
-.venv/bin/ruff check elastic_trainer tests bench
+.venv/bin/ruff check elastic_trainer tests bench examples
 PYTHONPATH="$ROOT" .venv/bin/lint-imports
 exec .venv/bin/python -m pytest -p no:cacheprovider -ra "$@"

@@ -25,6 +25,12 @@ prior and a job that fails often moves towards what it observes.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from ..goodput import Ledger
 
 
 def expected_waste(n: int, step_seconds: float, save_cost: float, restart_cost: float, failure_rate: float, commit_lag: float = 0.0) -> float:
@@ -54,9 +60,194 @@ def optimal_interval(step_seconds: float, save_cost: float, restart_cost: float,
     return best
 
 
-def failure_rate(failures: int, observed_seconds: float, prior_mtbf_seconds: float) -> float:
+def failure_rate(failures: int, observed_seconds: float, prior_mtbf_seconds: float, prior_weight_seconds: float | None = None) -> float:
     """Failures per second from a lineage's history and a prior of one failure per
-    ``prior_mtbf_seconds`` (a Gamma prior worth that much observed time)."""
+    ``prior_mtbf_seconds``: a Gamma prior worth ``prior_weight_seconds`` of observed time
+    (default: ``prior_mtbf_seconds``, i.e. one pseudo-failure). A lighter prior follows what the
+    job observes sooner."""
     if prior_mtbf_seconds <= 0:
         raise ValueError("prior_mtbf_seconds must be > 0")
-    return (1.0 + max(0, failures)) / (prior_mtbf_seconds + max(0.0, observed_seconds))
+    weight = prior_mtbf_seconds if prior_weight_seconds is None else prior_weight_seconds
+    if weight <= 0:
+        raise ValueError("prior_weight_seconds must be > 0")
+    return (weight / prior_mtbf_seconds + max(0, failures)) / (weight + max(0.0, observed_seconds))
+
+
+
+# --- interval_steps = "auto": lineage, re-evaluation and agreement -----------------------------
+
+INITIAL_STEPS = 10  # the interval until a save has been measured (in this incarnation or the lineage)
+CHANGE_MARGIN = 0.02  # switch only when the current interval wastes 2 % more than the best one
+WARMUP_ITERATIONS = 3  # the first iterations of an incarnation are not a step-time measurement
+INTERRUPTED_BY_FAILURE = ("worker_failure", "membership_change")
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """What this job's event log says, read once by rank 0 at start (:func:`lineage_from_events`)."""
+
+    failures: int = 0  # restarts that lost work (worker failure, node loss or join)
+    observed_seconds: float = 0.0  # first to last record
+    restart_cost: float | None = None  # mean seconds from the last step before a failure to the next step
+    step_seconds: float | None = None  # the last recorded cadence measurement (checkpoint_interval_changed)
+    save_cost: float | None = None
+    commit_lag: float | None = None
+
+
+def lineage_from_events(events: Iterable[dict[str, Any]]) -> Lineage:
+    """The failure count, observed time, restart cost and last cadence measurement of a log. Pure."""
+    ledger = Ledger()
+    failures = 0
+    last: dict[str, Any] | None = None
+    first_t = last_t = None
+    for e in events:
+        ledger.feed(e)
+        t = e.get("time")
+        if isinstance(t, (int, float)):
+            first_t = t if first_t is None else first_t
+            last_t = t
+        ev = e.get("event")
+        if ev == "restart" and e.get("reason") in INTERRUPTED_BY_FAILURE:
+            failures += 1
+        elif ev == "checkpoint_interval_changed" and e.get("save_cost_s") is not None and e.get("step_seconds") is not None:
+            last = e
+    costs = [i.seconds for i in ledger.result().interruptions if i.reason in INTERRUPTED_BY_FAILURE]
+    return Lineage(
+        failures=failures,
+        observed_seconds=float(last_t - first_t) if first_t is not None else 0.0,
+        restart_cost=statistics.mean(costs) if costs else None,
+        step_seconds=float(last["step_seconds"]) if last else None,
+        save_cost=float(last["save_cost_s"]) if last else None,
+        commit_lag=float(last.get("commit_lag_s") or 0.0) if last else None,
+    )
+
+
+def next_interval(current: int | None, step_seconds: float, save_cost: float, restart_cost: float, failure_rate: float,
+                  commit_lag: float, min_steps: int, max_steps: int) -> int:
+    """The interval to use from now: the optimum, unless ``current`` (clamped) wastes at most
+    :data:`CHANGE_MARGIN` more (so noise in the measurements does not flip it every save). Pure."""
+    best = optimal_interval(step_seconds, save_cost, restart_cost, failure_rate, commit_lag, min_steps, max_steps)
+    if current is None or not (min_steps <= current <= max_steps):
+        return best
+    w_cur = expected_waste(current, step_seconds, save_cost, restart_cost, failure_rate, commit_lag)
+    w_best = expected_waste(best, step_seconds, save_cost, restart_cost, failure_rate, commit_lag)
+    return current if w_cur <= w_best * (1 + CHANGE_MARGIN) else best
+
+
+@dataclass(frozen=True)
+class IntervalChange:
+    """An agreed change of the interval (every rank); ``basis`` is rank 0's measurement behind it."""
+
+    interval_steps: int
+    previous: int | None
+    basis: dict[str, Any]
+
+
+class AutoCadence:
+    """"Save at this step?" for ``checkpoint.interval_steps = "auto"``.
+
+    Rank 0 measures (:meth:`observe`: the wall time of each loop iteration, and which of them
+    overlap a save) and proposes an interval (:meth:`vote`); the proposal rides on the step's
+    all-reduce, where the other ranks add 0, so every rank receives rank 0's value exactly and
+    adopts it (:meth:`agree`). :meth:`due` and :meth:`saved` use only agreed values, so all ranks
+    save at the same steps. Not thread-safe; main thread only.
+
+    Save cost = the wall time of the iterations from a save's start until this rank's part of it
+    is written, minus as many median step times (the stall plus the slowdown of the overlapped
+    steps); commit lag = that window's length."""
+
+    def __init__(self, *, rank: int, start_step: int, lineage: Lineage, prior_mtbf_seconds: float, prior_weight_seconds: float,
+                 min_steps: int, max_steps: int, now: float) -> None:
+        self.rank = rank
+        self.lineage = lineage
+        self.prior_mtbf, self.prior_weight = prior_mtbf_seconds, prior_weight_seconds
+        self.min_steps, self.max_steps = min_steps, max_steps
+        self.t0 = now
+        self.interval: int | None = None  # agreed
+        self.last_saved = start_step  # agreed
+        self._steps: deque[float] = deque(maxlen=32)
+        self._costs: deque[float] = deque(maxlen=5)
+        self._lag = lineage.commit_lag or 0.0
+        self._window: list[float] | None = None
+        self._iterations = 0
+        self._proposal = min(max(INITIAL_STEPS, min_steps), max_steps)
+        self.basis: dict[str, Any] = {"reason": "initial", "restart_cost_s": _round(lineage.restart_cost, 3),
+                                      "failure_rate_per_h": round(self.rate(now) * 3600, 4), "failures": lineage.failures}
+        if lineage.step_seconds is not None and lineage.save_cost is not None:
+            self._steps.append(lineage.step_seconds)
+            self._costs.append(lineage.save_cost)
+            self._evaluate(now, "lineage")
+
+    # -- agreed (every rank) --------------------------------------------------------------------
+    def vote(self) -> float:
+        """This rank's element of the step's all-reduce (SUM): rank 0's proposal, 0 elsewhere."""
+        return float(self._proposal) if self.rank == 0 else 0.0
+
+    def agree(self, summed: float) -> IntervalChange | None:
+        """Adopt the all-reduced vote; the change when it differs from the interval in force."""
+        new = int(round(summed))
+        if new < 1 or new == self.interval:
+            return None
+        previous, self.interval = self.interval, new
+        return IntervalChange(new, previous, dict(self.basis) if self.rank == 0 else {})
+
+    def due(self, step: int) -> bool:
+        """Whether the interval has elapsed at the end of ``step`` (agreed inputs only)."""
+        return self.interval is not None and step - self.last_saved >= self.interval
+
+    def saved(self, step: int) -> None:
+        self.last_saved = step
+
+    # -- measured (rank 0) ----------------------------------------------------------------------
+    def observe(self, seconds: float, save_started: bool, save_in_progress: bool, now: float) -> bool:
+        """One loop iteration took ``seconds`` (wall); it started a save / a save is still being
+        written at its end. Returns True when the proposal was re-evaluated."""
+        self._iterations += 1
+        evaluated = False
+        if self._window is not None:
+            if not save_started:
+                self._window.append(seconds)
+                return self._close_window(now) if not save_in_progress else False
+            evaluated = self._close_window(now)  # a new save began before the last one was written
+        if save_started:
+            self._window = [seconds]
+            if not save_in_progress:
+                evaluated = self._close_window(now) or evaluated
+        elif self._iterations > WARMUP_ITERATIONS:
+            self._steps.append(seconds)
+        return evaluated
+
+    def _close_window(self, now: float) -> bool:
+        window, self._window = self._window or [], None
+        if not self._steps:
+            return False
+        step = statistics.median(self._steps)
+        self._costs.append(max(0.0, sum(window) - len(window) * step))
+        self._lag = sum(window)
+        self._evaluate(now, "measured")
+        return True
+
+    def rate(self, now: float) -> float:
+        observed = self.lineage.observed_seconds + max(0.0, now - self.t0)
+        return failure_rate(self.lineage.failures, observed, self.prior_mtbf, self.prior_weight)
+
+    def _evaluate(self, now: float, reason: str) -> None:
+        step = statistics.median(self._steps)
+        cost = statistics.median(self._costs)
+        rate = self.rate(now)
+        restart = self.lineage.restart_cost or 0.0
+        current = self.interval if self.interval is not None else None
+        self._proposal = next_interval(current, step, cost, restart, rate, self._lag, self.min_steps, self.max_steps)
+        self.basis = {
+            "reason": reason,
+            "step_seconds": round(step, 6),
+            "save_cost_s": round(cost, 6),
+            "commit_lag_s": round(self._lag, 6),
+            "restart_cost_s": _round(self.lineage.restart_cost, 3),
+            "failure_rate_per_h": round(rate * 3600, 4),
+            "failures": self.lineage.failures,
+        }
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)

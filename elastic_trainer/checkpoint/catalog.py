@@ -55,6 +55,7 @@ class ResumePlan:
     chosen: layout.Candidate | None
     skipped: list[tuple[int, str]] = field(default_factory=list)
     first_start: bool = True
+    corrupt: list[tuple[str, str]] = field(default_factory=list)  # (name, reason): content that fails its seal
 
 
 class Catalog:
@@ -199,7 +200,11 @@ class Catalog:
         else:
             order = self._lineage_order(candidates, epochs)
         plan = ResumePlan(None, [], not restart)
+        # Leftovers of crashed saves are reported (and cleaned at start-up), never loaded.
+        plan.skipped += [(c.step, "uncommitted (no manifest)") for c in sorted(candidates, key=lambda c: c.step, reverse=True) if c.manifest is None and c.name not in exclude]
         for c in order:
+            if c.manifest is None:
+                continue
             if c.name in exclude:
                 continue
             reason = self.problem(c)
@@ -207,6 +212,8 @@ class Catalog:
                 plan.chosen = c
                 break
             plan.skipped.append((c.step, reason))
+            if c.quarantine is None and layout.is_corruption(reason):
+                plan.corrupt.append((c.name, reason))
         return plan
 
     def _lineage_order(self, candidates: list[layout.Candidate], epochs: dict[str, dict[str, Any]], only: str | None = None) -> list[layout.Candidate]:
@@ -232,10 +239,9 @@ class Catalog:
             base = epochs.get(e, {}).get("base")
             if isinstance(base, str):
                 add(by_name.get(base))
-        if not only:
+        if not only:  # then everything else, uncommitted leftovers included (reported as skipped)
             for c in sorted(candidates, key=lambda c: (c.step, c.gen), reverse=True):
-                if c.manifest is not None:
-                    add(c)
+                add(c)
         return out
 
     def head(self, candidates: list[layout.Candidate] | None = None) -> layout.Candidate | None:
@@ -275,7 +281,12 @@ class Catalog:
                 written = table["files"]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"cannot commit {name}: no readable {integrity.CHECKSUMS} from DCP's writer ({type(e).__name__}: {e})") from e
-            problem = layout.commit_problem(written, self.storage.list_files(d))
+            listed = self.storage.list_files(d)
+            problem = layout.commit_problem(written, listed)
+            if problem is None and self.epoch and layout.WRITER in listed:
+                writer = self._read_marker(name, layout.WRITER, listed) or {}
+                if writer.get("epoch") != self.epoch:  # two launches wrote one directory: mixed files
+                    problem = f"directory is being written by another launch (epoch {writer.get('epoch')!r}, ours {self.epoch})"
             if problem:
                 raise CheckpointError(f"cannot commit {name}: {problem}")
             manifest = layout.build_manifest(

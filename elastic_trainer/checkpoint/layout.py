@@ -103,6 +103,13 @@ def seal_problem(manifest: dict[str, Any], key: bytes | None) -> str | None:
     return None
 
 
+def is_corruption(reason: str) -> bool:
+    """Whether a :func:`verify` reason is about the manifest's *content* (unreadable, broken
+    seal or signature): deterministic, so worth a quarantine marker. Missing or short files may be
+    a listing that has not caught up yet, and are re-checked at every start instead."""
+    return reason.startswith(("manifest unreadable", "manifest checksum mismatch", "manifest signature"))
+
+
 def build_manifest(
     *,
     step: int,

@@ -46,7 +46,7 @@ from ..errors import CheckpointError, CheckpointMismatchError, FencedError
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
-from . import integrity, layout
+from . import integrity, layout, save_planner
 from .catalog import Catalog
 from .load_planner import load_planner
 
@@ -146,6 +146,7 @@ class CheckpointManager:
         self._saved: set[int] = set()  # steps this incarnation saved (same on every rank)
         self.save_stats: list[SaveStats] = []
         self.failures = 0
+        self._plan_key = save_planner.new_key()  # DCP plan cache of this manager's saves
 
     # ------------------------------------------------------------------ collectives helpers
     def _broadcast(self, obj: Any) -> Any:
@@ -236,6 +237,11 @@ class CheckpointManager:
             for step, reason in plan.skipped:
                 logger.warning("skipping checkpoint step %d: %s", step, reason)
                 self.events.emit("checkpoint_skipped", step=step, reason=reason)
+            for name, reason in plan.corrupt:
+                try:
+                    cat.quarantine(name, reason)
+                except Exception as e:  # noqa: BLE001 - skipped in this start either way
+                    logger.warning("could not quarantine %s: %s", name, e)
             if resume not in ("latest", "none") and plan.first_start and plan.chosen is None:
                 reason = plan.skipped[0][1] if plan.skipped else "not found"
                 return {"error": f"checkpoint.resume={resume}: checkpoint step {resume} is unusable: {reason}"}
@@ -292,6 +298,13 @@ class CheckpointManager:
     def in_flight(self) -> bool:
         return self._inflight is not None
 
+    @property
+    def save_in_progress(self) -> bool:
+        """Whether this rank's part of the latest save is still being written. Rank-local: a
+        measurement (checkpoint cadence), never a decision that ranks must share."""
+        inf = self._inflight
+        return inf is not None and not inf.upload.done()
+
     def is_committed(self, step: int) -> bool:
         """Whether ``step`` is known committed on every rank's shared knowledge (loaded or saved
         by this incarnation); a save of such a step is a no-op."""
@@ -334,7 +347,7 @@ class CheckpointManager:
         if self.cfg.mode == "sync":
             fut: Future = Future()
             try:
-                dcp.save(self.states, storage_writer=writer, process_group=self.group)
+                dcp.save(self.states, storage_writer=writer, process_group=self.group, planner=save_planner.make(self._plan_key))
                 fut.set_result(None)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - handled as a failed save
                 fut.set_exception(e)
@@ -344,7 +357,8 @@ class CheckpointManager:
 
             kind = AsyncCheckpointerType.PROCESS if self._async_mode == "process" else AsyncCheckpointerType.THREAD
             resp = dcp.async_save(
-                self.states, storage_writer=writer, process_group=self.group, async_stager=self._get_stager(), async_checkpointer_type=kind
+                self.states, storage_writer=writer, process_group=self.group, async_stager=self._get_stager(), async_checkpointer_type=kind,
+                planner=save_planner.make(self._plan_key),
             )
             staging = getattr(resp, "staging_completion", None)
             upload = getattr(resp, "upload_completion", resp)
@@ -464,6 +478,7 @@ class CheckpointManager:
         except TimeoutError:
             ok = None
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - recorded by _commit on rank 0
+            save_planner.forget(self._plan_key)  # a failed save may have left the ranks' plan caches out of step
             if self.rank != 0:
                 logger.warning("checkpoint step %d failed on this rank: %s", inf.step, e)
             ok = False
@@ -519,6 +534,7 @@ class CheckpointManager:
             return False
 
     def close(self) -> None:
+        save_planner.forget(self._plan_key)
         if self._stager is not None:
             self._stager.close()
             self._stager = None

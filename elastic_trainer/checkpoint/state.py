@@ -74,6 +74,18 @@ class SchedulerState(Stateful):
             group["lr"] = lr
 
 
+def past_skipped(cursor: int, skipped: list[list[int]]) -> int:
+    """The first global sample position at or after ``cursor`` outside every ``[start, end)``
+    range a non-finite rollback skipped (ranges may chain)."""
+    moved = True
+    while moved:
+        moved = False
+        for start, end in skipped:
+            if start <= cursor < end:
+                cursor, moved = end, True
+    return cursor
+
+
 @dataclass
 class TrainState(Stateful):
     """Trainer progress. ``cursor`` is the global sample cursor: the data state. ``skipped``
@@ -97,12 +109,7 @@ class TrainState(Stateful):
 
     def skip_past_skipped(self) -> None:
         """Move the cursor past any skipped range it stands in."""
-        moved = True
-        while moved:
-            moved = False
-            for start, end in self.skipped:
-                if start <= self.cursor < end:
-                    self.cursor, moved = end, True
+        self.cursor = past_skipped(self.cursor, self.skipped)
 
 
 class RNGState(Stateful):
@@ -173,3 +180,15 @@ class DataViewState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.recorded = data_view.decode(state_dict["files"]) if "files" in state_dict else None
+
+
+def read_data_view(storage_reader) -> list[dict] | None:
+    """The data view recorded in a checkpoint (None if it has none), read without a process
+    group: for checks before any worker starts."""
+    import torch.distributed.checkpoint as dcp
+
+    from .load_planner import load_planner
+
+    states = {"data": DataViewState()}
+    dcp.load(states, storage_reader=storage_reader, planner=load_planner(states), no_dist=True)
+    return states["data"].recorded

@@ -18,6 +18,11 @@ Initialisation follows the transformers convention (``PreTrainedModel._init_weig
 the embedding's padding row 0, each parameter drawn from its own (seed, name) generator.
 Non-persistent buffers (rotary ``inv_freq``) are recomputed after ``to_empty`` from the
 module's own config.
+Dropout: the config's own dropout settings (``attention_dropout``, ``hidden_dropout`` ...) are
+kept and active in training. Dropout draws from each rank's generators, which checkpoints save
+per rank (:class:`elastic_trainer.checkpoint.state.RNGState`), so a resume at the same world
+size is bitwise exact; set them to 0 in ``config.json`` to train without. ``model.dropout`` is
+for the demo model and refused with this factory.
 """
 
 from __future__ import annotations

@@ -28,6 +28,12 @@ from ..errors import StorageError, TransientStorageError
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# Files each rank's DCP writer uploads in parallel to an object store (DCP's ``thread_count``:
+# one thread and one multipart upload per file; s3fs uploads one file's parts one after another).
+# bench/s3_throughput.py varies it: on the SeaweedFS fixture 2 and 4 were within the run's noise
+# of 1 (the 2 shared cores, not the request pattern, bound it; BENCHMARKS.md), so 1 file per rank.
+S3_WRITE_THREADS = 1
+
 @dataclass(frozen=True)
 class StorageOptions:
     """Connection settings. ``endpoint_url`` falls back to AWS_ENDPOINT_URL_S3 / FSSPEC_S3_ENDPOINT_URL."""
@@ -231,7 +237,7 @@ class Storage:
             return FileSystemWriter(self._p(path), single_file_per_rank=True, sync_files=True, thread_count=1)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        writer = FsspecWriter(path, single_file_per_rank=True, sync_files=False, thread_count=1, **self._kwargs)
+        writer = FsspecWriter(path, single_file_per_rank=True, sync_files=False, thread_count=S3_WRITE_THREADS, **self._kwargs)
         self._bound_retries(writer)
         return writer
 

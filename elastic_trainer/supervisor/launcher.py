@@ -327,6 +327,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
     if config.max_nodes > 1 and config.rdzv_backend != "static":
         _check_store(config)
     os.environ["ELASTIC_TRAINER_CHECKPOINT_EPOCH"] = take_epoch(cfg, config.run_id or "elastic-trainer", events)
+    os.environ["ELASTIC_TRAINER_CHECKPOINT_ROOT"] = cfg.checkpoint.dir
     events.emit(
         "launch",
         nnodes=f"{config.min_nodes}:{config.max_nodes}",

@@ -18,21 +18,9 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..runtime.sampler import GlobalOrder, micro_steps, rank_slice
 
 IGNORE_INDEX = -100
-
-
-def rank_slice(global_batch: int, world: int, rank: int) -> tuple[int, int]:
-    """(start, count) of ``rank``'s contiguous share of a global batch; first ``G % W`` ranks get one more."""
-    base, extra = divmod(global_batch, world)
-    start = rank * base + min(rank, extra)
-    return start, base + (1 if rank < extra else 0)
-
-
-def micro_steps(global_batch: int, world: int, micro_batch: int) -> int:
-    """Forward/backward passes per step; the same on every rank."""
-    most = -(-global_batch // world)
-    return -(-most // micro_batch)
 
 
 class TokenFile:
@@ -80,24 +68,6 @@ def scan_max(tokens: np.ndarray, vocab_size: int, path: str, chunk: int = SCAN_C
             raise ConfigError("model.vocab_size", f"token id {int(part[pos - start])} at token {pos} of {path} is >= model.vocab_size={vocab_size}")
         top = max(top, m)
     return top
-
-
-class GlobalOrder:
-    """Deterministic global order of sample ids, a function of (seed, position) only."""
-
-    def __init__(self, n_samples: int, seed: int):
-        self.n = n_samples
-        self.seed = seed
-        self._epoch = -1
-        self._perm: torch.Tensor | None = None
-
-    def __getitem__(self, position: int) -> int:
-        epoch, offset = divmod(position, self.n)
-        if epoch != self._epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = torch.randperm(self.n, generator=g)
-            self._epoch = epoch
-        return int(self._perm[offset])
 
 
 @dataclass

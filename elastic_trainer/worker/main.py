@@ -18,13 +18,12 @@ import traceback
 import torch
 
 from .. import exit_codes, log
-from ..config import Config, check_run_identity, check_world_size, config_from_dict
+from ..config import Config, check_world_size, config_from_dict
 from ..events import EventLog
 
 logger = logging.getLogger("elastic_trainer.worker")
 
 CONFIG_ENV = "ELASTIC_TRAINER_CONFIG_JSON"
-EPOCH_ENV = "ELASTIC_TRAINER_CHECKPOINT_EPOCH"  # set by the supervisor (fencing, see checkpoint/catalog.py)
 EXIT_FAILURE = exit_codes.FAILED
 FAILURE_DRAIN_SECONDS = 10.0
 _ACTIVE: dict = {}  # the checkpoint manager, for the exception path
@@ -65,101 +64,50 @@ def build_training(cfg: Config, d, open_data: bool = True):
 
 
 def build_and_train(cfg: Config, t_start: float) -> int:
-    import torch.distributed as dist
-
-    from ..checkpoint.manager import CheckpointManager
-    from ..checkpoint.state import DataViewState, ModelState, OptimizerState, RNGState, SchedulerState
-    from ..metrics import factory as metrics_factory
+    """The built-in trainer on the public runtime (the same API a user's script uses)."""
+    from ..checkpoint.state import DataViewState
     from ..models.pretrained import init_from_pretrained
-    from ..storage.fs import open_storage
+    from ..runtime import Checkpointer, init
     from . import parallel
     from .sources import open_data_view
-    from .train_loop import PreemptionFlag, Trainer
+    from .train_loop import Trainer
 
-    preempt = PreemptionFlag()
-    preempt.install()
-    d = parallel.init_distributed(cfg.train, timeout_seconds=cfg.elastic.hang_timeout_seconds)
+    session = init(cfg)
+    session.started = t_start
+    d = session.dist
     check_world_size(cfg, d.world_size)
-    events = EventLog(os.path.join(cfg.run.dir, "events.jsonl"), enabled=d.rank == 0)
-    metrics = metrics_factory.worker_sink(cfg, rank=d.rank)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    metrics.gauge("elastic_trainer_world_size", d.world_size)
-
     model, optimizer, scheduler, batches, state = build_training(cfg, d, open_data=False)
-    rng, data = RNGState(d.rank, d.world_size), DataViewState()
-    storage = open_storage(cfg.checkpoint.dir, cfg.checkpoint.s3_endpoint_url, cfg.checkpoint.storage_timeout_seconds, cfg.checkpoint.storage_retries)
-    ckpt = CheckpointManager(
-        cfg.checkpoint,
-        storage,
-        {"model": ModelState(model), "optim": OptimizerState(model, optimizer), "lr_scheduler": SchedulerState(scheduler), "train": state, "rng": rng, "data": data},
-        rank=d.rank,
-        world_size=d.world_size,
-        mesh_shape=list(d.mesh.shape),
-        group=d.ckpt_group,
+    data = DataViewState()
+    ckpt = Checkpointer(
+        session,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        extra={"data": data},
+        train_state=state,
         fingerprint=cfg.model_fingerprint(),
-        events=events,
-        metrics=metrics,
-        use_cuda_staging=d.device.type == "cuda",
-        control_group=None,  # the training group: main-thread agreements never share the checkpoint group
-        epoch=os.environ.get(EPOCH_ENV) or None,
-        launch_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
         run_identity=cfg.run_identity(),
     )
-    _ACTIVE["ckpt"] = ckpt
+    _ACTIVE["ckpt"] = ckpt.manager
     if d.rank == 0:
         logger.info("config: %s", cfg.to_json())
-        logger.info("checkpoints: %s", storage.describe())
+        logger.info("checkpoints: %s", ckpt.storage.describe())
         logger.info("parameters on this rank: %.2f MB of %s total elements", parallel.local_param_bytes(model) / 1e6, sum(p.numel() for p in model.parameters()))
-    events.emit("start", world_size=d.world_size, restart_count=restart, rank0_host=os.uname().nodename, pid=os.getpid(), checkpoint_dir=storage.describe())
-    loaded = ckpt.load()
-    if loaded is None:
-        init_from_pretrained(cfg.model, model, events, d.rank)  # model.init_from, fresh start only
-    if not rng.restored:  # a fresh start, or per-rank streams that do not map onto this world size
-        rng.reseed(cfg.train.seed, state.step)
-    rng_note = "restored" if rng.restored else ("seeded" if loaded is None else "reseeded from (train.seed, rank, step)")
-    source, data.view, ignored = open_data_view(cfg, data.recorded, d.rank, d.ckpt_group)
-    batches.open(source)
-    if ignored:
-        logger.warning("data view frozen at the run's first start: ignoring %d file(s) added since, e.g. %s", len(ignored), ignored[0])
-        events.emit("data_view_frozen", files=len(data.view), ignored=ignored[:100], ignored_count=len(ignored))
-    if loaded is not None:
-        allowed = check_run_identity(cfg, loaded.manifest.get("run_identity") or {})
-        if allowed and loaded.first_start:
-            events.emit("config_changed", step=loaded.step, changes=[{"key": k, "checkpoint": o, "config": n} for k, o, n in allowed])
-        saved_world = loaded.manifest.get("world_size")
-        events.emit(
-            "resume",
-            step=loaded.step,
-            from_world_size=saved_world,
-            world_size=d.world_size,
-            load_seconds=round(loaded.seconds, 4),
-            since_start_seconds=round(time.monotonic() - t_start, 4),
-            cursor=state.cursor,
-            skipped=[list(s) for s in loaded.skipped],
-            rng=rng_note,
-            data_view="recorded" if data.recorded is not None else "resolved now (the checkpoint has none)",
-        )
-        if saved_world != d.world_size:
-            events.emit("reshard", step=loaded.step, from_world_size=saved_world, to_world_size=d.world_size, from_mesh=loaded.manifest.get("mesh_shape"), to_mesh=list(d.mesh.shape), rng=rng_note)
-            metrics.counter("elastic_trainer_reshard_events_total")
-        if d.rank == 0:
-            logger.info("resumed from step %d (saved at world %s, now %d) in %.2fs", loaded.step, saved_world, d.world_size, loaded.seconds)
-    trainer = Trainer(cfg, model, optimizer, scheduler, batches, state, ckpt, events, metrics, d.rank, d.world_size, d.device, preempt=preempt)
-    timer_file = os.environ.get("TORCHELASTIC_TIMER_FILE")
-    if timer_file:
-        from torch.distributed.elastic import timer
 
-        timer.configure(timer.FileTimerClient(timer_file))
-        trainer.timer_scope = True  # type: ignore[assignment]
-    code = trainer.run()
-    if code == 0:
-        events.emit("finished", step=state.step, tokens_seen=state.tokens_seen, last_committed_step=ckpt.last_committed_step)
-    elif d.rank == 0:
-        marker = os.path.join(cfg.run.dir, "PREEMPTED")
-        with open(marker, "w") as f:
-            json.dump({"step": state.step, "exit_code": code, "committed_step": ckpt.last_committed_step}, f)
-    ckpt.close()
-    dist.destroy_process_group()
+    def after_load(loaded) -> dict:
+        if loaded is None:
+            init_from_pretrained(cfg.model, model, session.events, d.rank)  # model.init_from, fresh start only
+        source, data.view, ignored = open_data_view(cfg, data.recorded, d.rank, d.ckpt_group)
+        batches.open(source)
+        if ignored:
+            logger.warning("data view frozen at the run's first start: ignoring %d file(s) added since, e.g. %s", len(ignored), ignored[0])
+            session.events.emit("data_view_frozen", files=len(data.view), ignored=ignored[:100], ignored_count=len(ignored))
+        return {"data_view": "recorded" if data.recorded is not None else "resolved now (the checkpoint has none)"}
+
+    ckpt.resume(after_load)
+    code = Trainer(cfg, model, optimizer, scheduler, batches, session, ckpt).run()
+    ckpt.close(code)
+    session.close()
     return code
 
 

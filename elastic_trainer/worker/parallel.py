@@ -4,66 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..config import TrainConfig
 from ..errors import ConfigError
+from ..runtime.sharding import mixed_precision_policy, shard_model  # noqa: F401 - re-exported for the worker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Dist:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    mesh: DeviceMesh
-    ckpt_group: dist.ProcessGroup  # gloo, for checkpoint collectives only
-
-
-def pick_device(train: TrainConfig, local_rank: int) -> torch.device:
-    if train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device", "cuda requested but no CUDA device is available")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def init_distributed(train: TrainConfig, timeout_seconds: float) -> Dist:
-    """Initialise the training group (NCCL on CUDA, gloo on CPU) and a separate gloo group for
-    checkpoints. Must be called on all ranks. ``timeout_seconds`` bounds every collective."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(train, local_rank)
-    timeout = timedelta(seconds=timeout_seconds)
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
-    ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
-    return Dist(rank, world, local_rank, device, mesh, ckpt_group)
-
-
-def mixed_precision_policy(train: TrainConfig, device: torch.device) -> MixedPrecisionPolicy:
-    """bf16 compute + fp32 gradient reduction on CUDA (``auto``), fp32 on CPU unless asked."""
-    mode = train.mixed_precision
-    if mode == "auto":
-        mode = "bf16" if device.type == "cuda" else "fp32"
-    if mode == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
 
 
 def resolve_shard_classes(model: nn.Module, names: list[str], key: str = "model.shard_modules") -> list[type]:
@@ -72,25 +22,6 @@ def resolve_shard_classes(model: nn.Module, names: list[str], key: str = "model.
     if missing:
         raise ConfigError(key, f"no module of class {', '.join(missing)} in the model (classes present: {', '.join(sorted(classes))})")
     return [classes[n] for n in names]
-
-
-def shard_model(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, shard_classes: list[type]) -> nn.Module:
-    """``fully_shard`` bottom-up: every module of ``shard_classes`` (post-order), then the root.
-
-    Gradients are reduced as a SUM (divide factor 1): the loss is already normalised by the
-    global target count, so the summed gradient is the global mean at any world size.
-    """
-    targets = [m for m in model.modules() if m is not model and isinstance(m, tuple(shard_classes))]
-    for m in reversed(targets):
-        fully_shard(m, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    for m in [*targets, model]:
-        m.set_gradient_divide_factor(1.0)
-        m.set_force_sum_reduction_for_comms(True)
-    unsharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
-    if unsharded:
-        raise ConfigError("model.shard_modules", f"parameters left unsharded: {', '.join(unsharded[:5])}")
-    return model
 
 
 def _param_seed(seed: int, name: str) -> int:

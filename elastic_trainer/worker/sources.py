@@ -17,7 +17,11 @@ The stream is built once and cached at ``<data.cache_dir>/<format>-<key>.bin`` (
 ``cache_dir``: ``<run.dir>/data-cache``), keyed by the files (path, size, mtime), the column,
 the tokenizer's bytes and the EOS token. The supervisor builds it before any worker starts
 (:func:`elastic_trainer.data_check.check_data_source`); a worker that finds it missing builds
-it itself (atomic rename, so concurrent builders are harmless: they write identical bytes).
+it itself (atomic rename from a temporary name unique to host, process and call, so
+concurrent builders on nodes sharing the cache directory are harmless: they write identical bytes).
+
+The file list is resolved once per run: the first start records it (:mod:`elastic_trainer.data_view`)
+and every resume reads exactly that list (:func:`open_data_view`).
 """
 
 from __future__ import annotations

@@ -92,3 +92,14 @@ def test_reseed_is_a_function_of_seed_rank_and_step():
     assert torch.equal(*draws[(0, 5)])
     assert not torch.equal(draws[(0, 5)][0], draws[(1, 5)][0])
     assert not torch.equal(draws[(0, 5)][0], draws[(0, 6)][0])
+
+
+def test_the_recorded_data_view_is_read_without_a_process_group(saved, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from elastic_trainer.checkpoint.state import RNGState, read_data_view
+
+    ckpt, _ = saved
+    assert read_data_view(dcp.FileSystemReader(ckpt)) == VIEW
+    dcp.save({"rng": RNGState(rank=0, world_size=1)}, checkpoint_id=str(tmp_path / "old"), no_dist=True)
+    assert read_data_view(dcp.FileSystemReader(str(tmp_path / "old"))) is None  # written before views were recorded

@@ -54,7 +54,7 @@ def _train_steps(model, opt, sched, cfg, n, rank, world, start=0):
     """n optimizer steps on a fixed synthetic global batch of 8 samples, split over ranks."""
     import torch.nn.functional as F
 
-    from elastic_trainer.worker.data import rank_slice
+    from elastic_trainer.runtime.sampler import rank_slice
 
     losses = []
     for step in range(start, start + n):

@@ -122,12 +122,15 @@ def test_a_glob_that_gains_a_file_resumes_on_the_files_of_the_first_start(tmp_pa
     ref = step_losses(tmp_path / "ref")
     assert step_losses(run) == ref and sorted(ref) == list(range(1, STEPS + 1))
 
-    # A file the run read is gone: the resume stops, naming it.
+    # A file the run read is gone: the launch stops before any worker starts, naming it.
+    starts = len(read_events(run, "start"))
     (data_dir / "part-0.parquet").unlink()
-    r = _launch(cfg)
-    assert r.returncode != 0
-    errors = [f["error"] for f in read_events(run, "failure")]
-    assert any("config error at 'data.path'" in e and str(data_dir / "part-0.parquet") in e and "is gone" in e for e in errors), errors
+    log = cfg.with_suffix(".log")
+    log.write_text("")
+    assert _launch(cfg).returncode == 2, log.read_text()[-3000:]
+    lines = [ln for ln in log.read_text().splitlines() if "config error" in ln]
+    assert lines and "config error at 'data.path'" in lines[-1] and f"{data_dir / 'part-0.parquet'} is gone" in lines[-1], log.read_text()[-3000:]
+    assert len(read_events(run, "start")) == starts, "a worker started"
 
 
 def _bad_launch(tmp_path: Path, data_path: str) -> subprocess.CompletedProcess:

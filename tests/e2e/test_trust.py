@@ -178,10 +178,11 @@ def test_same_size_corruption_of_the_newest_checkpoint_falls_back_bitwise(what, 
         assert "manifest checksum mismatch" in reason, reason
     else:
         assert "checksum mismatch" in reason and ("before unpickling" in reason if what == "metadata" else "corrupted shard" in reason), reason
-        q = json.loads((newest / layout.QUARANTINE).read_text())
-        assert "checksum mismatch" in q["reason"]
-        (qe,) = runs.read_events(run, "checkpoint_quarantined")
-        assert qe["step"] == 12 and qe["name"] == "step-00000012"
+    # Quarantined (a marker, never a deletion), whether the manifest's seal or a data checksum broke.
+    q = json.loads((newest / layout.QUARANTINE).read_text())
+    assert "checksum mismatch" in q["reason"]
+    (qe,) = runs.read_events(run, "checkpoint_quarantined")
+    assert qe["step"] == 12 and qe["name"] == "step-00000012"
     assert newest.exists(), "a damaged commit is kept as evidence, never deleted"
     (resume,) = runs.read_events(run, "resume")
     assert resume["step"] == 9
@@ -393,8 +394,9 @@ def test_with_a_key_a_forged_metadata_is_refused_before_unpickling(tmp_path, tok
 # ---------------------------------------------------------------------------- slow storage
 @pytest.mark.s3
 def test_slow_storage_kills_no_worker_and_training_goes_on(tmp_path, token_file, reference, s3_server, s3_bucket, fault_proxy):
-    """Every PUT of the save of step 3 is held 7 s (hang timeout 5 s): no worker is killed as
-    hung; that save lands late or fails visibly; every step runs with the reference loss."""
+    """The first PUTs (start-up records, the save of step 3) are held 7 s each (hang timeout
+    5 s): no worker is killed as hung; the save lands late or fails visibly, later saves commit;
+    every step runs with the reference loss."""
     prefix = "jobs/slow"
     cfg, run = _config(
         tmp_path, token_file, "run", ckpt_dir=f"s3://{s3_bucket}/{prefix}",
@@ -402,7 +404,9 @@ def test_slow_storage_kills_no_worker_and_training_goes_on(tmp_path, token_file,
         elastic={"hang_timeout_seconds": 5.0, "max_restarts": 1},
     )
     creds = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key, "AWS_DEFAULT_REGION": s3_server.region}
-    fault_proxy.delay_next(4, 7.0, methods=("PUT",))  # nothing is PUT before the first save
+    # The first PUTs: the launch's epoch, the resume base (rank 1 waits for rank 0's decision),
+    # then the save of step 3.
+    fault_proxy.delay_next(4, 7.0, methods=("PUT",))
     r = runs.run_launch(cfg, timeout=TIMEOUT, env=creds)
     assert r.returncode == 0, _log(cfg)
     assert fault_proxy.pending == 0 and fault_proxy.faulted.get("PUT") == 4

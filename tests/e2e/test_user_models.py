@@ -277,13 +277,14 @@ def _sharded_logits(config: str, inputs_path: str, out_path: str) -> None:
     from elastic_trainer.checkpoint.tools import list_checkpoints
     from elastic_trainer.checkpoint import layout
     from elastic_trainer.worker import parallel
+    from elastic_trainer.runtime.session import init_distributed
     from elastic_trainer.worker.model import logits_of
     from elastic_trainer.worker.model_factory import build_model_spec, initialise_buffers
 
     import torch.distributed.checkpoint as dcp
 
     cfg = load_config(config)
-    d = parallel.init_distributed(cfg.train, 60)
+    d = init_distributed(cfg.train, 60)
     with torch.device("meta"):
         spec = build_model_spec(cfg.model)
     model = spec.model

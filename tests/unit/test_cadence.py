@@ -44,3 +44,203 @@ def test_failure_rate_prior_and_observations():
     assert cadence.failure_rate(10, 600.0, 3600) == pytest.approx(11 / 4200)
     assert cadence.failure_rate(10, 36_000.0, 3600) == pytest.approx(11 / 39_600)
     assert math.isclose(cadence.failure_rate(0, 36_000.0, 3600), 1 / 39_600)
+
+
+# --- checkpoint.interval_steps = "auto" -----------------------------------------------------------
+
+from elastic_trainer.config import load_config  # noqa: E402
+from elastic_trainer.errors import ConfigError  # noqa: E402
+
+
+@pytest.mark.parametrize("override, expect", [
+    ("checkpoint.interval_steps=auto", "auto"),
+    ('checkpoint.interval_steps="auto"', "auto"),
+    ("checkpoint.interval_steps=25", 25),
+    ("checkpoint.interval_steps=0", 0),
+])
+def test_interval_steps_takes_an_integer_or_auto(override, expect):
+    assert load_config(None, [override]).checkpoint.interval_steps == expect
+
+
+@pytest.mark.parametrize("override, key, fragment", [
+    ("checkpoint.interval_steps=often", "checkpoint.interval_steps", "expected an integer or 'auto'"),
+    ("checkpoint.interval_steps=AUTO", "checkpoint.interval_steps", "expected an integer or 'auto'"),
+    ("checkpoint.interval_steps=2.5", "checkpoint.interval_steps", "expected an integer or 'auto'"),
+    ("checkpoint.interval_steps=true", "checkpoint.interval_steps", "expected an integer or 'auto'"),
+    ("checkpoint.interval_steps=-3", "checkpoint.interval_steps", "must be >= 0"),
+    ("checkpoint.auto_prior_mtbf_seconds=0", "checkpoint.auto_prior_mtbf_seconds", "must be > 0"),
+    ("checkpoint.auto_prior_weight_seconds=-1", "checkpoint.auto_prior_weight_seconds", "must be > 0"),
+    ("checkpoint.auto_min_steps=0", "checkpoint.auto_min_steps", "must be >= 1"),
+    ("checkpoint.auto_max_steps=3", "checkpoint.auto_max_steps", "must be >= checkpoint.auto_min_steps"),
+])
+def test_bad_auto_settings_name_the_key(override, key, fragment):
+    overrides = [override] + (["checkpoint.auto_min_steps=5"] if "auto_max_steps" in override else [])
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert e.value.key == key and fragment in str(e.value)
+
+
+def test_auto_in_toml(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[checkpoint]\ninterval_steps = "auto"\nauto_max_steps = 200\n')
+    c = load_config(p).checkpoint
+    assert (c.interval_steps, c.auto_max_steps, c.auto_prior_mtbf_seconds) == ("auto", 200, 3600.0)
+
+
+def test_prior_weight_sets_how_fast_observations_win():
+    # Same prior mean (1/h) for a fresh job, whatever the weight.
+    assert cadence.failure_rate(0, 0.0, 3600, 60) == pytest.approx(1 / 3600)
+    heavy = cadence.failure_rate(5, 300.0, 3600)  # worth an hour of observation
+    light = cadence.failure_rate(5, 300.0, 3600, 60)  # worth a minute
+    assert light == pytest.approx((60 / 3600 + 5) / 360) and light > 5 * heavy
+
+
+@pytest.mark.parametrize("current, expect", [
+    (None, "best"),  # nothing in force: the optimum
+    (35, 35),  # the optimum itself
+    (33, 33),  # within 2 % of the least waste: keep (no flapping on noise)
+    (10, "best"),  # clearly worse: switch
+    (500, "best"),  # outside the bounds: switch
+])
+def test_next_interval_keeps_a_near_optimal_interval(current, expect):
+    best = cadence.optimal_interval(1.0, 2.0, 10.0, 1 / 300, 0.0, 1, 100)
+    got = cadence.next_interval(current, 1.0, 2.0, 10.0, 1 / 300, 0.0, 1, 100)
+    assert got == (best if expect == "best" else expect)
+
+
+def _auto(rank=0, lineage=cadence.Lineage(), **kw):
+    args = dict(rank=rank, start_step=0, lineage=lineage, prior_mtbf_seconds=3600.0, prior_weight_seconds=60.0, min_steps=1, max_steps=1000, now=0.0)
+    args.update(kw)
+    return cadence.AutoCadence(**args)
+
+
+def _feed(c, step_s, save_every, save_extra, overlap, n, t=0.0):
+    """Rank 0's loop: iterations of ``step_s``; a save every ``save_every`` steps costs ``save_extra``
+    on its iteration and is written ``overlap`` iterations later."""
+    writing = 0
+    for i in range(1, n + 1):
+        saved = i % save_every == 0
+        t += step_s + (save_extra if saved else 0.0)
+        writing = overlap if saved else max(0, writing - 1)
+        c.observe(step_s + (save_extra if saved else 0.0), saved, writing > 0, t)
+    return t
+
+
+def test_auto_starts_at_the_initial_interval_then_follows_measurements():
+    c = _auto()
+    assert c.vote() == cadence.INITIAL_STEPS and c.basis["reason"] == "initial"
+    assert c.agree(c.vote()).previous is None and c.interval == cadence.INITIAL_STEPS
+    _feed(c, 0.5, 10, 2.0, 0, 10)  # one save of 2 s extra stall
+    assert c.basis["reason"] == "measured" and c.basis["save_cost_s"] == pytest.approx(2.0) and c.basis["step_seconds"] == pytest.approx(0.5)
+    rate = cadence.failure_rate(0, 5.0 + 2.0, 3600, 60)
+    assert c.vote() == cadence.optimal_interval(0.5, 2.0, 0.0, rate, 2.5, 1, 1000)
+    change = c.agree(c.vote())
+    assert change.previous == 10 and change.interval_steps == c.vote() and change.basis["save_cost_s"] == pytest.approx(2.0)
+    assert c.agree(c.vote()) is None, "no event without a change"
+
+
+def test_overlap_slowdown_counts_as_save_cost():
+    c = _auto()
+    c.agree(c.vote())
+    t = _feed(c, 0.5, 1000, 0.0, 0, 9)  # baseline only
+    for secs, saved, writing in [(0.6, True, True), (0.9, False, True), (0.8, False, True), (0.5, False, False)]:
+        t += secs
+        c.observe(secs, saved, writing, t)
+    assert c.basis["save_cost_s"] == pytest.approx(0.6 + 0.9 + 0.8 + 0.5 - 4 * 0.5)
+    assert c.basis["commit_lag_s"] == pytest.approx(2.8)
+
+
+def test_more_failures_in_the_lineage_shorten_the_interval():
+    calm = _auto(lineage=cadence.Lineage(failures=1, observed_seconds=600.0, step_seconds=0.3, save_cost=0.2, commit_lag=1.0))
+    busy = _auto(lineage=cadence.Lineage(failures=10, observed_seconds=600.0, step_seconds=0.3, save_cost=0.2, commit_lag=1.0))
+    assert calm.basis["reason"] == busy.basis["reason"] == "lineage"
+    assert busy.vote() < calm.vote()
+    assert busy.basis["failure_rate_per_h"] > calm.basis["failure_rate_per_h"]
+
+
+def test_every_rank_decides_from_the_agreed_vote_only():
+    """Rank 1 measures differently (its own timings), yet with the summed vote both ranks save at
+    the same steps: the decision is a pure function of agreed inputs."""
+    busy = cadence.Lineage(failures=20, observed_seconds=600.0)  # rank 0 read it; rank 1 did not
+    r0, r1 = _auto(rank=0, lineage=busy), _auto(rank=1)
+    assert r1.vote() == 0.0
+    saves = {0: [], 1: []}
+    t = 0.0
+    for step in range(1, 120):
+        summed = r0.vote() + r1.vote()
+        for r in (r0, r1):
+            r.agree(summed)
+        assert r0.interval == r1.interval
+        due = [r0.due(step), r1.due(step)]
+        assert due[0] == due[1]
+        for k, r in ((0, r0), (1, r1)):
+            if due[k]:
+                r.saved(step)
+                saves[k].append(step)
+        t += 0.2
+        r0.observe(0.2 + (0.5 if due[0] else 0.0), due[0], False, t)
+        r1.observe(0.9, due[1], True, t)  # different local measurements: ignored for the decision
+    assert saves[0] == saves[1] and len(saves[0]) >= 3
+    assert saves[0][0] == cadence.INITIAL_STEPS
+
+
+def test_resume_counts_the_interval_from_the_loaded_step():
+    c = _auto(start_step=40)
+    c.agree(10.0)
+    assert [s for s in range(41, 61) if c.due(s)] == [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60]
+    c.saved(50)
+    assert not c.due(59) and c.due(60)
+
+
+def test_lineage_from_events():
+    ev = [
+        {"event": "launch", "time": 0.0},
+        {"event": "step", "step": 1, "time": 10.0, "step_time_s": 0.5},
+        {"event": "step", "step": 2, "time": 10.5, "step_time_s": 0.5},
+        {"event": "checkpoint_interval_changed", "time": 10.6, "interval_steps": 7, "step_seconds": 0.5, "save_cost_s": 0.1, "commit_lag_s": 1.5},
+        {"event": "failure", "time": 11.0},
+        {"event": "restart", "reason": "worker_failure", "time": 11.2},
+        {"event": "rendezvous", "time": 12.0, "seconds": 0.5},
+        {"event": "step", "step": 1, "time": 17.0, "step_time_s": 0.5},
+        {"event": "restart", "reason": "membership_change", "time": 20.0},
+        {"event": "preempt_requested", "time": 30.0},
+        {"event": "checkpoint_interval_changed", "time": 31.0, "interval_steps": 10, "reason": "initial", "save_cost_s": None, "step_seconds": None},
+    ]
+    lin = cadence.lineage_from_events(ev)
+    assert lin.failures == 2 and lin.observed_seconds == pytest.approx(31.0)
+    assert lin.restart_cost == pytest.approx(16.5 - 10.5)  # end of step 2 -> start of the next step
+    assert (lin.step_seconds, lin.save_cost, lin.commit_lag) == (0.5, 0.1, 1.5)
+    assert cadence.lineage_from_events([]) == cadence.Lineage()
+
+
+def _checkpointer(cfg, sink, log):
+    """A Checkpointer with only what the cadence uses (no process group, no storage)."""
+    from types import SimpleNamespace
+
+    from elastic_trainer.checkpoint.state import TrainState
+    from elastic_trainer.runtime.checkpointer import Checkpointer
+
+    ck = Checkpointer.__new__(Checkpointer)
+    ck.session = SimpleNamespace(cfg=cfg, metrics=sink, events=log, rank=0)
+    ck.state, ck.cadence, ck._tick = TrainState(), None, None
+    return ck
+
+
+def test_checkpointer_sets_the_gauge_and_emits_the_event(tmp_path):
+    from elastic_trainer.events import EventLog, read_events
+    from elastic_trainer.metrics.sink import RecordingSink
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "checkpoint.interval_steps=auto"])
+    sink, log = RecordingSink(), EventLog(str(tmp_path / "events.jsonl"))
+    ck = _checkpointer(cfg, sink, log)
+    ck._start_cadence()
+    assert "elastic_trainer_checkpoint_interval_steps" not in sink.gauges, "auto: nothing in force before the first agreement"
+    ck.cadence_agreed(1, 10.0)
+    ck.cadence_agreed(2, 10.0)
+    assert sink.gauges["elastic_trainer_checkpoint_interval_steps"] == 10
+    (ev,) = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == "checkpoint_interval_changed"]
+    assert ev["interval_steps"] == 10 and ev["previous"] is None and ev["reason"] == "initial" and ev["step"] == 1
+    assert {"save_cost_s", "restart_cost_s", "failure_rate_per_h"} <= set(ev)
+    fixed = _checkpointer(load_config(None, ["checkpoint.interval_steps=25"]), RecordingSink(), log)
+    fixed._start_cadence()
+    assert fixed.session.metrics.gauges["elastic_trainer_checkpoint_interval_steps"] == 25 and fixed.cadence is None

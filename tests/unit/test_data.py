@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from elastic_trainer.errors import ConfigError
-from elastic_trainer.worker.data import IGNORE_INDEX, GlobalOrder, StepBatches, TokenFile, micro_steps, rank_slice
+from elastic_trainer.runtime.sampler import GlobalOrder, micro_steps, rank_slice
+from elastic_trainer.worker.data import IGNORE_INDEX, StepBatches, TokenFile
 
 
 @pytest.mark.parametrize("g,w", [(g, w) for g in (1, 7, 10, 16, 33) for w in (1, 2, 3, 4, 5) if g >= w])

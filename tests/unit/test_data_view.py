@@ -115,3 +115,27 @@ def test_temp_names_differ_between_processes_and_calls():
     assert len(names) == 100
     host = os.uname().nodename
     assert all(n.startswith(f"/cache/x.bin.tmp.{host}.{os.getpid()}.") for n in names)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [{"dropout": 1.0}, {"dropout": -0.1}, {"dropout": 0.1, "factory": "elastic_trainer.models.hf:causal_lm", "hf_config": "x"}],
+    ids=["one", "negative", "with-hf"],
+)
+def test_model_dropout_is_checked_naming_the_key(model):
+    with pytest.raises(ConfigError, match=r"config error at 'model\.dropout'"):
+        config_from_dict({"model": model})
+
+
+def test_demo_dropout_changes_training_outputs_only_in_training_mode():
+    import torch
+
+    from elastic_trainer.config import ModelConfig
+    from elastic_trainer.worker.model import GPT
+
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(vocab_size=32, seq_len=8, dim=16, n_layers=1, n_heads=2, mlp_ratio=2, dropout=0.5))
+    x = torch.randint(0, 32, (2, 8))
+    assert not torch.equal(m(x), m(x))
+    m.eval()
+    assert torch.equal(m(x), m(x))

@@ -1,0 +1,135 @@
+"""CPU-seconds per GB a DCP checkpoint write costs, per writer variant (issue #14, item 2).
+
+    python bench/write_cost.py [--mb 1024] [--tensors 32] [--rounds 3] [--json-out F]
+
+One process, no process group (what one rank's upload thread does), local temp dir. Each variant
+writes the same ``--mb`` MB of float32 tensors with ``dcp.save``; measured: CPU time of the whole
+process (all threads, user + system: serialisation, hashing, the page-cache copy, fsync) and wall
+time, per GB written. Rounds interleave the variants so all see the same load.
+
+* ``torch-default``: ``FileSystemWriter`` as ``Storage.dcp_writer`` builds it, torch.save's zip CRC32s on;
+* ``ours``: the manager's writer, ``integrity.checksummed(...)`` (CRC32s off, XXH3 of every byte);
+* ``ours-threads2``: the same with ``thread_count=2`` (two files per rank, two writer threads);
+* ``no-crc-no-hash``: CRC32s off and no checksums (what the serialisation and file writes
+  alone cost: the floor for any checksummed variant).
+
+Every checkpoint written is re-read with torch's ``format_utils.dcp_to_torch_save`` once (a plain
+DCP checkpoint) and compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import loadavg, machine_info, median, table  # noqa: E402
+
+VARIANTS = ["torch-default", "ours", "ours-threads2", "no-crc-no-hash"]
+
+
+def _writer(variant: str, storage, path: str):
+    from elastic_trainer.checkpoint import integrity
+
+    w = storage.dcp_writer(path)
+    if variant == "torch-default":
+        return w
+    if variant == "ours-threads2":
+        w.thread_count = 2
+    if variant == "no-crc-no-hash":
+        return _NoCrc(w)
+    return integrity.checksummed(w)
+
+
+class _NoCrc:
+    """A writer proxy that turns torch.save's CRC32s off while it writes, nothing else."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def write_data(self, plan, planner):
+        import torch
+
+        prev = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            fut = self._inner.write_data(plan, planner)
+            fut.wait()
+            return fut
+        finally:
+            torch.serialization.set_crc32_options(prev)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=int, default=1024)
+    ap.add_argument("--tensors", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from elastic_trainer.storage.fs import open_storage
+
+    info = machine_info()
+    info["loadavg_start"] = loadavg()
+    rows_per = a.mb * 2**20 // 4 // a.tensors // 1024
+    state = {f"t{i}": torch.randn(rows_per, 1024) for i in range(a.tensors)}
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    work = tempfile.mkdtemp(prefix="bench-write-cost-", dir=a.workdir)
+    storage = open_storage(work)
+    cpu: dict[str, list[float]] = {}
+    wall: dict[str, list[float]] = {}
+    checked = set()
+    try:
+        for r in range(a.rounds):
+            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+            for v in order:
+                path = storage.join(f"{v}-{r}")
+                storage.makedirs(path)
+                w = _writer(v, storage, path)
+                c0, t0 = time.process_time(), time.monotonic()
+                dcp.save(state, storage_writer=w, no_dist=True)
+                cpu.setdefault(v, []).append(time.process_time() - c0)
+                wall.setdefault(v, []).append(time.monotonic() - t0)
+                if v not in checked:
+                    out = os.path.join(work, f"{v}.pt")
+                    dcp_to_torch_save(path, out)
+                    back = torch.load(out, weights_only=True)
+                    assert all(torch.equal(back[k], state[k]) for k in state), v
+                    os.remove(out)
+                    checked.add(v)
+                storage.delete_tree(path)
+            print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{v} {cpu[v][-1]:.2f} CPU-s" for v in order), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    info["loadavg_end"] = loadavg()
+    gb = nbytes / 1e9
+    print()
+    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; load average start {info['loadavg_start'][0]:.2f}, end {info['loadavg_end'][0]:.2f}")
+    print(f"payload: {nbytes / 1e6:.0f} MB in {a.tensors} tensors, local disk; {a.rounds} rounds; command: python {' '.join(sys.argv)}")
+    base = median(cpu["torch-default"]) / gb
+    rows = [[v, f"{median(cpu[v]) / gb:.3f}", ", ".join(f"{x / gb:.3f}" for x in cpu[v]), f"{median(cpu[v]) / gb / base:.2f}", f"{median(wall[v]) / gb:.3f}"] for v in VARIANTS]
+    print(table(["writer", "CPU-s per GB (median)", "samples", "÷ torch default", "wall s per GB"], rows))
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({"cpu": cpu, "wall": wall, "bytes": nbytes, "info": info}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

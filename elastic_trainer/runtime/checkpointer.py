@@ -1,0 +1,324 @@
+"""The checkpointer of a training loop: every guarantee of the built-in trainer, for any loop.
+
+Wraps :class:`~elastic_trainer.checkpoint.manager.CheckpointManager` over named ``Stateful``
+objects (the model and optimizer through ``get/set_state_dict``, so a resume reshards; the LR
+scheduler; the train state with the global sample cursor; per-rank RNG; any ``extra`` Stateful
+of the user's, e.g. a :class:`~elastic_trainer.runtime.sampler.GlobalBatchSampler`), and adds
+what a loop needs around it: resume events, the agreed preemption exit (75 only when the final
+step is committed), non-finite rollback, the fenced exit, and the run's end.
+
+All methods that touch collectives must be called on every rank in the same order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .. import exit_codes
+from ..checkpoint import cadence, layout
+from ..checkpoint.manager import CheckpointManager, LoadResult, SaveStats
+from ..checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState, TrainState
+from ..config import check_run_identity
+from ..events import read_events
+from ..storage.fs import open_storage
+from .session import Session
+
+logger = logging.getLogger(__name__)
+
+EPOCH_ENV = "ELASTIC_TRAINER_CHECKPOINT_EPOCH"  # set by the supervisor (fencing, see checkpoint/catalog.py) ...
+ROOT_ENV = "ELASTIC_TRAINER_CHECKPOINT_ROOT"  # ... for this checkpoint.dir
+PREEMPT_MARKER = "PREEMPTED"  # rank 0 writes it in run.dir when it exits non-zero; the supervisor reads it
+
+
+def shape_fingerprint(model: nn.Module) -> str:
+    """A fingerprint of a model's parameter names and shapes (for models without a config)."""
+    items = sorted((k, tuple(v.shape)) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor))
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        session: Session,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        extra: dict[str, Stateful] | None = None,
+        train_state: TrainState | None = None,
+        fingerprint: str | None = None,
+        run_identity: dict[str, Any] | None = None,
+    ):
+        """``run_identity``: the settings that define the run (a resume with any of them changed
+        is refused naming the key, unless ``checkpoint.allow_changes`` names it); the built-in
+        trainer passes ``Config.run_identity()``."""
+        self.session = session
+        cfg = session.cfg
+        self.state = train_state or TrainState()
+        self.rng = RNGState(session.rank, session.world_size)
+        states: dict[str, Stateful] = {"model": ModelState(model)}
+        if optimizer is not None:
+            states["optim"] = OptimizerState(model, optimizer)
+        if scheduler is not None:
+            states["lr_scheduler"] = SchedulerState(scheduler)
+        states["train"] = self.state
+        states["rng"] = self.rng
+        for name, obj in (extra or {}).items():
+            if name in states:
+                raise ValueError(f"extra Stateful name {name!r} is reserved")
+            states[name] = obj
+        c = cfg.checkpoint
+        self.storage = open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
+        self._identity = run_identity or {}
+        self.manager = CheckpointManager(
+            c,
+            self.storage,
+            states,
+            rank=session.rank,
+            world_size=session.world_size,
+            mesh_shape=list(session.mesh.shape),
+            group=session.dist.ckpt_group,
+            fingerprint=fingerprint or shape_fingerprint(model),
+            events=session.events,
+            metrics=session.metrics,
+            use_cuda_staging=session.device.type == "cuda",
+            control_group=None,  # the training group: main-thread agreements never share the checkpoint group
+            # The supervisor's epoch is for its checkpoint root; a script that checkpoints
+            # elsewhere takes its own (joined by every restart of this launch) at load.
+            epoch=(os.environ.get(EPOCH_ENV) or None) if os.environ.get(ROOT_ENV) == c.dir else None,
+            launch_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
+            run_identity=self._identity,
+        )
+        self.loaded: LoadResult | None = None
+        self._rollback_window_open = False
+        self._last_save_time = time.monotonic()
+        self.cadence: cadence.AutoCadence | None = None  # checkpoint.interval_steps = "auto"
+        self._tick: tuple[float, bool] | None = None  # (start of the loop iteration, it started a save)
+
+    # ------------------------------------------------------------------ resume
+    def resume(self, after_load: Callable[[LoadResult | None], dict[str, Any]] | None = None) -> int:
+        """Load the newest valid commit of this lineage (falling back past bad ones), restore
+        per-rank RNG (reseeded deterministically when the world size changed), write the
+        ``start``/``resume``/``reshard``/``config_changed`` events and return the step to
+        continue after (0 for a fresh start). ``after_load`` may add fields to the resume event."""
+        s = self.session
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        s.events.emit("start", world_size=s.world_size, restart_count=restart, rank0_host=os.uname().nodename, pid=os.getpid(), checkpoint_dir=self.storage.describe())
+        loaded = self.loaded = self.manager.load()
+        if not self.rng.restored:  # a fresh start, or per-rank streams that do not map onto this world size
+            self.rng.reseed(s.cfg.train.seed, self.state.step)
+        rng_note = "restored" if self.rng.restored else ("seeded" if loaded is None else "reseeded from (train.seed, rank, step)")
+        fields = after_load(loaded) if after_load else {}
+        self._start_cadence()
+        if loaded is None:
+            return 0
+        allowed = check_run_identity(s.cfg, loaded.manifest.get("run_identity") or {}) if self._identity else []
+        if allowed and loaded.first_start:
+            s.events.emit("config_changed", step=loaded.step, changes=[{"key": k, "checkpoint": o, "config": n} for k, o, n in allowed])
+        saved_world = loaded.manifest.get("world_size")
+        s.events.emit(
+            "resume",
+            step=loaded.step,
+            from_world_size=saved_world,
+            world_size=s.world_size,
+            load_seconds=round(loaded.seconds, 4),
+            since_start_seconds=round(time.monotonic() - s.started, 4),
+            cursor=self.state.cursor,
+            skipped=[list(x) for x in loaded.skipped],
+            rng=rng_note,
+            **fields,
+        )
+        if saved_world != s.world_size:
+            s.events.emit("reshard", step=loaded.step, from_world_size=saved_world, to_world_size=s.world_size, from_mesh=loaded.manifest.get("mesh_shape"), to_mesh=list(s.mesh.shape), rng=rng_note)
+            s.metrics.counter("elastic_trainer_reshard_events_total")
+        if s.rank == 0:
+            logger.info("resumed from step %d (saved at world %s, now %d) in %.2fs", loaded.step, saved_world, s.world_size, loaded.seconds)
+        return loaded.step
+
+    # ------------------------------------------------------------------ saving
+    def due(self, step: int, total_steps: int, save_due: bool = False) -> bool:
+        """The cadence decision at the end of ``step`` (``save_due``: the agreed time trigger of
+        the step's :class:`StepContext`). Pure given agreed inputs, so every rank decides alike."""
+        auto_due = self.cadence is not None and self.cadence.due(step)
+        return layout.should_save(step, total_steps, self.fixed_interval, save_due or auto_due, False)
+
+    @property
+    def fixed_interval(self) -> int:
+        every = self.session.cfg.checkpoint.interval_steps
+        return 0 if every == "auto" else every
+
+    # -- checkpoint.interval_steps = "auto" (see checkpoint/cadence.py) ----------------------------
+    def _start_cadence(self) -> None:
+        """Fixed interval: set the gauge. Auto: rank 0 reads this job's lineage from the event log
+        (failures, observed time, restart cost, last measurement); the interval itself is agreed
+        in the first step's all-reduce."""
+        s, c = self.session, self.session.cfg.checkpoint
+        if c.interval_steps != "auto":
+            s.metrics.gauge("elastic_trainer_checkpoint_interval_steps", c.interval_steps)
+            return
+        lineage = cadence.Lineage()
+        if s.rank == 0:
+            try:
+                lineage = cadence.lineage_from_events(read_events(os.path.join(s.cfg.run.dir, "events.jsonl")))
+            except (OSError, ValueError, TypeError, KeyError) as e:  # a damaged log: start from the prior
+                logger.warning("checkpoint cadence: could not read the event log (%s); using the prior", e)
+        self.cadence = cadence.AutoCadence(
+            rank=s.rank, start_step=self.state.step, lineage=lineage, prior_mtbf_seconds=c.auto_prior_mtbf_seconds,
+            prior_weight_seconds=c.auto_prior_weight_seconds, min_steps=c.auto_min_steps, max_steps=c.auto_max_steps, now=time.monotonic(),
+        )
+
+    def cadence_tick(self) -> None:
+        """Rank 0, start of each step: feed the previous loop iteration's wall time."""
+        if self.cadence is None or self.session.rank != 0:
+            return
+        now = time.monotonic()
+        if self._tick is not None:
+            self.cadence.observe(now - self._tick[0], self._tick[1], self.manager.save_in_progress, now)
+        self._tick = (now, False)
+
+    def cadence_vote(self) -> float:
+        """Rank 0's proposed interval (0 elsewhere): summed in the step's all-reduce."""
+        return self.cadence.vote() if self.cadence is not None else 0.0
+
+    def cadence_agreed(self, step: int, vote: float) -> None:
+        if self.cadence is None:
+            return
+        change = self.cadence.agree(vote)
+        if change is None:
+            return
+        s, b = self.session, change.basis
+        s.metrics.gauge("elastic_trainer_checkpoint_interval_steps", change.interval_steps)
+        s.events.emit(
+            "checkpoint_interval_changed", step=step, interval_steps=change.interval_steps, previous=change.previous,
+            save_cost_s=b.get("save_cost_s"), restart_cost_s=b.get("restart_cost_s"), failure_rate_per_h=b.get("failure_rate_per_h"),
+            reason=b.get("reason"), step_seconds=b.get("step_seconds"), commit_lag_s=b.get("commit_lag_s"), failures=b.get("failures"),
+        )
+        if s.rank == 0:
+            logger.info("checkpoint interval %s -> %d steps (%s)", change.previous, change.interval_steps, b)
+
+    def time_due(self) -> bool:
+        """This rank's view of the time-based trigger (agree it through the step context)."""
+        every = self.session.cfg.checkpoint.interval_seconds
+        return every > 0 and time.monotonic() - self._last_save_time >= every
+
+    def save(self, step: int, meta: dict[str, Any] | None = None) -> SaveStats:
+        """Start an async save of ``step`` (a no-op if that step is already committed). Call
+        only after a finite step: non-finite state must never be saved."""
+        stats = self.manager.save(step, meta={"skipped_ranges": self.state.skipped, **(meta or {})})
+        if not stats.skipped:
+            self._rollback_window_open = False
+        if self.cadence is not None:
+            self.cadence.saved(step)
+            if self._tick is not None:
+                self._tick = (self._tick[0], True)
+        self._last_save_time = time.monotonic()
+        return stats
+
+    def wait_for_staging(self) -> float:
+        """Call before anything mutates the saved tensors (``optimizer.step()``)."""
+        return self.manager.wait_for_staging()
+
+    # ------------------------------------------------------------------ ending
+    def finish(self) -> int:
+        """End of training: wait (bounded) for the last save and its commit. Returns the exit
+        code: 0, or 73 when a newer launch fenced the final commit."""
+        try:
+            self.manager.finish()
+        except TimeoutError as e:
+            logger.error("final checkpoint not committed within checkpoint.save_timeout_seconds: %s", e)
+            self.session.events.emit("checkpoint_failed", step=self.state.step, error=f"final save: {e}", seconds=self.session.cfg.checkpoint.save_timeout_seconds)
+        if self.manager.fenced_everywhere():  # the final commit was refused: a newer launch owns the root
+            return self.fenced_exit()
+        return exit_codes.OK
+
+    def preempt_exit(self) -> int:
+        """All ranks agreed to stop for preemption: commit the final step within the grace budget.
+
+        Every decision below is agreed by all ranks, so all ranks enter the same collectives and
+        return the same code: 75 only when a commit of the final step exists in storage (already,
+        or written now), else 76."""
+        s, m = self.session, self.manager
+        done = self.state.step
+        grace = s.cfg.checkpoint.preempt_grace_seconds
+        started = s.preempt.received_at or time.monotonic()
+        deadline = started + grace
+        s.events.emit("preempt_requested", step=done, signal=s.preempt.signal_name, grace_seconds=grace)
+        logger.warning("preemption (%s): saving step %d within %.0fs", s.preempt.signal_name, done, grace)
+        committed = False
+        if m.finish_agreed(deadline) is not None:
+            committed = m.committed_everywhere(done)
+            if not committed and done > 0:
+                m.save(done, force=True, meta={"skipped_ranges": self.state.skipped})
+                committed = m.finish_agreed(deadline) is not None and m.committed_everywhere(done)
+        if not committed:
+            reason = "grace budget exceeded" if time.monotonic() >= deadline else "final checkpoint not committed"
+            s.events.emit("preempted", step=done, committed=False, reason=reason)
+            logger.error("preemption checkpoint of step %d not committed (%s); exiting %d", done, reason, exit_codes.PREEMPTED_UNCOMMITTED)
+            return exit_codes.PREEMPTED_UNCOMMITTED
+        s.events.emit("preempted", step=done, committed=True, seconds=round(time.monotonic() - started, 3))
+        return exit_codes.PREEMPTED
+
+    def fenced_exit(self) -> int:
+        """A newer launch owns the checkpoint root (agreed by every rank): stop, exit 73."""
+        reason = self.manager.fenced or "a newer launch owns the checkpoint root"
+        self.session.events.emit("fenced", step=self.state.step, error=reason)
+        logger.error("stopping: %s", reason)
+        return exit_codes.FENCED
+
+    def on_nonfinite(self, step: int, loss: float, grad_norm: float, global_batch_size: int, sampler: Any = None) -> int | None:
+        """A non-finite loss or gradient norm at ``step`` (agreed by every rank; the optimizer
+        step was not taken). ``train.on_nonfinite = stop``: exit 65 (nothing after the last
+        finite step is committed). ``rollback``: reload the newest commit of this lineage, skip
+        the global sample range that produced the event (kept in the train state, so later
+        resumes skip it too) and continue; a second event before a save after the first stops.
+        Returns an exit code, or None to continue. ``sampler``: a GlobalBatchSampler whose cursor
+        and skip list are the data state (else the train state's cursor is)."""
+        s = self.session
+        cursor = sampler.cursor if sampler is not None else self.state.cursor
+        sample_range = [cursor, cursor + global_batch_size]
+        mode = s.cfg.train.on_nonfinite
+        s.events.emit("nonfinite", step=step, loss=loss, grad_norm=grad_norm, sample_range=sample_range, action=mode)
+        s.metrics.counter("elastic_trainer_train_nonfinite_events_total")
+        logger.error("non-finite loss %s / grad norm %s at step %d (samples %s)", loss, grad_norm, step, sample_range)
+        if mode == "rollback" and not self._rollback_window_open:
+            self.manager.finish_agreed(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+            loaded = self.manager.load(resume="latest")
+            if loaded is not None:
+                if sampler is not None:
+                    sampler.skip(sample_range)
+                else:
+                    self.state.skipped.append(sample_range)
+                self._rollback_window_open = True
+                s.events.emit("rollback", from_step=step, to_step=loaded.step, skipped_range=sample_range, skipped_ranges=self.state.skipped)
+                logger.warning("rolled back to step %d; skipping samples %s", loaded.step, sample_range)
+                return None
+            why = "no committed checkpoint to roll back to"
+        elif mode == "rollback":
+            why = "a second non-finite event before a checkpoint after the last rollback"
+        else:
+            why = "train.on_nonfinite = stop"
+        self.manager.finish_agreed(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+        s.events.emit("nonfinite_stop", step=step, reason=why, last_finite_step=self.state.step)
+        logger.error("stopping at step %d (%s); last finite step %d", step, why, self.state.step)
+        return exit_codes.NONFINITE
+
+    def close(self, code: int) -> None:
+        """Record how the run ended (``finished`` event, or rank 0's marker for the supervisor
+        when ``code`` is not 0) and stop the background machinery. Every rank."""
+        s = self.session
+        if code == exit_codes.OK:
+            s.events.emit("finished", step=self.state.step, tokens_seen=self.state.tokens_seen, last_committed_step=self.manager.last_committed_step)
+        elif s.rank == 0:
+            os.makedirs(s.cfg.run.dir, exist_ok=True)
+            with open(os.path.join(s.cfg.run.dir, PREEMPT_MARKER), "w") as f:
+                json.dump({"step": self.state.step, "exit_code": code, "committed_step": self.manager.last_committed_step}, f)
+        self.manager.close()

@@ -1,0 +1,110 @@
+"""World-size-invariant sampling of any map-style dataset: a seeded global order, a global
+sample cursor, a constant global batch split across ranks (uneven splits allowed), the same number
+of micro-batches on every rank, and a ``state_dict`` that reshards.
+
+Step ``s`` consumes global positions ``cursor .. cursor + G - 1`` of the order; rank ``r`` of
+``W`` takes a contiguous balanced slice of that range; every rank runs the same number of
+micro-batches, padding with zero-weight ones where it has fewer samples. So the set of samples in
+a step, and the global mean loss over them, never depend on ``W`` — resume at any world size and
+the loss curve continues (torchtitan refuses a data-parallel degree change instead).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ..checkpoint.state import past_skipped
+
+
+def rank_slice(global_batch: int, world: int, rank: int) -> tuple[int, int]:
+    """(start, count) of ``rank``'s contiguous share of a global batch; first ``G % W`` ranks get one more."""
+    base, extra = divmod(global_batch, world)
+    start = rank * base + min(rank, extra)
+    return start, base + (1 if rank < extra else 0)
+
+
+def micro_steps(global_batch: int, world: int, micro_batch: int) -> int:
+    """Forward/backward passes per step; the same on every rank."""
+    most = -(-global_batch // world)
+    return -(-most // micro_batch)
+
+
+
+class GlobalOrder:
+    """Deterministic global order of sample ids, a function of (seed, position) only."""
+
+    def __init__(self, n_samples: int, seed: int):
+        self.n = n_samples
+        self.seed = seed
+        self._epoch = -1
+        self._perm: torch.Tensor | None = None
+
+    def __getitem__(self, position: int) -> int:
+        epoch, offset = divmod(position, self.n)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(self.n, generator=g)
+            self._epoch = epoch
+        return int(self._perm[offset])
+
+
+
+
+@dataclass(frozen=True)
+class MicroBatchIndices:
+    """Dataset indices of one micro-batch; ``weight`` 0 marks a padding micro-batch (its indices
+    are real samples so the forward pass runs, but its loss must count zero)."""
+
+    indices: list[int]
+    weight: int  # number of real samples (0 for padding)
+
+
+class GlobalBatchSampler(Stateful):
+    """The sampler of a user's map-style dataset. Register it with the checkpointer
+    (``extra={"sampler": sampler}``): its cursor is saved and restored, at any world size.
+
+    Per step: ``for mb in sampler.micro_batches(): ...`` then ``sampler.advance()`` after the
+    optimizer step. Normalise the loss by the *global* number of counted samples or tokens (all-
+    reduce a sum, as the built-in trainer does) so the loss is independent of the world size."""
+
+    def __init__(self, dataset_len: int, global_batch_size: int, micro_batch_size: int, *, seed: int, rank: int, world_size: int):
+        if dataset_len < 1:
+            raise ValueError(f"dataset_len must be >= 1, got {dataset_len}")
+        if global_batch_size < world_size:
+            raise ValueError(f"global_batch_size {global_batch_size} cannot be split across {world_size} ranks")
+        self.order = GlobalOrder(dataset_len, seed)
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.rank, self.world_size = rank, world_size
+        self.cursor = 0
+        self.skipped: list[list[int]] = []  # global ranges [start, end) a non-finite rollback skipped
+
+    def skip(self, sample_range: list[int]) -> None:
+        """Never use the global positions ``[start, end)`` (kept in the state: resumes skip them too)."""
+        self.skipped.append([int(sample_range[0]), int(sample_range[1])])
+
+    def micro_batches(self) -> list[MicroBatchIndices]:
+        """This rank's micro-batches of the current step (the same count on every rank)."""
+        self.cursor = past_skipped(self.cursor, self.skipped)
+        start, count = rank_slice(self.global_batch_size, self.world_size, self.rank)
+        ids = [self.order[self.cursor + start + j] for j in range(count)]
+        out = []
+        for m in range(micro_steps(self.global_batch_size, self.world_size, self.micro_batch_size)):
+            chunk = ids[m * self.micro_batch_size : (m + 1) * self.micro_batch_size]
+            out.append(MicroBatchIndices(chunk, len(chunk)) if chunk else MicroBatchIndices([self.order[self.cursor]], 0))
+        return out
+
+    def advance(self) -> None:
+        self.cursor += self.global_batch_size
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": torch.tensor(self.cursor, dtype=torch.int64), "skipped": json.dumps(self.skipped)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.cursor = int(state_dict["cursor"])
+        self.skipped = [list(map(int, r)) for r in json.loads(state_dict.get("skipped") or "[]")]

@@ -1,0 +1,188 @@
+"""Set-up of one training process: process groups, event log, metrics, preemption, watchdog.
+
+:func:`init` works under ``elastic-trainer run``/``launch`` (the supervisor passes the resolved
+config in ``ELASTIC_TRAINER_CONFIG_JSON``) and under plain ``torchrun`` (config from a file, the
+arguments, or the defaults). It must be called on every rank, before anything else collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..config import Config, TrainConfig, apply_overrides, config_from_dict, load_config
+from ..errors import ConfigError
+from ..events import EventLog
+from ..metrics import factory as metrics_factory
+from ..metrics.sink import MetricsSink
+
+logger = logging.getLogger(__name__)
+
+CONFIG_ENV = "ELASTIC_TRAINER_CONFIG_JSON"
+
+
+class PreemptionFlag:
+    """Set from a signal handler (SIGTERM/SIGUSR1); read at step boundaries."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self.received_at: float | None = None
+
+    def install(self, signals=(signal.SIGTERM, signal.SIGUSR1)) -> None:
+        for s in signals:
+            signal.signal(s, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+            self.received_at = time.monotonic()
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    ckpt_group: dist.ProcessGroup  # gloo, for checkpoint collectives only
+
+
+def pick_device(train: TrainConfig, local_rank: int) -> torch.device:
+    if train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device", "cuda requested but no CUDA device is available")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(train: TrainConfig, timeout_seconds: float, ckpt_timeout_seconds: float | None = None) -> Dist:
+    """Initialise the training group (NCCL on CUDA, gloo on CPU) and a separate gloo group for
+    checkpoints. Must be called on all ranks. ``timeout_seconds`` bounds every training
+    collective; ``ckpt_timeout_seconds`` (default: the same) the checkpoint group's, whose
+    collectives wait for storage: slow storage must not time the group out and break every
+    later save."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(train, local_rank)
+    timeout = timedelta(seconds=timeout_seconds)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
+    ckpt_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ckpt_timeout_seconds or timeout_seconds))
+    return Dist(rank, world, local_rank, device, mesh, ckpt_group)
+
+
+def resolve_config(config: str | os.PathLike | Config | dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """``config`` (a path, a Config or a dict), else the supervisor's config when running under
+    it, else the defaults; ``overrides`` (``section.key=value``) apply on top of a path, the
+    supervisor's config or the defaults."""
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, dict):
+        return config_from_dict(config)
+    raw = os.environ.get(CONFIG_ENV)
+    if config is None and raw:
+        return config_from_dict(apply_overrides(json.loads(raw), overrides))
+    return load_config(config, overrides)
+
+
+@dataclass
+class Session:
+    """Everything one rank trains with besides the model: see :func:`init`."""
+
+    cfg: Config
+    dist: Dist
+    events: EventLog
+    metrics: MetricsSink
+    preempt: PreemptionFlag
+    started: float = field(default_factory=time.monotonic)
+    _watchdog: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dist.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.dist.mesh
+
+    @contextlib.contextmanager
+    def watchdog(self, scope: str) -> Iterator[None]:
+        """Scope the supervisor's hang watchdog (a no-op outside the supervisor): a rank that
+        stays inside longer than ``elastic.hang_timeout_seconds`` is killed and the group restarted."""
+        if not self._watchdog:
+            yield
+            return
+        from torch.distributed.elastic import timer
+
+        with timer.expires(after=self.cfg.elastic.hang_timeout_seconds, scope=scope):
+            yield
+
+    def shard(self, model: "torch.nn.Module", block_types: tuple[type, ...] | list[type]) -> "torch.nn.Module":
+        """``fully_shard`` every module of ``block_types`` (bottom-up), then the root, over this
+        session's mesh with the configured mixed precision, reducing gradients as a SUM: normalise
+        the loss by the *global* batch and the gradient is the same at any world size."""
+        from .sharding import mixed_precision_policy, shard_model
+
+        return shard_model(model, self.mesh, mixed_precision_policy(self.cfg.train, self.device), list(block_types))
+
+    def step(self, step: int, *, checkpointer: Any = None):
+        """A :class:`~elastic_trainer.runtime.step.StepContext` for ``step`` (see there)."""
+        from .step import StepContext
+
+        return StepContext(self, step, checkpointer)
+
+    def close(self) -> None:
+        """Tear down the process groups (call last, on every rank)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init(config: str | os.PathLike | Config | dict | None = None, *, overrides: list[str] | tuple[str, ...] = ()) -> Session:
+    """Set up this rank: process groups (the training group and a separate gloo group for
+    checkpoints), the rank-0 event log (``run.dir/events.jsonl``), the metrics sink (the node's
+    Prometheus exporter under the supervisor), the preemption flag (SIGTERM/SIGUSR1) and the
+    hang-watchdog client (under the supervisor). Call on every rank, first."""
+    cfg = resolve_config(config, overrides)
+    preempt = PreemptionFlag()
+    preempt.install()
+    # Storage time is bounded by checkpoint.save_timeout_seconds, never by the hang timeout.
+    ckpt_timeout = max(cfg.elastic.hang_timeout_seconds, cfg.checkpoint.save_timeout_seconds)
+    d = init_distributed(cfg.train, timeout_seconds=cfg.elastic.hang_timeout_seconds, ckpt_timeout_seconds=ckpt_timeout)
+    events = EventLog(os.path.join(cfg.run.dir, "events.jsonl"), enabled=d.rank == 0)
+    metrics = metrics_factory.worker_sink(cfg, rank=d.rank)
+    metrics.gauge("elastic_trainer_world_size", d.world_size)
+    session = Session(cfg, d, events, metrics, preempt)
+    timer_file = os.environ.get("TORCHELASTIC_TIMER_FILE")
+    if timer_file:
+        from torch.distributed.elastic import timer
+
+        timer.configure(timer.FileTimerClient(timer_file))
+        session._watchdog = True
+    return session

@@ -1,0 +1,177 @@
+"""One training step: agreed flags, the non-finite guard, the hang watchdog, step events/metrics.
+
+    with session.step(step, checkpointer=ckpt) as s:
+        s.agree()                       # optional: agree early (default: at the end of the step)
+        ...forward/backward...
+        ckpt.wait_for_staging()
+        if s.check(loss_sum, grad_norm):  # one all-reduce of the loss; False = non-finite
+            optimizer.step()
+        s.record(lr=..., tokens=...)
+    if s.preempt: ...   # see Checkpointer.preempt_exit
+    if s.nonfinite: ... # see Checkpointer.on_nonfinite
+
+Every flag is agreed by all ranks (one small all-reduce carries preemption, the time-based save
+trigger, fencing and any per-rank sums the caller adds), so every rank takes the same branch.
+The step runs inside the hang watchdog's scope; storage waits never do.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import faults
+
+logger = logging.getLogger(__name__)
+
+DRAIN_SECONDS = 10.0  # how long a failing step waits for a save already uploading
+
+
+class StepContext:
+    def __init__(self, session, step: int, checkpointer=None):
+        self.session = session
+        self.step = step
+        self.ckpt = checkpointer
+        self.preempt = False
+        self.save_due = False
+        self.fenced = False
+        self.nonfinite = False
+        self.loss: float | None = None
+        self.grad_norm: float | None = None
+        self.collective_wait = 0.0  # seconds in this context's all-reduces (straggler metrics)
+        self._agreed = False
+        self._fields: dict[str, Any] = {}
+        self._scope = None
+        self._t0 = 0.0
+
+    def __enter__(self) -> "StepContext":
+        self._t0 = time.monotonic()
+        if self.ckpt is not None:
+            self.ckpt.cadence_tick()
+        self._scope = self.session.watchdog(f"step-{self.step}")
+        self._scope.__enter__()
+        try:
+            for kind in ("raise", "kill", "hang", "slow"):
+                faults.maybe_inject(kind, self.step)
+        except BaseException as e:
+            self.__exit__(type(e), e, e.__traceback__)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is None and not self._agreed:
+                self.agree()
+        finally:
+            self._scope.__exit__(exc_type, exc, tb)
+        if exc_type is not None and self.ckpt is not None:
+            # The exception path starts no checkpoint and no collective; it only lets a save
+            # that is already uploading land (bounded), so the newest commit is not lost.
+            if self.ckpt.manager.in_flight:
+                logger.warning("step %d failed: letting the save already in flight finish (at most %.0fs)", self.step, DRAIN_SECONDS)
+                self.ckpt.manager.drain_on_failure(DRAIN_SECONDS)
+        if exc_type is None and self.loss is not None and not self.nonfinite and not self.preempt and not self.fenced:
+            self._emit()
+        return False
+
+    @property
+    def stop(self) -> bool:
+        """Whether the loop must leave this step's normal path (preempt, fenced or non-finite)."""
+        return self.preempt or self.fenced or self.nonfinite
+
+    def agree(self, *sums: float) -> list[float]:
+        """One all-reduce (SUM) of ``sums`` (this rank's shares, e.g. its target-token count) and
+        of the step's flags: preemption requested, the time-based save trigger, fenced. Returns
+        the global sums. Call at most once per step, on every rank."""
+        s = self.session
+        ck = self.ckpt
+        fenced = float(ck is not None and ck.manager.fenced is not None)
+        time_due = float(ck is not None and ck.time_due())
+        vote = ck.cadence_vote() if ck is not None else 0.0  # auto cadence: rank 0's interval
+        t = torch.tensor([*map(float, sums), float(s.preempt.requested), time_due, fenced, vote], dtype=torch.float64, device=s.device)
+        t0 = time.monotonic()
+        if s.world_size > 1:
+            dist.all_reduce(t)
+        self.collective_wait += time.monotonic() - t0
+        *out, preempt, save_due, fenced, vote = t.tolist()
+        self.preempt, self.save_due, self.fenced = preempt > 0, save_due > 0, fenced > 0
+        self._agreed = True
+        if ck is not None:
+            ck.cadence_agreed(self.step, vote)
+        return out
+
+    def check(self, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None) -> bool:
+        """The non-finite guard, before ``optimizer.step()``: all-reduces (SUM) this rank's share
+        of the loss (so :attr:`loss` becomes the global loss) and checks it and the global
+        gradient norm (already global: ``clip_grad_norm_`` over DTensor gradients). False when
+        either is NaN/Inf: do not step the optimizer (zero the gradients)."""
+        s = self.session
+        t = loss.detach().to(torch.float64).reshape(()) if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), dtype=torch.float64)
+        t = t.to(s.device)
+        t0 = time.monotonic()
+        if s.world_size > 1:
+            dist.all_reduce(t)
+        self.collective_wait += time.monotonic() - t0
+        self.loss = float(t)
+        if grad_norm is not None:
+            gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            self.grad_norm = float(gn)
+        self.nonfinite = not (math.isfinite(self.loss) and (self.grad_norm is None or math.isfinite(self.grad_norm)))
+        return not self.nonfinite
+
+    def record(self, **fields: Any) -> None:
+        """Extra fields of the step event (e.g. ``lr``, ``tokens``)."""
+        self._fields.update(fields)
+
+    def _emit(self) -> None:
+        s = self.session
+        dt = time.monotonic() - self._t0
+        tokens = int(self._fields.pop("tokens", 0))
+        rec = s.events.emit(
+            "step",
+            step=self.step,
+            loss=self.loss,
+            lr=self._fields.pop("lr", None),
+            grad_norm=self.grad_norm,
+            world_size=s.world_size,
+            step_time_s=round(dt, 6),
+            tokens_per_s=round(tokens / dt, 2) if dt > 0 else 0.0,
+            **self._fields,
+        )
+        m = s.metrics
+        m.gauge("elastic_trainer_train_step", self.step)
+        m.gauge("elastic_trainer_train_loss", self.loss)
+        if rec.get("lr") is not None:
+            m.gauge("elastic_trainer_train_learning_rate", rec["lr"])
+        if self.grad_norm is not None:
+            m.gauge("elastic_trainer_train_grad_norm", self.grad_norm)
+        m.gauge("elastic_trainer_train_tokens_per_second", rec["tokens_per_s"])
+        m.histogram("elastic_trainer_train_step_duration_seconds", dt)
+        m.counter("elastic_trainer_train_samples_total", s.cfg.train.global_batch_size)
+        m.counter("elastic_trainer_train_tokens_total", tokens)
+        # Straggler view: a slow rank's compute share grows; the others wait for it in the all-reduces.
+        m.counter("elastic_trainer_rank_compute_seconds_total", max(0.0, dt - self.collective_wait))
+        m.counter("elastic_trainer_rank_collective_wait_seconds_total", self.collective_wait)
+        m.counter("elastic_trainer_rank_steps_total")
+        rss = _resident_bytes()
+        if rss is not None:
+            m.gauge("elastic_trainer_process_resident_memory_bytes", rss)
+        if s.device.type == "cuda":
+            m.gauge("elastic_trainer_process_cuda_memory_allocated_bytes", torch.cuda.memory_allocated(s.device))
+            m.gauge("elastic_trainer_process_cuda_memory_reserved_bytes", torch.cuda.memory_reserved(s.device))
+        self.event = rec
+
+
+def _resident_bytes() -> int | None:
+    """Resident set size of this process from /proc (None where there is no /proc)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

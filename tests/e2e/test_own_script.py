@@ -1,0 +1,138 @@
+"""A user's own FSDP2 script (examples/train_fsdp.py, public API only) gets the guarantees.
+
+Under ``elastic-trainer run``: SIGKILL of a worker → resume with bitwise-equal losses (with
+dropout: per-rank RNG is restored); 2 → 3 workers → within 1e-5; SIGTERM → the final step
+committed and exit 75. Under plain ``torchrun`` (no supervisor): it still checkpoints and
+resumes exactly.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from elastic_trainer.checkpoint.catalog import Catalog
+from elastic_trainer.storage.fs import open_storage
+from tests import runs
+
+SCRIPT = str(runs.REPO / "examples" / "train_fsdp.py")
+
+
+def run_script(tmp, name: str, *script_args: str, nproc: int = 2, env: dict | None = None, max_restarts: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
+    run_dir = tmp / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={tmp / (name + '-ckpt')}", "--set", "metrics.port=0",
+            "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
+            SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(tmp / (name + "-ckpt")), *script_args]
+    with open(run_dir / "run.log", "ab") as out:
+        return subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(env), cwd=runs.REPO, timeout=timeout)
+
+
+def _ok(r, tmp, name):
+    assert r.returncode == 0, (tmp / name / "run.log").read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("own-ref")
+    _ok(run_script(tmp, "ref", "--steps", "12"), tmp, "ref")
+    _ok(run_script(tmp, "ref0", "--steps", "12", "--dropout", "0"), tmp, "ref0")
+    return {"dropout": runs.step_losses(tmp / "ref"), "plain": runs.step_losses(tmp / "ref0")}
+
+
+def test_sigkill_resumes_bitwise_with_dropout(tmp_path, reference):
+    r = run_script(tmp_path, "k", "--steps", "12", max_restarts=1, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8"})
+    _ok(r, tmp_path, "k")
+    (resume,) = runs.read_events(tmp_path / "k", "resume")
+    assert resume["step"] == 5 and resume["rng"] == "restored"
+    assert runs.step_losses(tmp_path / "k") == reference["dropout"], "bitwise equal to the uninterrupted run"
+
+
+def test_two_to_three_workers_within_1e5(tmp_path, reference):
+    r = run_script(tmp_path, "g", "--steps", "12", "--dropout", "0", env={"ELASTIC_TRAINER_INJECT_FAULT": "raise@rank=0,step=11"})
+    assert r.returncode != 0
+    _ok(run_script(tmp_path, "g", "--steps", "12", "--dropout", "0", nproc=3), tmp_path, "g")
+    (reshard,) = runs.read_events(tmp_path / "g", "reshard")
+    assert (reshard["from_world_size"], reshard["to_world_size"], reshard["step"]) == (2, 3, 10)
+    got, ref = runs.step_losses(tmp_path / "g"), reference["plain"]
+    assert sorted(got) == list(range(1, 13))
+    for step in (11, 12):
+        assert abs(got[step] - ref[step]) <= 1e-5 * abs(ref[step]), (step, got[step], ref[step])
+
+
+def test_sigterm_commits_the_final_step_and_exits_75(tmp_path):
+    run_dir = tmp_path / "p"
+    run_dir.mkdir()
+    ckpt = tmp_path / "p-ckpt"
+    args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={ckpt}", "--set", "metrics.port=0", "--nproc-per-node", "2", "--monitor-interval", "0.2",
+            SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(ckpt), "--steps", "400"]
+    with open(run_dir / "run.log", "ab") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(), cwd=runs.REPO, start_new_session=True)
+    try:
+        runs.wait_event(run_dir, "step", 120, proc, where=lambda r: r["step"] >= 7)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    (pre,) = runs.read_events(run_dir, "preempted")
+    assert code == 75 and pre["committed"] is True, (run_dir / "run.log").read_text()[-3000:]
+    head = Catalog(open_storage(str(ckpt))).head()
+    assert head is not None and head.step == pre["step"], "a commit of the final step exists in storage"
+
+
+def test_plain_torchrun_checkpoints_and_resumes_exactly(tmp_path, reference):
+    run_dir, ckpt = tmp_path / "t", tmp_path / "t-ckpt"
+
+    def torchrun(steps: int) -> None:
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(ckpt), "--steps", str(steps)]
+        r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    torchrun(8)
+    torchrun(12)
+    (resume,) = runs.read_events(run_dir, "resume")
+    assert resume["step"] == 8
+    assert runs.step_losses(run_dir) == reference["dropout"], "plain torchrun: the resumed run equals the uninterrupted one bitwise"
+
+
+def test_hung_rank_is_restarted_and_metrics_are_served(tmp_path, reference):
+    """A SIGSTOPped rank of the user's script is reaped by the hang watchdog, the group restarts
+    and resumes exactly; the supervisor's exporter serves the script's step metrics meanwhile."""
+    import urllib.request
+
+    from tests.fixtures.procs import free_port
+
+    run_dir, ckpt, port = tmp_path / "h", tmp_path / "h-ckpt", free_port()
+    run_dir.mkdir()
+    args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={ckpt}", "--set", f"metrics.port={port}", "--set", "metrics.host=127.0.0.1",
+            "--set", "elastic.hang_timeout_seconds=8", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2",
+            SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(ckpt), "--steps", "12"]
+    with open(run_dir / "run.log", "ab") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests({"ELASTIC_TRAINER_INJECT_FAULT": "hang@rank=1,step=7"}), cwd=runs.REPO, start_new_session=True)
+    try:
+        runs.wait_event(run_dir, "step", 120, proc, where=lambda r: r["step"] >= 3)
+        body = runs.wait_for(lambda: _scrape(urllib.request, port), 60, "step metrics on the supervisor's endpoint", proc)
+        assert "elastic_trainer_train_loss" in body
+        code = proc.wait(240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(20)
+    assert code == 0, (run_dir / "run.log").read_text()[-3000:]
+    (restart,) = runs.read_events(run_dir, "restart")
+    assert restart["reason"] == "worker_failure"
+    (resume,) = runs.read_events(run_dir, "resume")
+    assert resume["step"] == 5
+    assert runs.step_losses(run_dir) == reference["dropout"]
+
+
+def _scrape(urllib_request, port: int) -> str | None:
+    try:
+        body = urllib_request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return None
+    return body if "elastic_trainer_train_step{" in body or "elastic_trainer_train_step " in body else None
