@@ -13,6 +13,7 @@ import os
 import signal
 import time
 
+from .. import exit_codes
 from ..config import Config
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
@@ -326,8 +327,6 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
         server.before_collect(history.export)
     if config.max_nodes > 1 and config.rdzv_backend != "static":
         _check_store(config)
-    os.environ["ELASTIC_TRAINER_CHECKPOINT_EPOCH"] = take_epoch(cfg, config.run_id or "elastic-trainer", events)
-    os.environ["ELASTIC_TRAINER_CHECKPOINT_ROOT"] = cfg.checkpoint.dir
     events.emit(
         "launch",
         nnodes=f"{config.min_nodes}:{config.max_nodes}",
@@ -340,6 +339,8 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
         pid=os.getpid(),
         mono=time.monotonic(),
     )
+    os.environ["ELASTIC_TRAINER_CHECKPOINT_EPOCH"] = take_epoch(cfg, config.run_id or "elastic-trainer", events)
+    os.environ["ELASTIC_TRAINER_CHECKPOINT_ROOT"] = cfg.checkpoint.dir
     failed = signalled = False
     worker_codes: list[int | None] = []
     try:
@@ -362,6 +363,9 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
         with open(marker) as f:
             preempt = json.load(f)
     code = policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=preempt, worker_exit_codes=worker_codes)
+    if preempt is None and code in (exit_codes.PREEMPTED, exit_codes.PREEMPTED_UNCOMMITTED):
+        # No rank-0 marker (a script under ``run``): the workers' own exit codes said it.
+        preempt = {"exit_codes": sorted({c for c in worker_codes if c is not None})}
     events.emit("supervisor_exit", exit_code=code, preempted=preempt, signalled=signalled)
     history.close()
     return code

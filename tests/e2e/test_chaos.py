@@ -147,7 +147,8 @@ class Case:
 CASES = [
     # The commit of step 6 is asynchronous: on a busy machine it may land after the kill at
     # the start of step 8, and the resume is then from 3 (check_run demands the newest commit).
-    Case("sigkill_worker_mid_step", "kill@rank=1,step=8", (3, 6)),
+    # (soak: test_resume kills a worker mid-step and checks the bitwise resume in every run)
+    pytest.param(Case("sigkill_worker_mid_step", "kill@rank=1,step=8", (3, 6)), marks=pytest.mark.soak),
     # Rank 1 dies right after handing step 6 to the async saver: the save of 6 either
     # never commits, or committed before the group noticed; 6 is usable only if it did.
     Case("sigkill_during_async_save", "kill_in_save@rank=1,step=6", (3, 6)),
@@ -158,7 +159,8 @@ CASES = [
     Case("sigkill_during_load", "kill@rank=1,step=8;kill_in_load@rank=1,step=6,restart=1;kill_in_load@rank=1,step=3,restart=1", (3, 6), restarts=2),
     # Rank 1 SIGSTOPs itself at the start of step 8 (a silent hang); the watchdog must kill it
     # within elastic.hang_timeout_seconds and the group restart.
-    Case("sigstop_hang", "hang@rank=1,step=8", (3, 6), hang=True),
+    # (soak: test_watchdog and test_run reap a SIGSTOPped rank in every run)
+    pytest.param(Case("sigstop_hang", "hang@rank=1,step=8", (3, 6), hang=True), marks=pytest.mark.soak),
 ]
 
 
@@ -188,6 +190,7 @@ def test_chaos_case(case: Case, reference, token_file, tmp_path):
         assert recs[0]["detect_s"] <= HANG_TIMEOUT + 5, recs
 
 
+@pytest.mark.soak  # test_resume and test_trust cover truncated and same-size corruption in every run
 def test_truncated_newest_checkpoint(reference, token_file, tmp_path):
     """The newest committed checkpoint loses bytes of a shard while the job is down: the
     relaunch must skip it (``checkpoint_skipped``) and resume from the one before."""
@@ -233,6 +236,7 @@ def _draw(rng: random.Random) -> tuple[str, Case]:
 ROUNDS = 25 if os.environ.get("ELASTIC_TRAINER_SOAK") == "1" else 1
 
 
+@pytest.mark.soak  # random draws: opt in (ELASTIC_TRAINER_SOAK=1 runs 25 rounds)
 @pytest.mark.parametrize("round_", range(ROUNDS))
 def test_random_faults(round_, reference, token_file, tmp_path):
     seed = int(os.environ.get("ELASTIC_TRAINER_CHAOS_SEED", str(time.time_ns() % 1_000_000_007))) + round_

@@ -62,6 +62,7 @@ def test_demo_model_with_dropout_resumes_bitwise_after_sigkills(tmp_path, token_
     _killed_twice_matches_uninterrupted(tmp_path, token_file, model={"dropout": 0.1})
 
 
+@pytest.mark.soak  # test_user_models kills an HF model and resumes it bitwise in every run
 def test_hf_model_with_attention_dropout_resumes_bitwise_after_sigkills(tmp_path, token_file):
     pytest.importorskip("transformers")
     conf = json.loads((HF_CONFIG / "config.json").read_text())

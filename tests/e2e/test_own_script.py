@@ -112,7 +112,7 @@ def test_hung_rank_is_restarted_and_metrics_are_served(tmp_path, reference):
             "--set", "elastic.hang_timeout_seconds=8", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2",
             SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(ckpt), "--steps", "12"]
     with open(run_dir / "run.log", "ab") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests({"ELASTIC_TRAINER_INJECT_FAULT": "hang@rank=1,step=7"}), cwd=runs.REPO, start_new_session=True)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests({"ELASTIC_TRAINER_INJECT_FAULT": "hang@rank=1,step=11"}), cwd=runs.REPO, start_new_session=True)
     try:
         runs.wait_event(run_dir, "step", 120, proc, where=lambda r: r["step"] >= 3)
         body = runs.wait_for(lambda: _scrape(urllib.request, port), 60, "step metrics on the supervisor's endpoint", proc)
@@ -126,7 +126,10 @@ def test_hung_rank_is_restarted_and_metrics_are_served(tmp_path, reference):
     (restart,) = runs.read_events(run_dir, "restart")
     assert restart["reason"] == "worker_failure"
     (resume,) = runs.read_events(run_dir, "resume")
-    assert resume["step"] == 5
+    # The save of step 10 starts only once step 5's has landed, so at the hang (step 11) step 5
+    # at least is committed; the resume loads the newest commit made before the restart.
+    before = [e["step"] for e in runs.read_events(run_dir, "checkpoint_committed") if e["time"] < restart["time"]]
+    assert 5 in before and resume["step"] == max(before), (before, resume)
     assert runs.step_losses(run_dir) == reference["dropout"]
 
 

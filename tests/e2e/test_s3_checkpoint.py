@@ -158,7 +158,9 @@ def test_sigkill_and_resume_on_s3_is_bitwise_identical_to_local_disk(s3_run, ref
     listed = _cli("ckpt", "list", uri, "--endpoint-url", s3_server.endpoint_url, env=_creds(s3_server))
     assert listed.returncode == 0, listed.stderr
     rows = {int(line.split()[0]): line.split() for line in listed.stdout.splitlines()[1:]}
-    assert sorted(rows) == committed and all(r[1] == "True" and r[2] == "True" for r in rows.values()), listed.stdout
+    # Columns: step, name, status, world, bytes[, problem]: every committed step is usable, none has a problem.
+    assert sorted(rows) == committed and all(r[2] in ("head", "lineage") and len(r) == 5 for r in rows.values()), listed.stdout
+    assert rows[STEPS][2] == "head", listed.stdout
     out = tmp_path / "s3.safetensors"
     exp = _cli("ckpt", "export", uri, "--out", str(out), "--endpoint-url", s3_server.endpoint_url, env=_creds(s3_server))
     assert exp.returncode == 0, exp.stderr
