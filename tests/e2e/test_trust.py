@@ -259,6 +259,9 @@ def test_two_launches_on_one_root_fence_the_older_and_a_relaunch_resumes_at_once
     cfg_b, run_b = _config(tmp_path, token_file, "b", ckpt_dir=str(root), checkpoint={"keep_last": 5})
     a = runs.start_launch(cfg_a)
     b = None
+    # B is slowed from step 7 on (a sleep: the losses stay the same), so that it is killed with
+    # steps left and the relaunch has steps to commit under its own epoch.
+    slow_b = {"ELASTIC_TRAINER_INJECT_FAULT": "slow@rank=0,step=7,seconds=2.0"}
     try:
         runs.wait_event(run_a, "checkpoint_committed", TIMEOUT, a, where=lambda r: r["step"] == 3)
         # Hold A's workers while B takes the root, so that A has steps left to be fenced on.
@@ -266,7 +269,7 @@ def test_two_launches_on_one_root_fence_the_older_and_a_relaunch_resumes_at_once
         assert len(held) == 2
         runs.kill(held, signal.SIGSTOP)
         try:
-            b = runs.start_launch(cfg_b)
+            b = runs.start_launch(cfg_b, env=slow_b)
             epoch_b = runs.wait_event(run_b, "checkpoint_epoch", 120, b)["epoch"]
         finally:
             runs.kill(held, signal.SIGCONT)
@@ -328,9 +331,12 @@ def test_a_launch_fenced_at_its_final_commit_does_not_claim_success(tmp_path, to
     """The newer launch takes the root while the older one trains its last steps: the commit
     of the final step is refused, and the older launch must exit 73, not 0."""
     cfg, run = _config(tmp_path, token_file, "a")
-    a = runs.start_launch(cfg)
+    # Steps 10-12 sleep 2 s each (the losses stay the same): a window to fence the launch in.
+    a = runs.start_launch(cfg, env={"ELASTIC_TRAINER_INJECT_FAULT": "slow@rank=0,step=10,seconds=2.0"})
     try:
         runs.wait_event(run, "checkpoint_committed", TIMEOUT, a, where=lambda r: r["step"] == 9)
+        # commit 9's retention (keep_last = 2) deleted step 3 before the fence; nothing after it may
+        runs.wait_event(run, "checkpoint_deleted", TIMEOUT, a, where=lambda r: r["step"] == 3)
         held = _pids_of(a)
         runs.kill(held, signal.SIGSTOP)
         try:
