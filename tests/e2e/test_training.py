@@ -10,9 +10,10 @@ from tests import runs
 
 @pytest.fixture(scope="module")
 def by_world(tmp_path_factory, token_file):
-    """10 steps of the tiny config at world sizes 1..4 (separate runs, same config)."""
+    """10 steps of the tiny config at world sizes 1..3 (separate runs, same config): 3 is the
+    uneven split; world 4 is covered by test_resume's 4->2 reshard and tests/dist."""
     out = {}
-    for w in (1, 2, 3, 4):
+    for w in (1, 2, 3):
         d = tmp_path_factory.mktemp(f"w{w}")
         cfg = runs.write_config(d / "c.toml", token_file, d / "run")
         r = runs.run_launch(cfg, "--nproc-per-node", str(w))
@@ -24,7 +25,7 @@ def by_world(tmp_path_factory, token_file):
 def test_losses_are_world_size_invariant(by_world):
     ref = runs.step_losses(by_world[1])
     assert sorted(ref) == list(range(1, 11))
-    for w in (2, 3, 4):
+    for w in (2, 3):
         got = runs.step_losses(by_world[w])
         assert sorted(got) == sorted(ref)
         for s in ref:
