@@ -264,7 +264,12 @@ def main() -> int:
     t0 = time.monotonic()
     missing = preload(sys.argv[2:] or PRELOAD)
     _send(sock, {"ready": os.getpid(), "threads": settle_threads(), "preload_seconds": round(time.monotonic() - t0, 3), "missing": missing})
-    return serve(sock)
+    code = serve(sock)
+    # Nothing of the zygote's needs tearing down (its workers are reaped, it holds no files of
+    # the job): skip the interpreter's shutdown of torch, which takes about a second.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
