@@ -97,7 +97,10 @@ def test_goodput_straggler_and_history_through_prometheus(tmp_path, token_file, 
     for cat in ("productive", "recompute", "restart", "rendezvous", "startup", "checkpoint_load", "checkpoint_stall"):
         assert live[cat] > 0, (cat, live)
     final = _report(str(run_dir))
-    assert abs(final["goodput"]["goodput"] - g_live) <= 0.03, "the final report is close to the last scrape too"
+    # The final report also counts the time after the last scrape (the last steps, the exit),
+    # which can move the ratio by at most that share of the wall time.
+    tail = max(0.0, final["goodput"]["wall_seconds"] - ref.wall_seconds) / final["goodput"]["wall_seconds"]
+    assert abs(final["goodput"]["goodput"] - g_live) <= tail + 0.01, ("the final report is close to the last scrape too", tail)
 
     # 4. run.dir deleted: the report from the checkpoint root is the same.
     shutil.rmtree(run_dir)

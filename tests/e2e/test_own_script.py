@@ -51,6 +51,8 @@ def test_sigkill_resumes_bitwise_with_dropout(tmp_path, reference):
     assert runs.step_losses(tmp_path / "k") == reference["dropout"], "bitwise equal to the uninterrupted run"
 
 
+# Soak: a reshard runs the same runtime path as test_resume's and test_user_models' reshards.
+@pytest.mark.soak
 def test_two_to_three_workers_within_1e5(tmp_path, reference):
     r = run_script(tmp_path, "g", "--steps", "12", "--dropout", "0", env={"ELASTIC_TRAINER_INJECT_FAULT": "raise@rank=0,step=11"})
     assert r.returncode != 0

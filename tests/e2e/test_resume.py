@@ -153,6 +153,10 @@ def test_resume_can_name_a_step_or_be_turned_off(tmp_path, token_file, refs, fin
     assert runs.step_losses(fresh) == runs.step_losses(refs[2])
 
 
+# Soak: exit 75 with the final commit is proven at restart points by test_trust's preemption
+# cases and for a user script by test_own_script; the exact resume after a preemption by
+# test_slurm (USR1, requeue).
+@pytest.mark.soak
 def test_preemption_commits_exits_75_and_resumes_exactly(tmp_path, token_file):
     ref_run = tmp_path / "ref"
     _launch_ok(runs.write_config(tmp_path / "ref.toml", token_file, ref_run, train={"steps": 30}))

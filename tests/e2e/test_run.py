@@ -128,6 +128,8 @@ def test_crash_is_restarted_then_exhausts_restarts(tmp_path):
     assert read_events(tmp_path / "b", "supervisor_exit")[-1]["exit_code"] == 1
 
 
+# Soak: test_own_script hangs a rank of a user script under `run` and checks more.
+@pytest.mark.soak
 def test_hung_rank_is_reaped_and_the_group_restarted(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

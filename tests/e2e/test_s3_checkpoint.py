@@ -178,6 +178,8 @@ def test_sigkill_and_resume_on_s3_is_bitwise_identical_to_local_disk(s3_run, ref
     _assert_no_secrets(s3_server, tmp_path, listed.stdout, listed.stderr, exp.stdout, exp.stderr)
 
 
+# Soak: resharding is storage-independent (test_resume); S3 loads run in the SIGKILL test.
+@pytest.mark.soak
 def test_resharding_resume_2_to_3_from_s3(tmp_path, token_file, ref, s3_run, s3_server, s3_bucket):
     """World 3 resumes from the step-5 checkpoint the world-2 run wrote to S3 (copied within
     the server to a bucket of its own). The endpoint comes from the environment
