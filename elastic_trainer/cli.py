@@ -154,12 +154,11 @@ def _launch(argv: list[str], zygote) -> int:
 def _check_init_from(cfg) -> None:
     if not cfg.model.init_from:
         return
-    import torch
-
     from .models.pretrained import check_init_from
+    from .models.spec import on_meta
     from .worker.model_factory import build_model_spec
 
-    with torch.device("meta"):
+    with on_meta():
         model = build_model_spec(cfg.model).model
     check_init_from(cfg.model.init_from, model)
 

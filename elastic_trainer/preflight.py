@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 
 from .checkpoint import layout
 from .checkpoint.catalog import Catalog
@@ -18,9 +17,10 @@ logger = logging.getLogger(__name__)
 
 def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """Unsharded parameter shapes of the configured model, built on the meta device (free)."""
+    from .models.spec import on_meta
     from .worker.model_factory import build_model
 
-    with torch.device("meta"):
+    with on_meta():
         model, _, _ = build_model(cfg.model)
     return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
 

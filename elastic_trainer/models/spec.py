@@ -19,8 +19,9 @@ with floating-point buffers is refused (nothing would initialise them).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -41,3 +42,34 @@ class ModelSpec:
     init_param: InitFn | None = None
     init_buffers: BufferInitFn | None = None
     shard_modules: list[str] = field(default_factory=list)
+
+
+# Value-filling in-place ops: ``torch.nn.init.*`` and the ``Tensor`` methods they and model
+# ``_init_weights`` hooks call. None changes a tensor's shape, dtype or device.
+_FILL_OPS = frozenset({
+    "normal_", "uniform_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
+    "fill_", "zero_", "random_", "exponential_", "bernoulli_", "cauchy_", "log_normal_", "geometric_",
+})
+
+
+class _SkipFillOnMeta(torch.overrides.TorchFunctionMode):
+    """A value-filling op on a meta tensor returns the tensor: a meta tensor has no values, and
+    torch would otherwise run the op through its reference implementations, whose first use
+    imports ``torch._dynamo`` (about a second of every ``launch`` and cold worker start)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _FILL_OPS:
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_meta() -> Iterator[None]:
+    """Build models here: ``torch.device("meta")`` (no memory) without running any
+    initialiser (the trainer initialises every parameter after sharding, see above)."""
+    with torch.device("meta"), _SkipFillOnMeta():
+        yield

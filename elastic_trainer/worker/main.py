@@ -44,11 +44,12 @@ def build_training(cfg: Config, d, open_data: bool = True):
     from ..checkpoint.state import TrainState
     from . import parallel
     from .data import StepBatches
+    from ..models.spec import on_meta
     from .model_factory import build_model_spec, initialise_buffers
     from .sources import open_source
     from .train_loop import lr_lambda
 
-    with torch.device("meta"):
+    with on_meta():
         spec = build_model_spec(cfg.model)
     model = spec.model
     shard_classes = parallel.resolve_shard_classes(model, spec.shard_modules)

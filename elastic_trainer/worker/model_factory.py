@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..models.spec import BufferInitFn, InitFn, ModelSpec
+from ..models.spec import BufferInitFn, InitFn, ModelSpec, on_meta
 from .model import GPT
 
 __all__ = ["InitFn", "build_model", "build_model_spec", "check_model", "initialise_buffers", "load_factory"]
@@ -113,7 +113,7 @@ def build_model(cfg: ModelConfig) -> tuple[nn.Module, InitFn, list[str]]:
 def check_model(cfg: ModelConfig) -> None:
     """Supervisor-side check before any worker starts: the factory imports, returns a module,
     and every ``model.shard_modules`` class exists. Builds on the meta device (no memory)."""
-    with torch.device("meta"):
+    with on_meta():
         build_model_spec(cfg)
 
 

@@ -159,7 +159,7 @@ CASES = [
     Case("sigkill_during_load", "kill@rank=1,step=8;kill_in_load@rank=1,step=6,restart=1;kill_in_load@rank=1,step=3,restart=1", (3, 6), restarts=2),
     # Rank 1 SIGSTOPs itself at the start of step 8 (a silent hang); the watchdog must kill it
     # within elastic.hang_timeout_seconds and the group restart.
-    # (soak: test_watchdog and test_run reap a SIGSTOPped rank in every run)
+    # (soak: test_watchdog and test_own_script reap a hung rank in every run)
     pytest.param(Case("sigstop_hang", "hang@rank=1,step=8", (3, 6), hang=True), marks=pytest.mark.soak),
 ]
 
