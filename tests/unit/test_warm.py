@@ -16,7 +16,8 @@ from elastic_trainer.supervisor.options import WORKER_MODULE
 
 CHILD = """
 import os, sys, time
-print("argv", sys.argv[1:], "env", os.environ.get("WARM_TEST"), "pid", os.getpid(), "ppid", os.getppid(), "sid", os.getsid(0), flush=True)
+line = " ".join(map(str, ("argv", sys.argv[1:], "env", os.environ.get("WARM_TEST"), "pid", os.getpid(), "ppid", os.getppid(), "sid", os.getsid(0))))
+os.write(1, (line + "\\n").encode())  # one write: the two children share one output file
 print("to stderr", file=sys.stderr)
 if "sleep" in sys.argv:
     time.sleep(60)
