@@ -118,6 +118,12 @@ class CheckpointConfig:
     # Run-defining keys (Config.run_identity) a resume may change on purpose, e.g.
     # ["train.global_batch_size"]; also "a,b" on the command line. Recorded in a config_changed event.
     allow_changes: list[str] = field(default_factory=list)
+    # The local tier: a node-local directory (/dev/shm, NVMe) that takes every save as per-rank
+    # copies; checkpoint.dir then gets every remote_every-th save (and always the final and the
+    # preemption save). A restart within the same launch, at the same world size, with every
+    # rank's copy present and verified, loads locally; anything else loads from checkpoint.dir.
+    local_dir: str = ""
+    remote_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -446,6 +452,10 @@ def validate(cfg: Config) -> None:
     if c.resume not in ("latest", "none"):
         _require(c.resume.isdigit(), "checkpoint.resume", f"expected 'latest', 'none' or a step number, got {c.resume!r}")
     check_uri(c.dir, "checkpoint.dir")
+    _require(c.remote_every >= 1, "checkpoint.remote_every", f"must be >= 1, got {c.remote_every}")
+    _require(c.remote_every == 1 or bool(c.local_dir), "checkpoint.remote_every", "needs checkpoint.local_dir (without a local tier every save goes to checkpoint.dir)")
+    if c.local_dir:
+        check_local_dir(c.local_dir, c.dir)
     if c.s3_endpoint_url:
         _require(
             c.s3_endpoint_url.startswith(("http://", "https://")),
@@ -462,6 +472,17 @@ def validate(cfg: Config) -> None:
 
 
 _SUPPORTED_SCHEMES = ("file", "s3", "memory")
+
+
+def check_local_dir(local_dir: str, ckpt_dir: str) -> None:
+    """checkpoint.local_dir must be a plain node-local path, apart from checkpoint.dir."""
+    key = "checkpoint.local_dir"
+    _require("://" not in local_dir, key, f"must be a node-local path (e.g. /dev/shm/ckpt), not a URL: {local_dir!r}")
+    if "://" not in ckpt_dir or ckpt_dir.startswith("file://"):
+        a = os.path.realpath(local_dir)
+        b = os.path.realpath(ckpt_dir.removeprefix("file://"))
+        inside = a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)
+        _require(not inside, key, f"must not overlap checkpoint.dir ({ckpt_dir!r}): the tiers are separate stores")
 
 
 def check_uri(uri: str, key: str = "checkpoint.dir") -> str:

@@ -13,6 +13,10 @@ Enabled only through ``ELASTIC_TRAINER_INJECT_FAULT``, a comma-separated list of
 * ``nan``     — make rank R's loss (and so its gradients) NaN at step S (non-finite guard tests),
   once per process: a rollback retries step S with other samples, which are finite (as after a
   real bad batch); two entries (steps S and S+1) make a second event before the next save;
+* ``lose_local`` — rank R's node-local checkpoint copies (``checkpoint.local_dir``) vanish and
+  the worker is SIGKILLed at the start of step S (a node lost with its local storage);
+* ``corrupt_local`` — 64 bytes in the middle of rank R's newest local shard are overwritten (same
+  size) and the worker is SIGKILLed at the start of step S;
 * ``slow`` — rank R sleeps ``seconds=X`` (default 0.2) at the start of every step from S on (a
   straggler: ``slow@rank=1,step=1,seconds=0.3``).
 
@@ -22,12 +26,13 @@ Enabled only through ``ELASTIC_TRAINER_INJECT_FAULT``, a comma-separated list of
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass
 
 ENV = "ELASTIC_TRAINER_INJECT_FAULT"
-KINDS = ("raise", "kill", "hang", "kill_in_save", "kill_before_commit", "kill_in_load", "nan", "slow")
+KINDS = ("raise", "kill", "hang", "kill_in_save", "kill_before_commit", "kill_in_load", "nan", "slow", "lose_local", "corrupt_local")
 
 
 @dataclass(frozen=True)
@@ -90,3 +95,22 @@ def maybe_inject(kind: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_damage_local(step: int, copies: list[str]) -> None:
+    """``lose_local`` / ``corrupt_local`` at ``step``: ``copies`` are this rank's local copy
+    directories, newest first."""
+    if active("lose_local", step):
+        for d in copies:
+            shutil.rmtree(d, ignore_errors=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if active("corrupt_local", step):
+        shards = sorted(n for n in os.listdir(copies[0]) if n.endswith(".distcp")) if copies else []
+        if shards:
+            path = os.path.join(copies[0], shards[0])
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) // 2)
+                f.write(b"\xa5" * 64)
+                f.flush()
+                os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)

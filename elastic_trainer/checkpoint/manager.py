@@ -28,6 +28,7 @@ explicitly next to ``Exception`` wherever a DCP future or call is awaited.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,8 +48,9 @@ from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
 from . import integrity, layout, save_planner
-from .catalog import Catalog
+from .catalog import Catalog, checkpoint_key
 from .load_planner import load_planner
+from .local_tier import CHAIN_MAX, LocalTier
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +58,16 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _InFlight:
     step: int
-    name: str
+    name: str | None  # the checkpoint.dir directory; None for a save to the local tier only
     started: float
     staging: Future | None
-    upload: Future
+    upload: Future | None  # the checkpoint.dir write; None for a local-only save
     commit: Future | None = None  # rank 0 only
     staged_at: float | None = None
+    local_staging: Future | None = None
+    local: Future | None = None  # this rank's local copy written and committed -> bool
+
+
 
 
 @dataclass
@@ -72,6 +78,7 @@ class LoadResult:
     seconds: float
     skipped: list[tuple[int, str]] = field(default_factory=list)
     first_start: bool = True
+    tier: str = "remote"  # "local": every rank loaded its copy from checkpoint.local_dir
 
 
 @dataclass
@@ -147,6 +154,15 @@ class CheckpointManager:
         self.save_stats: list[SaveStats] = []
         self.failures = 0
         self._plan_key = save_planner.new_key()  # DCP plan cache of this manager's saves
+        # The local tier (checkpoint.local_dir): every save, per rank; checkpoint.dir gets every
+        # remote_every-th (and every durable one). See checkpoint/local_tier.py.
+        self.local = LocalTier(cfg.local_dir, storage.root, rank=rank, world_size=world_size, key=checkpoint_key()) if cfg.local_dir else None
+        self._local_stager = None
+        self._epoch_name = ""  # the root's launch epoch, learnt at load (names the local copies)
+        self._chain: list[str] = [""]  # remote checkpoints the current state's lineage went through
+        self._saves_since_remote = 0
+        self._local_saved: set[int] = set()
+        self.loaded_tier: str | None = None
 
     # ------------------------------------------------------------------ collectives helpers
     def _broadcast(self, obj: Any) -> Any:
@@ -180,8 +196,11 @@ class CheckpointManager:
         resume = self.cfg.resume if resume is None else resume
         failed: set[str] = set()
         skipped_all: list[tuple[int, str]] = []
+        try_local = self.local is not None and resume == "latest"
         while True:
             decision = self._decide(resume, frozenset(failed)) if self.rank == 0 else {}
+            if self.rank == 0:
+                decision["epoch"] = self.catalog.epoch or ""
             decision = self._broadcast(decision)
             if "fenced" in decision:
                 raise FencedError(decision["fenced"])
@@ -191,10 +210,19 @@ class CheckpointManager:
                 raise CheckpointMismatchError(*decision["mismatch"])
             self._taken = set(decision.get("taken", []))
             skipped_all += [tuple(s) for s in decision.get("skipped", [])]
+            self._epoch_name = decision.get("epoch", "")
+            if try_local:
+                try_local = False
+                local = self._load_local(decision, skipped_all)
+                if isinstance(local, LoadResult):
+                    return local
+                if local == "failed" and decision.get("chosen") is None:
+                    raise CheckpointError("the local copies failed to load and checkpoint.dir has no commit; restarting from a clean state")
             if decision.get("chosen") is None:
                 if failed:
                     raise CheckpointError(f"every checkpoint failed to load ({len(failed)} quarantined); restarting from a clean state")
                 self._parent, self._seq = None, 0
+                self._chain, self.loaded_tier = [""], None
                 return None
             name, manifest = decision["chosen"], decision["manifest"]
             step = int(manifest["step"])
@@ -212,6 +240,7 @@ class CheckpointManager:
                 self.last_committed_step = step
                 self._parent, self._seq = name, int(manifest.get("seq", 0))
                 self._saved = set()
+                self._chain, self.loaded_tier, self._local_saved = [name], "remote", set()
                 self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
                 return LoadResult(step, name, manifest, seconds, skipped_all, bool(decision.get("first_start", True)))
             reason = f"load failed: {error or 'on another rank'}"
@@ -224,6 +253,58 @@ class CheckpointManager:
                     logger.warning("could not quarantine %s: %s", name, e)
             skipped_all.append((step, reason))
             failed.add(name)
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1 or not dist.is_initialized():
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _load_local(self, decision: dict[str, Any], skipped: list[tuple[int, str]]) -> LoadResult | str:
+        """Every rank: load the newest local copy that every rank can prove, if it is at least as
+        new as the remote choice and descends from it. Returns the result, "none" (no common
+        copy) or "failed" (a load failed somewhere: the state may be partly overwritten, and the
+        failing ranks dropped their copy). All ranks load the same tier: never a mix."""
+        chosen = decision.get("chosen")
+        remote_step = int(decision["manifest"]["step"]) if chosen else 0
+        epoch = self._epoch_name
+        try:
+            self.local.purge_other_epochs(epoch)
+            copies, why = self.local.usable(epoch, min_step=remote_step, remote=chosen, mesh_shape=self.mesh_shape, fingerprint=self.fingerprint)
+        except OSError as e:
+            copies, why = [], f"local tier unreadable: {type(e).__name__}: {e}"
+        views = self._gather(([c.step for c in copies], why))
+        common = set.intersection(*(set(steps) for steps, _ in views))
+        if not common:
+            if self.rank == 0 and any(steps for steps, _ in views):
+                reasons = "; ".join(f"rank {r}: {w}" for r, (steps, w) in enumerate(views) if not steps) or "no step every rank has"
+                self.events.emit("checkpoint_local_skipped", step=max(max(s) for s, _ in views if s), reason=f"not on every rank ({reasons})", remote_step=remote_step)
+            return "none"
+        copy = next(c for c in copies if c.step == max(common))
+        t0 = time.monotonic()
+        faults.maybe_inject("kill_in_load", copy.step)
+        error = ""
+        try:
+            dcp.load(self.states, storage_reader=self.local.reader(copy), planner=load_planner(self.states), no_dist=True)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
+            error = f"{type(e).__name__}: {e}"[:2000]
+        if not self._all_true(not error, self.group):
+            if error:  # this rank's copy is bad: never chosen again
+                logger.error("local copy of step %d failed to load: %s", copy.step, error)
+                self.local.discard(copy)
+            if self.rank == 0:
+                self.events.emit("checkpoint_local_skipped", step=copy.step, reason=f"load failed: {error or 'on another rank'}", remote_step=remote_step)
+            skipped.append((copy.step, f"local copy: load failed: {error or 'on another rank'}"))
+            return "failed"
+        seconds = time.monotonic() - t0
+        self.loaded_step, self.loaded_tier = copy.step, "local"
+        self._parent, self._seq = chosen, int(decision["manifest"].get("seq", 0)) if chosen else 0
+        self._chain = list(copy.manifest.get("remote_chain") or [chosen or ""])
+        self._saved, self._local_saved = set(), {copy.step}
+        self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
+        self.metrics.counter("elastic_trainer_checkpoint_local_resumes_total")
+        return LoadResult(copy.step, os.path.relpath(copy.path, self.local.root), copy.manifest, seconds, skipped, bool(decision.get("first_start", True)), tier="local")
 
     def _decide(self, resume: str, exclude: frozenset[str]) -> dict[str, Any]:
         """Rank 0: plan the resume. Never raises (the answer is broadcast to every rank)."""
@@ -277,22 +358,32 @@ class CheckpointManager:
         return layout.compare_shapes(saved, ours, c.step)
 
     # ------------------------------------------------------------------ save
+    def _new_stager(self, shared_memory: bool):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = self._use_cuda_staging
+        return DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                # PROCESS mode pickles the staged state to the saver process: buffers in
+                # shared memory travel as handles instead of being copied on every save.
+                use_shared_memory=shared_memory,
+                use_async_staging=True,
+                use_non_blocking_copy=cuda,
+            )
+        )
+
     def _get_stager(self):
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            cuda = self._use_cuda_staging
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    # PROCESS mode pickles the staged state to the saver process: buffers in
-                    # shared memory travel as handles instead of being copied on every save.
-                    use_shared_memory=self._async_mode == "process",
-                    use_async_staging=True,
-                    use_non_blocking_copy=cuda,
-                )
-            )
+            self._stager = self._new_stager(self._async_mode == "process")
         return self._stager
+
+    def _get_local_stager(self):
+        """The local tier's own stager: a stager reuses its buffers, and the object-store
+        upload of the same step may still be reading the other one's."""
+        if self._local_stager is None:
+            self._local_stager = self._new_stager(False)
+        return self._local_stager
 
     @property
     def in_flight(self) -> bool:
@@ -303,23 +394,32 @@ class CheckpointManager:
         """Whether this rank's part of the latest save is still being written. Rank-local: a
         measurement (checkpoint cadence), never a decision that ranks must share."""
         inf = self._inflight
-        return inf is not None and not inf.upload.done()
+        return inf is not None and any(f is not None and not f.done() for f in (inf.upload, inf.local))
 
     def is_committed(self, step: int) -> bool:
-        """Whether ``step`` is known committed on every rank's shared knowledge (loaded or saved
-        by this incarnation); a save of such a step is a no-op."""
-        return step == self.loaded_step or step in self._saved
+        """Whether ``step`` is known committed in checkpoint.dir on every rank's shared knowledge
+        (loaded from there or saved there by this incarnation); a save of such a step is a no-op."""
+        return (step == self.loaded_step and self.loaded_tier == "remote") or step in self._saved
 
-    def save(self, step: int, *, blocking: bool = False, meta: dict[str, Any] | None = None, force: bool = False) -> SaveStats:
+    def save(self, step: int, *, blocking: bool = False, meta: dict[str, Any] | None = None, force: bool = False, durable: bool = False) -> SaveStats:
         """Start saving ``step``. All ranks. ``meta`` goes into the manifest (e.g. the loss).
 
         Waits for the previous save first, at most until that save's deadline (measured); when
         it is still writing on some rank past it, this save is skipped (``checkpoint_failed``).
         With ``checkpoint.mode = "async"`` this returns once the state is handed to a background
-        stager; call :meth:`wait_for_staging` before mutating parameters."""
+        stager; call :meth:`wait_for_staging` before mutating parameters.
+
+        With a local tier every save writes this rank's local copy; checkpoint.dir gets the save
+        when it is ``durable`` (the final step), ``force``d or ``blocking`` (preemption), or the
+        ``remote_every``-th since the last one there."""
         stats = SaveStats(step)
         if self.is_committed(step) and not force:
             stats.skipped = "already committed"
+            return stats
+        remote = self.local is None or force or blocking or durable or self._saves_since_remote + 1 >= self.cfg.remote_every
+        local = self.local is not None and step not in self._local_saved
+        if not remote and not local:
+            stats.skipped = "already in the local tier"
             return stats
         t0 = time.monotonic()
         previous_done = self._finish_inflight(deadline=self._deadline_of(self._inflight), agree=True)
@@ -333,40 +433,29 @@ class CheckpointManager:
                 self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
             self.save_stats.append(stats)
             return stats
-        name = layout.next_dir_name(step, self._taken)
-        self._taken.add(name)
-        self._saved.add(step)
-        path = self.storage.join(name)
-        if self.rank == 0:
-            self._commit_pool.submit(self._mark_writer, name)
-        writer = integrity.checksummed(self.storage.dcp_writer(path))
-        if self._upload_nice and self.cfg.mode != "sync":  # never the training thread
-            writer.upload_nice = self._upload_nice
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 1)
         t1 = time.monotonic()
-        if self.cfg.mode == "sync":
-            fut: Future = Future()
-            try:
-                dcp.save(self.states, storage_writer=writer, process_group=self.group, planner=save_planner.make(self._plan_key))
-                fut.set_result(None)
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - handled as a failed save
-                fut.set_exception(e)
-            self._inflight = _InFlight(step, name, t1, None, fut)
+        inflight = _InFlight(step, None, t1, None, None)
+        parent = self._parent
+        if remote:
+            name = layout.next_dir_name(step, self._taken)
+            self._taken.add(name)
+            self._saved.add(step)
+            self._saves_since_remote = 0
+            self._chain = (self._chain + [name])[-CHAIN_MAX:]
+            inflight.name = name
+            inflight.staging, inflight.upload = self._start_remote(name)
+            self._parent = name
+            self._seq += 1
         else:
-            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-            kind = AsyncCheckpointerType.PROCESS if self._async_mode == "process" else AsyncCheckpointerType.THREAD
-            resp = dcp.async_save(
-                self.states, storage_writer=writer, process_group=self.group, async_stager=self._get_stager(), async_checkpointer_type=kind,
-                planner=save_planner.make(self._plan_key),
-            )
-            staging = getattr(resp, "staging_completion", None)
-            upload = getattr(resp, "upload_completion", resp)
-            self._inflight = _InFlight(step, name, t1, staging, upload)
+            self._saves_since_remote += 1
+        if local:
+            self._local_saved.add(step)
+            extra = {"parent": self._parent, "seq": self._seq, "remote_chain": list(self._chain), "launch": self._launch_id, "finite": True, "run_identity": self._run_identity, **(meta or {})}
+            inflight.local_staging, inflight.local = self._start_local(step, extra, t1)
+        self._inflight = inflight
         stats.call = time.monotonic() - t1
-        parent, self._parent = self._parent, name
-        self._seq += 1
-        if self.rank == 0 and self._commit_pool is not None:
+        if remote and self.rank == 0 and self._commit_pool is not None:
             inflight = self._inflight
             inflight.commit = Future()
             extra = {"parent": parent, "seq": self._seq, "launch": self._launch_id, "finite": True, "run_identity": self._run_identity, **(meta or {})}
@@ -382,6 +471,68 @@ class CheckpointManager:
             self._finish_inflight(deadline=None)
         return stats
 
+    def _start_remote(self, name: str) -> tuple[Future | None, Future]:
+        """Start the checkpoint.dir save into ``name``: (staging, upload) futures."""
+        if self.rank == 0:
+            self._commit_pool.submit(self._mark_writer, name)
+        writer = integrity.checksummed(self.storage.dcp_writer(self.storage.join(name)))
+        if self._upload_nice and self.cfg.mode != "sync":  # never the training thread
+            writer.upload_nice = self._upload_nice
+        if self.cfg.mode == "sync":
+            fut: Future = Future()
+            try:
+                dcp.save(self.states, storage_writer=writer, process_group=self.group, planner=save_planner.make(self._plan_key))
+                fut.set_result(None)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - handled as a failed save
+                fut.set_exception(e)
+            return None, fut
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        kind = AsyncCheckpointerType.PROCESS if self._async_mode == "process" else AsyncCheckpointerType.THREAD
+        resp = dcp.async_save(
+            self.states, storage_writer=writer, process_group=self.group, async_stager=self._get_stager(), async_checkpointer_type=kind,
+            planner=save_planner.make(self._plan_key),
+        )
+        return getattr(resp, "staging_completion", None), getattr(resp, "upload_completion", resp)
+
+    def _start_local(self, step: int, extra: dict[str, Any], started: float) -> tuple[Future | None, Future]:
+        """Start this rank's local copy of ``step`` (no collectives): (staging, committed) futures;
+        the second resolves to whether the copy was written and committed. Never raises."""
+        done: Future = Future()
+        epoch = self._epoch_name
+
+        def commit(f: Future | None) -> None:
+            try:
+                exc = f.exception() if f is not None else None
+                if exc is not None:
+                    raise exc
+                manifest = self.local.commit(epoch, step, mesh_shape=self.mesh_shape, fingerprint=self.fingerprint, torch_version=torch.__version__, extra=extra)
+            except BaseException as e:  # noqa: BLE001 - the local tier is best effort; checkpoint.dir is the record
+                logger.warning("local copy of step %d failed on this rank: %s: %s", step, type(e).__name__, e)
+                self.metrics.counter("elastic_trainer_checkpoint_local_save_failures_total")
+                done.set_result(False)
+                return
+            self.metrics.counter("elastic_trainer_checkpoint_local_saves_total")
+            if self.rank == 0:
+                self.events.emit("checkpoint_local_saved", step=step, bytes=manifest["total_bytes"], seconds=round(time.monotonic() - started, 4))
+            done.set_result(True)
+
+        try:
+            writer = self.local.writer(epoch, step)
+            if self.cfg.mode == "sync":
+                dcp.save(self.states, storage_writer=writer, no_dist=True)
+                commit(None)
+                return None, done
+            resp = dcp.async_save(self.states, storage_writer=writer, no_dist=True, async_stager=self._get_local_stager())
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - as a failed local copy
+            failed: Future = Future()
+            failed.set_exception(e)
+            commit(failed)
+            return None, done
+        upload = getattr(resp, "upload_completion", resp)
+        upload.add_done_callback(commit)
+        return getattr(resp, "staging_completion", None), done
+
     def _deadline_of(self, inf: _InFlight | None) -> float | None:
         return None if inf is None else inf.started + self.cfg.save_timeout_seconds
 
@@ -394,13 +545,15 @@ class CheckpointManager:
     def wait_for_staging(self) -> float:
         """Block until the in-flight save has copied the state out. Returns the seconds waited."""
         inf = self._inflight
-        if inf is None or inf.staging is None or inf.staged_at is not None:
+        if inf is None or (inf.staging is None and inf.local_staging is None) or inf.staged_at is not None:
             return 0.0
         t0 = time.monotonic()
-        try:
-            inf.staging.result()
-        except (Exception, CheckpointException):  # noqa: BLE001 - the upload future carries the same failure
-            logger.exception("staging of step %d failed", inf.step)
+        for staging in (inf.staging, inf.local_staging):
+            try:
+                if staging is not None:
+                    staging.result()
+            except (Exception, CheckpointException):  # noqa: BLE001 - the upload future carries the same failure
+                logger.exception("staging of step %d failed", inf.step)
         waited = time.monotonic() - t0
         inf.staged_at = time.monotonic()
         if self.save_stats and self.save_stats[-1].step == inf.step:
@@ -472,9 +625,13 @@ class CheckpointManager:
         self.wait_for_staging()
         ok: bool | None = True
         try:
-            inf.upload.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if inf.upload is not None:
+                inf.upload.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             if inf.commit is not None:
                 ok = bool(inf.commit.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())))
+            if inf.local is not None:
+                local_ok = inf.local.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                ok = ok if inf.upload is not None else local_ok
         except TimeoutError:
             ok = None
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - recorded by _commit on rank 0
@@ -522,7 +679,7 @@ class CheckpointManager:
         """Exception path: start nothing, but give a save that is already uploading up to
         ``timeout`` seconds to finish (and, on rank 0, to commit). Never raises."""
         inf = self._inflight
-        if inf is None:
+        if inf is None or inf.upload is None:
             return False
         try:
             deadline = time.monotonic() + timeout
@@ -533,11 +690,21 @@ class CheckpointManager:
         except BaseException:  # noqa: BLE001 - best effort by design
             return False
 
-    def close(self) -> None:
+    def inject_local_faults(self, step: int) -> None:
+        """Fault injection (tests): lose or corrupt this rank's local copies at ``step``."""
+        if self.local is not None:
+            faults.maybe_damage_local(step, self.local.copies_on_disk(self._epoch_name))
+
+    def close(self, finished: bool = False) -> None:
+        """``finished``: the run ended normally; this rank's local copies are dropped (no restart
+        of this launch will need them, and a later launch never uses them)."""
         save_planner.forget(self._plan_key)
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        for stager in (self._stager, self._local_stager):
+            if stager is not None:
+                stager.close()
+        self._stager = self._local_stager = None
+        if finished and self.local is not None:
+            self.local.drop_epoch(self._epoch_name)
         if self._commit_pool is not None:
             self._commit_pool.shutdown(wait=True)
 

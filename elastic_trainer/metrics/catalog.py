@@ -91,6 +91,9 @@ CATALOG: tuple[Metric, ...] = (
     _g("elastic_trainer_checkpoint_last_committed_step", "Step of the last committed checkpoint.", mode="mostrecent"),
     _g("elastic_trainer_checkpoint_last_commit_timestamp_seconds", "Unix time of the last checkpoint commit.", mode="mostrecent"),
     _g("elastic_trainer_checkpoint_saves_in_flight", "Checkpoint saves started and not yet finished (0 or 1)."),
+    _c("elastic_trainer_checkpoint_local_saves_total", "Local-tier copies (checkpoint.local_dir) a rank wrote and committed.", scope="rank", labels=("rank",)),
+    _c("elastic_trainer_checkpoint_local_save_failures_total", "Local-tier copies that failed on a rank (checkpoint.dir is unaffected).", scope="rank", labels=("rank",)),
+    _c("elastic_trainer_checkpoint_local_resumes_total", "Resumes that loaded every rank's local-tier copy instead of checkpoint.dir."),
     # elasticity
     _g("elastic_trainer_world_size", "Number of worker processes in the current worker group."),
     _g(

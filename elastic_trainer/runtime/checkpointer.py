@@ -103,6 +103,7 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         self.cadence: cadence.AutoCadence | None = None  # checkpoint.interval_steps = "auto"
         self._tick: tuple[float, bool] | None = None  # (start of the loop iteration, it started a save)
+        self._total_steps: int | None = None  # from due(): the final step's save is always durable
 
     # ------------------------------------------------------------------ resume
     def resume(self, after_load: Callable[[LoadResult | None], dict[str, Any]] | None = None) -> int:
@@ -135,6 +136,7 @@ class Checkpointer:
             cursor=self.state.cursor,
             skipped=[list(x) for x in loaded.skipped],
             rng=rng_note,
+            tier=loaded.tier,
             **fields,
         )
         if saved_world != s.world_size:
@@ -148,6 +150,7 @@ class Checkpointer:
     def due(self, step: int, total_steps: int, save_due: bool = False) -> bool:
         """The cadence decision at the end of ``step`` (``save_due``: the agreed time trigger of
         the step's :class:`StepContext`). Pure given agreed inputs, so every rank decides alike."""
+        self._total_steps = total_steps
         auto_due = self.cadence is not None and self.cadence.due(step)
         return layout.should_save(step, total_steps, self.fixed_interval, save_due or auto_due, False)
 
@@ -213,7 +216,8 @@ class Checkpointer:
     def save(self, step: int, meta: dict[str, Any] | None = None) -> SaveStats:
         """Start an async save of ``step`` (a no-op if that step is already committed). Call
         only after a finite step: non-finite state must never be saved."""
-        stats = self.manager.save(step, meta={"skipped_ranges": self.state.skipped, **(meta or {})})
+        final = self._total_steps is not None and step >= self._total_steps
+        stats = self.manager.save(step, meta={"skipped_ranges": self.state.skipped, **(meta or {})}, durable=final)
         if not stats.skipped:
             self._rollback_window_open = False
         if self.cadence is not None:
@@ -321,4 +325,4 @@ class Checkpointer:
             os.makedirs(s.cfg.run.dir, exist_ok=True)
             with open(os.path.join(s.cfg.run.dir, PREEMPT_MARKER), "w") as f:
                 json.dump({"step": self.state.step, "exit_code": code, "committed_step": self.manager.last_committed_step}, f)
-        self.manager.close()
+        self.manager.close(finished=code == exit_codes.OK)

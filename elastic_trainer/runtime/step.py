@@ -59,6 +59,8 @@ class StepContext:
         try:
             for kind in ("raise", "kill", "hang", "slow"):
                 faults.maybe_inject(kind, self.step)
+            if self.ckpt is not None:
+                self.ckpt.manager.inject_local_faults(self.step)
         except BaseException as e:
             self.__exit__(type(e), e, e.__traceback__)
             raise

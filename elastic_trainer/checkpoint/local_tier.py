@@ -1,0 +1,208 @@
+"""The local tier: per-rank copies of every save in node-local storage (``checkpoint.local_dir``).
+
+Layout, under ``<local_dir>/<job>/`` (``job``: a hash of ``checkpoint.dir``, so two jobs that share
+a node never see each other's copies)::
+
+    <epoch>/step-XXXXXXXX/rank-R-of-W/   __R_0.distcp  .metadata  .checksums.json  manifest.json
+
+Each rank writes its own shards with ``dcp.save(no_dist=True)`` (a plain DCP checkpoint of this
+rank's part of the state; the same checksummed writer as the object store) and then commits its
+copy by itself: ``manifest.json`` (sealed, HMAC-signed with the checkpoint key when one is set)
+is written last and names every file with the size and XXH3 DCP reported writing. A rank's copy
+is *its* proof; whether a step is usable is agreed by every rank at load (:meth:`usable` on every
+rank, then the manager takes the newest step every rank can prove). A copy is usable only:
+
+* in the launch epoch that owns the checkpoint root now (a restart of the same launch: another
+  launch's copies are stale by definition, and are deleted at load);
+* for this rank, world size, mesh and model fingerprint;
+* when it descends from the remote checkpoint the catalog chose (``remote_chain``: the remote
+  saves its lineage went through), at that step or newer.
+
+Retention keeps this rank's newest :data:`KEEP` committed copies; an older copy is deleted only
+after a newer one is committed. The object store stays the durable record: nothing here is
+needed for the guarantees of ``checkpoint.dir``, and every doubt falls back to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..storage.fs import open_storage
+from . import integrity, layout
+
+logger = logging.getLogger(__name__)
+
+KEEP = 2  # committed copies per rank: the newest, and the one before in case a rank missed it
+CHAIN_MAX = 32  # remote names remembered in a copy's lineage
+_STEP_RE = re.compile(r"^step-(\d{8})$")
+
+
+def job_key(ckpt_dir: str) -> str:
+    """The directory of one job's copies: a hash of its checkpoint root."""
+    return hashlib.sha256(ckpt_dir.rstrip("/").encode()).hexdigest()[:16]
+
+
+def _slug(epoch: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", epoch or "no-epoch")[:120]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One committed, verified local copy of this rank."""
+
+    step: int
+    path: str  # the rank directory
+    manifest: dict[str, Any]
+
+
+class LocalTier:
+    def __init__(self, local_dir: str, ckpt_dir: str, *, rank: int, world_size: int, key: bytes | None):
+        self.root = os.path.join(os.path.abspath(local_dir), job_key(ckpt_dir))
+        self.rank = rank
+        self.world_size = world_size
+        self.key = key
+        self.storage = open_storage(self.root)
+
+    # ------------------------------------------------------------------ naming
+    def _epoch_dir(self, epoch: str) -> str:
+        return os.path.join(self.root, _slug(epoch))
+
+    def rank_dir(self, epoch: str, step: int) -> str:
+        return os.path.join(self._epoch_dir(epoch), layout.step_dir_name(step), f"rank-{self.rank}-of-{self.world_size}")
+
+    # ------------------------------------------------------------------ saving
+    def writer(self, epoch: str, step: int):
+        """A checksummed DCP writer for this rank's copy of ``step`` (any earlier, unusable
+        attempt at the same step is removed first)."""
+        d = self.rank_dir(epoch, step)
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d, exist_ok=True)
+        return integrity.checksummed(self.storage.dcp_writer(d))
+
+    def commit(self, epoch: str, step: int, *, mesh_shape: list[int], fingerprint: str, torch_version: str, extra: dict[str, Any]) -> dict[str, Any]:
+        """This rank's proof for its copy of ``step``: every file DCP reported writing is there
+        with that size; the sealed manifest is written last. Then retention. Raises on a problem."""
+        d = self.rank_dir(epoch, step)
+        with open(os.path.join(d, integrity.CHECKSUMS)) as f:
+            written = json.load(f)["files"]
+        listed = {n: os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)}
+        problem = layout.commit_problem(written, listed)
+        if problem:
+            raise OSError(f"local copy of step {step} incomplete: {problem}")
+        manifest = layout.build_manifest(
+            step=step, world_size=self.world_size, mesh_shape=mesh_shape, files=written, created=time.time(),
+            torch_version=torch_version, fingerprint=fingerprint, epoch=epoch, extra={**extra, "rank": self.rank, "tier": "local"},
+        )
+        manifest = layout.seal(manifest, self.key)
+        self.storage.write_json_atomic(os.path.join(d, layout.MANIFEST), manifest)
+        self._retain(epoch, step)
+        return manifest
+
+    def _steps(self, epoch: str) -> list[int]:
+        try:
+            names = os.listdir(self._epoch_dir(epoch))
+        except FileNotFoundError:
+            return []
+        return sorted((int(m.group(1)) for n in names if (m := _STEP_RE.match(n))), reverse=True)
+
+    def _retain(self, epoch: str, newest: int) -> None:
+        """Keep this rank's KEEP newest committed copies (``newest`` among them); remove older
+        copies and attempts older than ``newest`` that never committed."""
+        kept = 0
+        for step in self._steps(epoch):
+            d = self.rank_dir(epoch, step)
+            committed = os.path.exists(os.path.join(d, layout.MANIFEST))
+            if step > newest:
+                continue  # an attempt of a newer step (not this rank's business now)
+            if committed and kept < KEEP:
+                kept += 1
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(d))  # the step directory, once no rank of this node uses it
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ loading
+    def usable(self, epoch: str, *, min_step: int, remote: str | None, mesh_shape: list[int], fingerprint: str) -> tuple[list[Copy], str]:
+        """This rank's usable copies, newest first, and why none when the list is empty."""
+        copies: list[Copy] = []
+        why = f"no local copy at or after step {min_step}"
+        for step in self._steps(epoch):
+            if step < min_step:
+                break
+            d = self.rank_dir(epoch, step)
+            problem = self._problem(d, step, remote, mesh_shape, fingerprint)
+            if problem is None:
+                copies.append(Copy(step, d, self._manifest(d)))
+            elif not copies:
+                why = f"local copy of step {step}: {problem}"
+        return copies, why
+
+    def _manifest(self, d: str) -> dict[str, Any] | None:
+        try:
+            with open(os.path.join(d, layout.MANIFEST)) as f:
+                m = json.load(f)
+            return m if isinstance(m, dict) else {"unreadable": "not an object"}
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            return {"unreadable": f"{type(e).__name__}: {e}"}
+
+    def _problem(self, d: str, step: int, remote: str | None, mesh_shape: list[int], fingerprint: str) -> str | None:
+        try:
+            files = {n: os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)}
+        except FileNotFoundError:
+            return "missing on this rank"
+        m = self._manifest(d)
+        problem = layout.verify(layout.Candidate(step, layout.step_dir_name(step), m, files), self.key)
+        if problem:
+            return problem
+        if m.get("rank") != self.rank or m.get("world_size") != self.world_size or m.get("mesh_shape") != mesh_shape:
+            return f"written by rank {m.get('rank')} of {m.get('world_size')} (mesh {m.get('mesh_shape')}), not this rank"
+        if m.get("config_fingerprint") != fingerprint:
+            return "written for another model"
+        if (remote or "") not in (m.get("remote_chain") or []):
+            return f"does not descend from the remote checkpoint chosen ({remote or 'none'})"
+        return None
+
+    def reader(self, copy: Copy):
+        """A DCP reader of ``copy`` that verifies every byte it reads against its manifest."""
+        return integrity.verifying(self.storage.dcp_reader(copy.path), integrity.Checks.from_manifest(copy.manifest))
+
+    # ------------------------------------------------------------------ housekeeping
+    def discard(self, copy: Copy) -> None:
+        """Drop a copy that failed to load on this rank (it is never chosen again)."""
+        shutil.rmtree(copy.path, ignore_errors=True)
+
+    def copies_on_disk(self, epoch: str) -> list[str]:
+        """This rank's copy directories of ``epoch``, newest first (fault injection)."""
+        return [d for step in self._steps(epoch) if os.path.isdir(d := self.rank_dir(epoch, step))]
+
+    def purge_other_epochs(self, epoch: str) -> None:
+        """Remove copies of other launches of this job (never usable again)."""
+        keep = _slug(epoch)
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return
+        for n in names:
+            if n != keep:
+                shutil.rmtree(os.path.join(self.root, n), ignore_errors=True)
+
+    def drop_epoch(self, epoch: str) -> None:
+        """This rank's copies of ``epoch`` (the run finished: no restart of this launch needs them)."""
+        for step in self._steps(epoch):
+            shutil.rmtree(self.rank_dir(epoch, step), ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(self.rank_dir(epoch, step)))
+            except OSError:
+                pass

@@ -1,0 +1,168 @@
+"""The local tier (checkpoint.local_dir) through the real manager on 2 gloo ranks.
+
+Every save writes each rank's copy to the local tier; checkpoint.dir gets every remote_every-th.
+A restart loads the newest step every rank can prove locally, bit for bit; a rank that lost its
+copy, or holds one corrupted at the same size, sends *every* rank to checkpoint.dir (never a mix
+of tiers), and the state is then exactly the remote commit's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from tests.dist.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _mgr(cfg, root, local, model, opt, sched, ts, rank, world, remote_every=2):
+    import torch.distributed as dist
+
+    from elastic_trainer.checkpoint.manager import CheckpointManager
+    from elastic_trainer.checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState
+    from elastic_trainer.storage.fs import open_storage
+
+    ccfg = dataclasses.replace(cfg.checkpoint, dir=root, mode="async", local_dir=local, remote_every=remote_every)
+    states = {"model": ModelState(model), "optim": OptimizerState(model, opt), "lr_scheduler": SchedulerState(sched), "train": ts, "rng": RNGState()}
+    return CheckpointManager(
+        ccfg, open_storage(root), states, rank=rank, world_size=world, mesh_shape=[world], group=dist.new_group(backend="gloo"),
+        fingerprint=cfg.model_fingerprint(), launch_id="dist-local-tier",
+    )
+
+
+def _train_and_save(rank, world, root, local):
+    """Steps 1..6, a save after every 2nd step (remote_every=2: local 2, 4+remote, 6); returns
+    the full state at each saved step and which steps checkpoint.dir committed."""
+    from elastic_trainer.checkpoint.state import TrainState
+    from tests.dist.workloads import _train_steps, build, full_state
+
+    cfg, _, model, opt, sched = build(world)
+    ts = TrainState()
+    mgr = _mgr(cfg, root, local, model, opt, sched, ts, rank, world)
+    assert mgr.load() is None
+    states = {}
+    for step in (2, 4, 6):
+        _train_steps(model, opt, sched, cfg, 2, rank, world, start=step - 2)
+        ts.step = step
+        mgr.save(step)
+        mgr.wait_for_staging()
+        # full_state may alias live tensors (the optimizer's scalar 'step'): a deep copy
+        states[step] = torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, full_state(model, opt))
+        assert mgr.finish() is True
+    committed = mgr.last_committed_step
+    mgr.close()
+    return {"states": states if rank == 0 else None, "committed": committed}
+
+
+def _damage(rank, world, root, local, step, how, on_rank):
+    from elastic_trainer.checkpoint.local_tier import job_key
+
+    if rank != on_rank:
+        return
+    job = os.path.join(local, job_key(root))
+    (epoch,) = os.listdir(job)
+    d = os.path.join(job, epoch, f"step-{step:08d}", f"rank-{rank}-of-{world}")
+    if how == "lose":
+        import shutil
+
+        shutil.rmtree(d)
+    else:
+        shard = next(n for n in os.listdir(d) if n.endswith(".distcp"))
+        p = os.path.join(d, shard)
+        with open(p, "r+b") as f:
+            f.seek(os.path.getsize(p) // 2)
+            f.write(b"\xa5" * 64)
+
+
+def _resume(rank, world, root, local, damage):
+    """A fresh model and manager (a restart of the same launch): what load() chose, and the state."""
+    import torch.distributed as dist
+
+    from elastic_trainer.checkpoint.state import TrainState
+    from tests.dist.workloads import build, full_state
+
+    for step, how, on_rank in damage:
+        _damage(rank, world, root, local, step, how, on_rank)
+    dist.barrier()
+    cfg, _, model, opt, sched = build(world)
+    ts = TrainState()
+    mgr = _mgr(cfg, root, local, model, opt, sched, ts, rank, world)
+    loaded = mgr.load()
+    state = full_state(model, opt)  # a collective
+    out = {"step": loaded.step, "tier": loaded.tier, "train_step": ts.step, "state": state if rank == 0 else None, "committed_now": mgr.is_committed(loaded.step)}
+    mgr.close()
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    fa, fb = torch.utils._pytree.tree_flatten(a)[0], torch.utils._pytree.tree_flatten(b)[0]
+    return len(fa) == len(fb) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(fa, fb))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    base = tmp_path_factory.mktemp("lt")
+    root, local = str(base / "remote"), str(base / "local")
+    out = run_ranks(_train_and_save, 2, root, local)
+    return root, local, out[0]["states"], out[0]["committed"]
+
+
+def _copy(saved, tmp_path):
+    import shutil
+
+    from elastic_trainer.checkpoint.local_tier import job_key
+
+    root, local, states, committed = saved
+    shutil.copytree(root, tmp_path / "remote")
+    shutil.copytree(os.path.join(local, job_key(root)), tmp_path / "local" / job_key(str(tmp_path / "remote")))  # a job is named by its root
+    return str(tmp_path / "remote"), str(tmp_path / "local"), states
+
+
+def test_every_save_is_local_and_every_second_reaches_checkpoint_dir(saved):
+    root, local, _, committed = saved
+    assert committed == 4
+    assert sorted(d for d in os.listdir(root) if d.startswith("step-")) == ["step-00000004"]
+    (epoch,) = os.listdir(os.path.join(local, os.listdir(local)[0]))
+    steps = sorted(os.listdir(os.path.join(local, os.listdir(local)[0], epoch)))
+    assert steps == ["step-00000004", "step-00000006"]  # retention: the newest two per rank
+    for s in steps:
+        for r in (0, 1):
+            assert os.path.exists(os.path.join(local, os.listdir(local)[0], epoch, s, f"rank-{r}-of-2", "manifest.json"))
+
+
+def test_restart_loads_the_newest_local_step_bit_for_bit(saved, tmp_path):
+    root, local, states = _copy(saved, tmp_path)
+    out = run_ranks(_resume, 2, root, local, [])
+    assert [(o["step"], o["tier"], o["train_step"]) for o in out] == [(6, "local", 6)] * 2
+    assert _same(out[0]["state"], states[6])
+    assert not out[0]["committed_now"]  # a local load is not a commit in checkpoint.dir: a preemption save writes it there
+
+
+def test_a_rank_that_lost_its_newest_copy_moves_everyone_to_the_step_all_have(saved, tmp_path):
+    root, local, states = _copy(saved, tmp_path)
+    out = run_ranks(_resume, 2, root, local, [(6, "lose", 1)])
+    assert [(o["step"], o["tier"]) for o in out] == [(4, "local")] * 2
+    assert _same(out[0]["state"], states[4])
+
+
+def test_a_lost_node_sends_every_rank_to_checkpoint_dir(saved, tmp_path):
+    root, local, states = _copy(saved, tmp_path)
+    out = run_ranks(_resume, 2, root, local, [(6, "lose", 1), (4, "lose", 1)])
+    assert [(o["step"], o["tier"]) for o in out] == [(4, "remote")] * 2
+    assert _same(out[0]["state"], states[4])
+    assert out[0]["committed_now"]
+
+
+def test_a_copy_corrupted_at_the_same_size_sends_every_rank_to_checkpoint_dir(saved, tmp_path):
+    root, local, states = _copy(saved, tmp_path)
+    out = run_ranks(_resume, 2, root, local, [(6, "corrupt", 1)])
+    # Rank 0 loaded its (good) copy of 6 before rank 1's failed: both reload from checkpoint.dir.
+    assert [(o["step"], o["tier"]) for o in out] == [(4, "remote")] * 2
+    assert _same(out[0]["state"], states[4])
+    # The corrupted copy is dropped: the next restart does not try it again (takes local 4, newest common).
+    again = run_ranks(_resume, 2, root, local, [])
+    assert [(o["step"], o["tier"]) for o in again] == [(4, "local")] * 2
