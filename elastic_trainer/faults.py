@@ -15,8 +15,8 @@ Enabled only through ``ELASTIC_TRAINER_INJECT_FAULT``, a comma-separated list of
   real bad batch); two entries (steps S and S+1) make a second event before the next save;
 * ``lose_local`` — rank R's node-local checkpoint copies (``checkpoint.local_dir``) vanish and
   the worker is SIGKILLed at the start of step S (a node lost with its local storage);
-* ``corrupt_local`` — 64 bytes in the middle of rank R's newest local shard are overwritten (same
-  size) and the worker is SIGKILLed at the start of step S;
+* ``corrupt_local`` — 64 bytes in the middle of the shard of every committed local copy of rank R
+  are overwritten (same size) and the worker is SIGKILLed at the start of step S;
 * ``slow`` — rank R sleeps ``seconds=X`` (default 0.2) at the start of every step from S on (a
   straggler: ``slow@rank=1,step=1,seconds=0.3``).
 
@@ -105,12 +105,13 @@ def maybe_damage_local(step: int, copies: list[str]) -> None:
             shutil.rmtree(d, ignore_errors=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if active("corrupt_local", step):
-        shards = sorted(n for n in os.listdir(copies[0]) if n.endswith(".distcp")) if copies else []
-        if shards:
-            path = os.path.join(copies[0], shards[0])
-            with open(path, "r+b") as f:
-                f.seek(os.path.getsize(path) // 2)
-                f.write(b"\xa5" * 64)
-                f.flush()
-                os.fsync(f.fileno())
+        for d in copies:
+            shards = sorted(n for n in os.listdir(d) if n.endswith(".distcp"))
+            if shards and os.path.exists(os.path.join(d, "manifest.json")):  # every committed copy
+                path = os.path.join(d, shards[0])
+                with open(path, "r+b") as f:
+                    f.seek(os.path.getsize(path) // 2)
+                    f.write(b"\xa5" * 64)
+                    f.flush()
+                    os.fsync(f.fileno())
         os.kill(os.getpid(), signal.SIGKILL)
