@@ -50,21 +50,21 @@ def test_a_killed_worker_resumes_from_the_local_tier_bitwise(tmp_path, token_fil
     assert not any((tmp_path / "killed-local").rglob("*.distcp")), "a finished run drops its local copies"
 
 
-def test_a_lost_node_resumes_every_rank_from_checkpoint_dir_bitwise(tmp_path, token_file, ref):
-    run = _run(tmp_path, token_file, "lost", "lose_local@rank=1,step=11", local=True)
+def _every_rank_resumed_from_checkpoint_dir(run: Path, ref: dict, why: str) -> None:
     (resume,) = read_events(run, "resume")
     assert (resume["step"], resume["tier"]) == (6, "remote"), resume
     (skipped,) = read_events(run, "checkpoint_local_skipped")
-    assert skipped["step"] in (8, 10) and "rank 1" in skipped["reason"], skipped
-    assert step_losses(run) == ref
+    assert skipped["step"] in (8, 10) and why in skipped["reason"], skipped
+    assert step_losses(run) == ref  # bitwise
     assert _committed(run) == [6, 12]
+
+
+def test_a_lost_node_resumes_every_rank_from_checkpoint_dir_bitwise(tmp_path, token_file, ref):
+    run = _run(tmp_path, token_file, "lost", "lose_local@rank=1,step=11", local=True)
+    _every_rank_resumed_from_checkpoint_dir(run, ref, "rank 1")
 
 
 @pytest.mark.soak  # tests/dist/test_local_tier.py corrupts a copy at the same size on every run
 def test_a_corrupted_local_copy_resumes_every_rank_from_checkpoint_dir_bitwise(tmp_path, token_file, ref):
     run = _run(tmp_path, token_file, "corrupt", "corrupt_local@rank=1,step=11", local=True)
-    (resume,) = read_events(run, "resume")
-    assert (resume["step"], resume["tier"]) == (6, "remote"), resume
-    (skipped,) = read_events(run, "checkpoint_local_skipped")
-    assert skipped["step"] in (8, 10) and "load failed" in skipped["reason"], skipped
-    assert step_losses(run) == ref
+    _every_rank_resumed_from_checkpoint_dir(run, ref, "load failed")
