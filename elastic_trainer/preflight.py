@@ -4,7 +4,8 @@ with the given credentials, and the checkpoint that would be resumed verifies an
 from __future__ import annotations
 
 import logging
-
+import os
+import tempfile
 
 from .checkpoint import layout
 from .checkpoint.catalog import Catalog
@@ -38,6 +39,8 @@ def preflight(cfg: Config) -> int | None:
         raise ConfigError("checkpoint.dir", f"cannot access {c.dir}: {e}") from None
     except Exception as e:  # noqa: BLE001 - e.g. credentials or endpoint errors from the client
         raise ConfigError("checkpoint.dir", f"cannot access {c.dir}: {type(e).__name__}: {e}") from None
+    if c.local_dir:
+        _check_local_dir(c.local_dir)
     if c.resume == "none":
         return None
     catalog = Catalog(storage)
@@ -57,6 +60,16 @@ def preflight(cfg: Config) -> int | None:
     check_run_identity(cfg, plan.chosen.manifest.get("run_identity") or {})
     _check_data_view(cfg, catalog, plan.chosen)
     return plan.chosen.step
+
+
+def _check_local_dir(path: str) -> None:
+    """checkpoint.local_dir must be a writable directory on this node (created if absent)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError("checkpoint.local_dir", f"cannot write to {path}: {e.strerror or e}") from None
 
 
 def _check_data_view(cfg: Config, catalog: Catalog, chosen) -> None:

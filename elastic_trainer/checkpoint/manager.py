@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,6 +160,7 @@ class CheckpointManager:
         self.local = LocalTier(cfg.local_dir, storage.root, rank=rank, world_size=world_size, key=checkpoint_key()) if cfg.local_dir else None
         self._local_stager = None
         self._epoch_name = ""  # the root's launch epoch, learnt at load (names the local copies)
+        self._lineage = ""  # agreed at each load: which start wrote a local copy
         self._chain: list[str] = [""]  # remote checkpoints the current state's lineage went through
         self._saves_since_remote = 0
         self._local_saved: set[int] = set()
@@ -201,6 +203,7 @@ class CheckpointManager:
             decision = self._decide(resume, frozenset(failed)) if self.rank == 0 else {}
             if self.rank == 0:
                 decision["epoch"] = self.catalog.epoch or ""
+                decision["lineage"] = uuid.uuid4().hex[:12]  # names the local copies this start will write
             decision = self._broadcast(decision)
             if "fenced" in decision:
                 raise FencedError(decision["fenced"])
@@ -211,6 +214,7 @@ class CheckpointManager:
             self._taken = set(decision.get("taken", []))
             skipped_all += [tuple(s) for s in decision.get("skipped", [])]
             self._epoch_name = decision.get("epoch", "")
+            self._lineage = decision.get("lineage", "")
             if try_local:
                 try_local = False
                 local = self._load_local(decision, skipped_all)
@@ -274,14 +278,17 @@ class CheckpointManager:
             copies, why = self.local.usable(epoch, min_step=remote_step, remote=chosen, mesh_shape=self.mesh_shape, fingerprint=self.fingerprint)
         except OSError as e:
             copies, why = [], f"local tier unreadable: {type(e).__name__}: {e}"
-        views = self._gather(([c.step for c in copies], why))
-        common = set.intersection(*(set(steps) for steps, _ in views))
+        # A copy is named by (step, the start that wrote it): after a rollback or a restart a step
+        # may exist twice in one epoch, and ranks must agree on the very same save.
+        views = self._gather(([(c.step, c.manifest.get("lineage")) for c in copies], why))
+        common = set.intersection(*(set(map(tuple, keys)) for keys, _ in views))
         if not common:
             if self.rank == 0 and any(steps for steps, _ in views):
                 reasons = "; ".join(f"rank {r}: {w}" for r, (steps, w) in enumerate(views) if not steps) or "no step every rank has"
-                self.events.emit("checkpoint_local_skipped", step=max(max(s) for s, _ in views if s), reason=f"not on every rank ({reasons})", remote_step=remote_step)
+                self.events.emit("checkpoint_local_skipped", step=max(k[0] for keys, _ in views for k in keys), reason=f"not on every rank ({reasons})", remote_step=remote_step)
             return "none"
-        copy = next(c for c in copies if c.step == max(common))
+        best = max(common)
+        copy = next(c for c in copies if (c.step, c.manifest.get("lineage")) == best)
         t0 = time.monotonic()
         faults.maybe_inject("kill_in_load", copy.step)
         error = ""
@@ -451,7 +458,10 @@ class CheckpointManager:
             self._saves_since_remote += 1
         if local:
             self._local_saved.add(step)
-            extra = {"parent": self._parent, "seq": self._seq, "remote_chain": list(self._chain), "launch": self._launch_id, "finite": True, "run_identity": self._run_identity, **(meta or {})}
+            extra = {
+                "parent": self._parent, "seq": self._seq, "remote_chain": list(self._chain), "lineage": self._lineage, "launch": self._launch_id,
+                "finite": True, "run_identity": self._run_identity, **(meta or {}),
+            }
             inflight.local_staging, inflight.local = self._start_local(step, extra, t1)
         self._inflight = inflight
         stats.call = time.monotonic() - t1

@@ -42,6 +42,11 @@ def test_demo_and_cluster_configs_load():
         ({"checkpoint": {"resume": "yesterday"}}, "checkpoint.resume", "'latest', 'none' or a step"),
         ({"checkpoint": {"mode": "eventually"}}, "checkpoint.mode", "async or sync"),
         ({"checkpoint": {"s3_endpoint_url": "localhost:9000"}}, "checkpoint.s3_endpoint_url", "http(s) URL"),
+        ({"checkpoint": {"local_dir": "s3://bucket/x"}}, "checkpoint.local_dir", "node-local path"),
+        ({"checkpoint": {"dir": "/data/ckpt", "local_dir": "/data/ckpt/local"}}, "checkpoint.local_dir", "must not overlap checkpoint.dir"),
+        ({"checkpoint": {"dir": "/data/ckpt/remote", "local_dir": "/data/ckpt"}}, "checkpoint.local_dir", "must not overlap checkpoint.dir"),
+        ({"checkpoint": {"remote_every": 3}}, "checkpoint.remote_every", "needs checkpoint.local_dir"),
+        ({"checkpoint": {"local_dir": "/dev/shm/x", "remote_every": 0}}, "checkpoint.remote_every", ">= 1"),
         ({"elastic": {"nnodes": "3:1"}}, "elastic.nnodes", "MIN <= MAX"),
         ({"elastic": {"nnodes": "two"}}, "elastic.nnodes", "N or MIN:MAX"),
         ({"elastic": {"hang_timeout_seconds": 1}}, "elastic.hang_timeout_seconds", ">= 5"),
@@ -109,3 +114,16 @@ def test_launch_rejects_bad_config_before_any_worker_starts(tmp_path):
     r = _cli("launch", "configs/demo-cpu.toml", "--set", f"run.dir={run_dir}", "--set", f"data.path={tmp_path}/missing.bin")
     assert r.returncode == 2 and "data.path" in r.stderr
     assert not run_dir.exists()
+
+
+def test_preflight_refuses_a_local_dir_it_cannot_write(tmp_path):
+    from elastic_trainer.preflight import preflight
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = config_from_dict({"checkpoint": {"dir": str(tmp_path / "ckpt"), "local_dir": str(blocker / "local")}})
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    assert e.value.key == "checkpoint.local_dir" and str(blocker) in str(e.value)
+    ok = config_from_dict({"checkpoint": {"dir": str(tmp_path / "ckpt"), "local_dir": str(tmp_path / "local")}})
+    assert preflight(ok) is None and (tmp_path / "local").is_dir()
