@@ -78,7 +78,7 @@ def _damage(rank, world, root, local, step, how, on_rank):
             f.write(b"\xa5" * 64)
 
 
-def _resume(rank, world, root, local, damage):
+def _resume(rank, world, root, local, damage, preempt=False):
     """A fresh model and manager (a restart of the same launch): what load() chose, and the state."""
     import torch.distributed as dist
 
@@ -94,6 +94,9 @@ def _resume(rank, world, root, local, damage):
     loaded = mgr.load()
     state = full_state(model, opt)  # a collective
     out = {"step": loaded.step, "tier": loaded.tier, "train_step": ts.step, "state": state if rank == 0 else None, "committed_now": mgr.is_committed(loaded.step)}
+    if preempt:  # what preempt_exit does when the loaded step is not committed in checkpoint.dir
+        mgr.save(loaded.step, force=True)
+        out["preempt_commit"] = mgr.finish_agreed(None) is not None and mgr.committed_everywhere(loaded.step)
     mgr.close()
     return out
 
@@ -136,10 +139,12 @@ def test_every_save_is_local_and_every_second_reaches_checkpoint_dir(saved):
 
 def test_restart_loads_the_newest_local_step_bit_for_bit(saved, tmp_path):
     root, local, states = _copy(saved, tmp_path)
-    out = run_ranks(_resume, 2, root, local, [])
+    out = run_ranks(_resume, 2, root, local, [], True)
     assert [(o["step"], o["tier"], o["train_step"]) for o in out] == [(6, "local", 6)] * 2
     assert _same(out[0]["state"], states[6])
     assert not out[0]["committed_now"]  # a local load is not a commit in checkpoint.dir: a preemption save writes it there
+    assert [o["preempt_commit"] for o in out] == [True, True]
+    assert "step-00000006" in os.listdir(root) and os.path.exists(os.path.join(root, "step-00000006", "manifest.json"))
 
 
 def test_a_rank_that_lost_its_newest_copy_moves_everyone_to_the_step_all_have(saved, tmp_path):
