@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import loadavg, machine_info, median, table  # noqa: E402
-from bench.s3_throughput import start_seaweedfs  # noqa: E402
+from bench.s3_throughput import random_state, start_seaweedfs  # noqa: E402
 
 
 class _Tensors:
@@ -72,9 +72,7 @@ def main() -> int:
     local_dir = a.local_dir or tempfile.mkdtemp(prefix="bench-lt-local-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None)
     server, proc = start_seaweedfs(root)
     os.environ.update(server.env())
-    rows = a.mb * 2**20 // 4 // a.tensors // 1024
-    state = {f"t{i}": torch.randn(rows, 1024) for i in range(a.tensors)}
-    nbytes = sum(t.numel() * 4 for t in state.values())
+    state, nbytes = random_state(a.mb, a.tensors)
     samples: dict[str, list[float]] = {}
     try:
         bucket = server.make_bucket("bench")

@@ -59,6 +59,15 @@ def start_seaweedfs(root: Path):
     return server, proc
 
 
+def random_state(mb: int, tensors: int):
+    """About ``mb`` MB of float32 tensors in ``tensors`` pieces: (state, bytes)."""
+    import torch
+
+    rows = mb * 2**20 // 4 // tensors // 1024
+    state = {f"t{i}": torch.randn(rows, 1024) for i in range(tensors)}
+    return state, sum(t.numel() * 4 for t in state.values())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=512, help="checkpoint size (MB of float32 tensors)")
@@ -81,9 +90,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-s3-"))
     server, proc = start_seaweedfs(root)
     os.environ.update(server.env())
-    rows_per = a.mb * 2**20 // 4 // a.tensors // 1024
-    state = {f"t{i}": torch.randn(rows_per, 1024) for i in range(a.tensors)}
-    nbytes = sum(t.numel() * 4 for t in state.values())
+    state, nbytes = random_state(a.mb, a.tensors)
     samples: dict[str, list[float]] = {}
     try:
         bucket = server.make_bucket("bench")
