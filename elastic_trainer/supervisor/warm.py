@@ -245,6 +245,17 @@ def _handler_class(zygote: Zygote, on_fallback):
                 on_fallback(str(e))
                 return super()._popen(args, env)
 
+        def close(self, death_sig=None) -> None:
+            try:
+                super().close(death_sig)
+            except ProcessLookupError:
+                # The zygote reaps a worker the moment it exits, so a group whose members all
+                # exited is gone (a Popen child stays a zombie, and its group, until waited
+                # for): there is nothing left to signal. torch's close would raise here.
+                for f in (self._stdout, self._stderr):
+                    if f:
+                        f.close()
+
     return WarmSubprocessHandler
 
 

@@ -187,3 +187,19 @@ print("unreadable", cli._early_zygote(["--rdzv-id", "x"]), cli._early_zygote([st
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=os.getcwd())
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["started True torch False", "off None None", "unreadable None None"]
+
+
+def test_closing_the_handler_of_a_worker_that_already_exited_does_not_raise(zygote, tmp_path):
+    """torch stops a group with killpg; a Popen child that exited is a zombie whose group still
+    exists, but the zygote reaps its children at once, so the group is gone (ESRCH). Seen in
+    CI: a worker exited between the agent's poll and its close, and the supervisor crashed."""
+    zygote.wait_ready()
+    cls = warm._handler_class(zygote, lambda reason: None)
+    h = cls(entrypoint=sys.executable, args=("-u", "-m", "warm_child", "0"), env={"PATH": os.environ["PATH"]},
+            stdout=str(tmp_path / "out"), stderr=str(tmp_path / "err"), local_rank_id=0, numa_options=None)
+    assert isinstance(h.proc, warm.ZygoteProcess) and h.proc.wait(30) == 0
+    with pytest.raises(ProcessLookupError):
+        os.killpg(h.proc.pid, signal.SIGTERM)  # what torch's close does first: the group is gone
+    h.close()
+    h.close(signal.SIGKILL)  # torch's _close escalates with a second close
+    assert h._stdout.closed and h._stderr.closed
