@@ -213,7 +213,10 @@ class ZygoteProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # it exited (and the zygote reaped it) since the poll
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
