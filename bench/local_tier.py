@@ -31,8 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import loadavg, machine_info, median, table  # noqa: E402
-from bench.s3_throughput import random_state, start_seaweedfs  # noqa: E402
+from bench.common import loadavg, median, table  # noqa: E402
+from bench.s3_throughput import setup  # noqa: E402
 
 
 class _Tensors:
@@ -65,14 +65,9 @@ def main() -> int:
     from elastic_trainer.storage.fs import open_storage
     from tests.fixtures.procs import stop_process
 
-    info = machine_info()
-    info["loadavg_start"] = loadavg()
-    root = Path(tempfile.mkdtemp(prefix="bench-lt-"))
     shm = Path("/dev/shm")
     local_dir = a.local_dir or tempfile.mkdtemp(prefix="bench-lt-local-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None)
-    server, proc = start_seaweedfs(root)
-    os.environ.update(server.env())
-    state, nbytes = random_state(a.mb, a.tensors)
+    info, root, server, proc, state, nbytes = setup("bench-lt-", a.mb, a.tensors)
     samples: dict[str, list[float]] = {}
     try:
         bucket = server.make_bucket("bench")

@@ -68,6 +68,17 @@ def random_state(mb: int, tensors: int):
     return state, sum(t.numel() * 4 for t in state.values())
 
 
+def setup(prefix: str, mb: int, tensors: int):
+    """What both S3 benches start with: machine facts, SeaweedFS (credentials in the environment)
+    and the state to write. Returns (info, root, server, proc, state, nbytes)."""
+    info = machine_info()
+    info["loadavg_start"] = loadavg()
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    server, proc = start_seaweedfs(root)
+    os.environ.update(server.env())
+    return (info, root, server, proc, *random_state(mb, tensors))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=512, help="checkpoint size (MB of float32 tensors)")
@@ -85,12 +96,7 @@ def main() -> int:
     from elastic_trainer.storage import fs as storage_fs
     from tests.fixtures.procs import stop_process
 
-    info = machine_info()
-    info["loadavg_start"] = loadavg()
-    root = Path(tempfile.mkdtemp(prefix="bench-s3-"))
-    server, proc = start_seaweedfs(root)
-    os.environ.update(server.env())
-    state, nbytes = random_state(a.mb, a.tensors)
+    info, root, server, proc, state, nbytes = setup("bench-s3-", a.mb, a.tensors)
     samples: dict[str, list[float]] = {}
     try:
         bucket = server.make_bucket("bench")

@@ -97,15 +97,15 @@ def maybe_inject(kind: str, step: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def maybe_damage_local(step: int, copies: list[str]) -> None:
-    """``lose_local`` / ``corrupt_local`` at ``step``: ``copies`` are this rank's local copy
-    directories, newest first."""
+def maybe_damage_local(step: int, list_copies) -> None:
+    """``lose_local`` / ``corrupt_local`` at ``step``: ``list_copies()`` gives this rank's local
+    copy directories, newest first (listed only when such a fault fires)."""
     if active("lose_local", step):
-        for d in copies:
+        for d in list_copies():
             shutil.rmtree(d, ignore_errors=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if active("corrupt_local", step):
-        for d in copies:
+        for d in list_copies():
             shards = sorted(n for n in os.listdir(d) if n.endswith(".distcp"))
             if shards and os.path.exists(os.path.join(d, "manifest.json")):  # every committed copy
                 path = os.path.join(d, shards[0])

@@ -125,11 +125,7 @@ class LocalTier:
             if committed and kept < KEEP:
                 kept += 1
                 continue
-            shutil.rmtree(d, ignore_errors=True)
-            try:
-                os.rmdir(os.path.dirname(d))  # the step directory, once no rank of this node uses it
-            except OSError:
-                pass
+            _remove(d)
 
     # ------------------------------------------------------------------ loading
     def usable(self, epoch: str, *, min_step: int, remote: str | None, mesh_shape: list[int], fingerprint: str) -> tuple[list[Copy], str]:
@@ -181,7 +177,7 @@ class LocalTier:
     # ------------------------------------------------------------------ housekeeping
     def discard(self, copy: Copy) -> None:
         """Drop a copy that failed to load on this rank (it is never chosen again)."""
-        shutil.rmtree(copy.path, ignore_errors=True)
+        _remove(copy.path)
 
     def copies_on_disk(self, epoch: str) -> list[str]:
         """This rank's copy directories of ``epoch``, newest first (fault injection)."""
@@ -201,8 +197,13 @@ class LocalTier:
     def drop_epoch(self, epoch: str) -> None:
         """This rank's copies of ``epoch`` (the run finished: no restart of this launch needs them)."""
         for step in self._steps(epoch):
-            shutil.rmtree(self.rank_dir(epoch, step), ignore_errors=True)
-            try:
-                os.rmdir(os.path.dirname(self.rank_dir(epoch, step)))
-            except OSError:
-                pass
+            _remove(self.rank_dir(epoch, step))
+
+
+def _remove(rank_dir: str) -> None:
+    """Delete one rank's copy, and its step directory once no rank of this node uses it."""
+    shutil.rmtree(rank_dir, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(rank_dir))
+    except OSError:
+        pass

@@ -443,7 +443,7 @@ class CheckpointManager:
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 1)
         t1 = time.monotonic()
         inflight = _InFlight(step, None, t1, None, None)
-        parent = self._parent
+        extra = {"parent": self._parent, "seq": self._seq, "launch": self._launch_id, "finite": True, "run_identity": self._run_identity, **(meta or {})}
         if remote:
             name = layout.next_dir_name(step, self._taken)
             self._taken.add(name)
@@ -458,17 +458,15 @@ class CheckpointManager:
             self._saves_since_remote += 1
         if local:
             self._local_saved.add(step)
-            extra = {
-                "parent": self._parent, "seq": self._seq, "remote_chain": list(self._chain), "lineage": self._lineage, "launch": self._launch_id,
-                "finite": True, "run_identity": self._run_identity, **(meta or {}),
-            }
-            inflight.local_staging, inflight.local = self._start_local(step, extra, t1)
+            # the remote save this state descends from (started above when there is one)
+            local_extra = {**extra, "parent": self._parent, "seq": self._seq, "remote_chain": list(self._chain), "lineage": self._lineage}
+            inflight.local_staging, inflight.local = self._start_local(step, local_extra, t1)
         self._inflight = inflight
         stats.call = time.monotonic() - t1
         if remote and self.rank == 0 and self._commit_pool is not None:
             inflight = self._inflight
             inflight.commit = Future()
-            extra = {"parent": parent, "seq": self._seq, "launch": self._launch_id, "finite": True, "run_identity": self._run_identity, **(meta or {})}
+            extra["seq"] = self._seq
 
             def on_upload_done(f: Future, inflight: _InFlight = inflight) -> None:
                 inner = self._commit_pool.submit(self._commit, inflight, extra)
@@ -703,7 +701,7 @@ class CheckpointManager:
     def inject_local_faults(self, step: int) -> None:
         """Fault injection (tests): lose or corrupt this rank's local copies at ``step``."""
         if self.local is not None:
-            faults.maybe_damage_local(step, self.local.copies_on_disk(self._epoch_name))
+            faults.maybe_damage_local(step, lambda: self.local.copies_on_disk(self._epoch_name))
 
     def close(self, finished: bool = False) -> None:
         """``finished``: the run ended normally; this rank's local copies are dropped (no restart
