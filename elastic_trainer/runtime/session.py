@@ -72,6 +72,19 @@ def pick_device(train: TrainConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun's agent store: the agent's store, its keys prefixed by this attempt.
+
+    torchrun's default (static) rendezvous keeps one store for all restarts of the group and
+    does not prefix the keys by attempt, so a restarted group reads the dead group's gloo
+    addresses (connection refused, then a hang until the timeout). None elsewhere (the
+    ``env://`` default is right)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"elastic_trainer/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+
+
 def init_distributed(train: TrainConfig, timeout_seconds: float, ckpt_timeout_seconds: float | None = None) -> Dist:
     """Initialise the training group (NCCL on CUDA, gloo on CPU) and a separate gloo group for
     checkpoints. Must be called on all ranks. ``timeout_seconds`` bounds every training
@@ -83,7 +96,9 @@ def init_distributed(train: TrainConfig, timeout_seconds: float, ckpt_timeout_se
     timeout = timedelta(seconds=timeout_seconds)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        store = attempt_store(timeout)
+        kw = {"store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])} if store is not None else {}
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **kw)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
     ckpt_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ckpt_timeout_seconds or timeout_seconds))

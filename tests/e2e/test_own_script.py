@@ -8,6 +8,7 @@ resumes exactly.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from elastic_trainer.checkpoint.catalog import Catalog
 from elastic_trainer.storage.fs import open_storage
 from tests import runs
+from tests.fixtures.procs import free_port
 
 SCRIPT = str(runs.REPO / "examples" / "train_fsdp.py")
 
@@ -99,6 +101,26 @@ def test_plain_torchrun_checkpoints_and_resumes_exactly(tmp_path, reference):
     (resume,) = runs.read_events(run_dir, "resume")
     assert resume["step"] == 8
     assert runs.step_losses(run_dir) == reference["dropout"], "plain torchrun: the resumed run equals the uninterrupted one bitwise"
+
+
+def test_plain_torchrun_restart_resumes_exactly(tmp_path, reference):
+    """torchrun's default (static) rendezvous keeps one store across restarts: the restarted
+    group must not read the killed group's addresses (it used to hang, then fail)."""
+    run_dir, ckpt = tmp_path / "s", tmp_path / "s-ckpt"
+    # The restarted rank 0 starts late, so rank 1 always finds the killed rank 0's address first.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '0' and os.environ.get('TORCHELASTIC_RESTART_COUNT') == '1':\n    time.sleep(8)\n")
+    env = runs.env_for_tests({"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8"})
+    env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
+    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+            "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2", SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(ckpt), "--steps", "12"]
+    r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (resume,) = runs.read_events(run_dir, "resume")
+    assert resume["step"] == 5
+    assert runs.step_losses(run_dir) == reference["dropout"], "plain torchrun restart: bitwise equal to the uninterrupted run"
 
 
 def test_hung_rank_is_restarted_and_metrics_are_served(tmp_path, reference):
