@@ -8,6 +8,7 @@ arguments, or the defaults). It must be called on every rank, before anything el
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -185,6 +186,8 @@ def init(config: str | os.PathLike | Config | dict | None = None, *, overrides: 
     Prometheus exporter under the supervisor), the preemption flag (SIGTERM/SIGUSR1) and the
     hang-watchdog client (under the supervisor). Call on every rank, first."""
     cfg = resolve_config(config, overrides)
+    if not faulthandler.is_enabled():  # a native crash (SIGSEGV/SIGABRT) leaves every thread's Python stack
+        faulthandler.enable(all_threads=True)
     preempt = PreemptionFlag()
     preempt.install()
     # Storage time is bounded by checkpoint.save_timeout_seconds, never by the hang timeout.
