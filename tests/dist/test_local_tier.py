@@ -19,7 +19,7 @@ from tests.dist.harness import run_ranks
 pytestmark = pytest.mark.timeout(300)
 
 
-def _mgr(cfg, root, local, model, opt, sched, ts, rank, world, remote_every=2):
+def _mgr(cfg, root, local, model, opt, sched, ts, rank, world, remote_every=2, launch_id="dist-local-tier"):
     import torch.distributed as dist
 
     from elastic_trainer.checkpoint.manager import CheckpointManager
@@ -30,7 +30,7 @@ def _mgr(cfg, root, local, model, opt, sched, ts, rank, world, remote_every=2):
     states = {"model": ModelState(model), "optim": OptimizerState(model, opt), "lr_scheduler": SchedulerState(sched), "train": ts, "rng": RNGState()}
     return CheckpointManager(
         ccfg, open_storage(root), states, rank=rank, world_size=world, mesh_shape=[world], group=dist.new_group(backend="gloo"),
-        fingerprint=cfg.model_fingerprint(), launch_id="dist-local-tier",
+        fingerprint=cfg.model_fingerprint(), launch_id=launch_id,
     )
 
 
@@ -78,7 +78,7 @@ def _damage(rank, world, root, local, step, how, on_rank):
             f.write(b"\xa5" * 64)
 
 
-def _resume(rank, world, root, local, damage, preempt=False):
+def _resume(rank, world, root, local, damage, preempt=False, launch_id="dist-local-tier"):
     """A fresh model and manager (a restart of the same launch): what load() chose, and the state."""
     import torch.distributed as dist
 
@@ -90,7 +90,7 @@ def _resume(rank, world, root, local, damage, preempt=False):
     dist.barrier()
     cfg, _, model, opt, sched = build(world)
     ts = TrainState()
-    mgr = _mgr(cfg, root, local, model, opt, sched, ts, rank, world)
+    mgr = _mgr(cfg, root, local, model, opt, sched, ts, rank, world, launch_id=launch_id)
     loaded = mgr.load()
     state = full_state(model, opt)  # a collective
     out = {"step": loaded.step, "tier": loaded.tier, "train_step": ts.step, "state": state if rank == 0 else None, "committed_now": mgr.is_committed(loaded.step)}
@@ -171,3 +171,16 @@ def test_a_copy_corrupted_at_the_same_size_sends_every_rank_to_checkpoint_dir(sa
     # The corrupted copy is dropped: the next restart does not try it again (takes local 4, newest common).
     again = run_ranks(_resume, 2, root, local, [])
     assert [(o["step"], o["tier"]) for o in again] == [(4, "local")] * 2
+
+
+def test_a_new_launch_never_uses_an_older_launchs_copies(saved, tmp_path):
+    """Another launch (a new epoch of the root) resumes from checkpoint.dir, even though the older
+    launch's newer copies are intact, and removes them."""
+    from elastic_trainer.checkpoint.local_tier import job_key
+
+    root, local, states = _copy(saved, tmp_path)
+    out = run_ranks(_resume, 2, root, local, [], False, "a-later-launch")
+    assert [(o["step"], o["tier"]) for o in out] == [(4, "remote")] * 2
+    assert _same(out[0]["state"], states[4])
+    job = os.path.join(local, job_key(root))
+    assert not any(os.listdir(os.path.join(job, e)) for e in os.listdir(job)), "the older launch's copies are purged"
