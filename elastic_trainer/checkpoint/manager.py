@@ -42,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import faults
+from .. import collectives, faults
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, CheckpointMismatchError, FencedError
 from ..events import EventLog
@@ -181,7 +181,7 @@ class CheckpointManager:
         t = torch.tensor([0.0 if flag else 1.0], dtype=torch.float64)
         if dist.get_backend(group) == "nccl":  # pragma: no cover - GPU only
             t = t.cuda()
-        dist.all_reduce(t, group=group)
+        collectives.all_reduce(t, group=group)
         return float(t.item()) == 0.0
 
     # ------------------------------------------------------------------ load

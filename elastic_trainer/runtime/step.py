@@ -24,9 +24,8 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .. import faults
+from .. import collectives, faults
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ class StepContext:
         t = torch.tensor([*map(float, sums), float(s.preempt.requested), time_due, fenced, vote], dtype=torch.float64, device=s.device)
         t0 = time.monotonic()
         if s.world_size > 1:
-            dist.all_reduce(t)
+            collectives.all_reduce(t)
         self.collective_wait += time.monotonic() - t0
         *out, preempt, save_due, fenced, vote = t.tolist()
         self.preempt, self.save_due, self.fenced = preempt > 0, save_due > 0, fenced > 0
@@ -118,7 +117,7 @@ class StepContext:
         t = t.to(s.device)
         t0 = time.monotonic()
         if s.world_size > 1:
-            dist.all_reduce(t)
+            collectives.all_reduce(t)
         self.collective_wait += time.monotonic() - t0
         self.loss = float(t)
         if grad_norm is not None:
