@@ -7,6 +7,7 @@ guard, the hang watchdog and metrics. Run it under the supervisor or plain torch
 
     elastic-trainer run --nproc-per-node 2 examples/train_fsdp.py --steps 40 --ckpt runs/example/ckpt
     torchrun --nproc-per-node 2 examples/train_fsdp.py --steps 40 --ckpt runs/example/ckpt
+    python examples/train_fsdp.py --steps 40 --ckpt runs/example/ckpt   # one process, no launcher
 """
 
 import argparse

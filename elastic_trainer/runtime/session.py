@@ -73,13 +73,18 @@ def pick_device(train: TrainConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def attempt_store(timeout: timedelta) -> dist.Store | None:
-    """Under torchrun's agent store: the agent's store, its keys prefixed by this attempt.
+def group_store(timeout: timedelta) -> dist.Store | None:
+    """The store the training group is built on; None: torch's ``env://`` default is right.
 
-    torchrun's default (static) rendezvous keeps one store for all restarts of the group and
-    does not prefix the keys by attempt, so a restarted group reads the dead group's gloo
-    addresses (connection refused, then a hang until the timeout). None elsewhere (the
-    ``env://`` default is right)."""
+    * No launcher at all (no ``RANK``/``WORLD_SIZE``, e.g. ``python train.py``): a process-local
+      store, so a script runs as a world of one without any port.
+    * Under torchrun's agent store: the agent's store, its keys prefixed by this attempt.
+      torchrun's default (static) rendezvous, and ``--standalone`` whose store is shared across
+      rounds, keep one store for all restarts of the group without an attempt prefix, so a
+      restarted group read the dead group's gloo addresses (connection refused, then a hang).
+    """
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        return dist.HashStore()
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
@@ -97,8 +102,8 @@ def init_distributed(train: TrainConfig, timeout_seconds: float, ckpt_timeout_se
     timeout = timedelta(seconds=timeout_seconds)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        store = attempt_store(timeout)
-        kw = {"store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])} if store is not None else {}
+        store = group_store(timeout)
+        kw = {"store": store, "rank": int(os.environ.get("RANK", "0")), "world_size": int(os.environ.get("WORLD_SIZE", "1"))} if store is not None else {}
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **kw)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))

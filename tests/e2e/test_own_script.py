@@ -123,6 +123,27 @@ def test_plain_torchrun_restart_resumes_exactly(tmp_path, reference):
     assert runs.step_losses(run_dir) == reference["dropout"], "plain torchrun restart: bitwise equal to the uninterrupted run"
 
 
+def test_plain_python_is_a_world_of_one_and_torchrun_reshards_it_to_two(tmp_path, reference):
+    """``python script.py`` (no launcher, no port) trains and commits as one process; a later
+    ``torchrun`` at 2 workers resumes it through DCP, within 1e-5 of a 2-worker run."""
+    run_dir, ckpt = tmp_path / "p", tmp_path / "p-ckpt"
+    script = [SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(ckpt), "--dropout", "0"]
+    env = {k: v for k, v in runs.env_for_tests().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run([sys.executable, *script, "--steps", "6"], capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (finished,) = runs.read_events(run_dir, "finished")
+    assert finished["last_committed_step"] == 6
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script, "--steps", "12"],
+                       capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (reshard,) = runs.read_events(run_dir, "reshard")
+    assert (reshard["from_world_size"], reshard["to_world_size"], reshard["step"]) == (1, 2, 6)
+    got, ref = runs.step_losses(run_dir), reference["plain"]
+    assert sorted(got) == list(range(1, 13))
+    for step in range(1, 13):
+        assert abs(got[step] - ref[step]) <= 1e-5 * abs(ref[step]), (step, got[step], ref[step])
+
+
 def test_hung_rank_is_restarted_and_metrics_are_served(tmp_path, reference):
     """A SIGSTOPped rank of the user's script is reaped by the hang watchdog, the group restarts
     and resumes exactly; the supervisor's exporter serves the script's step metrics meanwhile."""

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic_trainer.runtime.session import attempt_store
+from elastic_trainer.runtime.session import group_store
 from tests import runs
 from tests.fixtures.procs import free_port
 
@@ -21,16 +21,20 @@ def test_restarts_under_torchruns_agent_store_never_see_the_dead_attempts_keys(m
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    first = attempt_store(timedelta(seconds=10))
+    first = group_store(timedelta(seconds=10))
     first.set("rank_0_address", b"dead")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    second = attempt_store(timedelta(seconds=10))
+    second = group_store(timedelta(seconds=10))
     assert not second.check(["rank_0_address"]), "a restarted group must not read the killed group's keys"
     second.set("rank_0_address", b"alive")
     assert first.get("rank_0_address") == b"dead" and second.get("rank_0_address") == b"alive"
     # Outside torchrun's agent store (our supervisor, env:// by hand) the default is kept.
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
-    assert attempt_store(timedelta(seconds=10)) is None
+    assert group_store(timedelta(seconds=10)) is None
+    # No launcher at all: a process-local store (a world of one, no port).
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK", raising=False)
+    assert isinstance(group_store(timedelta(seconds=10)), dist.HashStore)
 
 
 @pytest.mark.timeout(120)
