@@ -1,8 +1,9 @@
 """Set-up of one training process: process groups, event log, metrics, preemption, watchdog.
 
 :func:`init` works under ``elastic-trainer run``/``launch`` (the supervisor passes the resolved
-config in ``ELASTIC_TRAINER_CONFIG_JSON``) and under plain ``torchrun`` (config from a file, the
-arguments, or the defaults). It must be called on every rank, before anything else collective.
+config in ``ELASTIC_TRAINER_CONFIG_JSON``), under plain ``torchrun`` and without any launcher, as
+a world of one (config from a file, the arguments, or the defaults). It must be called on every
+rank, before anything else collective.
 """
 
 from __future__ import annotations
