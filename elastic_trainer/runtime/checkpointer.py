@@ -34,6 +34,8 @@ from .session import Session
 
 logger = logging.getLogger(__name__)
 
+DRAIN_SECONDS = 10.0  # how long the exception path waits for a save already uploading
+
 EPOCH_ENV = "ELASTIC_TRAINER_CHECKPOINT_EPOCH"  # set by the supervisor (fencing, see checkpoint/catalog.py) ...
 ROOT_ENV = "ELASTIC_TRAINER_CHECKPOINT_ROOT"  # ... for this checkpoint.dir
 PREEMPT_MARKER = "PREEMPTED"  # rank 0 writes it in run.dir when it exits non-zero; the supervisor reads it
@@ -62,8 +64,10 @@ class Checkpointer:
         is refused naming the key, unless ``checkpoint.allow_changes`` names it); the built-in
         trainer passes ``Config.run_identity()``."""
         self.session = session
+        session.checkpointer = self  # its exception path lets this one's in-flight save land
         cfg = session.cfg
         self.state = train_state or TrainState()
+        self._drain_deadline: float | None = None
         self.rng = RNGState(session.rank, session.world_size)
         states: dict[str, Stateful] = {"model": ModelState(model)}
         if optimizer is not None:
@@ -314,6 +318,17 @@ class Checkpointer:
         s.events.emit("nonfinite_stop", step=step, reason=why, last_finite_step=self.state.step)
         logger.error("stopping at step %d (%s); last finite step %d", step, why, self.state.step)
         return exit_codes.NONFINITE
+
+    def drain_after_failure(self) -> bool:
+        """Exception path (starts no save and no collective): give a save that is already
+        uploading up to ``DRAIN_SECONDS`` in all (over every call) to land. True when nothing
+        is left in flight."""
+        if not self.manager.in_flight:
+            return True
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + DRAIN_SECONDS
+            logger.warning("step failed: letting the save already in flight finish (at most %.0fs)", DRAIN_SECONDS)
+        return self.manager.drain_on_failure(max(0.0, self._drain_deadline - time.monotonic()))
 
     def close(self, code: int) -> None:
         """Record how the run ended (``finished`` event, or rank 0's marker for the supervisor

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import json
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .. import exit_codes
 from ..config import Config, TrainConfig, apply_overrides, config_from_dict, load_config
 from ..errors import ConfigError
 from ..events import EventLog
@@ -136,7 +139,23 @@ class Session:
     metrics: MetricsSink
     preempt: PreemptionFlag
     started: float = field(default_factory=time.monotonic)
+    checkpointer: Any = None  # the Checkpointer made on this session, if any
     _watchdog: bool = False
+
+    def _uncaught(self, previous, exc_type, exc, tb) -> None:
+        """``sys.excepthook`` of a script: the traceback as usual; then, if a save is still
+        uploading after the bounded drain, leave at once with exit 1 instead of waiting in the
+        interpreter's exit for the upload thread while the other ranks block in a collective
+        (the job must exit, or restart, within seconds)."""
+        previous(exc_type, exc, tb)
+        ck = self.checkpointer
+        if ck is None or issubclass(exc_type, KeyboardInterrupt) or ck.drain_after_failure():
+            return
+        logger.error("rank %d: a save is still uploading after the failure; exiting without it (the previous commit stays the latest)", self.rank)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(exit_codes.FAILED)
 
     @property
     def rank(self) -> int:
@@ -203,6 +222,7 @@ def init(config: str | os.PathLike | Config | dict | None = None, *, overrides: 
     metrics = metrics_factory.worker_sink(cfg, rank=d.rank)
     metrics.gauge("elastic_trainer_world_size", d.world_size)
     session = Session(cfg, d, events, metrics, preempt)
+    sys.excepthook = functools.partial(session._uncaught, sys.excepthook)
     timer_file = os.environ.get("TORCHELASTIC_TIMER_FILE")
     if timer_file:
         from torch.distributed.elastic import timer

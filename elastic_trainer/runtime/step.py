@@ -29,7 +29,6 @@ from .. import collectives, faults
 
 logger = logging.getLogger(__name__)
 
-DRAIN_SECONDS = 10.0  # how long a failing step waits for a save already uploading
 
 
 class StepContext:
@@ -74,9 +73,7 @@ class StepContext:
         if exc_type is not None and self.ckpt is not None:
             # The exception path starts no checkpoint and no collective; it only lets a save
             # that is already uploading land (bounded), so the newest commit is not lost.
-            if self.ckpt.manager.in_flight:
-                logger.warning("step %d failed: letting the save already in flight finish (at most %.0fs)", self.step, DRAIN_SECONDS)
-                self.ckpt.manager.drain_on_failure(DRAIN_SECONDS)
+            self.ckpt.drain_after_failure()
         if exc_type is None and self.loss is not None and not self.nonfinite and not self.preempt and not self.fenced:
             self._emit()
         return False

@@ -25,8 +25,7 @@ logger = logging.getLogger("elastic_trainer.worker")
 
 CONFIG_ENV = "ELASTIC_TRAINER_CONFIG_JSON"
 EXIT_FAILURE = exit_codes.FAILED
-FAILURE_DRAIN_SECONDS = 10.0
-_ACTIVE: dict = {}  # the checkpoint manager, for the exception path
+_ACTIVE: dict = {}  # the checkpointer, for the exception path
 
 
 def load_worker_config() -> Config:
@@ -89,7 +88,7 @@ def build_and_train(cfg: Config, t_start: float) -> int:
         fingerprint=cfg.model_fingerprint(),
         run_identity=cfg.run_identity(),
     )
-    _ACTIVE["ckpt"] = ckpt.manager
+    _ACTIVE["ckpt"] = ckpt
     if d.rank == 0:
         logger.info("config: %s", cfg.to_json())
         logger.info("checkpoints: %s", ckpt.storage.describe())
@@ -158,10 +157,8 @@ def main() -> None:
                 "failure", rank=rank, error=f"{type(e).__name__}: {e}"[:2000], restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             )
             ckpt = _ACTIVE.get("ckpt")
-            if ckpt is not None and ckpt.in_flight:
-                # No new checkpoint or collective here; only let an upload already under way land.
-                logger.warning("letting the save already in flight finish (at most %.0fs)", FAILURE_DRAIN_SECONDS)
-                ckpt.drain_on_failure(FAILURE_DRAIN_SECONDS)
+            if ckpt is not None:  # no new checkpoint or collective: only an upload under way may land
+                ckpt.drain_after_failure()
             ErrorHandler().record_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
         finally:
             sys.stdout.flush()

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -142,6 +143,35 @@ def test_plain_python_is_a_world_of_one_and_torchrun_reshards_it_to_two(tmp_path
     assert sorted(got) == list(range(1, 13))
     for step in range(1, 13):
         assert abs(got[step] - ref[step]) <= 1e-5 * abs(ref[step]), (step, got[step], ref[step])
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(300)
+def test_a_raising_rank_of_a_script_exits_within_seconds_while_a_save_is_stuck_uploading(tmp_path, s3_server, s3_bucket, fault_proxy):
+    """Rank 0 of the user's script raises at step 12 while the save of step 10 is held by the
+    storage for 90 s: the job still ends within seconds of the failure (a 10 s drain, then the
+    script's exit does not wait for the upload thread), exit 1, and the latest commit stays 5."""
+    run_dir, ckpt = tmp_path / "x", f"s3://{s3_bucket}/own-stuck"
+    fault_proxy.delay_next(16, 90.0, methods=("PUT", "POST"), path_contains="/step-00000010/")
+    args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", f"checkpoint.s3_endpoint_url={fault_proxy.endpoint_url}",
+            "--set", "checkpoint.storage_timeout_seconds=200", "--set", "checkpoint.save_timeout_seconds=200", "--set", "metrics.port=0",
+            "--nproc-per-node", "2", "--max-restarts", "0", "--monitor-interval", "0.2",
+            SCRIPT, "--run-dir", str(run_dir), "--ckpt", ckpt, "--steps", "14", "--dropout", "0"]
+    env = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key, "AWS_DEFAULT_REGION": s3_server.region,
+           "ELASTIC_TRAINER_INJECT_FAULT": "raise@rank=0,step=12"}
+    run_dir.mkdir()
+    with open(run_dir / "run.log", "ab") as out:
+        r = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(env), cwd=runs.REPO, timeout=280)
+    ended = time.time()
+    log = (run_dir / "run.log").read_text()
+    assert r.returncode == 1, log[-4000:]
+    assert fault_proxy.faulted.get("PUT", 0) + fault_proxy.faulted.get("POST", 0) >= 1, "the save of step 10 was never held"
+    last_step = max(e["time"] for e in runs.read_events(run_dir, "step"))
+    assert max(runs.step_losses(run_dir)) == 11
+    assert ended - last_step < 45, f"the job took {ended - last_step:.0f}s to end after the failure (the upload is held 90 s)"
+    assert "a save is still uploading after the failure" in log
+    fs = s3_server.fs()
+    assert sorted(p.rsplit("/", 2)[-2] for p in fs.glob(f"{s3_bucket}/own-stuck/step-*/manifest.json")) == ["step-00000005"]
 
 
 def test_hung_rank_is_restarted_and_metrics_are_served(tmp_path, reference):
