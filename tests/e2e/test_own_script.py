@@ -89,6 +89,9 @@ def test_sigterm_commits_the_final_step_and_exits_75(tmp_path):
     assert head is not None and head.step == pre["step"], "a commit of the final step exists in storage"
 
 
+# Soak: plain torchrun's bitwise resume is proven in every run by the restart test below, and a
+# separate later torchrun launch resuming a checkpoint by the world-of-one test.
+@pytest.mark.soak
 def test_plain_torchrun_checkpoints_and_resumes_exactly(tmp_path, reference):
     run_dir, ckpt = tmp_path / "t", tmp_path / "t-ckpt"
 
