@@ -30,7 +30,6 @@ from .. import collectives, faults
 logger = logging.getLogger(__name__)
 
 
-
 class StepContext:
     def __init__(self, session, step: int, checkpointer=None):
         self.session = session
