@@ -47,6 +47,7 @@ def _make_agent_class():
         metrics: MetricsSink = NullSink()
         preempt_marker: str | None = None
         zygote = None  # warm.Zygote: workers are forked from it (elastic.warm_start)
+        commits = None  # progress.CommitWatch: a generation that committed is not backed off
         _zygote_restarts = 1
         _last_result = None
         _failure_restarts = 0
@@ -167,8 +168,12 @@ def _make_agent_class():
             self.metrics.counter("elastic_trainer_restarts_total")
             result = self._last_result
             failed = result is not None and result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+            progressed = None  # a commit newer than after the previous failure restart (None: not read)
             if failed:
-                self._failure_restarts = policy.failure_streak(self._failure_restarts, time.monotonic() - self._last_restart)
+                healthy = time.monotonic() - self._last_restart
+                if self.commits is not None and policy.backoff_may_apply(self._failure_restarts, healthy):
+                    progressed = self.commits.progressed()  # its read counts towards the back-off
+                self._failure_restarts = policy.failure_streak(self._failure_restarts, healthy, bool(progressed))
             self._last_restart = time.monotonic()
             delay = policy.restart_backoff(self._failure_restarts) if failed else 0.0
             self.events.emit(
@@ -178,13 +183,16 @@ def _make_agent_class():
                 remaining_restarts=self._remaining_restarts,
                 failures=policy.describe_failures(result.failures) if failed else [],
                 backoff_seconds=delay,
+                progressed=progressed,
                 node=os.environ.get("ELASTIC_TRAINER_NODE", os.uname().nodename),
                 mono=time.monotonic(),
             )
             if delay:
-                time.sleep(delay)
+                time.sleep(max(0.0, delay - (time.monotonic() - t0)))
             nodes_before, world_before = worker_group.group_world_size, _world_size(worker_group)
             super()._restart_workers(worker_group)
+            if failed and self.commits is not None:
+                self.commits.note()  # the baseline: read once the failed generation is stopped
             if self.preempt_marker and os.path.exists(self.preempt_marker):
                 os.remove(self.preempt_marker)  # written by the incarnation just replaced
             nodes_after = worker_group.group_world_size
@@ -231,7 +239,8 @@ def _world_size(worker_group) -> int | None:
     return worker_group.workers[0].world_size if worker_group.workers else None
 
 
-def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | None = None, preempt_marker: str | None = None, zygote=None):
+def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | None = None, preempt_marker: str | None = None, zygote=None,
+              commits=None):
     """The essential part of torch's ``launch_agent`` with our agent class."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
@@ -280,6 +289,7 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
     agent.metrics = metrics or NullSink()
     agent.preempt_marker = preempt_marker
     agent.zygote = zygote
+    agent.commits = commits
     shutdown_rdzv = True
     try:
         return agent.run()
@@ -344,7 +354,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
     failed = signalled = False
     worker_codes: list[int | None] = []
     try:
-        result = run_agent(config, cmd, cmd_args, events, metrics, preempt_marker=marker, zygote=zygote)
+        result = run_agent(config, cmd, cmd_args, events, metrics, preempt_marker=marker, zygote=zygote, commits=_commit_watch(cfg))
         failed = result.is_failed()
         if failed:
             worker_codes = [f.exitcode for f in result.failures.values()]
@@ -419,6 +429,17 @@ def _start_history(cfg: Config, events_path: str, metrics: MetricsSink):
         storage = None
     node = os.environ.get("ELASTIC_TRAINER_NODE", os.uname().nodename)
     return RunHistory(events_path, storage=storage, node=node, metrics=metrics).start()
+
+
+def _commit_watch(cfg: Config):
+    """The restart back-off's evidence of progress (newest commit in ``checkpoint.dir``)."""
+    from .progress import CommitWatch, newest_commit_reader
+
+    try:
+        return CommitWatch(newest_commit_reader(cfg))
+    except Exception as e:  # noqa: BLE001 - without it, failures back off by time alone
+        logger.warning("restart back-off will not see commits: %s", e)
+        return None
 
 
 def _check_store(config, timeout_seconds: float = 60.0) -> None:

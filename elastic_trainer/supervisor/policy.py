@@ -16,11 +16,19 @@ def restart_backoff(restart_index: int, base: float = 1.0, cap: float = 30.0) ->
 BACKOFF_RESET_SECONDS = 60.0
 
 
-def failure_streak(previous: int, healthy_seconds: float, reset_after: float = BACKOFF_RESET_SECONDS) -> int:
+def failure_streak(previous: int, healthy_seconds: float, progressed: bool = False, reset_after: float = BACKOFF_RESET_SECONDS) -> int:
     """1-based index of this failure restart for :func:`restart_backoff`: consecutive failures
-    escalate the back-off; a group that ran ``reset_after`` seconds since the last restart
-    starts over (an occasional failure on a long job restarts at once)."""
-    return 1 if healthy_seconds >= reset_after else previous + 1
+    escalate the back-off; the streak starts over when the group ran ``reset_after`` seconds
+    since the last restart (an occasional failure on a long job restarts at once) or when it
+    ``progressed`` (committed a newer checkpoint than at the previous failure: a job that moves
+    forward between frequent failures is not a crash loop, and waiting would only lose time)."""
+    return 1 if healthy_seconds >= reset_after or progressed else previous + 1
+
+
+def backoff_may_apply(previous: int, healthy_seconds: float, reset_after: float = BACKOFF_RESET_SECONDS) -> bool:
+    """Whether this failure restart would be backed off unless the group progressed (then the
+    supervisor reads the newest commit; otherwise it does not wait for storage)."""
+    return restart_backoff(failure_streak(previous, healthy_seconds, reset_after=reset_after)) > 0
 
 
 def terminal_code(worker_exit_codes: list[int | None]) -> int | None:

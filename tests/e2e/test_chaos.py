@@ -173,6 +173,9 @@ def test_chaos_case(case: Case, reference, token_file, tmp_path):
     restarts = [e for e in events if e["event"] == "restart"]
     assert len(restarts) == case.restarts, restarts
     assert all(r["reason"] == "worker_failure" for r in restarts)
+    for later in restarts[1:]:
+        # Killed again before committing anything (sigkill_during_load): a crash loop, backed off.
+        assert later["progressed"] is False and later["backoff_seconds"] == 1.0, later
     assert restarts[0]["failures"], "the restart names no failed rank"
     resumes = [e for e in events if e["event"] == "resume"]
     assert resumes and resumes[-1]["step"] in case.resume_from, resumes

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from elastic_trainer.supervisor.policy import BACKOFF_RESET_SECONDS
 from tests.runs import REPO, env_for_tests, read_events, run_launch, step_losses, write_config
 
 STEPS = 10
@@ -56,6 +57,12 @@ def _killed_twice_matches_uninterrupted(tmp_path: Path, data_path: str, **sectio
     assert [(e["step"], e["rng"]) for e in resumes] == [(3, "restored"), (6, "restored")], resumes
     assert not read_events(runs["ref"], "resume")
     assert _all_losses(runs["killed"]) == _all_losses(runs["ref"])  # bitwise
+    # The second generation committed step 6 before it was killed: the job moves forward
+    # between failures, so its restart is not backed off as a crash loop's would be.
+    first, second = read_events(runs["killed"], "restart")
+    assert second["backoff_seconds"] == 0, second
+    if second["mono"] - first["mono"] < BACKOFF_RESET_SECONDS:
+        assert second["progressed"] is True, second
 
 
 def test_demo_model_with_dropout_resumes_bitwise_after_sigkills(tmp_path, token_file):
