@@ -46,6 +46,9 @@ def reference(tmp_path_factory):
     return {"dropout": runs.step_losses(tmp / "ref"), "plain": runs.step_losses(tmp / "ref0")}
 
 
+# Soak: the restart tests below (plain torchrun SIGKILL, and `run` with a rank reaped by the
+# watchdog) resume a script bitwise after a killed rank in every run.
+@pytest.mark.soak
 def test_sigkill_resumes_bitwise_with_dropout(tmp_path, reference):
     r = run_script(tmp_path, "k", "--steps", "12", max_restarts=1, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8"})
     _ok(r, tmp_path, "k")
@@ -203,6 +206,10 @@ def test_hung_rank_is_restarted_and_metrics_are_served(tmp_path, reference):
     assert code == 0, (run_dir / "run.log").read_text()[-3000:]
     (restart,) = runs.read_events(run_dir, "restart")
     assert restart["reason"] == "worker_failure"
+    # Detected within the hang timeout (8 s) from the last step rank 1 finished, plus the
+    # agent's monitor interval and the watchdog's polling.
+    last = max(e["time"] for e in runs.read_events(run_dir, "step") if e["time"] < restart["time"])
+    assert restart["time"] - last <= 8 + 5, (restart["time"] - last)
     (resume,) = runs.read_events(run_dir, "resume")
     # The save of step 10 starts only once step 5's has landed, so at the hang (step 11) step 5
     # at least is committed; the resume loads the newest commit made before the restart.

@@ -161,7 +161,9 @@ def _corrupt_manifest(d: Path) -> None:
 CORRUPTIONS = {"shard": _corrupt_shard, "metadata": _corrupt_metadata, "manifest": _corrupt_manifest}
 
 
-@pytest.mark.parametrize("what", sorted(CORRUPTIONS))
+# The shard case runs in every run; the other two differ only in which check finds the damage,
+# which tests/unit/test_catalog.py and test_integrity.py cover for every file kind (soak here).
+@pytest.mark.parametrize("what", [pytest.param(w, marks=pytest.mark.soak) if w != "shard" else w for w in sorted(CORRUPTIONS)])
 def test_same_size_corruption_of_the_newest_checkpoint_falls_back_bitwise(what, tmp_path, token_file, reference):
     run = tmp_path / "run"
     shutil.copytree(reference, run)

@@ -10,11 +10,16 @@ import os
 import signal
 import time
 
+import pytest
+
 from tests import runs
 
 HANG_TIMEOUT = 8.0
 
 
+# Soak: test_own_script hangs a rank under `run` (the same supervisor, watchdog and step context
+# as `launch`), checks the detection bound and the bitwise resume in every run.
+@pytest.mark.soak
 def test_sigstopped_worker_is_reaped_and_the_group_restarts(token_file, tmp_path):
     run_dir = tmp_path / "run"
     cfg = runs.write_config(
