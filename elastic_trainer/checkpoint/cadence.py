@@ -79,6 +79,8 @@ def failure_rate(failures: int, observed_seconds: float, prior_mtbf_seconds: flo
 INITIAL_STEPS = 10  # the interval until a save has been measured (in this incarnation or the lineage)
 CHANGE_MARGIN = 0.02  # switch only when the current interval wastes 2 % more than the best one
 WARMUP_ITERATIONS = 3  # the first iterations of an incarnation are not a step-time measurement
+COST_WINDOWS = 8  # the save cost is the mean of this many recent saves' measured excess
+MAX_STEP_DOWN = 2  # one measurement shortens the interval at most this many times (a lineage re-read may more)
 INTERRUPTED_BY_FAILURE = ("worker_failure", "membership_change")
 
 
@@ -154,7 +156,10 @@ class AutoCadence:
 
     Save cost = the wall time of the iterations from a save's start until this rank's part of it
     is written, minus as many median step times (the stall plus the slowdown of the overlapped
-    steps); commit lag = that window's length."""
+    steps), averaged over the last :data:`COST_WINDOWS` saves with its sign (a save whose
+    window happened to run fast counts negative, so step-time noise cancels instead of pulling
+    the estimate to zero); commit lag = that window's length. One measurement shortens the
+    interval at most :data:`MAX_STEP_DOWN` times."""
 
     def __init__(self, *, rank: int, start_step: int, lineage: Lineage, prior_mtbf_seconds: float, prior_weight_seconds: float,
                  min_steps: int, max_steps: int, now: float) -> None:
@@ -166,7 +171,7 @@ class AutoCadence:
         self.interval: int | None = None  # agreed
         self.last_saved = start_step  # agreed
         self._steps: deque[float] = deque(maxlen=32)
-        self._costs: deque[float] = deque(maxlen=5)
+        self._costs: deque[float] = deque(maxlen=COST_WINDOWS)
         self._lag = lineage.commit_lag or 0.0
         self._window: list[float] | None = None
         self._iterations = 0
@@ -222,7 +227,7 @@ class AutoCadence:
         if not self._steps:
             return False
         step = statistics.median(self._steps)
-        self._costs.append(max(0.0, sum(window) - len(window) * step))
+        self._costs.append(sum(window) - len(window) * step)  # signed: noise cancels in the mean
         self._lag = sum(window)
         self._evaluate(now, "measured")
         return True
@@ -233,11 +238,16 @@ class AutoCadence:
 
     def _evaluate(self, now: float, reason: str) -> None:
         step = statistics.median(self._steps)
-        cost = statistics.median(self._costs)
+        cost = max(0.0, statistics.fmean(self._costs))
         rate = self.rate(now)
         restart = self.lineage.restart_cost or 0.0
         current = self.interval if self.interval is not None else None
-        self._proposal = next_interval(current, step, cost, restart, rate, self._lag, self.min_steps, self.max_steps)
+        proposal = next_interval(current, step, cost, restart, rate, self._lag, self.min_steps, self.max_steps)
+        if reason == "measured" and current is not None:
+            # A few saves that happened to look free (their excess is step-time noise) must not
+            # send the job to a save every step: one measurement at most halves the interval.
+            proposal = max(proposal, -(-current // MAX_STEP_DOWN))  # ceil(current / MAX_STEP_DOWN)
+        self._proposal = proposal
         self.basis = {
             "reason": reason,
             "step_seconds": round(step, 6),

@@ -150,6 +150,31 @@ def test_overlap_slowdown_counts_as_save_cost():
     assert c.basis["commit_lag_s"] == pytest.approx(2.8)
 
 
+def test_saves_that_look_free_by_noise_neither_zero_the_cost_nor_collapse_the_interval():
+    """Seen in bench/goodput.py: three saves in a row whose windows ran no slower than the median
+    step made the median cost 0.0 and the interval 1 (a save every step). The cost is now the
+    signed mean, and one measurement at most halves the interval."""
+    c = _auto(prior_mtbf_seconds=40.0, prior_weight_seconds=1e6)  # a failure every 40 s, firmly
+    c.agree(c.vote())
+    t = _feed(c, 0.2, 1000, 0.0, 0, 9)  # the median step: 0.2 s
+    # Saves whose measured excess is +0.3, then three at or below zero (step-time noise).
+    for extra in (0.3, 0.0, -0.05, -0.02):
+        t += 0.2 + extra
+        c.observe(0.2 + extra, True, False, t)
+    assert c.basis["save_cost_s"] == pytest.approx((0.3 + 0.0 - 0.05 - 0.02) / 4)
+    before = c.interval
+    c.agree(c.vote())
+    assert c.interval >= -(-before // cadence.MAX_STEP_DOWN) and c.interval > 1
+    # Only the noise now: the estimate floors at zero, and the interval halves per measurement.
+    for _ in range(cadence.COST_WINDOWS):
+        t += 0.19
+        c.observe(0.19, True, False, t)
+    assert c.basis["save_cost_s"] == 0.0
+    previous = c.interval
+    c.agree(c.vote())
+    assert c.interval == max(1, -(-previous // cadence.MAX_STEP_DOWN))
+
+
 def test_more_failures_in_the_lineage_shorten_the_interval():
     calm = _auto(lineage=cadence.Lineage(failures=1, observed_seconds=600.0, step_seconds=0.3, save_cost=0.2, commit_lag=1.0))
     busy = _auto(lineage=cadence.Lineage(failures=10, observed_seconds=600.0, step_seconds=0.3, save_cost=0.2, commit_lag=1.0))
