@@ -17,6 +17,7 @@ from typing import Callable
 logger = logging.getLogger(__name__)
 
 PROBE_SECONDS = 5.0
+NOTHING = -1  # "no commit yet": older than any step
 
 
 class CommitWatch:
@@ -33,7 +34,7 @@ class CommitWatch:
         self._read = read
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._last: tuple[int | None] | None = None  # (step,) once read
+        self._last: int | None = None  # newest committed step as last read (NOTHING: none yet); None: unknown
         self._pending: threading.Thread | None = None
 
     def note(self) -> None:
@@ -53,10 +54,7 @@ class CommitWatch:
             return False
         with self._lock:
             now = self._last
-        if before is None or now is None or now == before:
-            return False
-        (b,), (n,) = before, now
-        return n is not None and (b is None or n > b)
+        return before is not None and now is not None and now > before
 
     def _start_read(self) -> threading.Thread | None:
         if self._pending is not None and self._pending.is_alive():
@@ -71,7 +69,7 @@ class CommitWatch:
                     self._last = None
                 return
             with self._lock:
-                self._last = (step,)
+                self._last = NOTHING if step is None else step
 
         t = threading.Thread(target=run, name="elastic-trainer-commit-watch", daemon=True)
         self._pending = t
