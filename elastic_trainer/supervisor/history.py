@@ -6,13 +6,16 @@ node hosting it, by rank 0) and
 * feeds every record into the goodput :class:`~elastic_trainer.goodput.Ledger`, which the metrics
   exporter reads at each scrape (``elastic_trainer_wall_seconds{category}``,
   ``elastic_trainer_goodput_ratio``, ``elastic_trainer_goodput_recent_ratio``);
-* mirrors the whole file to ``<checkpoint.dir>/_events/<node>-<launch>.jsonl`` after each
-  checkpoint commit, restart or rendezvous, and at exit, so ``elastic-trainer report`` works from
-  the checkpoint root after every pod (and its ``run.dir``) is gone. One object per node and
-  launch, rewritten whole (an atomic PUT or rename): nodes never write each other's objects, and a
-  reader sees a complete earlier version or the new one, never a torn line.
+* mirrors the file to ``<checkpoint.dir>/_events/<node>-<launch>-<pid>.<segment>.jsonl`` after
+  each checkpoint commit, restart or rendezvous, and at exit, so ``elastic-trainer report`` works
+  from the checkpoint root after every pod (and its ``run.dir``) is gone. Objects are segments of
+  at most about :data:`SEGMENT_BYTES` of complete lines: the open (last) segment is rewritten
+  whole (an atomic PUT or rename) at each mirror, a full one is never written again, so a mirror
+  uploads at most one segment however long the job runs. Nodes never write each other's objects,
+  and a reader sees a complete earlier version of a segment or the new one, never a torn line.
 
-Thread-safe: :meth:`poll` runs from a background thread and from the scrape hook.
+Thread-safe: :meth:`poll` runs from a background thread and from the scrape hook; only the
+background thread (and :meth:`close`) uploads, so a slow checkpoint store never delays a scrape.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import heapq
 import json
 import logging
 import os
+import re
 import threading
 import time
 
@@ -31,14 +35,20 @@ from ..metrics.sink import MetricsSink, NullSink
 logger = logging.getLogger(__name__)
 
 EVENTS_PREFIX = "_events"
+SEGMENT_BYTES = 4 << 20
+_SEGMENT = re.compile(r"^(?P<log>.+?)(?:\.(?P<seq>\d{6}))?\.jsonl$")
 RECENT_WINDOW_SECONDS = 600.0
 _MIRROR_ON = ("checkpoint_committed", "restart", "rendezvous", "membership_change", "finished", "preempted", "job_failed")
 
 
 def mirror_name(node: str, launch_time: float, pid: int) -> str:
-    """Object name of one node's launch under ``_events/`` (pure)."""
+    """Name of one node's launch log under ``_events/``; its segments add ``.<seq>.jsonl`` (pure)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in node) or "node"
-    return f"{safe}-{int(launch_time)}-{pid}.jsonl"
+    return f"{safe}-{int(launch_time)}-{pid}"
+
+
+def segment_name(log: str, seq: int) -> str:
+    return f"{log}.{seq:06d}.jsonl"
 
 
 class RunHistory:
@@ -53,16 +63,18 @@ class RunHistory:
         self._partial = b""
         self._lock = threading.Lock()
         self._mirror_due = False
+        self._mirror_lock = threading.Lock()
+        self._segment_start = 0  # offset in events.jsonl where the open segment begins
+        self._segment_seq = 0
         self._recent: collections.deque[tuple[float, float, float]] = collections.deque()
-        self.object = None
-        if storage is not None:
-            self.object = storage.join(EVENTS_PREFIX, mirror_name(node or os.uname().nodename, clock(), os.getpid()))
+        self.log_name = mirror_name(node or os.uname().nodename, clock(), os.getpid())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- following the log ------------------------------------------------------------------
-    def poll(self) -> None:
-        """Feed the records appended since the last call; mirror when one of them asks for it."""
+    def poll(self, mirror: bool = True) -> None:
+        """Feed the records appended since the last call; mirror when one of them asked for it
+        (and ``mirror``: the scrape hook only feeds, the background thread uploads)."""
         with self._lock:
             try:
                 with open(self.events_path, "rb") as f:
@@ -84,12 +96,12 @@ class RunHistory:
                 self.ledger.feed(e)
                 if e.get("event") in _MIRROR_ON:
                     self._mirror_due = True
-        if self._mirror_due:
+        if mirror and self._mirror_due:
             self.mirror()
 
     def export(self) -> None:
         """Set the goodput gauges (called at each scrape, after :meth:`poll`)."""
-        self.poll()
+        self.poll(mirror=False)
         with self._lock:
             now = self._clock()
             g = self.ledger.result(now=now)
@@ -110,22 +122,32 @@ class RunHistory:
 
     # -- the mirror ---------------------------------------------------------------------------
     def mirror(self) -> bool:
-        """Upload the whole local event log; failures are logged, never raised (a side channel)."""
-        self._mirror_due = False
-        if self.storage is None:
-            return False
-        try:
-            with open(self.events_path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return False
-        end = data.rfind(b"\n") + 1  # complete lines only
-        try:
-            self.storage.write_bytes_atomic(self.object, data[:end])
-        except Exception as e:  # noqa: BLE001
-            logger.warning("could not mirror the event log to %s: %s", self.object, e)
-            return False
-        return True
+        """Upload the open segment of the local event log (complete lines only); when it has
+        reached :data:`SEGMENT_BYTES` it is final and the next mirror starts a new one. Failures
+        are logged, never raised (a side channel); a failed upload is retried at the next one."""
+        with self._mirror_lock:
+            self._mirror_due = False
+            if self.storage is None:
+                return False
+            try:
+                with open(self.events_path, "rb") as f:
+                    f.seek(self._segment_start)
+                    data = f.read()
+            except FileNotFoundError:
+                return False
+            end = data.rfind(b"\n") + 1
+            if end == 0:
+                return True
+            name = self.storage.join(EVENTS_PREFIX, segment_name(self.log_name, self._segment_seq))
+            try:
+                self.storage.write_bytes_atomic(name, data[:end])
+            except Exception as e:  # noqa: BLE001
+                logger.warning("could not mirror the event log to %s: %s", name, e)
+                return False
+            if end >= SEGMENT_BYTES:
+                self._segment_start += end
+                self._segment_seq += 1
+            return True
 
     # -- background ---------------------------------------------------------------------------
     def start(self, interval: float = 1.0) -> "RunHistory":
@@ -150,24 +172,28 @@ class RunHistory:
 
 
 def read_mirrored_events(storage) -> list[dict]:
-    """Every record of every mirrored object under ``<root>/_events/``, each distinct record once
-    (a node relaunched on the same ``run.dir`` mirrors its older records again), merged by time;
-    each object keeps its own order (one object gives back exactly its log)."""
-    files = storage.list_files(storage.join(EVENTS_PREFIX))
+    """Every record of every log mirrored under ``<root>/_events/`` (each log's segments joined in
+    order; an unsegmented ``<log>.jsonl`` of an earlier version is one segment), each distinct
+    record once (a node relaunched on the same ``run.dir`` mirrors its older records again),
+    merged by time; each log keeps its own order (one log gives back exactly its file)."""
+    segments: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
+    for name in storage.list_files(storage.join(EVENTS_PREFIX)):
+        m = _SEGMENT.match(name)
+        if m and "/" not in name:
+            segments[m["log"]].append((int(m["seq"] or 0), name))
     seen: set[str] = set()
     logs: list[list[dict]] = []
-    for name in sorted(files):
-        if not name.endswith(".jsonl"):
-            continue
+    for log_name in sorted(segments):
         log = []
-        for line in storage.read_bytes(storage.join(EVENTS_PREFIX, name)).decode("utf-8", "replace").splitlines():
-            line = line.strip()
-            if not line or line in seen:
-                continue
-            seen.add(line)
-            try:
-                log.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+        for _, name in sorted(segments[log_name]):
+            for line in storage.read_bytes(storage.join(EVENTS_PREFIX, name)).decode("utf-8", "replace").splitlines():
+                line = line.strip()
+                if not line or line in seen:
+                    continue
+                seen.add(line)
+                try:
+                    log.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
         logs.append(log)
     return list(heapq.merge(*logs, key=lambda e: float(e.get("time") or 0.0)))
