@@ -37,16 +37,22 @@ class EventLog:
         return record
 
 
-def read_events(path: str) -> Iterator[dict[str, Any]]:
-    """Yield records; a torn last line (writer killed mid-write) is skipped."""
+def read_events(path: str, tail_bytes: int | None = None) -> Iterator[dict[str, Any]]:
+    """Yield records; a torn last line (writer killed mid-write) is skipped. With ``tail_bytes``,
+    only the records that start within the file's last ``tail_bytes`` bytes."""
     if not os.path.exists(path):
         return
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, "rb") as raw:
+        if tail_bytes is not None and raw.seek(0, os.SEEK_END) > tail_bytes:
+            raw.seek(-tail_bytes - 1, os.SEEK_END)
+            raw.readline()  # the rest of a line that started before the window (or its newline)
+        else:
+            raw.seek(0)
+        for line in raw:
             line = line.strip()
             if not line:
                 continue
             try:
                 yield json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 continue

@@ -82,6 +82,8 @@ WARMUP_ITERATIONS = 3  # the first iterations of an incarnation are not a step-t
 COST_WINDOWS = 8  # the save cost is the mean of this many recent saves' measured excess
 MAX_STEP_DOWN = 2  # one measurement shortens the interval at most this many times (a lineage re-read may more)
 INTERRUPTED_BY_FAILURE = ("worker_failure", "membership_change")
+LINEAGE_TAIL_BYTES = 8 << 20  # the lineage is read from the log's last 8 MiB (~40,000 records): rank 0
+# parses it at every (re)start before the first step, so a week-long log must not make restarts slower
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,8 @@ class Checkpointer:
         lineage = cadence.Lineage()
         if s.rank == 0:
             try:
-                lineage = cadence.lineage_from_events(read_events(os.path.join(s.cfg.run.dir, "events.jsonl")))
+                lineage = cadence.lineage_from_events(
+                    read_events(os.path.join(s.cfg.run.dir, "events.jsonl"), tail_bytes=cadence.LINEAGE_TAIL_BYTES))
             except (OSError, ValueError, TypeError, KeyError) as e:  # a damaged log: start from the prior
                 logger.warning("checkpoint cadence: could not read the event log (%s); using the prior", e)
         self.cadence = cadence.AutoCadence(

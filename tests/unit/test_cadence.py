@@ -1,6 +1,7 @@
 """The checkpoint cadence decision (pure)."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -269,3 +270,55 @@ def test_checkpointer_sets_the_gauge_and_emits_the_event(tmp_path):
     fixed = _checkpointer(load_config(None, ["checkpoint.interval_steps=25"]), RecordingSink(), log)
     fixed._start_cadence()
     assert fixed.session.metrics.gauges["elastic_trainer_checkpoint_interval_steps"] == 25 and fixed.cadence is None
+
+
+def test_read_events_tail_starts_at_a_record_boundary(tmp_path):
+    from elastic_trainer.events import read_events
+
+    path = tmp_path / "events.jsonl"
+    lines = [json.dumps({"event": "step", "step": i, "time": float(i)}) + "\n" for i in range(50)]
+    path.write_text("".join(lines))
+    size = path.stat().st_size
+    assert [e["step"] for e in read_events(str(path), tail_bytes=size + 10)] == list(range(50))
+    for k in (1, 7, 49):  # the window starts exactly at record k, then one byte into record k - 1
+        at = sum(len(x) for x in lines[:k])
+        assert [e["step"] for e in read_events(str(path), tail_bytes=size - at)] == list(range(k, 50))
+        assert [e["step"] for e in read_events(str(path), tail_bytes=size - at + 1)] == list(range(k, 50))
+    with open(path, "ab") as f:
+        f.write(b'{"event": "step", "st')  # torn by a killed writer
+    assert [e["step"] for e in read_events(str(path), tail_bytes=200)][-1] == 49
+
+
+def test_a_restart_reads_only_the_recent_lineage(tmp_path, monkeypatch):
+    """Rank 0 parses the lineage before the first step of every restart: a week-long log must not
+    make that slower, so only its tail counts (old failures age out of the estimate)."""
+    from elastic_trainer.events import EventLog
+    from elastic_trainer.metrics.sink import RecordingSink
+
+    log = EventLog(str(tmp_path / "events.jsonl"))
+    t = [1000.0]
+
+    def at(event, **kw):
+        rec = {"event": event, "time": t[0], **kw}
+        with open(log.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    for i in range(5):  # an early crash loop
+        at("restart", reason="worker_failure")
+        t[0] += 1
+    for i in range(2000):
+        at("step", step=i, step_time_s=0.5)
+        t[0] += 0.5
+    at("restart", reason="worker_failure")
+    for i in range(10):
+        t[0] += 0.5
+        at("step", step=i, step_time_s=0.5)
+    monkeypatch.setattr(cadence, "LINEAGE_TAIL_BYTES", 40_000)  # ~500 records of this log
+    cfg = load_config(None, [f"run.dir={tmp_path}", "checkpoint.interval_steps=auto"])
+    ck = _checkpointer(cfg, RecordingSink(), log)
+    ck._start_cadence()
+    assert ck.cadence.lineage.failures == 1
+    assert 200 < ck.cadence.lineage.observed_seconds < 300
+    monkeypatch.setattr(cadence, "LINEAGE_TAIL_BYTES", 1 << 30)
+    ck._start_cadence()
+    assert ck.cadence.lineage.failures == 6
