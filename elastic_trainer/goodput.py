@@ -31,6 +31,7 @@ Two views of the same wall time:
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -64,15 +65,21 @@ class Goodput:
     categories: dict[str, float] = field(default_factory=dict)
 
 
+GAP_MEMORY_STEPS = 4096  # steps whose between-step time a late commit record can still reclassify
 _DISRUPTIONS = {"failure": "worker_failure", "preempt_requested": "preempted", "preempted": "preempted"}
 
 
 class Ledger:
-    """Incremental goodput accounting (see the module docstring). Not thread-safe: one feeder."""
+    """Incremental goodput accounting (see the module docstring). Not thread-safe: one feeder.
+
+    Sized for a week-long job: :meth:`result` (each scrape) costs the same at step 10 and at step
+    10 million, and memory grows by 16 bytes per kept step (the kept steps may be rolled back)."""
 
     def __init__(self) -> None:
-        self._kept: list[tuple[int, float]] = []  # (step, seconds) of steps whose result still stands
-        self._lost: list[tuple[int, float]] = []
+        self._kept_steps = array("q")  # steps whose result still stands, with their seconds
+        self._kept_secs = array("d")
+        self._kept_total = 0.0
+        self._lost_steps, self._lost_total = 0, 0.0  # steps executed and then rolled back
         self._t_first: float | None = None
         self._t_last: float | None = None
         self._first_step_start: float | None = None
@@ -87,7 +94,11 @@ class Ledger:
         self._cursor: float | None = None
         self._state = "startup"
         self._spent = dict.fromkeys(CATEGORIES, 0.0)
-        self._gap_after: dict[int, float] = {}  # between-step time after step N (idle or stall)
+        # Between-step time after step N: idle, or checkpoint stall when step N was saved, which a
+        # commit record may say only several steps later. Each entry's seconds are in the total of
+        # its current class; the oldest entries are dropped after GAP_MEMORY_STEPS (their class is final).
+        self._gap_after: dict[int, float] = {}
+        self._gap_total = {"checkpoint_stall": 0.0, "idle": 0.0}
         self._saved: set[int] = set()
 
     def _upto(self, t: float, category: str | None = None) -> None:
@@ -97,14 +108,32 @@ class Ledger:
         dt, self._cursor = t - self._cursor, t
         cat = category or self._state
         if cat == "between":
-            self._gap_after[self._last_step] = self._gap_after.get(self._last_step, 0.0) + dt
+            self._add_gap(self._last_step, dt)
         else:
             self._spent[cat] += dt
+
+    def _gap_class(self, step: int) -> str:
+        return "checkpoint_stall" if step in self._saved else "idle"
+
+    def _add_gap(self, step: int, dt: float) -> None:
+        self._gap_after[step] = self._gap_after.get(step, 0.0) + dt
+        self._gap_total[self._gap_class(step)] += dt
+        if len(self._gap_after) > GAP_MEMORY_STEPS:
+            del self._gap_after[next(iter(self._gap_after))]
+
+    def _mark_saved(self, step: int) -> None:
+        if step not in self._saved:
+            moved = self._gap_after.get(step, 0.0)
+            self._gap_total["idle"] -= moved
+            self._gap_total["checkpoint_stall"] += moved
+            self._saved.add(step)
 
     def _disrupt(self) -> None:
         """A failure/restart/relaunch: the open between-steps time was the failure's."""
         if self._state == "between":
-            self._spent["restart"] += self._gap_after.pop(self._last_step, 0.0)
+            secs = self._gap_after.pop(self._last_step, 0.0)
+            self._gap_total[self._gap_class(self._last_step)] -= secs
+            self._spent["restart"] += secs
         self._state = "restart"
 
     def feed(self, e: dict[str, Any]) -> None:
@@ -151,7 +180,7 @@ class Ledger:
             self._upto(t, "checkpoint_load")
         elif ev in ("checkpoint_committed", "checkpoint_failed") and e.get("step") is not None:
             self._upto(t)
-            self._saved.add(int(e["step"]))
+            self._mark_saved(int(e["step"]))
         elif ev == "preempt_requested":
             self._upto(t)
             self._state = "preemption_save"
@@ -176,9 +205,13 @@ class Ledger:
         if self._first_step_start is None:
             self._first_step_start = start
         rolled_back = 0
-        while self._kept and self._kept[-1][0] >= step:
-            self._lost.append(self._kept.pop())
+        while self._kept_steps and self._kept_steps[-1] >= step:
+            self._kept_steps.pop()
+            secs = self._kept_secs.pop()
+            self._kept_total -= secs
+            self._lost_total += secs
             rolled_back += 1
+        self._lost_steps += rolled_back
         if self._pending is not None:
             self._pending.resumed_step = step - 1
             self._pending.seconds = max(0.0, start - self._begin)
@@ -191,7 +224,9 @@ class Ledger:
             before = self._cursor
             self._upto(end, "productive")
             dur = max(0.0, end - max(before, start)) if before is not None else dur
-        self._kept.append((step, dur))
+        self._kept_steps.append(step)
+        self._kept_secs.append(dur)
+        self._kept_total += dur
         self._last_step_end, self._last_step, self._world = end, step, e.get("world_size", self._world)
         self._state = "between"
 
@@ -203,23 +238,19 @@ class Ledger:
             return g
         end = self._t_last if now is None else max(self._t_last, now)
         spent = dict(self._spent)
-        gaps = dict(self._gap_after)
+        for cat, secs in self._gap_total.items():
+            spent[cat] += max(0.0, secs)  # (a sum of additions and moves: never below 0 but for rounding)
         tail = max(0.0, end - self._cursor)
         state = self._state
-        if state == "between":
-            gaps[self._last_step] = gaps.get(self._last_step, 0.0) + tail
-        else:
-            spent[state] += tail
-        for step, secs in gaps.items():
-            spent["checkpoint_stall" if step in self._saved else "idle"] += secs
-        productive = sum(d for _, d in self._kept)
-        recompute = sum(d for _, d in self._lost)
+        spent[self._gap_class(self._last_step) if state == "between" else state] += tail
+        productive = max(0.0, self._kept_total)
+        recompute = self._lost_total
         spent["productive"], spent["recompute"] = productive, recompute
         g.categories = spent
         g.wall_seconds = end - self._t_first
         g.productive_seconds = productive
         g.recompute_seconds = recompute
-        g.recompute_steps = len(self._lost)
+        g.recompute_steps = self._lost_steps
         g.interruption_seconds = sum(i.seconds for i in g.interruptions)
         g.load_seconds = sum(i.load_seconds for i in g.interruptions)
         if self._first_step_start is not None:

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 EVENTS_PREFIX = "_events"
 SEGMENT_BYTES = 4 << 20
+READ_CHUNK_BYTES = 4 << 20
 _SEGMENT = re.compile(r"^(?P<log>.+?)(?:\.(?P<seq>\d{6}))?\.jsonl$")
 RECENT_WINDOW_SECONDS = 600.0
 _MIRROR_ON = ("checkpoint_committed", "restart", "rendezvous", "membership_change", "finished", "preempted", "job_failed")
@@ -75,27 +76,29 @@ class RunHistory:
     def poll(self, mirror: bool = True) -> None:
         """Feed the records appended since the last call; mirror when one of them asked for it
         (and ``mirror``: the scrape hook only feeds, the background thread uploads)."""
-        with self._lock:
-            try:
-                with open(self.events_path, "rb") as f:
-                    f.seek(self._offset)
-                    data = f.read()
-            except FileNotFoundError:
-                return
-            self._offset += len(data)
-            data = self._partial + data
-            lines = data.split(b"\n")
-            self._partial = lines.pop()  # an incomplete last line waits for the rest
-            for line in lines:
-                if not line.strip():
-                    continue
+        more = True
+        while more:  # in bounded chunks: a relaunch on a week-long log neither loads it whole nor holds the lock for it
+            with self._lock:
                 try:
-                    e = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                self.ledger.feed(e)
-                if e.get("event") in _MIRROR_ON:
-                    self._mirror_due = True
+                    with open(self.events_path, "rb") as f:
+                        f.seek(self._offset)
+                        data = f.read(READ_CHUNK_BYTES)
+                except FileNotFoundError:
+                    return
+                more = len(data) == READ_CHUNK_BYTES
+                self._offset += len(data)
+                lines = (self._partial + data).split(b"\n")
+                self._partial = lines.pop()  # an incomplete last line waits for the rest
+                for line in lines:
+                    if not line.strip():
+                        continue
+                    try:
+                        e = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    self.ledger.feed(e)
+                    if e.get("event") in _MIRROR_ON:
+                        self._mirror_due = True
         if mirror and self._mirror_due:
             self.mirror()
 

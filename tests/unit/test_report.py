@@ -206,3 +206,46 @@ def test_the_live_ledger_fed_record_by_record_agrees_with_the_whole_log_at_every
     for e in log.events[:3]:  # launch, rendezvous, step 1: now between steps 1 and 2 -> idle
         mid.feed(e)
     assert _cats(mid.result(now=log.events[2]["time"] + 2.0))["idle"] == pytest.approx(2.0)
+
+
+def test_a_week_long_log_keeps_the_ledger_bounded_and_exact():
+    """The supervisor feeds every record of a job that may run for millions of steps and computes
+    the result at each scrape: its between-step bookkeeping stays bounded while commit records that
+    arrive steps late and a rollback are still accounted exactly."""
+    from elastic_trainer import goodput
+
+    n, late = 3 * goodput.GAP_MEMORY_STEPS, 3
+    ledger = goodput.Ledger()
+    ledger.feed({"event": "launch", "time": 0.0})
+    t, expect = 0.0, {"productive": 0.0, "checkpoint_stall": 0.0, "idle": 0.0, "recompute": 0.0}
+    kept: dict[int, float] = {}
+    pending: list[int] = []
+    step, rolled = 0, False
+    while True:
+        step += 1
+        dur = 0.1 + (step % 7) * 0.01
+        t += dur
+        ledger.feed({"event": "step", "time": t, "step": step, "step_time_s": dur})
+        if step in kept:  # redone after the rollback below
+            expect["recompute"] += kept[step]
+        kept[step] = dur
+        if step == n:
+            break
+        saved = step % 10 == 0
+        gap = 0.05 if saved else 0.02
+        if saved:
+            pending.append(step)
+        commits = [pending.pop(0) for _ in list(pending) if pending[0] <= step - late]  # each arrives `late` steps after its step
+        for k, c in enumerate(commits):
+            ledger.feed({"event": "checkpoint_committed", "time": t + 0.001 * (k + 1), "step": c})
+        t += gap
+        expect["checkpoint_stall" if saved else "idle"] += gap
+        if step == n // 2 and not rolled:  # a rollback of 25 steps (no failure record)
+            rolled, step = True, step - 25
+    expect["productive"] = sum(kept.values())
+    r = ledger.result()
+    assert len(ledger._gap_after) <= goodput.GAP_MEMORY_STEPS
+    assert r.recompute_steps == 25
+    for cat in expect:
+        assert r.categories[cat] == pytest.approx(expect[cat], rel=1e-9), cat
+    assert sum(r.categories.values()) == pytest.approx(r.wall_seconds, rel=1e-9)

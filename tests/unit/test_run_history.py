@@ -144,3 +144,28 @@ def test_segment_names(name, log, seq):
     assert (m["log"], m["seq"]) == (log, seq)
     if seq is not None:
         assert history.segment_name(log, int(seq)) == name
+
+
+def test_a_long_log_is_followed_in_bounded_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(history, "READ_CHUNK_BYTES", 257)  # lines straddle every chunk boundary
+    log = tmp_path / "events.jsonl"
+    recs = [{"event": "launch", "time": 990.0}] + [dict(r, step_time_s=0.5) for r in _records(0, 40)] + [{"event": "checkpoint_committed", "time": 1040.5, "step": 39}]
+    _append(log, recs)
+    store = Recording(tmp_path / "ckpt")
+    h = RunHistory(str(log), storage=store, node="n")
+    reads = []
+    real_open = open
+
+    def counting_open(path, mode="r", *a, **kw):
+        f = real_open(path, mode, *a, **kw)
+        if str(path) == str(log):
+            orig = f.read
+            f.read = lambda size=-1: reads.append(size) or orig(size)
+        return f
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    h.poll()
+    monkeypatch.setattr("builtins.open", real_open)
+    assert reads and all(0 < r <= 257 for r in reads[:-1]), reads  # the mirror's own read is the last
+    assert h.ledger.result().categories["productive"] == pytest.approx(40 * 0.5), "every step fed once, none torn at a boundary"
+    assert [e["step"] for e in read_mirrored_events(store.inner) if e["event"] == "step"] == list(range(40))
