@@ -12,7 +12,7 @@ Two views of the same wall time:
   rendezvous, load), startup and other (see :mod:`elastic_trainer.report`);
 * :data:`CATEGORIES`, a partition of the wall time (they sum to it exactly):
 
-  - ``productive`` — step time of the steps whose result stands;
+  - ``productive`` — step time of the steps whose result stands (less the save slowdown above);
   - ``recompute`` — step time of steps executed and then rolled back (redone after a resume);
   - ``restart`` — from the end of the last step before a failure, restart, preemption or relaunch
     to the start of the next rendezvous: failure detection, stopping the group, backoff, and the
@@ -21,8 +21,11 @@ Two views of the same wall time:
   - ``startup`` — launch to the first rendezvous, and rendezvous to the first step except
     checkpoint loading: process start, ``init_process_group``, building the model;
   - ``checkpoint_load`` — the ``load_seconds`` of ``resume`` records;
-  - ``checkpoint_stall`` — the time between step N and the next step when step N was saved
-    (a ``checkpoint_committed``/``checkpoint_failed`` record of step N): the save call blocking;
+  - ``checkpoint_stall`` — what a save costs the training: the time between step N and the next
+    step when step N was saved (a ``checkpoint_committed``/``checkpoint_failed`` record of step N:
+    the save call blocking), plus, for each step that started while that save was still being
+    written (before its record), the step's excess over the median of the recent steps (the
+    slowdown of the steps the background write overlaps);
   - ``preemption_save`` — from ``preempt_requested`` to ``preempted``;
   - ``idle`` — the rest: time between steps without a save (logging), and shutdown.
 
@@ -31,7 +34,9 @@ Two views of the same wall time:
 
 from __future__ import annotations
 
+import statistics
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -66,6 +71,9 @@ class Goodput:
 
 
 GAP_MEMORY_STEPS = 4096  # steps whose between-step time a late commit record can still reclassify
+REFERENCE_STEPS = 32  # a step's slowdown is its excess over the median of this many recent steps
+MIN_REFERENCE_STEPS = 5  # (at the same world size; with fewer, no slowdown is charged)
+OVERLAP_MEMORY_STEPS = 256  # recent steps a late commit record can still charge
 _DISRUPTIONS = {"failure": "worker_failure", "preempt_requested": "preempted", "preempted": "preempted"}
 
 
@@ -100,6 +108,11 @@ class Ledger:
         self._gap_after: dict[int, float] = {}
         self._gap_total = {"checkpoint_stall": 0.0, "idle": 0.0}
         self._saved: set[int] = set()
+        # Save slowdown: recent step times (the reference), and the recent kept steps not yet found
+        # to overlap a save (step -> start); the newest save record's time and step.
+        self._reference: deque[float] = deque(maxlen=REFERENCE_STEPS)
+        self._uncharged: dict[int, float] = {}
+        self._save_record: tuple[float, int] | None = None
 
     def _upto(self, t: float, category: str | None = None) -> None:
         """Attribute ``[cursor, t]`` to ``category`` (default: the current state)."""
@@ -181,6 +194,7 @@ class Ledger:
         elif ev in ("checkpoint_committed", "checkpoint_failed") and e.get("step") is not None:
             self._upto(t)
             self._mark_saved(int(e["step"]))
+            self._charge_overlap(int(e["step"]), t)
         elif ev == "preempt_requested":
             self._upto(t)
             self._state = "preemption_save"
@@ -222,13 +236,54 @@ class Ledger:
         if t is not None:
             self._upto(start)
             before = self._cursor
+            if self._state == "between" and before is not None and before > start:
+                # records written while this step ran (a background commit) moved the cursor into it:
+                # that part was this step's time, not the gap's
+                back = min(before - start, self._gap_after.get(self._last_step, 0.0))
+                self._add_gap(self._last_step, -back)
+                before -= back  # (productive is the kept steps' seconds: this step keeps all of its own)
             self._upto(end, "productive")
             dur = max(0.0, end - max(before, start)) if before is not None else dur
+        world = e.get("world_size", self._world)
+        if world != self._world:
+            self._reference.clear()
+        ref = statistics.median(self._reference) if len(self._reference) >= MIN_REFERENCE_STEPS else None
+        self._reference.append(dur)
         self._kept_steps.append(step)
         self._kept_secs.append(dur)
         self._kept_total += dur
-        self._last_step_end, self._last_step, self._world = end, step, e.get("world_size", self._world)
+        self._last_step_end, self._last_step, self._world = end, step, world
         self._state = "between"
+        if self._save_record is not None and step > self._save_record[1] and start < self._save_record[0]:
+            self._charge(len(self._kept_steps) - 1, ref)  # started before the save it follows was written
+        else:
+            self._uncharged[step] = start
+            if len(self._uncharged) > OVERLAP_MEMORY_STEPS:
+                del self._uncharged[next(iter(self._uncharged))]
+
+    def _charge(self, i: int, ref: float | None) -> None:
+        """Move kept step ``i``'s excess over ``ref`` from productive to checkpoint stall."""
+        self._uncharged.pop(self._kept_steps[i], None)
+        excess = self._kept_secs[i] - ref if ref is not None else 0.0
+        if excess > 0:
+            self._kept_secs[i] -= excess
+            self._kept_total -= excess
+            self._spent["checkpoint_stall"] += excess
+
+    def _charge_overlap(self, saved: int, t: float) -> None:
+        """A save of step ``saved`` was written by ``t``: the kept steps after it that started
+        before ``t`` ran beside its background write; so does a later step that started before."""
+        if self._save_record is None or t >= self._save_record[0]:
+            self._save_record = (t, saved)
+        if len(self._reference) < MIN_REFERENCE_STEPS:
+            return
+        ref = statistics.median(self._reference)
+        i = len(self._kept_steps) - 1
+        while i >= 0 and self._kept_steps[i] > saved and len(self._kept_steps) - i <= OVERLAP_MEMORY_STEPS:
+            start = self._uncharged.get(self._kept_steps[i])
+            if start is not None and start < t:
+                self._charge(i, ref)
+            i -= 1
 
     def result(self, now: float | None = None) -> Goodput:
         """The accounting so far; wall time ends at ``now`` when given (live), else at the last record."""

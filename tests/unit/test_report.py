@@ -210,11 +210,11 @@ def test_the_live_ledger_fed_record_by_record_agrees_with_the_whole_log_at_every
 
 def test_a_week_long_log_keeps_the_ledger_bounded_and_exact():
     """The supervisor feeds every record of a job that may run for millions of steps and computes
-    the result at each scrape: its between-step bookkeeping stays bounded while commit records that
-    arrive steps late and a rollback are still accounted exactly."""
+    the result at each scrape: its bookkeeping stays bounded while commit records that arrive steps
+    late, the slowdown of the step a save overlaps and a rollback are still accounted exactly."""
     from elastic_trainer import goodput
 
-    n, late = 3 * goodput.GAP_MEMORY_STEPS, 3
+    n, late, slow = 3 * goodput.GAP_MEMORY_STEPS, 3, 0.05
     ledger = goodput.Ledger()
     ledger.feed({"event": "launch", "time": 0.0})
     t, expect = 0.0, {"productive": 0.0, "checkpoint_stall": 0.0, "idle": 0.0, "recompute": 0.0}
@@ -223,7 +223,7 @@ def test_a_week_long_log_keeps_the_ledger_bounded_and_exact():
     step, rolled = 0, False
     while True:
         step += 1
-        dur = 0.1 + (step % 7) * 0.01
+        dur = 0.1 + (slow if step % 10 == 1 else 0.0)  # the step after a save runs beside its write
         t += dur
         ledger.feed({"event": "step", "time": t, "step": step, "step_time_s": dur})
         if step in kept:  # redone after the rollback below
@@ -238,14 +238,34 @@ def test_a_week_long_log_keeps_the_ledger_bounded_and_exact():
         commits = [pending.pop(0) for _ in list(pending) if pending[0] <= step - late]  # each arrives `late` steps after its step
         for k, c in enumerate(commits):
             ledger.feed({"event": "checkpoint_committed", "time": t + 0.001 * (k + 1), "step": c})
+            kept[c + 1] -= slow  # its write slowed step c + 1, which started before this record
+            expect["checkpoint_stall"] += slow
         t += gap
         expect["checkpoint_stall" if saved else "idle"] += gap
         if step == n // 2 and not rolled:  # a rollback of 25 steps (no failure record)
             rolled, step = True, step - 25
     expect["productive"] = sum(kept.values())
     r = ledger.result()
-    assert len(ledger._gap_after) <= goodput.GAP_MEMORY_STEPS
+    assert len(ledger._gap_after) <= goodput.GAP_MEMORY_STEPS and len(ledger._uncharged) <= goodput.OVERLAP_MEMORY_STEPS
     assert r.recompute_steps == 25
     for cat in expect:
         assert r.categories[cat] == pytest.approx(expect[cat], rel=1e-9), cat
     assert sum(r.categories.values()) == pytest.approx(r.wall_seconds, rel=1e-9)
+
+
+def test_a_commit_recorded_mid_step_charges_only_the_steps_slowdown():
+    """The background write's commit record lands while the next step runs: that step's normal
+    time stays productive, its excess over the recent median is the save's cost (stall)."""
+    log = Log().at(0, "launch").at(0.5, "rendezvous", seconds=0.2).steps(1, 6, seconds=1.0, gap=0.1)
+    log.at(0.3, "checkpoint_committed", step=6, bytes=1, seconds=0.5)  # 0.2 s into step 7
+    log.at(1.3, "step", step=7, step_time_s=1.5, world_size=2)  # started 0.1 s after step 6, 0.5 s slower
+    log.steps(8, 9, seconds=1.0, gap=0.1)
+    c = _cats(report.account(log.events))
+    assert c["checkpoint_stall"] == pytest.approx(0.1 + 0.5)  # the gap after step 6 + step 7's slowdown
+    assert c["productive"] == pytest.approx(8 * 1.0 + 1.0)  # steps 2-6, 8, 9 (step 1 starts the wall clock) + step 7 less its slowdown
+    assert c["idle"] == pytest.approx(7 * 0.1)
+    # the same record landing after step 7 instead: nothing overlapped the write, no slowdown charged
+    log2 = Log().at(0, "launch").at(0.5, "rendezvous", seconds=0.2).steps(1, 7, seconds=1.0, gap=0.1)
+    log2.at(0.05, "checkpoint_committed", step=6, bytes=1, seconds=0.5).steps(8, 9, seconds=1.0, gap=0.1)
+    c2 = _cats(report.account(log2.events))
+    assert c2["checkpoint_stall"] == pytest.approx(0.1)
