@@ -247,19 +247,23 @@ class Ledger:
         world = e.get("world_size", self._world)
         if world != self._world:
             self._reference.clear()
-        ref = statistics.median(self._reference) if len(self._reference) >= MIN_REFERENCE_STEPS else None
+        overlapped = self._save_record is not None and step > self._save_record[1] and start < self._save_record[0]
+        ref = self._reference_seconds() if overlapped else None  # (this step not included)
         self._reference.append(dur)
         self._kept_steps.append(step)
         self._kept_secs.append(dur)
         self._kept_total += dur
         self._last_step_end, self._last_step, self._world = end, step, world
         self._state = "between"
-        if self._save_record is not None and step > self._save_record[1] and start < self._save_record[0]:
+        if overlapped:
             self._charge(len(self._kept_steps) - 1, ref)  # started before the save it follows was written
         else:
             self._uncharged[step] = start
             if len(self._uncharged) > OVERLAP_MEMORY_STEPS:
                 del self._uncharged[next(iter(self._uncharged))]
+
+    def _reference_seconds(self) -> float | None:
+        return statistics.median(self._reference) if len(self._reference) >= MIN_REFERENCE_STEPS else None
 
     def _charge(self, i: int, ref: float | None) -> None:
         """Move kept step ``i``'s excess over ``ref`` from productive to checkpoint stall."""
@@ -275,9 +279,9 @@ class Ledger:
         before ``t`` ran beside its background write; so does a later step that started before."""
         if self._save_record is None or t >= self._save_record[0]:
             self._save_record = (t, saved)
-        if len(self._reference) < MIN_REFERENCE_STEPS:
+        ref = self._reference_seconds()
+        if ref is None:
             return
-        ref = statistics.median(self._reference)
         i = len(self._kept_steps) - 1
         while i >= 0 and self._kept_steps[i] > saved and len(self._kept_steps) - i <= OVERLAP_MEMORY_STEPS:
             start = self._uncharged.get(self._kept_steps[i])
