@@ -2,6 +2,7 @@
 
     python bench/goodput.py [--minutes 10] [--kill-every 120] [--config configs/demo-cpu.toml] [--set k=v ...]
     python bench/goodput.py --minutes 3 --kill-every 36,150 --interval auto,5,10,20,50   # a sweep
+    python bench/goodput.py --table-from s0.json s1.json s2.json [--reaccount]   # repeats, mean per cell
 
 Runs the config for ``--minutes`` under ``elastic-trainer launch``, SIGKILLs one worker (a
 random rank, seeded) every ``--kill-every`` seconds, then stops the job with SIGTERM (it
@@ -22,6 +23,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,6 +103,36 @@ def print_sweep(results: list[dict]) -> None:
                   f"({r['recompute_steps']} steps) | {g} | {ratio} | {chose} |")
 
 
+def reaccount(results: list[dict]) -> list[dict]:
+    """Each run's goodput again from its event log (kept in ``logs``) with the current ledger."""
+    out = []
+    for r in results:
+        events = runs.read_events(Path(r["logs"]) / "run")
+        if not events:
+            raise SystemExit(f"no event log left in {r['logs']} to re-account")
+        g = asdict(account(events))
+        out.append({**r, **{k: g[k] for k in ("goodput", "recompute_seconds", "recompute_steps", "wall_seconds", "categories")}})
+    return out
+
+
+def print_repeats(results: list[dict]) -> None:
+    """Several runs per (rate, interval), e.g. from sweeps with different seeds: mean goodput per
+    cell, its spread, and the ratio of the means to the best fixed interval's mean."""
+    cells: dict[tuple[float, str], list[float]] = {}
+    for r in results:
+        cells.setdefault((r["kill_every"], str(r["interval"])), []).append(r["goodput"])
+    print("\n| kill every | interval | runs | goodput, mean | min – max | / best fixed (means) |")
+    print("|---|---|---|---|---|---|")
+    for rate in sorted({k[0] for k in cells}):
+        means = {iv: statistics.mean(g) for (rt, iv), g in cells.items() if rt == rate}
+        fixed = [m for iv, m in means.items() if iv != "auto"]
+        best = max(fixed) if fixed else None
+        for iv in sorted(means, key=lambda x: (x != "auto", int(x) if x.isdigit() else 0)):
+            g = cells[(rate, iv)]
+            ratio = f"{means[iv] / best:.3f}" if best else "-"
+            print(f"| {rate:.0f} s | {iv} | {len(g)} | {means[iv]:.3f} | {min(g):.3f} – {max(g):.3f} | {ratio} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(REPO / "configs/demo-cpu.toml"))
@@ -110,10 +142,19 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--json-out")
-    ap.add_argument("--table-from", help="only print the sweep table of a --json-out file")
+    ap.add_argument("--table-from", nargs="+", help="only print the table of --json-out files (several: also the mean per cell)")
+    ap.add_argument("--reaccount", action="store_true", help="with --table-from: goodput from each run's event log with the current ledger")
     a = ap.parse_args()
     if a.table_from:
-        print_sweep(json.loads(Path(a.table_from).read_text()))
+        results = []
+        for f in a.table_from:
+            data = json.loads(Path(f).read_text())
+            results += data if isinstance(data, list) else [data]
+        if a.reaccount:
+            results = reaccount(results)
+        print_sweep(results)
+        if len(a.table_from) > 1:
+            print_repeats(results)
         return 0
     if not (REPO / "runs/data/demo.bin").exists():
         subprocess.run([*runs.CLI, "data", "build", "--out", str(REPO / "runs/data/demo.bin")], check=True, cwd=REPO, env=runs.env_for_tests())
