@@ -77,6 +77,11 @@ OVERLAP_MEMORY_STEPS = 256  # recent steps a late commit record can still charge
 _DISRUPTIONS = {"failure": "worker_failure", "preempt_requested": "preempted", "preempted": "preempted"}
 
 
+def _newest(d: dict, n: int) -> dict:
+    """The ``n`` most recently inserted items (pruning in batches keeps each insert O(1))."""
+    return dict(list(d.items())[-n:])
+
+
 class Ledger:
     """Incremental goodput accounting (see the module docstring). Not thread-safe: one feeder.
 
@@ -104,7 +109,7 @@ class Ledger:
         self._spent = dict.fromkeys(CATEGORIES, 0.0)
         # Between-step time after step N: idle, or checkpoint stall when step N was saved, which a
         # commit record may say only several steps later. Each entry's seconds are in the total of
-        # its current class; the oldest entries are dropped after GAP_MEMORY_STEPS (their class is final).
+        # its current class; only the newest GAP_MEMORY_STEPS..2x entries are kept (older ones' class is final).
         self._gap_after: dict[int, float] = {}
         self._gap_total = {"checkpoint_stall": 0.0, "idle": 0.0}
         self._saved: set[int] = set()
@@ -131,8 +136,8 @@ class Ledger:
     def _add_gap(self, step: int, dt: float) -> None:
         self._gap_after[step] = self._gap_after.get(step, 0.0) + dt
         self._gap_total[self._gap_class(step)] += dt
-        if len(self._gap_after) > GAP_MEMORY_STEPS:
-            del self._gap_after[next(iter(self._gap_after))]
+        if len(self._gap_after) > 2 * GAP_MEMORY_STEPS:
+            self._gap_after = _newest(self._gap_after, GAP_MEMORY_STEPS)
 
     def _mark_saved(self, step: int) -> None:
         if step not in self._saved:
@@ -259,8 +264,8 @@ class Ledger:
             self._charge(len(self._kept_steps) - 1, ref)  # started before the save it follows was written
         else:
             self._uncharged[step] = start
-            if len(self._uncharged) > OVERLAP_MEMORY_STEPS:
-                del self._uncharged[next(iter(self._uncharged))]
+            if len(self._uncharged) > 2 * OVERLAP_MEMORY_STEPS:
+                self._uncharged = _newest(self._uncharged, OVERLAP_MEMORY_STEPS)
 
     def _reference_seconds(self) -> float | None:
         return statistics.median(self._reference) if len(self._reference) >= MIN_REFERENCE_STEPS else None
