@@ -11,7 +11,8 @@ Each run is the user's command, unchanged but for a scratch run/checkpoint dir a
 (checkpoints stay on, every ``checkpoint.interval_steps`` as in the demo), in the caller's
 environment. A variant ``N:ompK`` runs N workers with ``OMP_NUM_THREADS=K`` exported (torchrun
 exports ``OMP_NUM_THREADS=1`` itself only when ``nproc_per_node > 1``, so a single worker
-otherwise runs torch's default thread pool). The variants' order is reversed every repeat
+otherwise runs torch's default thread pool); ``N:everyM`` saves every M steps (0 = no periodic
+save: the throughput cost of checkpointing, side by side). The variants' order is reversed every repeat
 (ABBA) so slow drift in the machine's load hits all sides. A run still going after
 ``--max-seconds`` is stopped with SIGTERM (the job checkpoints and exits 75) and measured on
 the steps it did.
@@ -66,21 +67,30 @@ def _threads(pid: int) -> int | None:
     return None
 
 
-def parse_variant(v: str) -> tuple[int, str | None]:
-    n, _, omp = v.partition(":")
-    if omp and not omp.startswith("omp"):
-        raise SystemExit(f"--variants: expected N or N:ompK, got {v!r}")
-    return int(n), (omp[3:] or None) if omp else None
+def parse_variant(v: str) -> tuple[int, str | None, int | None]:
+    """``N[:ompK][:everyM]`` -> (workers, OMP_NUM_THREADS or None, checkpoint.interval_steps or None)."""
+    n, *mods = v.split(":")
+    omp = every = None
+    for m in mods:
+        if m.startswith("omp") and m[3:].isdigit():
+            omp = m[3:]
+        elif m.startswith("every") and m[5:].isdigit():
+            every = int(m[5:])
+        else:
+            raise SystemExit(f"--variants: expected N[:ompK][:everyM], got {v!r}")
+    return int(n), omp, every
 
 
 def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[str], max_seconds: float) -> dict:
-    nproc, omp = parse_variant(variant)
+    nproc, omp, every = parse_variant(variant)
     work = Path(tempfile.mkdtemp(prefix=f"bench-tput-{nproc}w-"))
     run_dir = work / "run"
     cmd = [*runs.CLI, "launch", config, "--nproc-per-node", str(nproc), "--set", f"train.steps={steps}",
            "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={run_dir / 'ckpt'}"]
     for o in overrides:
         cmd += ["--set", o]
+    if every is not None:
+        cmd += ["--set", f"checkpoint.interval_steps={every}"]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     if omp is not None:
