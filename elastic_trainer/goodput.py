@@ -12,7 +12,8 @@ Two views of the same wall time:
   rendezvous, load), startup and other (see :mod:`elastic_trainer.report`);
 * :data:`CATEGORIES`, a partition of the wall time (they sum to it exactly):
 
-  - ``productive`` — step time of the steps whose result stands (less the save slowdown above);
+  - ``productive`` — step time of the steps whose result stands, less the slowdown a background
+    save caused them (counted as ``checkpoint_stall``, below);
   - ``recompute`` — step time of steps executed and then rolled back (redone after a resume);
   - ``restart`` — from the end of the last step before a failure, restart, preemption or relaunch
     to the start of the next rendezvous: failure detection, stopping the group, backoff, and the
@@ -86,7 +87,7 @@ class Ledger:
     """Incremental goodput accounting (see the module docstring). Not thread-safe: one feeder.
 
     Sized for a week-long job: :meth:`result` (each scrape) costs the same at step 10 and at step
-    10 million, and memory grows by 16 bytes per kept step (the kept steps may be rolled back)."""
+    10 million, and memory grows by ~24 bytes per kept step (the kept steps may be rolled back)."""
 
     def __init__(self) -> None:
         self._kept_steps = array("q")  # steps whose result still stands, with their seconds
