@@ -125,32 +125,37 @@ class RunHistory:
 
     # -- the mirror ---------------------------------------------------------------------------
     def mirror(self) -> bool:
-        """Upload the open segment of the local event log (complete lines only); when it has
-        reached :data:`SEGMENT_BYTES` it is final and the next mirror starts a new one. Failures
-        are logged, never raised (a side channel); a failed upload is retried at the next one."""
+        """Upload the local event log from the open segment on, complete lines only, at most
+        :data:`SEGMENT_BYTES` per object: a segment that fills up is final and the rest goes to
+        the next one (a relaunch on a long log uploads it as many bounded segments). Failures are
+        logged, never raised (a side channel); a failed upload is retried at the next mirror."""
         with self._mirror_lock:
             self._mirror_due = False
             if self.storage is None:
                 return False
             try:
                 with open(self.events_path, "rb") as f:
-                    f.seek(self._segment_start)
-                    data = f.read()
+                    while True:
+                        f.seek(self._segment_start)
+                        data = f.read(SEGMENT_BYTES)
+                        full = len(data) == SEGMENT_BYTES
+                        if full and b"\n" not in data:
+                            data += f.readline()  # one record longer than a segment: it is its own
+                        end = data.rfind(b"\n") + 1
+                        if end == 0:
+                            return True
+                        name = self.storage.join(EVENTS_PREFIX, segment_name(self.log_name, self._segment_seq))
+                        try:
+                            self.storage.write_bytes_atomic(name, data[:end])
+                        except Exception as e:  # noqa: BLE001
+                            logger.warning("could not mirror the event log to %s: %s", name, e)
+                            return False
+                        if not full:
+                            return True
+                        self._segment_start += end
+                        self._segment_seq += 1
             except FileNotFoundError:
                 return False
-            end = data.rfind(b"\n") + 1
-            if end == 0:
-                return True
-            name = self.storage.join(EVENTS_PREFIX, segment_name(self.log_name, self._segment_seq))
-            try:
-                self.storage.write_bytes_atomic(name, data[:end])
-            except Exception as e:  # noqa: BLE001
-                logger.warning("could not mirror the event log to %s: %s", name, e)
-                return False
-            if end >= SEGMENT_BYTES:
-                self._segment_start += end
-                self._segment_seq += 1
-            return True
 
     # -- background ---------------------------------------------------------------------------
     def start(self, interval: float = 1.0) -> "RunHistory":

@@ -169,3 +169,26 @@ def test_a_long_log_is_followed_in_bounded_chunks(tmp_path, monkeypatch):
     assert reads and all(0 < r <= 257 for r in reads[:-1]), reads  # the mirror's own read is the last
     assert h.ledger.result().categories["productive"] == pytest.approx(40 * 0.5), "every step fed once, none torn at a boundary"
     assert [e["step"] for e in read_mirrored_events(store.inner) if e["event"] == "step"] == list(range(40))
+
+
+def test_a_relaunch_on_a_long_log_mirrors_it_in_bounded_segments(tmp_path, monkeypatch):
+    """A node relaunched on the same run.dir mirrors its older records again: as many objects of
+    at most a segment each, never one object of the whole log."""
+    monkeypatch.setattr(history, "SEGMENT_BYTES", 1000)
+    log = tmp_path / "events.jsonl"
+    recs = _records(0, 200)
+    _append(log, recs + [{"event": "rendezvous", "time": 2000.0}])  # ~20 KB from earlier launches
+    store = Recording(tmp_path / "ckpt")
+    h = RunHistory(str(log), storage=store, node="n")
+    h.poll()
+    assert len(store.uploads) > 15 and max(n for _, n in store.uploads) <= 1000, store.uploads
+    assert read_mirrored_events(store.inner) == recs + [{"event": "rendezvous", "time": 2000.0}]
+    before = len(store.uploads)
+    _append(log, [{"event": "checkpoint_committed", "time": 2001.0, "step": 1}])
+    h.poll()
+    assert len(store.uploads) == before + 1, "the next mirror uploads only the open segment"
+    big = {"event": "note", "time": 2002.0, "text": "y" * 3000}  # a record longer than a segment
+    _append(log, [big, {"event": "restart", "time": 2003.0}])
+    h.poll()
+    assert read_mirrored_events(store.inner)[-3:] == [{"event": "checkpoint_committed", "time": 2001.0, "step": 1}, big,
+                                                      {"event": "restart", "time": 2003.0}]
