@@ -114,8 +114,9 @@ def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[st
             for pid in runs.worker_pids(proc.pid):
                 if pid not in rank_of:
                     e = _environ(pid)
-                    if "RANK" in e:
-                        rank_of[pid] = int(e["RANK"])
+                    if e:  # a worker forked by the warm-start zygote shows the zygote's start-up environment
+                        # (no RANK): it is labelled by the order it was seen in
+                        rank_of[pid] = int(e["RANK"]) if "RANK" in e else len(rank_of)
                         worker_env = {k: e.get(k, "") for k in ("OMP_NUM_THREADS", "WORLD_SIZE")}
                 hwm = vm_hwm_bytes(pid)
                 if hwm is not None and pid in rank_of:
