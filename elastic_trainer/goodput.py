@@ -74,7 +74,8 @@ class Goodput:
 GAP_MEMORY_STEPS = 4096  # steps whose between-step time a late commit record can still reclassify
 REFERENCE_STEPS = 32  # a step's slowdown is its excess over the median of this many recent steps
 # (when saves overlap more than half of the steps, e.g. a save every step, the median includes the
-# slowdown and the charge is low: then the gaps after saved steps are most of the stall anyway)
+# slowdown and under-charges it; the auto cadence measures its save cost apart from this, on steps
+# that overlap no save)
 MIN_REFERENCE_STEPS = 5  # (at the same world size; with fewer, no slowdown is charged)
 OVERLAP_MEMORY_STEPS = 256  # recent steps a late commit record can still charge
 _DISRUPTIONS = {"failure": "worker_failure", "preempt_requested": "preempted", "preempted": "preempted"}
