@@ -49,10 +49,19 @@ def read_events(path: str, tail_bytes: int | None = None) -> Iterator[dict[str, 
         else:
             raw.seek(0)
         for line in raw:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                yield json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue
+            record = parse_record(line)
+            if record is not None:
+                yield record
+
+
+def parse_record(line: bytes | str) -> dict[str, Any] | None:
+    """One line of an event log as a record; None for a blank, torn or damaged line (anything
+    but a JSON object), which every reader skips."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) else None

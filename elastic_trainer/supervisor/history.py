@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import collections
 import heapq
-import json
 import logging
 import os
 import re
 import threading
 import time
 
+from ..events import parse_record
 from ..goodput import CATEGORIES, Ledger
 from ..metrics.sink import MetricsSink, NullSink
 
@@ -90,11 +90,8 @@ class RunHistory:
                 lines = (self._partial + data).split(b"\n")
                 self._partial = lines.pop()  # an incomplete last line waits for the rest
                 for line in lines:
-                    if not line.strip():
-                        continue
-                    try:
-                        e = json.loads(line)
-                    except json.JSONDecodeError:
+                    e = parse_record(line)
+                    if e is None:
                         continue
                     self.ledger.feed(e)
                     if e.get("event") in _MIRROR_ON:
@@ -196,12 +193,11 @@ def read_mirrored_events(storage) -> list[dict]:
         for _, name in sorted(segments[log_name]):
             for line in storage.read_bytes(storage.join(EVENTS_PREFIX, name)).decode("utf-8", "replace").splitlines():
                 line = line.strip()
-                if not line or line in seen:
+                if line in seen:
                     continue
                 seen.add(line)
-                try:
-                    log.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+                e = parse_record(line)
+                if e is not None:
+                    log.append(e)
         logs.append(log)
-    return list(heapq.merge(*logs, key=lambda e: float(e.get("time") or 0.0)))
+    return list(heapq.merge(*logs, key=lambda e: e["time"] if isinstance(e.get("time"), (int, float)) else 0.0))

@@ -192,3 +192,24 @@ def test_a_relaunch_on_a_long_log_mirrors_it_in_bounded_segments(tmp_path, monke
     h.poll()
     assert read_mirrored_events(store.inner)[-3:] == [{"event": "checkpoint_committed", "time": 2001.0, "step": 1}, big,
                                                       {"event": "restart", "time": 2003.0}]
+
+
+def test_damaged_lines_are_skipped_by_the_follower_and_the_report(tmp_path):
+    """A log (or a mirrored object) with lines that parse as JSON but are no record, bytes that are
+    not UTF-8, or a record whose time is not a number: skipped or kept in place, never a crash
+    (a crash in poll() left the rest of the chunk unfed)."""
+    log = tmp_path / "events.jsonl"
+    good = _records(0, 3)
+    with open(log, "wb") as f:
+        f.write(b"42\n\"text\"\n[1, 2]\n\xff\xfe garbage\n")
+        for r in good:
+            f.write((json.dumps(r) + "\n").encode())
+        f.write(b'{"event": "checkpoint_committed", "time": "soon", "step": 2}\n')
+    store = Recording(tmp_path / "ckpt")
+    h = RunHistory(str(log), storage=store, node="n")
+    h.poll()
+    h.close()
+    got = read_mirrored_events(store.inner)
+    assert [e for e in got if e["event"] == "step"] == good
+    assert got[-1] == {"event": "checkpoint_committed", "time": "soon", "step": 2}
+    assert h.ledger.result().wall_seconds == pytest.approx(2.0), "every good record was fed"
