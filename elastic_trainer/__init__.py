@@ -25,6 +25,7 @@ _API = {
     "GlobalBatchSampler": "runtime.sampler",
     "MicroBatchIndices": "runtime.sampler",
     "TrainState": "checkpoint.state",
+    "PerRank": "checkpoint.state",
     "exit_codes": "",
 }
 

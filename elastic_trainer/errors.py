@@ -43,6 +43,24 @@ class CheckpointIntegrityError(CheckpointError):
     """Bytes read from (or about to be committed to) a checkpoint do not match their checksums."""
 
 
+class CheckpointStopError(CheckpointError):
+    """A resume that must stop before training, with exit code 2 and nothing quarantined,
+    deleted or written: retrying, falling back to an older checkpoint or starting over would
+    each lose or hide the user's committed state. Raised identically on every rank."""
+
+
+class CheckpointIncompatibleError(CheckpointStopError):
+    """The checkpoint is intact but does not fit the code: keys missing or unexpected, shapes,
+    dtypes or state types that differ, per-rank state at another world size, an unknown format
+    version. The message names the checkpoint, every key grouped by ``Stateful``, and the ways
+    forward."""
+
+
+class NoUsableCheckpointError(CheckpointStopError):
+    """Commits exist in the lineage being resumed, but none of them can be loaded (all
+    quarantined or incomplete): training from step 0 would silently discard them."""
+
+
 class FencedError(CheckpointError):
     """A newer launch owns the checkpoint root: this writer must not commit, clean or delete."""
 

@@ -56,6 +56,26 @@ class ResumePlan:
     skipped: list[tuple[int, str]] = field(default_factory=list)
     first_start: bool = True
     corrupt: list[tuple[str, str]] = field(default_factory=list)  # (name, reason): content that fails its seal
+    unusable: list[tuple[str, str]] = field(default_factory=list)  # (name, reason): commits of the lineage skipped
+    incompatible: tuple[str, str] | None = None  # (name, reason): a commit in a format this version does not read
+
+    def stop_reason(self) -> str | None:
+        """Why this start must stop (exit 2) instead of training: the newest commit of the lineage
+        is in a format this version does not read (falling back would drop newer work), or
+        commits exist but none is usable (training from step 0 would silently discard them)."""
+        if self.incompatible is not None:
+            name, reason = self.incompatible
+            return f"checkpoint {name}: {reason}; nothing was quarantined or changed"
+        if self.chosen is None and self.unusable:
+            listed = "; ".join(f"{n} ({r})" for n, r in self.unusable[:5]) + (f"; and {len(self.unusable) - 5} more" if len(self.unusable) > 5 else "")
+            return (
+                f"{len(self.unusable)} committed checkpoint(s) of this run exist but none can be loaded: {listed}. "
+                "Not starting over from step 0. Ways forward: 'elastic-trainer ckpt release URI --step N' re-verifies a "
+                "quarantined checkpoint and lifts the quarantine if its bytes are good; a missing file may be storage that "
+                "has not caught up (start again later); or start a new run: another checkpoint.dir, or "
+                "checkpoint.resume = \"none\" for this launch"
+            )
+        return None
 
 
 class Catalog:
@@ -211,7 +231,11 @@ class Catalog:
             if reason is None:
                 plan.chosen = c
                 break
+            if layout.is_format_problem(reason):
+                plan.incompatible = (c.name, reason)
+                break
             plan.skipped.append((c.step, reason))
+            plan.unusable.append((c.name, reason))
             if c.quarantine is None and layout.is_corruption(reason):
                 plan.corrupt.append((c.name, reason))
         return plan
@@ -309,6 +333,36 @@ class Catalog:
         with self._lock:
             self.storage.write_json_atomic(self.storage.join(name, layout.QUARANTINE), {"reason": reason[:2000], "time": time.time(), "epoch": self.epoch or ""})
         self.events.emit("checkpoint_quarantined", step=layout.parse_step_dir(name), name=name, reason=reason[:2000])
+
+    def release(self, name: str) -> dict[str, Any]:
+        """Lift the quarantine of ``name`` after re-verifying it whole: the manifest's seal (and
+        HMAC with a key), every file present at its size and every file's bytes against its
+        XXH3. Raises CheckpointError naming the problem when the bytes are still bad (the marker
+        stays). Returns the marker that was lifted."""
+        from ..errors import CheckpointIntegrityError
+
+        with self._lock:
+            c = next((x for x in self.scan() if x.name == name), None)
+            if c is None or c.manifest is None:
+                raise CheckpointError(f"{name}: no committed checkpoint of that name under {self.storage.describe()}")
+            if c.quarantine is None:
+                raise CheckpointError(f"{name} is not quarantined")
+            problem = layout.verify(layout.Candidate(c.step, c.name, c.manifest, c.files, None, c.writer), self.key)
+            if problem is None:
+                for rel, f in sorted(c.manifest.get("files", {}).items()):
+                    want = f.get("xxh3") if isinstance(f, dict) else None
+                    if want is None:
+                        continue
+                    data = self.storage.read_bytes(self.storage.join(name, rel))
+                    if integrity.digest(data) != int(want):
+                        problem = f"file {rel}: checksum mismatch (its bytes are still bad)"
+                        break
+            if problem:
+                raise CheckpointIntegrityError(f"{name} stays quarantined: {problem}")
+            self.check_epoch()
+            self.storage.delete_tree(self.storage.join(name, layout.QUARANTINE))
+        self.events.emit("checkpoint_released", step=c.step, name=name, reason=c.quarantine.get("reason"))
+        return c.quarantine
 
     def retention(self, newest: str, keep_last: int, keep_every: int) -> list[int]:
         """After ``newest`` was committed: delete older commits *of its lineage* beyond

@@ -23,7 +23,8 @@ from typing import Any
 MANIFEST = "manifest.json"
 QUARANTINE = "quarantine.json"
 WRITER = ".writer.json"
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 2  # the format this version writes
+READABLE_VERSIONS = (2,)  # the formats this version reads; any other stops a resume (exit 2) naming both
 RESERVED_PREFIX = "_"
 _STEP_RE = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
 _SEAL_KEYS = ("checksum", "hmac")
@@ -110,6 +111,24 @@ def is_corruption(reason: str) -> bool:
     return reason.startswith(("manifest unreadable", "manifest checksum mismatch", "manifest signature"))
 
 
+FORMAT_PROBLEM = "checkpoint format version"
+
+
+def format_problem(manifest: dict[str, Any]) -> str | None:
+    """None when this version reads the manifest's format, else why not (naming both versions)."""
+    version = manifest.get("version")
+    if version in READABLE_VERSIONS:
+        return None
+    newer = isinstance(version, int) and version > max(READABLE_VERSIONS)
+    return (f"{FORMAT_PROBLEM} {version!r}: this elastic_trainer reads format {', '.join(map(str, READABLE_VERSIONS))}"
+            + (" (written by a newer elastic_trainer: upgrade to resume it)" if newer else " (written by an older elastic_trainer that this one no longer reads)"))
+
+
+def is_format_problem(reason: str) -> bool:
+    """Whether a :func:`verify` reason is an unreadable format: an incompatibility, not damage."""
+    return reason.startswith(FORMAT_PROBLEM)
+
+
 def build_manifest(
     *,
     step: int,
@@ -166,8 +185,9 @@ def verify(c: Candidate, key: bytes | None = None) -> str | None:
         return f"manifest unreadable: {c.manifest['unreadable']}"
     if c.quarantine is not None:
         return f"quarantined: {c.quarantine.get('reason', 'unknown reason')}"
-    if c.manifest.get("version") != MANIFEST_VERSION:
-        return f"manifest version {c.manifest.get('version')!r} is not {MANIFEST_VERSION} (written by another elastic_trainer version)"
+    problem = format_problem(c.manifest)
+    if problem:
+        return problem
     problem = seal_problem(c.manifest, key)
     if problem:
         return problem

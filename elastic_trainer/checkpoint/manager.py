@@ -44,14 +44,15 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import collectives, faults
 from ..config import CheckpointConfig
-from ..errors import CheckpointError, CheckpointMismatchError, FencedError
+from ..errors import CheckpointError, CheckpointIncompatibleError, FencedError, NoUsableCheckpointError
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
-from . import integrity, layout, save_planner
+from . import compat, integrity, layout, save_planner
 from .catalog import Catalog, checkpoint_key
 from .load_planner import load_planner
 from .local_tier import CHAIN_MAX, LocalTier
+from .state import PerRank, state_types
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,10 @@ class CheckpointManager:
         self._saves_since_remote = 0
         self._local_saved: set[int] = set()
         self.loaded_tier: str | None = None
+        self._state_types = state_types(states)  # recorded in every manifest, compared at resume
+        for s in states.values():
+            if isinstance(s, PerRank):
+                s.bind(rank, world_size)
 
     # ------------------------------------------------------------------ collectives helpers
     def _broadcast(self, obj: Any) -> Any:
@@ -188,13 +193,15 @@ class CheckpointManager:
     def load(self, resume: str | None = None) -> LoadResult | None:
         """Resume from what the catalog plans for ``resume`` (default ``cfg.resume``). All ranks.
 
-        A checkpoint that fails to load (checksum, unpickling, missing key, shape) is
-        quarantined with a ``checkpoint_skipped`` event and the next older valid one is loaded
-        in the same start. Raises CheckpointError when an explicitly requested step is unusable
-        or when every candidate failed after one had started to load (the state is then partly
-        overwritten: the restart that follows starts over cleanly), CheckpointMismatchError when
-        the checkpoint belongs to a different model and FencedError when a newer launch owns
-        the root."""
+        Before a byte of tensor data is read, rank 0 checks that the chosen checkpoint fits the
+        registered state (:mod:`.compat`); every rank gets the same answer. A checkpoint that
+        does not fit raises :class:`CheckpointIncompatibleError` naming every key: nothing is
+        quarantined and no older checkpoint is tried (it has the same layout). A checkpoint
+        whose bytes fail (checksum, a file missing or short, unpicklable data) is quarantined
+        with a ``checkpoint_skipped`` event and the next older valid one is loaded in the same
+        start. When commits exist but none can be loaded, :class:`NoUsableCheckpointError`:
+        never a silent start from step 0. Raises CheckpointError when an explicitly requested
+        step is unusable and FencedError when a newer launch owns the root."""
         resume = self.cfg.resume if resume is None else resume
         failed: set[str] = set()
         skipped_all: list[tuple[int, str]] = []
@@ -209,8 +216,10 @@ class CheckpointManager:
                 raise FencedError(decision["fenced"])
             if "error" in decision:
                 raise CheckpointError(decision["error"])
-            if decision.get("mismatch"):
-                raise CheckpointMismatchError(*decision["mismatch"])
+            if "incompatible" in decision:
+                raise CheckpointIncompatibleError(decision["incompatible"])
+            if "stop" in decision:
+                raise NoUsableCheckpointError(decision["stop"])
             self._taken = set(decision.get("taken", []))
             skipped_all += [tuple(s) for s in decision.get("skipped", [])]
             self._epoch_name = decision.get("epoch", "")
@@ -223,31 +232,34 @@ class CheckpointManager:
                 if local == "failed" and decision.get("chosen") is None:
                     raise CheckpointError("the local copies failed to load and checkpoint.dir has no commit; restarting from a clean state")
             if decision.get("chosen") is None:
-                if failed:
-                    raise CheckpointError(f"every checkpoint failed to load ({len(failed)} quarantined); restarting from a clean state")
+                if failed:  # every candidate failed its load in this start: never train from step 0 over them
+                    raise NoUsableCheckpointError(
+                        f"every committed checkpoint failed to load ({', '.join(sorted(failed))}: quarantined); not starting over from step 0. "
+                        "'elastic-trainer ckpt release URI --step N' re-verifies one and lifts its quarantine if its bytes are good; "
+                        "or start a new run: another checkpoint.dir, or checkpoint.resume = \"none\" for this launch"
+                    )
                 self._parent, self._seq = None, 0
                 self._chain, self.loaded_tier = [""], None
                 return None
             name, manifest = decision["chosen"], decision["manifest"]
             step = int(manifest["step"])
-            t0 = time.monotonic()
-            faults.maybe_inject("kill_in_load", step)
-            error = ""
-            try:
-                reader = integrity.verifying(self.storage.dcp_reader(self.storage.join(name)), integrity.Checks.from_manifest(manifest))
-                dcp.load(self.states, storage_reader=reader, process_group=self.group, planner=load_planner(self.states))
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
-                error = f"{type(e).__name__}: {e}"[:2000]
-            if self._all_true(not error, self.group):
-                seconds = time.monotonic() - t0
-                self.loaded_step = step
-                self.last_committed_step = step
-                self._parent, self._seq = name, int(manifest.get("seq", 0))
-                self._saved = set()
-                self._chain, self.loaded_tier, self._local_saved = [name], "remote", set()
-                self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
-                return LoadResult(step, name, manifest, seconds, skipped_all, bool(decision.get("first_start", True)))
-            reason = f"load failed: {error or 'on another rank'}"
+            reason = decision.get("integrity")  # rank 0 could not read the checkpoint's metadata
+            if reason is None:
+                t0 = time.monotonic()
+                loaded = self._load_remote(name, manifest, frozenset(decision.get("absent", ())))
+                if loaded is None:
+                    seconds = time.monotonic() - t0
+                    self.loaded_step = step
+                    self.last_committed_step = step
+                    self._parent, self._seq = name, int(manifest.get("seq", 0))
+                    self._saved = set()
+                    self._chain, self.loaded_tier, self._local_saved = [name], "remote", set()
+                    self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
+                    if self.rank == 0:
+                        self._report_evolution(name, step, decision)
+                    return LoadResult(step, name, manifest, seconds, skipped_all, bool(decision.get("first_start", True)))
+                reason = loaded
+            reason = f"load failed: {reason}"
             logger.error("checkpoint %s %s", name, reason)
             if self.rank == 0:
                 self.events.emit("checkpoint_skipped", step=step, name=name, reason=reason)
@@ -257,6 +269,42 @@ class CheckpointManager:
                     logger.warning("could not quarantine %s: %s", name, e)
             skipped_all.append((step, reason))
             failed.add(name)
+
+    def _load_remote(self, name: str, manifest: dict[str, Any], absent: frozenset[str]) -> str | None:
+        """Every rank: load ``name`` from checkpoint.dir, except the optional Statefuls it holds
+        nothing of (``absent``: left as initialised). None when every rank loaded it; else the
+        integrity problem (agreed: quarantine it). Raises CheckpointIncompatibleError (agreed)
+        when a rank's failure is not about the bytes (the code could not take them)."""
+        states = {k: v for k, v in self.states.items() if k not in absent}
+        faults.maybe_inject("kill_in_load", int(manifest["step"]))
+        for s in self.states.values():
+            if isinstance(s, PerRank):
+                s.expect_world(manifest.get("world_size"))
+        mine: tuple[str, str] = ("", "")
+        try:
+            reader = integrity.verifying(self.storage.dcp_reader(self.storage.join(name)), integrity.Checks.from_manifest(manifest))
+            dcp.load(states, storage_reader=reader, process_group=self.group, planner=load_planner(states))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
+            mine = ("integrity" if compat.is_integrity(e) else "incompatible", compat.one_line(e))
+        if self._all_true(not mine[0], self.group):
+            return None
+        views = [v for v in self._gather(mine) if v[0]]
+        bad = [v for v in views if v[0] == "integrity"]
+        if bad:
+            return bad[0][1]
+        raise CheckpointIncompatibleError(
+            f"checkpoint {name} is intact but this code could not load it: {views[0][1]} (nothing was quarantined or changed; "
+            "register the same state as the run that wrote it, or start a new run: another checkpoint.dir, or checkpoint.resume = \"none\")"
+        )
+
+    def _report_evolution(self, name: str, step: int, decision: dict[str, Any]) -> None:
+        """Rank 0: events for state the load left as initialised or did not load (on purpose)."""
+        if decision.get("added"):
+            self.events.emit("state_added", step=step, name=name, keys=decision["added"][:100])
+            logger.warning("checkpoint %s has no %s: left as initialised (optional_on_load)", name, ", ".join(decision["added"][:10]))
+        if decision.get("ignored"):
+            self.events.emit("state_ignored", step=step, name=name, keys=decision["ignored"])
+            logger.warning("checkpoint %s holds %s, which this code does not register: not loaded", name, ", ".join(decision["ignored"]))
 
     def _gather(self, obj: Any) -> list[Any]:
         if self.world_size == 1 or not dist.is_initialized():
@@ -333,6 +381,13 @@ class CheckpointManager:
             if resume not in ("latest", "none") and plan.first_start and plan.chosen is None:
                 reason = plan.skipped[0][1] if plan.skipped else "not found"
                 return {"error": f"checkpoint.resume={resume}: checkpoint step {resume} is unusable: {reason}"}
+            stop = plan.stop_reason()
+            if plan.incompatible is not None:
+                self.events.emit("checkpoint_incompatible", name=plan.incompatible[0], reason=plan.incompatible[1])
+                return {"incompatible": stop}
+            if stop is not None:
+                self.events.emit("resume_refused", reason=stop, unusable=[n for n, _ in plan.unusable])
+                return {"stop": stop}
             if not exclude:
                 cat.clean_uncommitted(frozenset({plan.chosen.name}) if plan.chosen else frozenset())
                 if plan.first_start:
@@ -341,28 +396,22 @@ class CheckpointManager:
             if plan.chosen is None:
                 return {"chosen": None, "skipped": plan.skipped, "taken": taken, "first_start": plan.first_start}
             manifest = plan.chosen.manifest
-            mismatch = None
-            if manifest.get("config_fingerprint") != self.fingerprint:
-                mismatch = self._find_mismatch(plan.chosen)
+            out = {"chosen": plan.chosen.name, "manifest": manifest, "skipped": plan.skipped, "taken": taken, "first_start": plan.first_start}
+            try:
+                metadata = cat.read_metadata(plan.chosen)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - unreadable metadata is damage: quarantined by load()
+                return {**out, "integrity": compat.one_line(e)}
+            report = compat.check(self.states, metadata, manifest, self.world_size)
+            if not report.ok:
+                message = report.message(plan.chosen.name)
+                self.events.emit("checkpoint_incompatible", step=plan.chosen.step, name=plan.chosen.name, problems=report.problems)
+                return {"incompatible": message}
             self.last_committed_step = plan.chosen.step
-            return {"chosen": plan.chosen.name, "manifest": manifest, "skipped": plan.skipped, "mismatch": mismatch, "taken": taken, "first_start": plan.first_start}
+            return {**out, "added": report.added, "ignored": report.ignored, "absent": report.absent}
         except FencedError as e:
             return {"fenced": str(e)}
         except Exception as e:  # noqa: BLE001 - reported on every rank
             return {"error": f"{type(e).__name__}: {e}"}
-
-    def _find_mismatch(self, c: layout.Candidate) -> tuple[str, str] | None:
-        """Compare the checkpoint's tensor keys and shapes with the model's; the first difference."""
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        meta = self.catalog.read_metadata(c)
-        saved = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-        ours = {}
-        if "model" in self.states:
-            for k, v in self.states["model"].state_dict().items():
-                if isinstance(v, torch.Tensor):
-                    ours[f"model.{k}"] = tuple(v.shape)
-        return layout.compare_shapes(saved, ours, c.step)
 
     # ------------------------------------------------------------------ save
     def _new_stager(self, shared_memory: bool):
@@ -443,7 +492,8 @@ class CheckpointManager:
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 1)
         t1 = time.monotonic()
         inflight = _InFlight(step, None, t1, None, None)
-        extra = {"parent": self._parent, "seq": self._seq, "launch": self._launch_id, "finite": True, "run_identity": self._run_identity, **(meta or {})}
+        extra = {"parent": self._parent, "seq": self._seq, "launch": self._launch_id, "finite": True, "run_identity": self._run_identity,
+                 "state_types": self._state_types, **(meta or {})}
         if remote:
             name = layout.next_dir_name(step, self._taken)
             self._taken.add(name)

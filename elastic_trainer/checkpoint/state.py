@@ -13,6 +13,7 @@ bf16 copies would lose the low-order bits that small updates accumulate in.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,23 +56,166 @@ class OptimizerState(Stateful):
 
 
 class SchedulerState(Stateful):
-    """LR scheduler position. The schedule itself is a pure function of the step and config."""
+    """An LR scheduler, resumed exactly through its own ``state_dict()``: any torch scheduler
+    (``LambdaLR``, ``StepLR``, ``OneCycleLR``, ``CosineAnnealingWarmRestarts``, ``SequentialLR``,
+    ``ChainedScheduler``, ``ReduceLROnPlateau``, ...) and transformers' ``get_*_schedule_with_warmup``.
 
-    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler):
+    The state is held as JSON text (one object, the same on every rank, so DCP saves one copy and
+    any world size reads it; JSON rather than a pickle: loading it runs no code). ``last_epoch``
+    and ``last_lr`` are kept beside it as before: a checkpoint written before the full state was
+    saved (no ``state``) resumes its position from them, as it always did."""
+
+    optional_on_load = ("state",)
+
+    def __init__(self, scheduler: Any):
         self.scheduler = scheduler
 
     def state_dict(self) -> dict[str, Any]:
+        s = self.scheduler
         return {
-            "last_epoch": torch.tensor(self.scheduler.last_epoch, dtype=torch.int64),
-            "last_lr": torch.tensor(self.scheduler.get_last_lr(), dtype=torch.float64),
+            "state": json.dumps(s.state_dict()),
+            "last_epoch": torch.tensor(s.last_epoch, dtype=torch.int64),
+            "last_lr": torch.tensor(_last_lr(s), dtype=torch.float64),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.last_epoch = int(state_dict["last_epoch"])
-        lrs = [float(x) for x in state_dict["last_lr"].tolist()]
-        self.scheduler._last_lr = lrs  # noqa: SLF001 - LRScheduler keeps it here
-        for group, lr in zip(self.scheduler.optimizer.param_groups, lrs):
+        s = self.scheduler
+        if "state" in state_dict:
+            s.load_state_dict(json.loads(state_dict["state"]))
+            lrs = _last_lr(s)
+        else:  # written before the full state was saved: its position only
+            s.last_epoch = int(state_dict["last_epoch"])
+            lrs = [float(x) for x in state_dict["last_lr"].tolist()]
+            s._last_lr = lrs  # noqa: SLF001 - LRScheduler keeps it here
+        for group, lr in zip(s.optimizer.param_groups, lrs):
             group["lr"] = lr
+
+
+def _last_lr(scheduler: Any) -> list[float]:
+    """The learning rates the scheduler last set (``ReduceLROnPlateau`` before its first step
+    has none of its own yet: the optimizer's)."""
+    last = getattr(scheduler, "_last_lr", None)
+    return [float(x) for x in (last if last is not None else [g["lr"] for g in scheduler.optimizer.param_groups])]
+
+
+class NamedStates(Stateful):
+    """Several ``Stateful`` objects of one kind under one checkpoint key (a dict of optimizers or
+    schedulers: a generator and a discriminator, a Muon + AdamW split): ``{name: state}``."""
+
+    def __init__(self, states: dict[str, Stateful]):
+        for name in states:
+            check_state_name(name)
+        self.states = dict(states)
+
+    @property
+    def optional_on_load(self) -> tuple[str, ...]:
+        out: list[str] = []
+        for name, s in self.states.items():
+            opt = getattr(s, "optional_on_load", False)
+            out += [name] if opt is True else [f"{name}.{k}" for k in (opt or ())]
+        return tuple(out)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: s.state_dict() for name, s in self.states.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, s in self.states.items():
+            s.load_state_dict(state_dict.get(name, {}))
+
+
+def check_state_name(name: str) -> None:
+    """A checkpoint key of the user's: DCP joins nested keys with dots, so a name must not hold one."""
+    if not isinstance(name, str) or not name or "." in name:
+        raise ValueError(f"state name {name!r}: a non-empty string without '.' is required (DCP joins nested keys with dots)")
+
+
+def per_rank_key(rank: int, world_size: int) -> str:
+    return f"rank{rank}_of_{world_size}"
+
+
+class PerRank(Stateful):
+    """Register ``obj`` (anything with ``state_dict``/``load_state_dict``) as per-rank state: a
+    ``StatefulDataLoader`` per rank, a rank's own generator or metric. Each rank saves its own
+    copy (under ``rank{r}_of_{W}``) and gets exactly that copy back at the same world size.
+
+    At another world size a per-rank copy has no owner. The resume stops (exit 2, naming it)
+    unless ``obj`` defines the reshard hook::
+
+        def reshard_state_dict(self, saved: list[dict], rank: int, world_size: int) -> dict:
+            # saved[r]: what old rank r saved; return what this rank (of world_size) loads
+
+    The copy is one opaque object per rank (the object's own ``state_dict``, serialised with
+    ``torch.save``; its bytes are checksummed like every other byte of the checkpoint).
+    ``optional_on_load`` of ``obj`` carries over (a per-rank object added to a running job)."""
+
+    per_rank = True
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+        self.rank, self.world_size = 0, 1
+        self._saved_world: int | None = None  # set for the next load (the checkpoint's world size)
+        self.restored: bool | None = None
+
+    @property
+    def optional_on_load(self) -> bool:
+        return bool(getattr(self.obj, "optional_on_load", False))
+
+    @property
+    def can_reshard(self) -> bool:
+        return callable(getattr(self.obj, "reshard_state_dict", None))
+
+    def bind(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def expect_world(self, saved_world: int | None) -> None:
+        """The world size of the checkpoint about to be loaded (the manager calls this)."""
+        self._saved_world = saved_world
+
+    def _resharding(self) -> bool:
+        return self._saved_world is not None and self._saved_world != self.world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._resharding():  # what the load asks for: every old rank's copy
+            return {per_rank_key(r, self._saved_world): b"" for r in range(self._saved_world)}
+        buf = io.BytesIO()
+        torch.save(self.obj.state_dict(), buf)
+        return {per_rank_key(self.rank, self.world_size): buf.getvalue()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        def unpack(raw: bytes) -> Any:
+            return torch.load(io.BytesIO(raw), weights_only=False)  # bytes verified against the manifest's checksums
+
+        if self._resharding():
+            saved = [unpack(state_dict[per_rank_key(r, self._saved_world)]) for r in range(self._saved_world)]
+            self.obj.load_state_dict(self.obj.reshard_state_dict(saved, self.rank, self.world_size))
+        elif per_rank_key(self.rank, self.world_size) in state_dict:
+            self.obj.load_state_dict(unpack(state_dict[per_rank_key(self.rank, self.world_size)]))
+        self.restored = bool(state_dict)
+        self._saved_world = None
+
+
+def state_type(obj: Any) -> str:
+    """What the manifest records of a registered object's kind (compared at resume)."""
+    inner = obj.obj if isinstance(obj, PerRank) else obj
+    if isinstance(inner, OptimizerState):
+        inner = inner.optimizer
+    elif isinstance(inner, SchedulerState):
+        inner = inner.scheduler
+    t = type(inner)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def state_types(states: dict[str, Stateful]) -> dict[str, Any]:
+    """``{key: type}`` of the optimizer(s) and scheduler(s) (``{key: {name: type}}`` for a dict of
+    them) and of per-rank objects: another optimizer or scheduler type is an incompatibility even
+    when the keys happen to agree (Adam and AdamW hold the same keys)."""
+    out: dict[str, Any] = {}
+    for key, s in states.items():
+        if isinstance(s, NamedStates):
+            out[key] = {n: state_type(x) for n, x in s.states.items()}
+        elif isinstance(s, (OptimizerState, SchedulerState, PerRank)):
+            out[key] = state_type(s)
+    return out
 
 
 def past_skipped(cursor: int, skipped: list[list[int]]) -> int:
@@ -127,6 +271,7 @@ class RNGState(Stateful):
     generator."""
 
     optional_on_load = True
+    per_rank = True
 
     def __init__(self, rank: int | None = None, world_size: int | None = None):
         import torch.distributed as dist
@@ -138,7 +283,7 @@ class RNGState(Stateful):
 
     @property
     def key(self) -> str:
-        return f"rank{self.rank}_of_{self.world_size}"
+        return per_rank_key(self.rank, self.world_size)
 
     def state_dict(self) -> dict[str, Any]:
         mine: dict[str, Any] = {"cpu": torch.get_rng_state()}

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .. import exit_codes
 from ..checkpoint import cadence, layout
 from ..checkpoint.manager import CheckpointManager, LoadResult, SaveStats
-from ..checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState, TrainState
+from ..checkpoint.state import ModelState, NamedStates, OptimizerState, RNGState, SchedulerState, TrainState, check_state_name
 from ..config import check_run_identity
 from ..events import read_events
 from ..storage.fs import open_storage
@@ -53,14 +53,23 @@ class Checkpointer:
         session: Session,
         *,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        optimizer: torch.optim.Optimizer | dict[str, torch.optim.Optimizer] | None = None,
+        scheduler: Any = None,
         extra: dict[str, Stateful] | None = None,
         train_state: TrainState | None = None,
         fingerprint: str | None = None,
         run_identity: dict[str, Any] | None = None,
     ):
-        """``run_identity``: the settings that define the run (a resume with any of them changed
+        """``optimizer``/``scheduler``: one, or a dict of them by name (a generator and a
+        discriminator, a Muon + AdamW split; every optimizer's parameters belong to ``model``).
+        Any torch LR scheduler (``ReduceLROnPlateau`` included) resumes through its own
+        ``state_dict()``. ``extra``: more ``Stateful`` objects by name (a name without dots);
+        wrap one in :class:`~elastic_trainer.checkpoint.state.PerRank` when each rank has its
+        own (a per-rank data loader, RNG or metric). Set ``optional_on_load = True`` on a
+        ``Stateful`` added to a running job: a checkpoint without it leaves it as initialised
+        (event ``state_added``) instead of stopping the resume.
+
+        ``run_identity``: the settings that define the run (a resume with any of them changed
         is refused naming the key, unless ``checkpoint.allow_changes`` names it); the built-in
         trainer passes ``Config.run_identity()``."""
         self.session = session
@@ -70,13 +79,18 @@ class Checkpointer:
         self._drain_deadline: float | None = None
         self.rng = RNGState(session.rank, session.world_size)
         states: dict[str, Stateful] = {"model": ModelState(model)}
-        if optimizer is not None:
+        if isinstance(optimizer, dict):
+            states["optim"] = NamedStates({n: OptimizerState(model, o) for n, o in optimizer.items()})
+        elif optimizer is not None:
             states["optim"] = OptimizerState(model, optimizer)
-        if scheduler is not None:
+        if isinstance(scheduler, dict):
+            states["lr_scheduler"] = NamedStates({n: SchedulerState(x) for n, x in scheduler.items()})
+        elif scheduler is not None:
             states["lr_scheduler"] = SchedulerState(scheduler)
         states["train"] = self.state
         states["rng"] = self.rng
         for name, obj in (extra or {}).items():
+            check_state_name(name)
             if name in states:
                 raise ValueError(f"extra Stateful name {name!r} is reserved")
             states[name] = obj

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .. import exit_codes
 from ..config import Config, TrainConfig, apply_overrides, config_from_dict, load_config
-from ..errors import ConfigError
+from ..errors import CheckpointStopError, ConfigError, FencedError
 from ..events import EventLog
 from ..metrics import factory as metrics_factory
 from ..metrics.sink import MetricsSink
@@ -56,6 +56,18 @@ class PreemptionFlag:
     @property
     def requested(self) -> bool:
         return self.signal_name is not None
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code a rank ends with when ``exc`` reached the top of its program: 2 for bad
+    input that a restart would only repeat (configuration, a checkpoint the code cannot take,
+    committed checkpoints none of which loads), 73 when a newer launch owns the checkpoint root,
+    else 1. The supervisor restarts a group for 1 only."""
+    if isinstance(exc, (ConfigError, CheckpointStopError)):
+        return exit_codes.CONFIG
+    if isinstance(exc, FencedError):
+        return exit_codes.FENCED
+    return exit_codes.FAILED
 
 
 @dataclass
@@ -143,10 +155,21 @@ class Session:
     _watchdog: bool = False
 
     def _uncaught(self, previous, exc_type, exc, tb) -> None:
-        """``sys.excepthook`` of a script: the traceback as usual; then, if a save is still
-        uploading after the bounded drain, leave at once with exit 1 instead of waiting in the
-        interpreter's exit for the upload thread while the other ranks block in a collective
+        """``sys.excepthook`` of a script. A stop that a restart would only repeat (see
+        :func:`exit_code_for`: exit 2 or 73) prints its message, without a traceback, on rank 0
+        and ends the process with its code. Otherwise the traceback as usual; then, if a save is
+        still uploading after the bounded drain, leave at once with exit 1 instead of waiting in
+        the interpreter's exit for the upload thread while the other ranks block in a collective
         (the job must exit, or restart, within seconds)."""
+        code = exit_code_for(exc) if exc is not None else exit_codes.FAILED
+        if code != exit_codes.FAILED:
+            if self.rank == 0:
+                print(f"elastic_trainer: {exc}", file=sys.stderr)
+            logger.error("rank %d: stopping with exit code %d (%s)", self.rank, code, type(exc).__name__)
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
         previous(exc_type, exc, tb)
         ck = self.checkpointer
         if ck is None or issubclass(exc_type, KeyboardInterrupt) or ck.drain_after_failure():

@@ -142,15 +142,16 @@ def main() -> None:
         rank = int(os.environ.get("RANK", "0"))
         if isinstance(e, SystemExit) and e.code in (0, None):
             os._exit(0)
-        from ..errors import FencedError
+        from ..runtime.session import exit_code_for
 
-        if isinstance(e, FencedError):  # every rank got the same answer at load: terminal, no restart
+        code = exit_code_for(e)
+        if code != EXIT_FAILURE:  # every rank got the same answer (config, checkpoint, fencing): terminal, no restart
             logger.error("rank %d: %s", rank, e)
-            if rank == 0:
+            if code == exit_codes.FENCED and rank == 0:
                 EventLog(os.path.join(cfg.run.dir, "events.jsonl")).emit("fenced", step=None, error=str(e))
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(exit_codes.FENCED)
+            os._exit(code)
         logger.error("rank %d failed: %s", rank, "".join(traceback.format_exception(e)))
         try:
             EventLog(os.path.join(cfg.run.dir, "events.jsonl")).emit(
