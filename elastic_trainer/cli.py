@@ -18,7 +18,7 @@ import logging
 import sys
 
 from . import log
-from .errors import CheckpointError, CheckpointMismatchError, ConfigError, StorageError
+from .errors import CheckpointError, CheckpointMismatchError, CheckpointStopError, ConfigError, StorageError
 
 logger = logging.getLogger("elastic_trainer.cli")
 
@@ -69,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     k.add_argument("--endpoint-url", default="")
     k.add_argument("--hf", metavar="CONFIG", help="write a Hugging Face folder at --out (config.json + model.safetensors) for the model of training config CONFIG")
+    k = ksub.add_parser("release", help="re-verify a quarantined checkpoint (seal, sizes, every byte's checksum) and lift its quarantine; refused while its bytes are bad")
+    k.add_argument("uri")
+    k.add_argument("--step", type=int, required=True, help="the quarantined checkpoint's step (its newest quarantined directory)")
+    k.add_argument("--endpoint-url", default="", help="S3 endpoint for an s3:// root")
 
     p = sub.add_parser("report", help="summarise a run (goodput, restarts) from its run directory or its checkpoint root, and plot it")
     p.add_argument("run_dir", metavar="RUN_DIR|CHECKPOINT_ROOT", help="run.dir (events.jsonl), or checkpoint.dir (local, file:// or s3://: the event logs mirrored under _events/)")
@@ -171,6 +175,13 @@ def _cmd_run(argv: list[str]) -> int:
     a, explicit = options.parse_explicit(options.run_parser(), argv)
     cfg = load_config(a.config, a.overrides)
     config, cmd, cmd_args = build_launch_config(cfg, a, explicit)
+    if a.config or any(o.split("=", 1)[0].strip().startswith("checkpoint.") for o in a.overrides):
+        # The script's state decides compatibility (in the workers: exit 2, not restarted); what
+        # needs no script is checked here, before any worker starts.
+        from .preflight import check_storage
+
+        _, plan = check_storage(cfg)
+        logger.info("preflight ok: %s", f"newest commit step {plan.chosen.step}" if plan is not None and plan.chosen is not None else "no commit to resume")
     return launch(cfg, config, cmd, cmd_args)
 
 
@@ -224,6 +235,10 @@ def _cmd_ckpt(a) -> int:
     if a.ckpt_cmd == "export":
         print(json.dumps(tools.export_safetensors(a.uri, a.out, a.step, a.dtype, a.endpoint_url)))
         return 0
+    if a.ckpt_cmd == "release":
+        name, marker = tools.release(a.uri, a.step, a.endpoint_url)
+        print(f"released {name} (was quarantined: {marker.get('reason', 'unknown reason')})")
+        return 0
     return 2
 
 
@@ -249,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"elastic-trainer: {e}", file=sys.stderr)
         return 2
-    except CheckpointMismatchError as e:
+    except (CheckpointMismatchError, CheckpointStopError) as e:
         print(f"elastic-trainer: {e}", file=sys.stderr)
         return 2
     except (CheckpointError, StorageError) as e:

@@ -1,5 +1,6 @@
 """Checks the supervisor runs before any worker starts: the checkpoint location is reachable
-with the given credentials, and the checkpoint that would be resumed verifies and fits the model."""
+and writable with the given credentials, and the checkpoint that would be resumed verifies (and,
+for ``launch``, whose model is known here, fits the model)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import os
 import tempfile
 
 from .checkpoint import layout
-from .checkpoint.catalog import Catalog
+from .checkpoint.catalog import Catalog, ResumePlan
 from .config import Config, check_run_identity
-from .errors import CheckpointMismatchError, ConfigError, StorageError
+from .errors import CheckpointIncompatibleError, CheckpointMismatchError, ConfigError, NoUsableCheckpointError, StorageError
 from .storage.fs import open_storage
 
 logger = logging.getLogger(__name__)
@@ -26,29 +27,47 @@ def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def preflight(cfg: Config) -> int | None:
-    """Returns the step that would be resumed (None for a fresh start). Raises ConfigError /
-    CheckpointMismatchError naming the key."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+def check_storage(cfg: Config) -> tuple[Catalog, ResumePlan | None]:
+    """What ``launch`` and ``run`` check before any worker starts, without the training code:
+    ``checkpoint.dir`` reachable with the credentials at hand and writable, ``checkpoint.local_dir``
+    writable, and what a resume would load: the newest commit of the lineage verifies (sealed
+    manifest, every file at its size), its format is one this version reads, and commits that
+    exist are not all unusable. Returns the catalog and the resume plan (None for
+    ``checkpoint.resume = "none"``). Raises ConfigError naming the key, or CheckpointStopError."""
     c = cfg.checkpoint
     try:
         storage = open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
         storage.check_access()
+        storage.check_writable()
     except StorageError as e:
         raise ConfigError("checkpoint.dir", f"cannot access {c.dir}: {e}") from None
     except Exception as e:  # noqa: BLE001 - e.g. credentials or endpoint errors from the client
         raise ConfigError("checkpoint.dir", f"cannot access {c.dir}: {type(e).__name__}: {e}") from None
     if c.local_dir:
         _check_local_dir(c.local_dir)
-    if c.resume == "none":
-        return None
     catalog = Catalog(storage)
+    if c.resume == "none":
+        return catalog, None
     plan = catalog.plan_resume(c.resume)
     if c.resume != "latest" and plan.chosen is None:
         reason = plan.skipped[0][1] if plan.skipped else "not found"
         raise ConfigError("checkpoint.resume", f"checkpoint step {c.resume} under {c.dir} is unusable: {reason}")
-    if plan.chosen is None:
+    stop = plan.stop_reason()
+    if plan.incompatible is not None:
+        raise CheckpointIncompatibleError(stop)
+    if stop is not None:
+        raise NoUsableCheckpointError(f"{c.dir}: {stop}")
+    return catalog, plan
+
+
+def preflight(cfg: Config) -> int | None:
+    """``launch``'s checks before any worker starts: :func:`check_storage`, then that the
+    checkpoint to resume fits the configured model, run identity and data. Returns the step that
+    would be resumed (None for a fresh start). Raises ConfigError / CheckpointError naming the key."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    catalog, plan = check_storage(cfg)
+    if plan is None or plan.chosen is None:
         return None
     if plan.chosen.manifest.get("config_fingerprint") != cfg.model_fingerprint():
         # A different architecture is named as such (tensor and shapes) before any config key.

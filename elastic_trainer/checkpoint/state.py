@@ -74,7 +74,7 @@ class SchedulerState(Stateful):
         s = self.scheduler
         return {
             "state": json.dumps(s.state_dict()),
-            "last_epoch": torch.tensor(s.last_epoch, dtype=torch.int64),
+            "last_epoch": torch.tensor(getattr(s, "last_epoch", -1), dtype=torch.int64),  # ChainedScheduler has none
             "last_lr": torch.tensor(_last_lr(s), dtype=torch.float64),
         }
 

@@ -50,6 +50,16 @@ def list_checkpoints(uri: str, endpoint_url: str = "") -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["step"], r["name"]))
 
 
+def release(uri: str, step: int, endpoint_url: str = "") -> tuple[str, dict[str, Any]]:
+    """Lift the quarantine of the newest quarantined directory of ``step`` after re-verifying
+    every byte of it (:meth:`Catalog.release`). Returns (name, the lifted marker)."""
+    catalog = Catalog(open_storage(uri, endpoint_url))
+    mine = sorted((c for c in catalog.scan() if c.step == step and c.quarantine is not None), key=lambda c: c.gen, reverse=True)
+    if not mine:
+        raise CheckpointError(f"no quarantined checkpoint of step {step} under {uri}")
+    return mine[0].name, catalog.release(mine[0].name)
+
+
 def _pick(uri: str, step: int | None, endpoint_url: str):
     """(catalog, candidate) of ``step`` (its newest valid directory), or of the head."""
     catalog = Catalog(open_storage(uri, endpoint_url))

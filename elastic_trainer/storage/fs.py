@@ -15,6 +15,7 @@ import logging
 import os
 import posixpath
 import random
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -145,6 +146,16 @@ class Storage:
                 hint = "access denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and their rights on the bucket"
                 raise StorageError(f"{e} ({hint})") from e.__cause__
             raise
+
+    def check_writable(self) -> None:
+        """Raise :class:`StorageError` unless an object can be written under the root and deleted
+        again (a reserved ``_probe/`` name, never taken for a checkpoint)."""
+        path = self.join("_probe", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            self.write_bytes_atomic(path, b"elastic-trainer write probe")
+        except StorageError as e:
+            raise StorageError(f"cannot write under {self.describe()}: {e}") from e.__cause__
+        self.delete_tree(path)
 
     def _retry(self, fn: Callable[[], T], what: str) -> T:
         return retry(fn, what=what, retries=self.options.retries)

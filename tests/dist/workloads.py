@@ -131,3 +131,83 @@ def logits_after_load(rank, world, ckpt_dir):
         logits = model(x)
     mgr.close()
     return {"x": x, "logits": logits.detach().clone()} if rank == 0 else None
+
+
+# ------------------------------------------------------------------------------- schedulers
+def _scheduler(name: str, opt):
+    from torch.optim import lr_scheduler as L
+
+    if name == "sequential":  # linear warm-up, then cosine
+        return L.SequentialLR(opt, [L.LinearLR(opt, 0.1, total_iters=4), L.CosineAnnealingLR(opt, 10)], milestones=[4])
+    if name == "warm_restarts":
+        return L.CosineAnnealingWarmRestarts(opt, T_0=3)
+    if name == "plateau":  # stepped on the loss
+        return L.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.5)
+    if name == "chained":
+        return L.ChainedScheduler([L.ConstantLR(opt, 0.5, total_iters=3), L.ExponentialLR(opt, 0.9)])
+    if name == "one_cycle":
+        return L.OneCycleLR(opt, max_lr=0.05, total_steps=20)
+    if name == "hf_cosine_warmup":  # transformers' get_*_schedule_with_warmup: a LambdaLR over a partial
+        import functools
+        import math
+
+        def lam(step, warmup, total):
+            return step / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+        return L.LambdaLR(opt, functools.partial(lam, warmup=3, total=20))
+    raise ValueError(name)
+
+
+SCHEDULERS = ("sequential", "warm_restarts", "plateau", "chained", "one_cycle", "hf_cosine_warmup")
+
+
+def _sched_steps(model, opt, sched, cfg, first, last, rank, world, mgr=None, save_at=None):
+    """Steps ``first..last`` (1-based) of the fixed synthetic batches; (loss, lr) per step.
+    Saves at ``save_at`` through ``mgr``."""
+    import torch.nn.functional as F
+
+    from elastic_trainer.runtime.sampler import rank_slice
+
+    out = {}
+    for step in range(first, last + 1):
+        g = torch.Generator().manual_seed(1000 + step)
+        data = torch.randint(0, cfg.model.vocab_size, (8, cfg.model.seq_len + 1), generator=g)
+        s, c = rank_slice(8, world, rank)
+        x, y = data[s : s + c, :-1], data[s : s + c, 1:]
+        loss = F.cross_entropy(model(x).reshape(-1, cfg.model.vocab_size), y.reshape(-1), reduction="sum") / (8 * cfg.model.seq_len)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        opt.step()
+        opt.zero_grad()
+        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            sched.step(float(total))
+        else:
+            sched.step()
+        out[step] = (float(total), float(opt.param_groups[0]["lr"]))
+        if mgr is not None and step == save_at:
+            mgr.save(step, blocking=True)
+    return out
+
+
+def scheduler_runs(rank, world, root, mode):
+    """Every scheduler family in one process group. ``mode == "ref"``: steps 1..10 uninterrupted,
+    a checkpoint committed at step 5 on the way. ``"resume"``: load step 5 (a new process group, as
+    after a kill or at another world size), then steps 6..10. Returns {family: {step: (loss, lr)}}."""
+    import os
+
+    from elastic_trainer.checkpoint.state import TrainState
+
+    out = {}
+    for name in SCHEDULERS:
+        cfg, _, model, opt, _ = build(world)
+        sched = _scheduler(name, opt)
+        mgr = _manager(cfg, os.path.join(root, name), model, opt, sched, TrainState(), rank, world)
+        if mode == "ref":
+            out[name] = _sched_steps(model, opt, sched, cfg, 1, 10, rank, world, mgr, save_at=5)
+        else:
+            loaded = mgr.load()
+            assert loaded is not None and loaded.step == 5, loaded
+            out[name] = _sched_steps(model, opt, sched, cfg, 6, 10, rank, world)
+        mgr.close()
+    return out

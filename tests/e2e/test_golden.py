@@ -1,0 +1,47 @@
+"""Checkpoints outlive versions: golden checkpoints written by an earlier elastic_trainer
+(tests/data/golden/, see make_golden.py there) load with this one and resume bitwise: the
+losses after the resume equal those of the uninterrupted run that wrote them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+from tests import runs
+
+GOLDEN = runs.REPO / "tests" / "data" / "golden"
+DEMO_DATA = "/tmp/elastic-trainer-golden/demo-tokens.bin"  # the absolute path the demo's data view recorded
+
+
+def _golden_losses(name: str) -> dict[int, float]:
+    return {int(k): v for k, v in json.loads((GOLDEN / name / "losses.json").read_text()).items()}
+
+
+def test_golden_demo_checkpoint_resumes_bitwise(tmp_path):
+    os.makedirs(os.path.dirname(DEMO_DATA), exist_ok=True)
+    shutil.copy(GOLDEN / "demo-tokens.bin", DEMO_DATA)
+    run = tmp_path / "demo"
+    shutil.copytree(GOLDEN / "demo" / "ckpt", run / "ckpt")
+    cfg = runs.write_config(tmp_path / "demo.toml", DEMO_DATA, run, checkpoint={"keep_last": 5})
+    r = runs.run_launch(cfg)
+    assert r.returncode == 0, cfg.with_suffix(".log").read_text()[-4000:]
+    (resume,) = runs.read_events(run, "resume")
+    assert resume["step"] == 5 and resume["rng"] == "restored"
+    ref = _golden_losses("demo")
+    assert runs.step_losses(run) == {s: ref[s] for s in range(6, 11)}
+
+
+def test_golden_example_checkpoint_resumes_bitwise(tmp_path):
+    run, ckpt = tmp_path / "example", tmp_path / "example-ckpt"
+    run.mkdir()
+    shutil.copytree(GOLDEN / "example" / "ckpt", ckpt)
+    args = [*runs.CLI, "run", "--set", f"run.dir={run}", "--set", f"checkpoint.dir={ckpt}", "--set", "metrics.port=0", "--nproc-per-node", "2",
+            "--monitor-interval", "0.2", str(runs.REPO / "examples" / "train_fsdp.py"), "--run-dir", str(run), "--ckpt", str(ckpt), "--steps", "12"]
+    r = subprocess.run(args, env=runs.env_for_tests(), cwd=runs.REPO, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (resume,) = runs.read_events(run, "resume")
+    assert resume["step"] == 5 and resume["rng"] == "restored"
+    ref = _golden_losses("example")
+    assert runs.step_losses(run) == {s: ref[s] for s in range(6, 13)}
