@@ -195,8 +195,8 @@ class PerRank(Stateful):
 
 
 def state_type(obj: Any) -> str:
-    """What the manifest records of a registered object's kind (compared at resume)."""
-    inner = obj.obj if isinstance(obj, PerRank) else obj
+    """What the manifest records of an optimizer's or scheduler's kind (compared at resume)."""
+    inner = obj
     if isinstance(inner, OptimizerState):
         inner = inner.optimizer
     elif isinstance(inner, SchedulerState):
@@ -207,13 +207,14 @@ def state_type(obj: Any) -> str:
 
 def state_types(states: dict[str, Stateful]) -> dict[str, Any]:
     """``{key: type}`` of the optimizer(s) and scheduler(s) (``{key: {name: type}}`` for a dict of
-    them) and of per-rank objects: another optimizer or scheduler type is an incompatibility even
-    when the keys happen to agree (Adam and AdamW hold the same keys)."""
+    them): another optimizer or scheduler type is an incompatibility even when the keys happen to
+    agree (Adam and AdamW hold the same keys). Objects of the user's are compared by their keys
+    only (a class moved to another module is the same state)."""
     out: dict[str, Any] = {}
     for key, s in states.items():
         if isinstance(s, NamedStates):
             out[key] = {n: state_type(x) for n, x in s.states.items()}
-        elif isinstance(s, (OptimizerState, SchedulerState, PerRank)):
+        elif isinstance(s, (OptimizerState, SchedulerState)):
             out[key] = state_type(s)
     return out
 

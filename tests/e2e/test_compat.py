@@ -146,3 +146,31 @@ def test_per_rank_state_comes_back_per_rank_and_is_refused_at_another_world_size
     out = r.stdout + r.stderr
     assert "tally" in out and "saved by 2 ranks cannot be loaded by 3" in out and "reshard_state_dict" in out
     assert not runs.read_events(tmp_path / "run3", "restart")
+
+
+def test_run_checks_storage_and_local_dir_before_any_worker_starts(tmp_path):
+    """``run`` checks what it can without the script: an unreachable store, an unwritable
+    checkpoint root and an unwritable ``checkpoint.local_dir`` exit 2 before any worker starts."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cases = {
+        "unreachable S3 endpoint": ["--set", "checkpoint.dir=s3://nobucket/x", "--set", f"checkpoint.s3_endpoint_url=http://127.0.0.1:{_closed_port()}",
+                                    "--set", "checkpoint.storage_timeout_seconds=2", "--set", "checkpoint.storage_retries=0"],
+        "unwritable checkpoint.dir": ["--set", f"checkpoint.dir={blocker}/ckpt"],
+        "unwritable checkpoint.local_dir": ["--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", f"checkpoint.local_dir={blocker}/local"],
+    }
+    env = runs.env_for_tests({"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"})
+    for what, sets in cases.items():
+        run_dir = tmp_path / what.replace(" ", "-")
+        args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", "metrics.port=0", *sets, "--nproc-per-node", "2", SCRIPT,
+                "--run-dir", str(run_dir), "--ckpt", str(tmp_path / "ckpt"), "--steps", "2"]
+        r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=120)
+        key = "checkpoint.local_dir" if "local_dir" in what else "checkpoint.dir"
+        assert r.returncode == 2 and f"config error at '{key}'" in r.stderr, (what, r.stderr[-2000:])
+        assert not runs.read_events(run_dir, "start") and not runs.read_events(run_dir, "workers_started"), f"{what}: no worker may start"
+
+
+def _closed_port() -> int:
+    from tests.fixtures.procs import free_port
+
+    return free_port()
