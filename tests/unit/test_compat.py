@@ -224,3 +224,32 @@ def test_release_reverifies_every_byte(tmp_path):
     shard.write_bytes(b"data")
     assert cat.release("step-00000005")["reason"] == "load failed: OSError: reset"
     assert not (root / "step-00000005" / layout.QUARANTINE).exists() and cat.plan_resume("latest").chosen.name == "step-00000005"
+
+
+def test_a_dict_of_optimizers_and_schedulers_round_trips(tmp_path):
+    """Several optimizers over one model (a Muon + AdamW split, a generator and a discriminator)."""
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        a, b = torch.optim.AdamW(model[0].parameters(), lr=0.1), torch.optim.SGD(model[1].parameters(), lr=0.1, momentum=0.9)
+        sa, sb = torch.optim.lr_scheduler.StepLR(a, 2), torch.optim.lr_scheduler.ExponentialLR(b, 0.5)
+        states = {"model": ModelState(model), "optim": NamedStates({"a": OptimizerState(model, a), "b": OptimizerState(model, b)}),
+                  "lr_scheduler": NamedStates({"a": SchedulerState(sa), "b": SchedulerState(sb)})}
+        return model, (a, b), (sa, sb), states
+
+    model, opts, scheds, states = build()
+    for _ in range(3):
+        model(torch.ones(2, 4)).sum().backward()
+        for o, s in zip(opts, scheds):
+            o.step()
+            s.step()
+            o.zero_grad()
+    path = str(tmp_path / "ck")
+    dcp.save(states, checkpoint_id=path, no_dist=True)
+    model2, opts2, scheds2, states2 = build()
+    md = dcp.FileSystemReader(path).read_metadata()
+    assert compat.check(states2, md, {"world_size": 1, "state_types": state_types(states)}, 1).ok
+    dcp.load(states2, checkpoint_id=path, planner=load_planner(states2), no_dist=True)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    assert [s.get_last_lr() for s in scheds] == [s.get_last_lr() for s in scheds2] and scheds2[1].last_epoch == 3
+    assert torch.equal(opts[1].state[model[1].weight]["momentum_buffer"], opts2[1].state[model2[1].weight]["momentum_buffer"])

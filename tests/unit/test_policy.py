@@ -35,6 +35,7 @@ def test_failure_streak_resets_after_a_healthy_stretch(previous, healthy, expect
         (True, False, None, [65, 65], 65),  # non-finite stop is terminal and reported as such
         (True, False, None, [73, 73], 73),  # fenced
         (True, False, None, [73, 1], 1),  # mixed: a real failure
+        (True, False, None, [2, 2], 2),  # a checkpoint the code cannot take (or none loads): terminal
         (True, False, None, [75, 75], 75),  # no marker (a script under run): the workers' codes say it
         (True, False, None, [75, 76], 76),
         (True, False, None, [75, 1], 1),
@@ -46,7 +47,7 @@ def test_launch_exit_code(failed, signalled, marker, workers, code):
     assert policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=marker, worker_exit_codes=workers) == code
 
 
-@pytest.mark.parametrize("codes, terminal", [([65, 65], 65), ([73], 73), ([65, 73], None), ([1], None), ([75, 75], None), ([], None)])
+@pytest.mark.parametrize("codes, terminal", [([65, 65], 65), ([73], 73), ([2, 2], 2), ([2], 2), ([65, 73], None), ([2, 1], None), ([1], None), ([75, 75], None), ([], None)])
 def test_terminal_codes_stop_restarts(codes, terminal):
     assert policy.terminal_code(codes) == terminal
 
