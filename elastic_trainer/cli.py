@@ -168,20 +168,20 @@ def _check_init_from(cfg) -> None:
 
 
 def _cmd_run(argv: list[str]) -> int:
-    from .config import load_config
+    from .config import load_config, run_name
     from .supervisor import options
     from .supervisor.launcher import build_launch_config, launch
 
     a, explicit = options.parse_explicit(options.run_parser(), argv)
-    cfg = load_config(a.config, a.overrides)
+    # Paths a config does not set are the script's own (runs/<script>/...), as et.init derives them.
+    cfg = load_config(a.config, a.overrides, name=run_name(a.config) or run_name(a.training_script))
     config, cmd, cmd_args = build_launch_config(cfg, a, explicit)
-    if a.config or any(o.split("=", 1)[0].strip().startswith("checkpoint.") for o in a.overrides):
-        # The script's state decides compatibility (in the workers: exit 2, not restarted); what
-        # needs no script is checked here, before any worker starts.
-        from .preflight import check_storage
+    # The script's state decides compatibility (in the workers: exit 2, not restarted); what needs
+    # no script is checked here, before any worker starts.
+    from .preflight import check_storage
 
-        _, plan = check_storage(cfg)
-        logger.info("preflight ok: %s", f"newest commit step {plan.chosen.step}" if plan is not None and plan.chosen is not None else "no commit to resume")
+    _, plan = check_storage(cfg)
+    logger.info("preflight ok: %s", f"newest commit step {plan.chosen.step}" if plan is not None and plan.chosen is not None else "no commit to resume")
     return launch(cfg, config, cmd, cmd_args)
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import tomllib
 import types
 import typing
@@ -298,8 +299,34 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def config_from_dict(data: dict[str, Any]) -> Config:
-    """Build and validate a Config from a nested dict (as parsed from TOML)."""
+def with_paths(data: dict[str, Any], name: str | None) -> dict[str, Any]:
+    """``data`` with the run's paths filled in where it sets none: ``run.dir`` = ``runs/<name>``
+    (``name``: the config file's or the script's stem; None keeps the built-in default) and
+    ``checkpoint.dir`` = ``<run.dir>/checkpoints``. So two runs never share a directory by accident,
+    and ``elastic-trainer run`` derives the same paths as the script it starts."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    run = out.setdefault("run", {})
+    if isinstance(run, dict) and not run.get("dir") and name:
+        run["dir"] = f"runs/{name}"
+    ckpt = out.setdefault("checkpoint", {})
+    if isinstance(run, dict) and isinstance(ckpt, dict) and not ckpt.get("dir") and run.get("dir"):
+        ckpt["dir"] = f"{str(run['dir']).rstrip('/')}/checkpoints"
+    return out
+
+
+def run_name(path: str | os.PathLike | None) -> str | None:
+    """The name :func:`with_paths` derives from a config file or a script (its stem; a module's last part)."""
+    if not path:
+        return None
+    stem = os.path.splitext(os.path.basename(str(path).rstrip("/")))[0]
+    stem = stem.rsplit(".", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", stem) or None
+
+
+def config_from_dict(data: dict[str, Any], name: str | None = None) -> Config:
+    """Build and validate a Config from a nested dict (as parsed from TOML); paths derived from
+    ``name`` where the dict sets none (:func:`with_paths`)."""
+    data = with_paths(data, name)
     sections = {}
     for name, values in data.items():
         if name not in _SECTION_TYPES:
@@ -319,8 +346,14 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load TOML ``path`` (or defaults when None), apply overrides, validate."""
+def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = (), name: str | None = None) -> Config:
+    """Load TOML ``path`` (or defaults when None), apply overrides, derive the paths it does not
+    set from ``name`` (default: the config file's stem), validate."""
+    return config_from_dict(apply_overrides(read_toml(path), overrides), name if name is not None else run_name(path))
+
+
+def read_toml(path: str | os.PathLike | None) -> dict[str, Any]:
+    """The sections of TOML file ``path`` as parsed ({} for None), or ConfigError naming the file."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -330,7 +363,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
             raise ConfigError("<config file>", f"no such file: {path}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("<config file>", f"{path} is not valid TOML: {e}") from None
-    return config_from_dict(apply_overrides(data, overrides))
+    return data
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ OK = 0
 FAILED = 1
 CONFIG = 2  # bad input, named: configuration, storage, or a checkpoint the code cannot take (or none of its commits loads); nothing quarantined or written
 NONFINITE = 65  # EX_DATAERR: non-finite loss or gradient norm (train.on_nonfinite = "stop"), nothing after the last finite step committed
+FINAL_SAVE_FAILED = 74  # EX_IOERR: training reached its last step but the final checkpoint was not committed (failed or past checkpoint.save_timeout_seconds; event final_checkpoint_failed); a restart resumes from the previous commit
 FENCED = 73  # EX_CANTCREAT: a newer launch owns the checkpoint root; this one stopped without committing
 PREEMPTED = 75  # EX_TEMPFAIL: preemption checkpoint of the final step committed; requeue/restart resumes from it
 PREEMPTED_UNCOMMITTED = 76  # preempted, final checkpoint not committed (grace budget missed); resume uses the previous commit

@@ -1,26 +1,30 @@
-"""A plain PyTorch FSDP2 training script on elastic_trainer's public API.
+"""A plain PyTorch FSDP2 training script on elastic_trainer's loop API.
 
-Its own model, loss, optimizer, dataset and evaluation; elastic_trainer adds the guarantees:
-async checkpoints that commit atomically and verify on load, exact resume (also at another
-world size), agreed preemption (exit 75 only with the final step committed), the non-finite
-guard, the hang watchdog and metrics. Run it under the supervisor or plain torchrun:
+Its own model, loss, optimizer, dataset (a ``DataLoader``), LR schedule and evaluation;
+elastic_trainer adds the guarantees in five calls (init, shard, the checkpointer, the step loop,
+the optimizer step): async checkpoints that commit atomically and verify on load, exact resume
+(also at another world size: the loader is made world-size invariant), agreed preemption (exit 75
+only with the final step committed), the non-finite guard, the hang watchdog and metrics.
 
-    elastic-trainer run --nproc-per-node 2 examples/train_fsdp.py --steps 40 --ckpt runs/example/ckpt
-    torchrun --nproc-per-node 2 examples/train_fsdp.py --steps 40 --ckpt runs/example/ckpt
-    python examples/train_fsdp.py --steps 40 --ckpt runs/example/ckpt   # one process, no launcher
+    elastic-trainer run --nproc-per-node 2 examples/train_fsdp.py --steps 40
+    torchrun --nproc-per-node 2 examples/train_fsdp.py --steps 40
+    python examples/train_fsdp.py --steps 40          # one process, no launcher
+
+Checkpoints and events go to ``runs/train_fsdp/`` unless ``run --set checkpoint.dir=...`` (or,
+without ``run``, ``--set checkpoint.dir=...`` here) says otherwise.
 """
 
 import argparse
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 import elastic_trainer as et
 
 
-class Regression(torch.utils.data.Dataset):
+class Regression(Dataset):
     """y = sin(x·w): a deterministic map-style dataset."""
 
     def __init__(self, n: int, dim: int):
@@ -40,80 +44,40 @@ class Block(nn.Sequential):
         super().__init__(nn.Linear(dim, dim), nn.GELU(), nn.Dropout(dropout))
 
 
-def build_model(session: "et.Session", dim: int, dropout: float) -> nn.Module:
-    torch.manual_seed(0)  # the same initial weights at every world size
-    model = nn.Sequential(*(Block(dim, dropout) for _ in range(3)), nn.Linear(dim, 1))
-    # fully_shard each Block, then the root; gradients reduced as a SUM (the loss below is
-    # normalised by the global batch), so they are the same at any world size
-    return session.shard(model, [Block])
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Regression, rank: int, step: int) -> None:
+    model.eval()  # every rank runs the forward pass (FSDP gathers the weights); rank 0 prints
+    mse = float(F.mse_loss(model(data.x[:64].to(next(model.parameters()).device)), data.y[:64].to(next(model.parameters()).device)))
+    model.train()
+    if rank == 0:
+        print(f"step {step}: eval mse {mse:.5f}", flush=True)
 
 
-def main() -> int:
+def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--ckpt", default="runs/example/ckpt")
-    ap.add_argument("--run-dir", default="runs/example")
     ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config overrides (without 'run')")
     a = ap.parse_args()
-    session = et.init(overrides=[f"checkpoint.dir={a.ckpt}", f"run.dir={a.run_dir}", "checkpoint.interval_steps=5", "train.global_batch_size=12", "train.micro_batch_size=4"])
-    cfg = session.cfg.train
-    data = Regression(1000, 32)
-    model = build_model(session, 32, a.dropout)
+    # 1. process groups, events, metrics, preemption (under `run`: the supervisor's config, these on top)
+    session = et.init(overrides=["checkpoint.interval_steps=5", "train.global_batch_size=12", "train.micro_batch_size=12", *a.overrides])
+    torch.manual_seed(0)  # the same initial weights at every world size
+    # 2. fully_shard each Block, then the root; gradients are reduced as a SUM of per-rank shares
+    model = session.shard(nn.Sequential(*(Block(32, a.dropout) for _ in range(3)), nn.Linear(32, 1)), [Block])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
-    sampler = et.GlobalBatchSampler(len(data), cfg.global_batch_size, cfg.micro_batch_size, seed=cfg.seed, rank=session.rank, world_size=session.world_size)
-    ckpt = et.Checkpointer(session, model=model, optimizer=opt, scheduler=sched, extra={"sampler": sampler})
-    step = ckpt.resume()
-    code = 0
-    while step < a.steps:
-        step += 1
-        with session.step(step, checkpointer=ckpt) as s:
-            model.train()
-            loss_sum = torch.zeros(())
-            for mb in sampler.micro_batches():
-                x, y = (torch.stack(t) for t in zip(*(data[i] for i in mb.indices)))
-                # sum over the global batch / global batch size: the same loss at every world size
-                loss = F.mse_loss(model(x), y, reduction="sum") * (mb.weight > 0) / cfg.global_batch_size
-                loss.backward()
-                loss_sum += loss.detach()
-            ckpt.wait_for_staging()  # the previous save must have copied the weights out
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            if s.check(loss_sum, grad_norm):
-                opt.step()
-                sched.step()
-                sampler.advance()
-                ckpt.state.step = step
-                s.record(lr=sched.get_last_lr()[0])
-            opt.zero_grad(set_to_none=True)
-        if s.fenced:
-            code = ckpt.fenced_exit()
-            break
-        if s.preempt:
-            code = ckpt.preempt_exit()
-            break
-        if s.nonfinite:
-            code = ckpt.on_nonfinite(step, s.loss, s.grad_norm, cfg.global_batch_size, sampler=sampler)
-            if code is not None:
-                break
-            step, code = ckpt.state.step, 0
-            continue
+    data = Regression(1000, 32)
+    loader = DataLoader(data, batch_size=12, num_workers=1, pin_memory=torch.cuda.is_available())
+    # 3. model, optimizer, scheduler, data (made world-size invariant), RNG: checkpointed and resumed
+    ckpt = et.Checkpointer(session, model=model, optimizer=opt, scheduler=sched, data=loader)
+    # 4. resume, agree, save when due, preemption and fencing, a truthful exit code
+    for step, (x, y) in ckpt.steps(a.steps):
+        loss = F.mse_loss(model(x), y)  # this micro-batch's mean: it counts with its share of the global batch
+        # 5. backward, staging wait, clip, non-finite guard, optimizer and scheduler step, zero_grad
+        ckpt.optimizer_step(loss)
         if step % 10 == 0:
-            evaluate(model, data, session, step)
-        if ckpt.due(step, a.steps, s.save_due):
-            ckpt.save(step, meta={"loss": s.loss})
-    else:
-        code = ckpt.finish()
-    ckpt.close(code)
-    session.close()
-    return code
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: Regression, session: "et.Session", step: int) -> None:
-    model.eval()
-    x, y = data.x[:64], data.y[:64]
-    session.events.emit("eval", step=step, mse=float(F.mse_loss(model(x), y)))
+            evaluate(model, data, session.rank, step)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -17,19 +17,20 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import exit_codes
+from .. import exit_codes, faults
 from ..checkpoint import cadence, layout
 from ..checkpoint.manager import CheckpointManager, LoadResult, SaveStats
 from ..checkpoint.state import ModelState, NamedStates, OptimizerState, RNGState, SchedulerState, TrainState, check_state_name
 from ..config import check_run_identity
 from ..events import read_events
 from ..storage.fs import open_storage
+from .loop import Accumulator, StepData
 from .session import Session
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer | dict[str, torch.optim.Optimizer] | None = None,
         scheduler: Any = None,
         extra: dict[str, Stateful] | None = None,
+        data: Any = None,
         train_state: TrainState | None = None,
         fingerprint: str | None = None,
         run_identity: dict[str, Any] | None = None,
@@ -68,6 +70,9 @@ class Checkpointer:
         own (a per-rank data loader, RNG or metric). Set ``optional_on_load = True`` on a
         ``Stateful`` added to a running job: a checkpoint without it leaves it as initialised
         (event ``state_added``) instead of stopping the resume.
+
+        ``data``: for :meth:`steps`, a ``DataLoader`` (over a map-style dataset it is made world-size
+        invariant: see :mod:`.loop`) or any iterable of batches; its state is checkpointed.
 
         ``run_identity``: the settings that define the run (a resume with any of them changed
         is refused naming the key, unless ``checkpoint.allow_changes`` names it); the built-in
@@ -89,6 +94,14 @@ class Checkpointer:
             states["lr_scheduler"] = SchedulerState(scheduler)
         states["train"] = self.state
         states["rng"] = self.rng
+        self.model = model
+        self.optimizers = list(optimizer.values()) if isinstance(optimizer, dict) else [optimizer] if optimizer is not None else []
+        self.schedulers = list(scheduler.values()) if isinstance(scheduler, dict) else [scheduler] if scheduler is not None else []
+        t = cfg.train
+        self.data = None if data is None else StepData(data, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, seed=t.seed,
+                                                       rank=session.rank, world_size=session.world_size, device=session.device)
+        if self.data is not None and self.data.state is not None:
+            states["sampler"] = self.data.state
         for name, obj in (extra or {}).items():
             check_state_name(name)
             if name in states:
@@ -122,6 +135,12 @@ class Checkpointer:
         self.cadence: cadence.AutoCadence | None = None  # checkpoint.interval_steps = "auto"
         self._tick: tuple[float, bool] | None = None  # (start of the loop iteration, it started a save)
         self._total_steps: int | None = None  # from due(): the final step's save is always durable
+        self._resumed = False
+        self._final_saved: int | None = None  # the step of the run's final save, once started
+        self._acc: Accumulator | None = None  # the step in progress under steps()
+        self._ctx = None
+        self._stop_requested = False
+        self.exit_code: int | None = None  # how steps() ended
 
     # ------------------------------------------------------------------ resume
     def resume(self, after_load: Callable[[LoadResult | None], dict[str, Any]] | None = None) -> int:
@@ -130,6 +149,7 @@ class Checkpointer:
         ``start``/``resume``/``reshard``/``config_changed`` events and return the step to
         continue after (0 for a fresh start). ``after_load`` may add fields to the resume event."""
         s = self.session
+        self._resumed = True
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         s.events.emit("start", world_size=s.world_size, restart_count=restart, rank0_host=os.uname().nodename, pid=os.getpid(), checkpoint_dir=self.storage.describe())
         loaded = self.loaded = self.manager.load()
@@ -163,6 +183,114 @@ class Checkpointer:
         if s.rank == 0:
             logger.info("resumed from step %d (saved at world %s, now %d) in %.2fs", loaded.step, saved_world, s.world_size, loaded.seconds)
         return loaded.step
+
+    # ------------------------------------------------------------------ the loop
+    def steps(self, total_steps: int, *, exit_on_stop: bool = True) -> Iterator[tuple[int, Any]]:
+        """The training loop: ``for step, batch in ckpt.steps(total): ...`` then one
+        :meth:`optimizer_step` per step. Resumes first (unless :meth:`resume` was called), then
+        runs each step in the step context (hang watchdog, agreed preemption and fencing), saves
+        on the cadence (``checkpoint.interval_steps``/``interval_seconds``/``auto``, and the final
+        step), applies the non-finite policy (``train.on_nonfinite``) and, at the end, waits for
+        the final commit. ``batch`` is this rank's batch of the step, on ``session.device``; when
+        ``train.micro_batch_size`` is smaller than a rank's share it is the list of the step's
+        micro-batches (call :meth:`backward` for each, then ``optimizer_step()``).
+
+        The loop ends after ``total_steps``, or earlier on preemption (75/76), fencing (73), a
+        non-finite stop (65) or :meth:`request_stop`. ``exit_code`` holds the code; when it is not
+        0 the process exits with it after the loop (``exit_on_stop=False``: the loop just ends)."""
+        if self.data is None:
+            raise ValueError("Checkpointer(data=...) is needed for steps(): a DataLoader or any iterable of batches")
+        if not self._resumed:
+            self.resume()
+        step, code = self.state.step, None
+        sampler = self.data.sampler
+        self._total_steps = total_steps
+        while step < total_steps and not self._stop_requested:
+            step += 1
+            with self.session.step(step, checkpointer=self) as s:
+                batches, weights = self.data.next_step()
+                self._ctx, self._acc = s, Accumulator(weights, self.session.device)
+                yield step, batches[0] if len(batches) == 1 else batches
+                if self._ctx is not None:
+                    raise RuntimeError(f"step {step}: call ckpt.optimizer_step(loss) once per step")
+            code = self.end_of_step(s, step, total_steps, sampler=sampler)
+            if s.nonfinite and code is None:  # rolled back: continue after the restored step
+                step = self.state.step
+                self.data.restart()
+            if code is not None:
+                break
+        else:
+            code = self.finish()
+        self.close(code)
+        self.exit_code = code
+        if code != exit_codes.OK and exit_on_stop:
+            raise SystemExit(code)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch's backward pass under :meth:`steps`: ``loss`` (the micro-batch's mean
+        loss) counts with the micro-batch's share of the global batch."""
+        if self._acc is None:
+            raise RuntimeError("ckpt.backward() belongs inside 'for step, batch in ckpt.steps(...)'")
+        self._acc.backward(loss)
+
+    def optimizer_step(self, loss: torch.Tensor | None = None) -> float | None:
+        """End of a step under :meth:`steps`: ``loss`` (if given) goes through :meth:`backward`;
+        then the staging wait, gradient clipping (``train.grad_clip``) to the global norm, the
+        agreed non-finite guard, every optimizer's and scheduler's step (``ReduceLROnPlateau``
+        on the global loss), the data cursor, and ``zero_grad``. Returns the global loss."""
+        s, acc = self._ctx, self._acc
+        if s is None or acc is None:
+            raise RuntimeError("ckpt.optimizer_step() belongs inside 'for step, batch in ckpt.steps(...)', once per step")
+        if loss is not None:
+            acc.backward(loss)
+        if not acc.complete:
+            raise RuntimeError(f"step {s.step}: {len(acc.weights)} micro-batch(es) without a backward pass: call ckpt.backward(loss) for each")
+        self.wait_for_staging()
+        clip = self.session.cfg.train.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        if s.check(acc.loss, grad_norm):
+            for opt in self.optimizers:
+                opt.step()
+            for sched in self.schedulers:
+                if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    sched.step(s.loss)
+                else:
+                    sched.step()
+            if self.data is not None and self.data.sampler is not None:
+                self.data.sampler.advance()
+            self.state.step = s.step
+            if self.optimizers:
+                s.record(lr=self.optimizers[0].param_groups[0]["lr"])
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self._ctx = self._acc = None
+        return s.loss
+
+    def record(self, **fields: Any) -> None:
+        """Extra fields of the current step's ``step`` event (under :meth:`steps`)."""
+        if self._ctx is None:
+            raise RuntimeError("ckpt.record() belongs inside 'for step, batch in ckpt.steps(...)', before optimizer_step()")
+        self._ctx.record(**fields)
+
+    def request_stop(self) -> None:
+        """End :meth:`steps` after the current step, with a final save (an early stop). Call on
+        every rank at the same step (decide from agreed values, e.g. the global loss)."""
+        self._stop_requested = True
+
+    def end_of_step(self, s, step: int, total_steps: int, sampler: Any = None) -> int | None:
+        """After each step (the one stop protocol of every loop): fenced → 73; preempted → the
+        final commit, 75/76; non-finite → the policy (an exit code, or None after a rollback:
+        continue from ``state.step``); else save when due. None: go on."""
+        if s.fenced:
+            return self.fenced_exit()
+        if s.preempt:
+            return self.preempt_exit()
+        if s.nonfinite:
+            return self.on_nonfinite(step, s.loss, s.grad_norm, self.session.cfg.train.global_batch_size, sampler=sampler)
+        if self.due(step, total_steps, s.save_due) or self._stop_requested:
+            self.save(step, meta={"loss": s.loss}, final=self._stop_requested)
+            faults.maybe_inject("kill_in_save", step)
+        return None
 
     # ------------------------------------------------------------------ saving
     def due(self, step: int, total_steps: int, save_due: bool = False) -> bool:
@@ -232,11 +360,14 @@ class Checkpointer:
         every = self.session.cfg.checkpoint.interval_seconds
         return every > 0 and time.monotonic() - self._last_save_time >= every
 
-    def save(self, step: int, meta: dict[str, Any] | None = None) -> SaveStats:
+    def save(self, step: int, meta: dict[str, Any] | None = None, final: bool = False) -> SaveStats:
         """Start an async save of ``step`` (a no-op if that step is already committed). Call
-        only after a finite step: non-finite state must never be saved."""
-        final = self._total_steps is not None and step >= self._total_steps
+        only after a finite step: non-finite state must never be saved. ``final``: the run's last
+        save (also implied at ``total_steps``): durable in checkpoint.dir even with a local tier."""
+        final = final or (self._total_steps is not None and step >= self._total_steps)
         stats = self.manager.save(step, meta={"skipped_ranges": self.state.skipped, **(meta or {})}, durable=final)
+        if final:
+            self._final_saved = step
         if not stats.skipped:
             self._rollback_window_open = False
         if self.cadence is not None:
@@ -252,16 +383,21 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ ending
     def finish(self) -> int:
-        """End of training: wait (bounded) for the last save and its commit. Returns the exit
-        code: 0, or 73 when a newer launch fenced the final commit."""
-        try:
-            self.manager.finish()
-        except TimeoutError as e:
-            logger.error("final checkpoint not committed within checkpoint.save_timeout_seconds: %s", e)
-            self.session.events.emit("checkpoint_failed", step=self.state.step, error=f"final save: {e}", seconds=self.session.cfg.checkpoint.save_timeout_seconds)
-        if self.manager.fenced_everywhere():  # the final commit was refused: a newer launch owns the root
+        """End of training (every rank): wait (bounded by ``checkpoint.save_timeout_seconds``)
+        for the last save and its commit. Returns the exit code, agreed by every rank: 0; 73 when
+        a newer launch fenced the final commit; 74 when the final step was saved but its commit
+        failed or did not land in time (event ``final_checkpoint_failed``)."""
+        m, s = self.manager, self.session
+        done = m.finish_agreed(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+        if m.fenced_everywhere():  # the final commit was refused: a newer launch owns the root
             return self.fenced_exit()
-        return exit_codes.OK
+        final = self._final_saved
+        if final is None or (done is not None and m.committed_everywhere(final)):
+            return exit_codes.OK
+        reason = "still writing after checkpoint.save_timeout_seconds" if done is None else "the save or its commit failed"
+        logger.error("final checkpoint of step %d not committed (%s); exiting %d", final, reason, exit_codes.FINAL_SAVE_FAILED)
+        s.events.emit("final_checkpoint_failed", step=final, reason=reason, last_committed_step=m.last_committed_step)
+        return exit_codes.FINAL_SAVE_FAILED
 
     def preempt_exit(self) -> int:
         """All ranks agreed to stop for preemption: commit the final step within the grace budget.

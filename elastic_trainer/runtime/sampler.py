@@ -12,6 +12,7 @@ the loss curve continues (torchtitan refuses a data-parallel degree change inste
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,11 +67,16 @@ class MicroBatchIndices:
 
 class GlobalBatchSampler(Stateful):
     """The sampler of a user's map-style dataset. Register it with the checkpointer
-    (``extra={"sampler": sampler}``): its cursor is saved and restored, at any world size.
+    (``extra={"sampler": sampler}``, or pass a ``DataLoader`` as ``data=``): its cursor is saved
+    and restored, at any world size.
 
-    Per step: ``for mb in sampler.micro_batches(): ...`` then ``sampler.advance()`` after the
-    optimizer step. Normalise the loss by the *global* number of counted samples or tokens (all-
-    reduce a sum, as the built-in trainer does) so the loss is independent of the world size."""
+    Two ways to read it. As a ``DataLoader``'s ``batch_sampler`` (worker processes, ``pin_memory``
+    and any ``collate_fn`` apply): iterating yields this rank's micro-batches (index lists), step
+    after step from the cursor; the cursor itself moves only with :meth:`advance`, so a loader that
+    prefetches ahead loses nothing, and the weight of each yielded micro-batch is queued for
+    :meth:`pop_weight`. Or by hand: ``for mb in sampler.micro_batches(): ...`` then
+    ``sampler.advance()`` after the optimizer step. Either way normalise the loss by the *global*
+    number of counted samples or tokens so the loss is independent of the world size."""
 
     def __init__(self, dataset_len: int, global_batch_size: int, micro_batch_size: int, *, seed: int, rank: int, world_size: int):
         if dataset_len < 1:
@@ -83,6 +89,7 @@ class GlobalBatchSampler(Stateful):
         self.rank, self.world_size = rank, world_size
         self.cursor = 0
         self.skipped: list[list[int]] = []  # global ranges [start, end) a non-finite rollback skipped
+        self._weights: deque[int] = deque()  # real samples of each micro-batch iteration yielded, in order
 
     def skip(self, sample_range: list[int]) -> None:
         """Never use the global positions ``[start, end)`` (kept in the state: resumes skip them too)."""
@@ -91,13 +98,32 @@ class GlobalBatchSampler(Stateful):
     def micro_batches(self) -> list[MicroBatchIndices]:
         """This rank's micro-batches of the current step (the same count on every rank)."""
         self.cursor = past_skipped(self.cursor, self.skipped)
+        return self._at(self.cursor)
+
+    def _at(self, position: int) -> list[MicroBatchIndices]:
         start, count = rank_slice(self.global_batch_size, self.world_size, self.rank)
-        ids = [self.order[self.cursor + start + j] for j in range(count)]
+        ids = [self.order[position + start + j] for j in range(count)]
         out = []
         for m in range(micro_steps(self.global_batch_size, self.world_size, self.micro_batch_size)):
             chunk = ids[m * self.micro_batch_size : (m + 1) * self.micro_batch_size]
-            out.append(MicroBatchIndices(chunk, len(chunk)) if chunk else MicroBatchIndices([self.order[self.cursor]], 0))
+            out.append(MicroBatchIndices(chunk, len(chunk)) if chunk else MicroBatchIndices([self.order[position]], 0))
         return out
+
+    def __iter__(self):
+        """As a ``batch_sampler``: the index lists of this rank's micro-batches, step after step
+        from the cursor (skipped ranges left out), without end."""
+        self._weights = deque()
+        position = self.cursor
+        while True:
+            position = past_skipped(position, self.skipped)
+            for mb in self._at(position):
+                self._weights.append(mb.weight)
+                yield mb.indices
+            position += self.global_batch_size
+
+    def pop_weight(self) -> int:
+        """Real samples of the oldest micro-batch the iteration yielded and nobody took yet (0: padding)."""
+        return self._weights.popleft()
 
     def advance(self) -> None:
         self.cursor += self.global_batch_size

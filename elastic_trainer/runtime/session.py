@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .. import exit_codes
-from ..config import Config, TrainConfig, apply_overrides, config_from_dict, load_config
+from ..config import Config, TrainConfig, apply_overrides, config_from_dict, load_config, read_toml, run_name
 from ..errors import CheckpointStopError, ConfigError, FencedError
 from ..events import EventLog
 from ..metrics import factory as metrics_factory
@@ -38,17 +38,21 @@ CONFIG_ENV = "ELASTIC_TRAINER_CONFIG_JSON"
 
 
 class PreemptionFlag:
-    """Set from a signal handler (SIGTERM/SIGUSR1); read at step boundaries."""
+    """Set from a signal handler (SIGTERM, SIGUSR1, SIGINT); read at step boundaries. A first
+    SIGINT (Ctrl-C) is a preemption like SIGTERM (final commit within the grace budget, exit
+    75/76); a second one interrupts at once (``KeyboardInterrupt``)."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
         self.received_at: float | None = None
 
-    def install(self, signals=(signal.SIGTERM, signal.SIGUSR1)) -> None:
+    def install(self, signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)) -> None:
         for s in signals:
             signal.signal(s, self._handler)
 
     def _handler(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.signal_name is not None:
+            raise KeyboardInterrupt
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
             self.received_at = time.monotonic()
@@ -127,18 +131,40 @@ def init_distributed(train: TrainConfig, timeout_seconds: float, ckpt_timeout_se
     return Dist(rank, world, local_rank, device, mesh, ckpt_group)
 
 
+SUPERVISED_KEYS = (("run", "dir"), ("checkpoint", "dir"))  # what the supervisor itself uses of the script's config
+
+
+def _same_place(path: str) -> str:
+    """A path compared as a place: local paths absolute (a URI with a scheme as it is)."""
+    return path if "://" in path else os.path.abspath(path)
+
+
 def resolve_config(config: str | os.PathLike | Config | dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """``config`` (a path, a Config or a dict), else the supervisor's config when running under
-    it, else the defaults; ``overrides`` (``section.key=value``) apply on top of a path, the
-    supervisor's config or the defaults."""
+    """The rank's config. Without a supervisor: ``config`` (a path, a Config or a dict), else the
+    defaults, with ``overrides`` (``section.key=value``) on top; the paths it does not set are
+    ``runs/<script name>`` and ``runs/<script name>/checkpoints`` (as ``elastic-trainer run``
+    derives them). Under the supervisor (``launch``/``run``): the supervisor's config, then the
+    script's file and overrides on top; ``run.dir`` and ``checkpoint.dir`` must agree with the
+    supervisor's (it writes the event log, fences and watches commits there): a script that asks
+    for others stops with ConfigError before its first step."""
     if isinstance(config, Config):
         return config
     if isinstance(config, dict):
         return config_from_dict(config)
     raw = os.environ.get(CONFIG_ENV)
-    if config is None and raw:
-        return config_from_dict(apply_overrides(json.loads(raw), overrides))
-    return load_config(config, overrides)
+    if not raw:
+        return load_config(config, overrides, name=run_name(config) or run_name(sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else None))
+    base = json.loads(raw)
+    mine = apply_overrides(read_toml(config), overrides)
+    for section, key in SUPERVISED_KEYS:
+        want = (mine.get(section) or {}).get(key)
+        have = base[section][key]
+        if want is not None and _same_place(str(want)) != _same_place(str(have)):
+            raise ConfigError(f"{section}.{key}", f"the script asks for {want!r}, its supervisor (elastic-trainer run/launch) uses {have!r}: "
+                                                  f"set it on the supervisor's command line (--set {section}.{key}={want}) or in its --config, not in the script")
+    for section, values in mine.items():
+        base.setdefault(section, {}).update(values if isinstance(values, dict) else {})
+    return config_from_dict(base)
 
 
 @dataclass
@@ -233,7 +259,11 @@ def init(config: str | os.PathLike | Config | dict | None = None, *, overrides: 
     checkpoints), the rank-0 event log (``run.dir/events.jsonl``), the metrics sink (the node's
     Prometheus exporter under the supervisor), the preemption flag (SIGTERM/SIGUSR1) and the
     hang-watchdog client (under the supervisor). Call on every rank, first."""
-    cfg = resolve_config(config, overrides)
+    try:
+        cfg = resolve_config(config, overrides)
+    except ConfigError as e:  # bad input, before anything started: exit 2 (the supervisor does not restart it)
+        print(f"elastic_trainer: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(exit_codes.CONFIG) from None
     if not faulthandler.is_enabled():  # a native crash (SIGSEGV/SIGABRT) leaves every thread's Python stack
         faulthandler.enable(all_threads=True)
     preempt = PreemptionFlag()

@@ -61,6 +61,8 @@ def launch_exit_code(*, failed: bool, signalled: bool, preempt_marker: dict | No
         return terminal
     if marker_code in preempted:
         return marker_code
+    if codes == {exit_codes.FINAL_SAVE_FAILED}:  # every failed worker trained to the end; the final commit is missing
+        return exit_codes.FINAL_SAVE_FAILED
     return reported or exit_codes.FAILED
 
 

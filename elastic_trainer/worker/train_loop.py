@@ -61,18 +61,9 @@ class Trainer:
             step = self.state.step + 1
             log.set_step(step)
             s = self.train_step(step)
-            if s.fenced:
-                return self.ckpt.fenced_exit()
-            if s.preempt:
-                return self.ckpt.preempt_exit()
-            if s.nonfinite:
-                code = self.ckpt.on_nonfinite(step, s.loss, s.grad_norm, t.global_batch_size)
-                if code is not None:
-                    return code
-                continue
-            if self.ckpt.due(step, t.steps, s.save_due):
-                self.ckpt.save(step, meta={"loss": s.loss})
-                faults.maybe_inject("kill_in_save", step)
+            code = self.ckpt.end_of_step(s, step, t.steps)
+            if code is not None:
+                return code
         return self.ckpt.finish()
 
     def train_step(self, step: int) -> StepContext:

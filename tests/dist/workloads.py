@@ -211,3 +211,46 @@ def scheduler_runs(rank, world, root, mode):
             out[name] = _sched_steps(model, opt, sched, cfg, 6, 10, rank, world)
         mgr.close()
     return out
+
+
+# ------------------------------------------------------------------------------- the loop API
+class _Pairs(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(3)
+        self.x, self.y = torch.randn(200, 8, generator=g), torch.randn(200, 1, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def _collate(items):
+    """A collate_fn of the user's (a dict of stacked tensors): it must reach the loop unchanged."""
+    return {"x": torch.stack([i["x"] for i in items]), "y": torch.stack([i["y"] for i in items]), "n": len(items)}
+
+
+def loop_api_losses(rank, world, root, micro_batch, workers):
+    """The five-call loop over a plain DataLoader (worker processes, a collate_fn): the global
+    losses of 6 steps, and the per-rank micro-batch sizes seen."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    import elastic_trainer as et
+
+    session = et.init({"run": {"dir": f"{root}/run-{world}"}, "checkpoint": {"dir": f"{root}/ckpt-{world}", "interval_steps": 0},
+                       "train": {"global_batch_size": 8, "micro_batch_size": micro_batch, "seed": 5}, "metrics": {"port": 0}})
+    torch.manual_seed(0)
+    model = session.shard(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)), [nn.Linear])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(_Pairs(), batch_size=3, num_workers=workers, collate_fn=_collate)
+    ckpt = et.Checkpointer(session, model=model, optimizer=opt, data=loader)
+    losses, sizes = [], []
+    for _, batch in ckpt.steps(6, exit_on_stop=False):
+        micro = batch if isinstance(batch, list) else [batch]
+        for mb in micro[:-1]:
+            ckpt.backward(F.mse_loss(model(mb["x"]), mb["y"]))
+        sizes.append([mb["n"] for mb in micro])
+        losses.append(ckpt.optimizer_step(F.mse_loss(model(micro[-1]["x"]), micro[-1]["y"])))
+    return {"losses": losses, "sizes": sizes, "code": ckpt.exit_code}

@@ -1,6 +1,7 @@
 """Checkpoints outlive versions: golden checkpoints written by an earlier elastic_trainer
 (tests/data/golden/, see make_golden.py there) load with this one and resume bitwise: the
-losses after the resume equal those of the uninterrupted run that wrote them."""
+losses after the resume equal those of the uninterrupted run that wrote them. The example's
+checkpoint is resumed by the script that wrote it (golden/example_script.py, the lower-level API)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_golden_example_checkpoint_resumes_bitwise(tmp_path):
     run.mkdir()
     shutil.copytree(GOLDEN / "example" / "ckpt", ckpt)
     args = [*runs.CLI, "run", "--set", f"run.dir={run}", "--set", f"checkpoint.dir={ckpt}", "--set", "metrics.port=0", "--nproc-per-node", "2",
-            "--monitor-interval", "0.2", str(runs.REPO / "examples" / "train_fsdp.py"), "--run-dir", str(run), "--ckpt", str(ckpt), "--steps", "12"]
+            "--monitor-interval", "0.2", str(GOLDEN / "example_script.py"), "--run-dir", str(run), "--ckpt", str(ckpt), "--steps", "12"]
     r = subprocess.run(args, env=runs.env_for_tests(), cwd=runs.REPO, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (resume,) = runs.read_events(run, "resume")

@@ -25,13 +25,18 @@ SCRIPT = str(runs.REPO / "examples" / "train_fsdp.py")
 
 
 def run_script(tmp, name: str, *script_args: str, nproc: int = 2, env: dict | None = None, max_restarts: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
+    """The example under ``elastic-trainer run`` (the paths are the supervisor's: the script sets none)."""
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
     args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={tmp / (name + '-ckpt')}", "--set", "metrics.port=0",
-            "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
-            SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(tmp / (name + "-ckpt")), *script_args]
+            "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", SCRIPT, *script_args]
     with open(run_dir / "run.log", "ab") as out:
         return subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(env), cwd=runs.REPO, timeout=timeout)
+
+
+def _paths(run_dir, ckpt) -> list[str]:
+    """The example's own overrides for its paths (without ``run``, nobody else sets them)."""
+    return ["--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={ckpt}"]
 
 
 def _ok(r, tmp, name):
@@ -46,9 +51,6 @@ def reference(tmp_path_factory):
     return {"dropout": runs.step_losses(tmp / "ref"), "plain": runs.step_losses(tmp / "ref0")}
 
 
-# Soak: the restart tests below (plain torchrun SIGKILL, and `run` with a rank reaped by the
-# watchdog) resume a script bitwise after a killed rank in every run.
-@pytest.mark.soak
 def test_sigkill_resumes_bitwise_with_dropout(tmp_path, reference):
     r = run_script(tmp_path, "k", "--steps", "12", max_restarts=1, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8"})
     _ok(r, tmp_path, "k")
@@ -57,8 +59,6 @@ def test_sigkill_resumes_bitwise_with_dropout(tmp_path, reference):
     assert runs.step_losses(tmp_path / "k") == reference["dropout"], "bitwise equal to the uninterrupted run"
 
 
-# Soak: a reshard runs the same runtime path as test_resume's and test_user_models' reshards.
-@pytest.mark.soak
 def test_two_to_three_workers_within_1e5(tmp_path, reference):
     r = run_script(tmp_path, "g", "--steps", "12", "--dropout", "0", env={"ELASTIC_TRAINER_INJECT_FAULT": "raise@rank=0,step=11"})
     assert r.returncode != 0
@@ -76,7 +76,7 @@ def test_sigterm_commits_the_final_step_and_exits_75(tmp_path):
     run_dir.mkdir()
     ckpt = tmp_path / "p-ckpt"
     args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={ckpt}", "--set", "metrics.port=0", "--nproc-per-node", "2", "--monitor-interval", "0.2",
-            SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(ckpt), "--steps", "400"]
+            SCRIPT, "--steps", "400"]
     with open(run_dir / "run.log", "ab") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(), cwd=runs.REPO, start_new_session=True)
     try:
@@ -99,7 +99,7 @@ def test_plain_torchrun_checkpoints_and_resumes_exactly(tmp_path, reference):
     run_dir, ckpt = tmp_path / "t", tmp_path / "t-ckpt"
 
     def torchrun(steps: int) -> None:
-        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(ckpt), "--steps", str(steps)]
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT, *_paths(run_dir, ckpt), "--steps", str(steps)]
         r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
         assert r.returncode == 0, r.stderr[-3000:]
 
@@ -122,7 +122,7 @@ def test_plain_torchrun_restart_resumes_exactly(tmp_path, reference):
     env = runs.env_for_tests({"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8"})
     env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2", SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(ckpt), "--steps", "12"]
+            "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2", SCRIPT, *_paths(run_dir, ckpt), "--steps", "12"]
     r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     (resume,) = runs.read_events(run_dir, "resume")
@@ -134,7 +134,7 @@ def test_plain_python_is_a_world_of_one_and_torchrun_reshards_it_to_two(tmp_path
     """``python script.py`` (no launcher, no port) trains and commits as one process; a later
     ``torchrun`` at 2 workers resumes it through DCP, within 1e-5 of a 2-worker run."""
     run_dir, ckpt = tmp_path / "p", tmp_path / "p-ckpt"
-    script = [SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(ckpt), "--dropout", "0"]
+    script = [SCRIPT, *_paths(run_dir, ckpt), "--dropout", "0"]
     env = {k: v for k, v in runs.env_for_tests().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     r = subprocess.run([sys.executable, *script, "--steps", "6"], capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -159,10 +159,10 @@ def test_a_raising_rank_of_a_script_exits_within_seconds_while_a_save_is_stuck_u
     script's exit does not wait for the upload thread), exit 1, and the latest commit stays 5."""
     run_dir, ckpt = tmp_path / "x", f"s3://{s3_bucket}/own-stuck"
     fault_proxy.delay_next(16, 90.0, methods=("PUT", "POST"), path_contains="/step-00000010/")
-    args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", f"checkpoint.s3_endpoint_url={fault_proxy.endpoint_url}",
+    args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={ckpt}", "--set", f"checkpoint.s3_endpoint_url={fault_proxy.endpoint_url}",
             "--set", "checkpoint.storage_timeout_seconds=200", "--set", "checkpoint.save_timeout_seconds=200", "--set", "metrics.port=0",
             "--nproc-per-node", "2", "--max-restarts", "0", "--monitor-interval", "0.2",
-            SCRIPT, "--run-dir", str(run_dir), "--ckpt", ckpt, "--steps", "14", "--dropout", "0"]
+            SCRIPT, "--steps", "14", "--dropout", "0"]
     env = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key, "AWS_DEFAULT_REGION": s3_server.region,
            "ELASTIC_TRAINER_INJECT_FAULT": "raise@rank=0,step=12"}
     run_dir.mkdir()
@@ -191,7 +191,7 @@ def test_hung_rank_is_restarted_and_metrics_are_served(tmp_path, reference):
     run_dir.mkdir()
     args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={ckpt}", "--set", f"metrics.port={port}", "--set", "metrics.host=127.0.0.1",
             "--set", "elastic.hang_timeout_seconds=8", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2",
-            SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(ckpt), "--steps", "12"]
+            SCRIPT, "--steps", "12"]
     with open(run_dir / "run.log", "ab") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests({"ELASTIC_TRAINER_INJECT_FAULT": "hang@rank=1,step=11"}), cwd=runs.REPO, start_new_session=True)
     try:

@@ -5,7 +5,7 @@ version whose format they pin; tests/e2e/test_golden.py loads them with every la
 
 * ``demo/``: the built-in trainer (tiny demo model, 2 workers) committed at step 5 of a 10-step
   run; ``demo/losses.json`` holds that uninterrupted run's loss per step.
-* ``example/``: examples/train_fsdp.py (its sampler, LambdaLR scheduler, per-rank RNG with
+* ``example/``: example_script.py (examples/train_fsdp.py as it was then: its sampler, LambdaLR scheduler, per-rank RNG with
   dropout; 2 workers) committed at step 5 of 12; ``example/losses.json`` likewise.
 
 The demo's data view records absolute paths (by design: a resume reads exactly the files of
@@ -58,7 +58,7 @@ def example(tmp: Path) -> None:
     run, ckpt = tmp / "example", tmp / "example-ckpt"
     run.mkdir()
     args = [*runs.CLI, "run", "--set", f"run.dir={run}", "--set", f"checkpoint.dir={ckpt}", "--set", "metrics.port=0", "--nproc-per-node", "2",
-            str(REPO / "examples" / "train_fsdp.py"), "--run-dir", str(run), "--ckpt", str(ckpt), "--steps", "12"]
+            str(HERE / "example_script.py"), "--run-dir", str(run), "--ckpt", str(ckpt), "--steps", "12"]
     r = subprocess.run(args, env=runs.env_for_tests(), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     _keep_step5(ckpt, HERE / "example")

@@ -1,0 +1,116 @@
+"""The data side of :meth:`Checkpointer.steps`: a user's ``DataLoader`` made world-size invariant,
+and the per-step bookkeeping of micro-batches and their loss weights.
+
+A ``DataLoader`` over a map-style dataset is rebuilt with the same dataset, ``collate_fn``, worker
+processes, ``pin_memory`` and the rest, but with a :class:`~.sampler.GlobalBatchSampler` as its
+``batch_sampler``: a seeded global order, a constant global batch (``train.global_batch_size``) split
+across ranks, the same number of micro-batches (``train.micro_batch_size``) on every rank, zero-weight
+padding where a rank has fewer samples, and a cursor that is checkpointed and reshards. Each
+micro-batch's loss counts with weight ``n / global_batch`` (``n`` its real samples), so the gradient
+summed over ranks is that of the global mean, at any world size.
+
+Any other iterable (an ``IterableDataset``, a streaming loader) is read as it comes, one batch per
+micro-batch, each weighted ``1 / world_size``; it is not world-size invariant, and it resumes exactly
+only if it is ``Stateful`` (e.g. torchdata's ``StatefulDataLoader``, saved per rank).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Iterator
+
+import torch
+
+from .sampler import GlobalBatchSampler, micro_steps
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it (nested in lists, tuples, dicts) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=device.type == "cuda")
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(to_device(v, device) for v in batch)
+    if isinstance(batch, tuple):  # a namedtuple
+        return type(batch)(*(to_device(v, device) for v in batch))
+    return batch
+
+
+class StepData:
+    """The batches of each step, with the weight of each micro-batch's loss."""
+
+    def __init__(self, data: Any, *, global_batch: int, micro_batch: int, seed: int, rank: int, world_size: int, device: torch.device):
+        from torch.utils.data import DataLoader, IterableDataset
+
+        self.device = device
+        self.world_size = world_size
+        self.sampler: GlobalBatchSampler | None = None
+        if isinstance(data, DataLoader) and isinstance(data.batch_sampler, GlobalBatchSampler):
+            self.sampler, self.loader = data.batch_sampler, data
+        elif isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
+            self.sampler = GlobalBatchSampler(len(data.dataset), global_batch, micro_batch, seed=seed, rank=rank, world_size=world_size)
+            self.loader = _rebuilt(data, self.sampler, seed + rank)
+        else:
+            self.loader = data
+        self.per_step = micro_steps(global_batch, world_size, micro_batch) if self.sampler is not None else 1
+        self._it: Iterator | None = None
+
+    @property
+    def state(self) -> Any:
+        """What the checkpoint holds of the data: the sampler, or a ``Stateful`` loader (per rank)."""
+        from ..checkpoint.state import PerRank
+
+        if self.sampler is not None:
+            return self.sampler
+        return PerRank(self.loader) if hasattr(self.loader, "state_dict") and hasattr(self.loader, "load_state_dict") else None
+
+    def restart(self) -> None:
+        """Read again from the (restored or rolled back) data state."""
+        self._it = None
+
+    def next_step(self) -> tuple[list[Any], list[float]]:
+        """This rank's micro-batches of the next step (on the device) and the weight of each one's loss."""
+        if self._it is None:
+            self._it = iter(self.loader)
+        batches = [to_device(next(self._it), self.device) for _ in range(self.per_step)]
+        if self.sampler is None:
+            return batches, [1.0 / self.world_size] * len(batches)
+        return batches, [self.sampler.pop_weight() / self.sampler.global_batch_size for _ in batches]
+
+
+def _rebuilt(loader, sampler: GlobalBatchSampler, seed: int):
+    """``loader`` with ``sampler`` as its batch sampler and everything else kept. Without a
+    ``generator`` of its own it gets one (seeded per rank): every new iterator of a DataLoader
+    draws its workers' base seed from that generator, else from the global one, and a resume
+    (which starts a new iterator) would shift this rank's restored random stream (dropout)."""
+    from torch.utils.data import DataLoader
+
+    generator = loader.generator if loader.generator is not None else torch.Generator().manual_seed(seed)
+    kw: dict[str, Any] = {
+        "num_workers": loader.num_workers, "collate_fn": loader.collate_fn, "pin_memory": loader.pin_memory, "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn, "multiprocessing_context": loader.multiprocessing_context, "generator": generator,
+        "persistent_workers": loader.persistent_workers, "pin_memory_device": loader.pin_memory_device,
+    }
+    if loader.num_workers:
+        kw["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(loader.dataset, batch_sampler=sampler, **kw)
+
+
+class Accumulator:
+    """One step's backward passes: each micro-batch's loss scaled by its weight, summed."""
+
+    def __init__(self, weights: list[float], device: torch.device):
+        self.weights = deque(weights)
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not self.weights:
+            raise RuntimeError("more backward passes than micro-batches in this step: one ckpt.backward(loss) per micro-batch")
+        w = self.weights.popleft()
+        (loss * w).backward()
+        self.loss += loss.detach().to(torch.float64) * w
+
+    @property
+    def complete(self) -> bool:
+        return not self.weights
