@@ -318,8 +318,8 @@ def run_name(path: str | os.PathLike | None) -> str | None:
     """The name :func:`with_paths` derives from a config file or a script (its stem; a module's last part)."""
     if not path:
         return None
-    stem = os.path.splitext(os.path.basename(str(path).rstrip("/")))[0]
-    stem = stem.rsplit(".", 1)[-1]
+    base = os.path.basename(str(path).rstrip("/"))
+    stem = os.path.splitext(base)[0] if base.endswith((".py", ".toml")) else base.rsplit(".", 1)[-1]
     return re.sub(r"[^A-Za-z0-9_.-]", "_", stem) or None
 
 

@@ -16,6 +16,7 @@ only if it is ``Stateful`` (e.g. torchdata's ``StatefulDataLoader``, saved per r
 
 from __future__ import annotations
 
+import signal
 from collections import deque
 from typing import Any, Iterator
 
@@ -89,12 +90,28 @@ def _rebuilt(loader, sampler: GlobalBatchSampler, seed: int):
     generator = loader.generator if loader.generator is not None else torch.Generator().manual_seed(seed)
     kw: dict[str, Any] = {
         "num_workers": loader.num_workers, "collate_fn": loader.collate_fn, "pin_memory": loader.pin_memory, "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn, "multiprocessing_context": loader.multiprocessing_context, "generator": generator,
+        "worker_init_fn": WorkerInit(loader.worker_init_fn), "multiprocessing_context": loader.multiprocessing_context, "generator": generator,
         "persistent_workers": loader.persistent_workers, "pin_memory_device": loader.pin_memory_device,
     }
     if loader.num_workers:
         kw["prefetch_factor"] = loader.prefetch_factor
     return DataLoader(loader.dataset, batch_sampler=sampler, **kw)
+
+
+class WorkerInit:
+    """A ``DataLoader`` worker leaves preemption to its rank: a launcher signals the rank's whole
+    process group (SIGTERM on preemption, SIGINT on Ctrl-C), and a worker killed by it would make
+    the rank fail instead of committing its final step. The worker ignores them (it ends with its
+    rank), then runs the user's ``worker_init_fn``."""
+
+    def __init__(self, user: Any = None):
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+        if self.user is not None:
+            self.user(worker_id)
 
 
 class Accumulator:

@@ -1,0 +1,93 @@
+"""Pure pieces of the loop API and of ``run``/script agreement, without a process group."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from elastic_trainer import exit_codes
+from elastic_trainer.config import load_config, run_name
+from elastic_trainer.errors import ConfigError
+from elastic_trainer.runtime.loop import Accumulator, StepData, to_device
+from elastic_trainer.runtime.sampler import GlobalBatchSampler
+from elastic_trainer.runtime.session import CONFIG_ENV, PreemptionFlag, resolve_config
+from elastic_trainer.supervisor import policy
+
+
+def test_paths_are_derived_from_the_script_or_config_name_never_the_demo():
+    assert run_name("examples/train_fsdp.py") == "train_fsdp" and run_name("pkg.mod.train") == "train" and run_name(None) is None
+    cfg = load_config(None, [], name="train_fsdp")
+    assert (cfg.run.dir, cfg.checkpoint.dir) == ("runs/train_fsdp", "runs/train_fsdp/checkpoints")
+    cfg = load_config(None, ["run.dir=/data/r1"], name="x")
+    assert cfg.checkpoint.dir == "/data/r1/checkpoints", "checkpoints follow the run directory"
+    cfg = load_config(None, ["checkpoint.dir=s3://bucket/p"], name="x")
+    assert (cfg.run.dir, cfg.checkpoint.dir) == ("runs/x", "s3://bucket/p")
+
+
+def test_under_a_supervisor_the_script_merges_on_top_but_may_not_move_the_paths(monkeypatch, tmp_path):
+    sup = load_config(None, ["run.dir=runs/a", "checkpoint.dir=s3://bucket/a", "train.steps=7"])
+    monkeypatch.setenv(CONFIG_ENV, sup.to_json())
+    cfg = resolve_config(None, ["train.global_batch_size=12", "checkpoint.dir=s3://bucket/a", f"run.dir={os.path.abspath('runs/a')}"])
+    assert (cfg.train.steps, cfg.train.global_batch_size, cfg.checkpoint.dir) == (7, 12, "s3://bucket/a")
+    with pytest.raises(ConfigError, match="checkpoint.dir.*supervisor"):
+        resolve_config(None, ["checkpoint.dir=runs/elsewhere"])
+    job = tmp_path / "job.toml"
+    job.write_text('[train]\nsteps = 99\n[run]\ndir = "runs/other"\n')
+    with pytest.raises(ConfigError, match="run.dir"):
+        resolve_config(str(job))
+    job.write_text("[train]\nsteps = 99\n")
+    assert resolve_config(str(job)).train.steps == 99 and resolve_config(str(job)).checkpoint.dir == "s3://bucket/a", "a file merges, never replaces"
+
+
+def test_a_first_sigint_is_a_preemption_and_a_second_interrupts():
+    flag = PreemptionFlag()
+    flag._handler(signal.SIGINT, None)
+    assert flag.requested and flag.signal_name == "SIGINT"
+    with pytest.raises(KeyboardInterrupt):
+        flag._handler(signal.SIGINT, None)
+    term = PreemptionFlag()
+    term._handler(signal.SIGTERM, None)
+    term._handler(signal.SIGTERM, None)  # a repeated SIGTERM stays a preemption
+    assert term.signal_name == "SIGTERM"
+
+
+def test_a_failed_final_save_is_reported_as_74():
+    assert exit_codes.FINAL_SAVE_FAILED == 74 and exit_codes.FINAL_SAVE_FAILED not in exit_codes.TERMINAL
+    assert policy.launch_exit_code(failed=True, signalled=False, preempt_marker=None, worker_exit_codes=[74, 74]) == 74
+    assert policy.launch_exit_code(failed=True, signalled=False, preempt_marker=None, worker_exit_codes=[74, 1]) == 1
+
+
+def test_the_sampler_as_a_batch_sampler_yields_micro_batches_ahead_without_moving_the_cursor():
+    s = GlobalBatchSampler(50, 7, 2, seed=1, rank=2, world_size=3)  # shares 3/2/2: rank 2 has 2 samples, 2 micro-batches
+    it = iter(s)
+    first = [next(it) for _ in range(4)]  # two steps, prefetched
+    assert s.cursor == 0 and [s.pop_weight() for _ in range(4)] == [2, 0, 2, 0], "padding weighs 0"
+    assert first[:2] == [mb.indices for mb in s.micro_batches()]
+    s.advance()
+    assert [mb.indices for mb in s.micro_batches()] == first[2:]
+    s.skip([7, 14])  # a rollback skipped the second step's samples: a new iteration starts past them
+    it = iter(s)
+    assert next(it) == s._at(14)[0].indices
+
+
+def test_step_data_weights_and_the_accumulator():
+    ds = torch.utils.data.TensorDataset(torch.arange(20.0).reshape(20, 1))
+    loader = torch.utils.data.DataLoader(ds, batch_size=4)
+    data = StepData(loader, global_batch=6, micro_batch=2, seed=0, rank=0, world_size=2, device=torch.device("cpu"))
+    assert data.state is data.sampler and data.loader is not loader and data.loader.generator is not None
+    batches, weights = data.next_step()
+    assert [len(b[0]) for b in batches] == [2, 1] and weights == [2 / 6, 1 / 6]
+    w = torch.ones(1, requires_grad=True)
+    acc = Accumulator(weights, torch.device("cpu"))
+    acc.backward((w * 3).sum())
+    assert not acc.complete
+    acc.backward((w * 6).sum())
+    assert acc.complete and float(acc.loss) == pytest.approx(3 * 2 / 6 + 6 / 6) and float(w.grad) == pytest.approx(3 * 2 / 6 + 6 * 1 / 6)
+    with pytest.raises(RuntimeError, match="more backward passes"):
+        acc.backward(w.sum())
+    plain = StepData([{"x": torch.ones(2)}], global_batch=6, micro_batch=2, seed=0, rank=0, world_size=2, device=torch.device("cpu"))
+    assert plain.state is None and plain.next_step()[1] == [0.5]
+    assert to_device({"a": [torch.ones(1)], "b": 3}, torch.device("cpu"))["b"] == 3
