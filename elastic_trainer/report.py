@@ -217,8 +217,9 @@ def main(args) -> int:
     events, where = loaded
     summary = summarize(events)
     local_run_dir = "://" not in args.run_dir and os.path.exists(os.path.join(args.run_dir, "events.jsonl"))
-    out = args.out or (os.path.join(args.run_dir, "report.png") if local_run_dir else "report.png")
-    plot(events, summary, out)
+    out = args.out or (None if args.json else os.path.join(args.run_dir, "report.png") if local_run_dir else "report.png")
+    if out is not None:  # --json alone only reads: it draws nothing unless --out asks for it
+        plot(events, summary, out)
     summary["run_dir"] = args.run_dir
     summary["events"] = where
     summary["plot"] = out

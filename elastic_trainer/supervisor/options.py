@@ -10,11 +10,14 @@ where neither the command line nor a ``PET_*`` variable gave one.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Any, Mapping
 
 from ..config import CheckpointConfig, Config, ElasticConfig, parse_nnodes, parse_rdzv_conf
 from ..errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "elastic_trainer.worker.main"
 
@@ -220,17 +223,37 @@ def resolve(args: argparse.Namespace, explicit: set[str], elastic: ElasticConfig
     return out
 
 
+class _DropOmpBanner(logging.Filter):
+    """torchrun's five-line warning that it sets OMP_NUM_THREADS=1 (the value stays; the
+    banner is noise on every start)."""
+
+    dropped = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "OMP_NUM_THREADS" in str(record.msg):
+            self.dropped = True
+            return False
+        return True
+
+
 def launch_config(args: argparse.Namespace, explicit: set[str], env: Mapping[str, str] | None = None, *, shutdown_timeout: int, signals: str):
     """``(LaunchConfig, cmd, cmd_args)`` through torchrun's ``config_from_args``. Our shutdown
     timeout and signal list apply unless the option or its ``PET_*`` variable was given."""
     from torch.distributed.run import config_from_args
 
     env = os.environ if env is None else env
+    quiet = _DropOmpBanner()
+    torchrun_logger = logging.getLogger("torch.distributed.run")
+    torchrun_logger.addFilter(quiet)
     try:
         config, cmd, cmd_args = config_from_args(args)
     except (ValueError, AssertionError) as e:  # e.g. --nproc-per-node gpu without CUDA
         key = "--nproc-per-node" if "nproc_per_node" in str(e) or "not available" in str(e) else "torchrun options"
         raise ConfigError(key, str(e)) from None
+    finally:
+        torchrun_logger.removeFilter(quiet)
+    if quiet.dropped:
+        logger.debug("OMP_NUM_THREADS=1 for every worker (torchrun's default with several workers per node); set it to choose")
     if "shutdown_timeout" not in explicit and env_var("shutdown_timeout") not in env:
         config.shutdown_timeout = shutdown_timeout
     if "signals_to_handle" not in explicit and env_var("signals_to_handle") not in env:

@@ -138,7 +138,10 @@ def test_cli_report_writes_png_and_text(tmp_path, capsys):
     assert report.main(argparse.Namespace(run_dir=str(run), out=None, json=True)) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["restarts"] == 1 and data["goodput"]["recompute_steps"] == 1
-    assert (run / "report.png").exists()
+    assert not (run / "report.png").exists() and data["plot"] is None  # --json only reads
+
+    assert report.main(argparse.Namespace(run_dir=str(run), out=None, json=False)) == 0
+    assert (run / "report.png").exists() and f"plot: {run / 'report.png'}" in capsys.readouterr().out
 
 
 def test_plot_draws_the_kept_curve_and_markers(tmp_path):
