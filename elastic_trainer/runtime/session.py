@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .. import exit_codes
+from .. import exit_codes, log
 from ..config import Config, TrainConfig, apply_overrides, config_from_dict, load_config
 from ..errors import ConfigError
 from ..events import EventLog
@@ -209,7 +209,10 @@ def init(config: str | os.PathLike | Config | dict | None = None, *, overrides: 
     """Set up this rank: process groups (the training group and a separate gloo group for
     checkpoints), the rank-0 event log (``run.dir/events.jsonl``), the metrics sink (the node's
     Prometheus exporter under the supervisor), the preemption flag (SIGTERM/SIGUSR1) and the
-    hang-watchdog client (under the supervisor). Call on every rank, first."""
+    hang-watchdog client (under the supervisor), and the ``elastic_trainer`` logger (stderr with a
+    ``[node/rank - step N]`` prefix, level ``ELASTIC_TRAINER_LOG_LEVEL``, default INFO; left alone
+    if the program gave that logger a handler). Call on every rank, first."""
+    log.setup_logging()
     cfg = resolve_config(config, overrides)
     if not faulthandler.is_enabled():  # a native crash (SIGSEGV/SIGABRT) leaves every thread's Python stack
         faulthandler.enable(all_threads=True)
