@@ -147,7 +147,27 @@ def _launch(argv: list[str], zygote) -> int:
     config, cmd, cmd_args = build_launch_config(cfg, a, explicit)
     check_max_world_size(cfg, config.max_nodes * config.nproc_per_node)
     _check_before_start(cfg)
-    return launch(cfg, config, cmd, cmd_args, zygote=zygote)
+    code = launch(cfg, config, cmd, cmd_args, zygote=zygote)
+    _print_closing_summary(cfg, code, argv)
+    return code
+
+
+def _print_closing_summary(cfg, code: int, argv: list[str]) -> None:
+    import os
+    import shutil
+
+    from .report import closing_summary
+
+    prog, me = "elastic-trainer", os.path.abspath(sys.argv[0])
+    if os.path.basename(me) == prog and shutil.which(prog) != me:
+        prog = os.path.relpath(me)  # not the one on PATH, e.g. .venv/bin/elastic-trainer
+    try:
+        text = closing_summary(cfg.run.dir, cfg.checkpoint.dir, cfg.train.steps, code, prog, argv, pid=os.getpid())
+    except Exception as e:  # noqa: BLE001 - the summary must never change how launch ends
+        logger.warning("no closing summary: %s: %s", type(e).__name__, e)
+        return
+    if text:
+        print(text, file=sys.stderr, flush=True)
 
 
 def _check_before_start(cfg) -> int | None:
@@ -162,7 +182,7 @@ def _check_before_start(cfg) -> int | None:
     from .preflight import preflight
 
     step = preflight(cfg)
-    logger.info("preflight ok: %s", f"will resume from step {step}" if step is not None else "fresh start")
+    logger.info("checks passed: %s", f"resuming from step {step} of {cfg.checkpoint.dir}" if step is not None else f"fresh start ({cfg.checkpoint.dir})")
     return step
 
 

@@ -29,6 +29,7 @@ import sys
 from dataclasses import asdict
 from typing import Any, Iterable
 
+from . import exit_codes
 from .events import read_events
 from .goodput import CATEGORIES, Goodput, Interruption, Ledger, account  # noqa: F401 - the accounting lives in goodput
 
@@ -121,6 +122,65 @@ def render_text(s: dict[str, Any], run_dir: str = "") -> str:
             f"({i['redone_steps']} steps redone), {i['seconds']:.1f} s (load {i['load_seconds']:.2f} s){ws}"
         )
     return "\n".join(lines)
+
+
+_ENDINGS = {  # exit code -> (how the launch ended, detail after "at step N/T")
+    exit_codes.OK: ("finished", ""),
+    exit_codes.PREEMPTED: ("preempted", ", final step committed"),
+    exit_codes.PREEMPTED_UNCOMMITTED: ("preempted", ", final step not committed (a resume redoes the steps since the newest commit)"),
+    exit_codes.NONFINITE: ("stopped", " on a non-finite loss or gradient norm"),
+    exit_codes.FENCED: ("stopped", ": a newer launch owns the checkpoint root"),
+    exit_codes.FAILED: ("failed", ", restarts exhausted (the restart events in events.jsonl name the failing ranks)"),
+}
+
+
+def _without_override(argv: list[str], key: str) -> list[str]:
+    """``argv`` without its ``--set KEY=...`` / ``--set=KEY=...`` items."""
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--set" and i + 1 < len(argv) and argv[i + 1].startswith(f"{key}="):
+            skip = True
+        elif not a.startswith(f"--set={key}="):
+            out.append(a)
+    return out
+
+
+def closing_summary(run_dir: str, checkpoint_dir: str, target_steps: int, exit_code: int, prog: str, launch_args: list[str],
+                    pid: int | None = None) -> str | None:
+    """What ``launch`` prints when it ends: how this launch ended, its steps, wall time and
+    goodput (from its own records in ``run_dir/events.jsonl``), where the checkpoints are, and
+    the commands to resume and to draw the report (``prog``: how the user ran elastic-trainer).
+    None when this node holds no event log."""
+    import shlex
+
+    path = os.path.join(run_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return None
+    events = list(read_events(path))
+    starts = [i for i, e in enumerate(events) if e.get("event") == "launch" and (pid is None or e.get("pid") == pid)]
+    s = summarize(events[starts[-1]:] if starts else events)
+    g = s["goodput"]
+    goodput = f"goodput {100 * g['goodput']:.0f}%" if g["goodput"] is not None else "no steps"
+    ending, detail = _ENDINGS.get(exit_code, (f"ended with exit code {exit_code}", ""))
+    committed = s["last_committed_step"]
+    launch = shlex.join([prog, "launch", *launch_args])
+    if exit_code == exit_codes.OK:
+        args = _without_override(launch_args, "train.steps")
+        again = f"  train longer: {shlex.join([prog, 'launch', *args, '--set', 'train.steps=N'])}   (continues from step {committed})"
+    else:
+        again = f"  resume:      {launch}   (continues from the newest commit)"
+    return "\n".join([
+        f"{ending} at step {s['steps']}/{target_steps}{detail}: {g['wall_seconds']:.1f} s wall, {goodput}, "
+        f"{s['restarts']} restart(s), {s['checkpoints_committed']} checkpoint(s) committed",
+        f"  checkpoints: {checkpoint_dir}"
+        + (f" (newest commit: step {committed})" if committed is not None else " (none committed by this launch)")
+        + f"; list them: {shlex.join([prog, 'ckpt', 'list', checkpoint_dir])}",
+        f"  report:      {shlex.join([prog, 'report', run_dir])}   (loss curve, restarts, goodput -> {os.path.join(run_dir, 'report.png')})",
+        again,
+    ])
 
 
 def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):

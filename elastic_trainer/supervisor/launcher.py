@@ -410,7 +410,7 @@ def take_epoch(cfg: Config, launch_id: str, events: EventLog) -> str:
     c = cfg.checkpoint
     storage = open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
     epoch = Catalog(storage, events=events).acquire_epoch(launch_id)
-    logger.info("checkpoint root %s: this launch is epoch %s", storage.describe(), epoch)
+    logger.debug("checkpoint root %s: this launch is epoch %s", storage.describe(), epoch)
     return epoch
 
 
