@@ -13,6 +13,18 @@ from tests.runs import REPO
 DEMO = str(REPO / "configs" / "demo-cpu.toml")
 
 
+@pytest.fixture(autouse=True)
+def _restore_library_logger():
+    """``cli.main`` gives the ``elastic_trainer`` logger its handler: undo it for later tests."""
+    import logging
+
+    logger = logging.getLogger("elastic_trainer")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate = saved[0], saved[1]
+    logger.setLevel(saved[2])
+
+
 @pytest.fixture
 def demo_data(tmp_path):
     text = tmp_path / "text.txt"
