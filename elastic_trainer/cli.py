@@ -134,22 +134,33 @@ def _early_zygote(argv: list[str]):
 
 
 def _launch(argv: list[str], zygote) -> int:
-    from .config import check_max_world_size, load_config
+    from .config import load_config
     from .supervisor import options
-    from .supervisor.launcher import build_launch_config, launch
+    from .supervisor.launcher import launch
 
     a, explicit = options.parse_explicit(options.launch_parser(), argv)
     bad = [f"--{d.replace('_', '-')}" for d in options.SCRIPT_ONLY if getattr(a, d)]
     if bad:
         raise ConfigError(bad[0], "launch runs the built-in trainer (python -m elastic_trainer.worker.main); use 'elastic-trainer run' for a script")
     cfg = load_config(a.config, a.overrides)
-    a.training_script, a.training_script_args, a.module = options.WORKER_MODULE, [], True
-    config, cmd, cmd_args = build_launch_config(cfg, a, explicit)
-    check_max_world_size(cfg, config.max_nodes * config.nproc_per_node)
+    config, cmd, cmd_args = _trainer_launch_config(cfg, a, explicit)
     _check_before_start(cfg)
     code = launch(cfg, config, cmd, cmd_args, zygote=zygote)
     _print_closing_summary(cfg, code, argv)
     return code
+
+
+def _trainer_launch_config(cfg, a, explicit: set[str]):
+    """``(LaunchConfig, cmd, cmd_args)`` of the built-in trainer from launch's parsed options,
+    checked against the largest world size the job may reach."""
+    from .config import check_max_world_size
+    from .supervisor import options
+    from .supervisor.launcher import build_launch_config
+
+    a.training_script, a.training_script_args, a.module = options.WORKER_MODULE, [], True
+    config, cmd, cmd_args = build_launch_config(cfg, a, explicit)
+    check_max_world_size(cfg, config.max_nodes * config.nproc_per_node)
+    return config, cmd, cmd_args
 
 
 def _print_closing_summary(cfg, code: int, argv: list[str]) -> None:
@@ -226,15 +237,10 @@ def _cmd_config(a) -> int:
 
     cfg = load_config(a.config, a.overrides)
     if a.deep:
-        from .config import check_max_world_size
         from .supervisor import options
-        from .supervisor.launcher import build_launch_config
 
         # The launch options as this node would resolve them (PET_* variables included).
-        la, explicit = options.parse_explicit(options.launch_parser(), [a.config])
-        la.training_script, la.training_script_args, la.module = options.WORKER_MODULE, [], True
-        config, _, _ = build_launch_config(cfg, la, explicit)
-        check_max_world_size(cfg, config.max_nodes * config.nproc_per_node)
+        _trainer_launch_config(cfg, *options.parse_explicit(options.launch_parser(), [a.config]))
         _check_before_start(cfg)
     print(json.dumps(cfg.to_dict(), indent=2))
     return 0
