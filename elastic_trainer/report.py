@@ -259,9 +259,11 @@ def load_events(source: str, endpoint_url: str = "") -> tuple[list[dict[str, Any
         path = os.path.join(source, "events.jsonl")
         if os.path.exists(path):
             return list(read_events(path)), path
+    from .config import check_uri
     from .storage.fs import open_storage
     from .supervisor.history import EVENTS_PREFIX, read_mirrored_events
 
+    check_uri(source, "RUN_DIR|CHECKPOINT_ROOT")  # errors name the argument the user gave
     storage = open_storage(source, endpoint_url)
     events = read_mirrored_events(storage)
     return (events, storage.join(EVENTS_PREFIX)) if events else None

@@ -71,6 +71,8 @@ def test_ckpt_list_on_a_missing_root_fails_and_names_the_uri(tmp_path, capsys):
     assert cli.main(["ckpt", "list", "gs://bucket/prefix"]) == 2
     err = capsys.readouterr().err
     assert "config error at 'URI'" in err and "checkpoint.dir" not in err
+    assert cli.main(["report", "gs://bucket/run"]) == 2
+    assert "config error at 'RUN_DIR|CHECKPOINT_ROOT'" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert cli.main(["ckpt", "list", str(tmp_path / "empty")]) == 0  # a root without checkpoints yet
 
