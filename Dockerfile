@@ -4,6 +4,8 @@
 #
 #   docker build -t elastic-trainer:cuda .                      # default: CUDA runtime + CUDA torch
 #   docker build -t elastic-trainer:cpu --build-arg VARIANT=cpu .  # CPU-only torch, small smoke image
+#   docker build -t elastic-trainer:cuda-hf --build-arg EXTRAS=hf .  # + transformers, tokenizers, pyarrow
+#                                                                    # (configs/llama-cluster.toml needs them)
 #
 # VARIANT picks the base stage below (base-cuda | base-cpu). CUDA_IMAGE / CPU_IMAGE pin the bases.
 
@@ -44,6 +46,8 @@ RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
 # hadolint ignore=DL3006
 FROM base-${VARIANT} AS runtime
 ARG UID=10001
+# Optional extras of the package (pyproject [project.optional-dependencies]), e.g. "hf".
+ARG EXTRAS=""
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/trainer
@@ -51,7 +55,9 @@ WORKDIR /opt/elastic-trainer
 # Only what `pip install .` needs (see .dockerignore); torch is already satisfied by the base stage.
 COPY pyproject.toml README.md ./
 COPY elastic_trainer ./elastic_trainer
-RUN pip install --no-cache-dir . \
+# ".[EXTRAS]" is the local package, which hadolint's pin check cannot tell from a PyPI name.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".${EXTRAS:+[${EXTRAS}]}" \
     && elastic-trainer --help > /dev/null \
     && groupadd --gid "${UID}" trainer \
     && useradd --create-home --home-dir /home/trainer --uid "${UID}" --gid "${UID}" --shell /usr/sbin/nologin trainer \

@@ -4,7 +4,7 @@
     elastic-trainer launch CONFIG [--set k=v ...] [torchrun options]
     elastic-trainer run [--config F] [--set k=v ...] [torchrun options] SCRIPT.py|-m MODULE [script args]
     elastic-trainer store [--host H] [--port P]
-    elastic-trainer config check CONFIG [--set k=v ...]
+    elastic-trainer config check CONFIG [--set k=v ...] [--deep]
     elastic-trainer data build [--out PATH] [--text FILE ...]
     elastic-trainer ckpt list URI | ckpt inspect URI [--step N] | ckpt export URI --out F [--dtype bf16|fp32] [--hf CONFIG]
     elastic-trainer report RUN_DIR|CHECKPOINT_ROOT [--out PNG]
@@ -43,42 +43,48 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_cmd", required=True)
-    c = csub.add_parser("check", help="validate CONFIG and print the resolved values")
+    c = csub.add_parser("check", help="validate CONFIG and print the resolved values (exit 2 naming the key)")
     _add_config_args(c)
+    c.add_argument("--deep", action="store_true", help="also run every check launch runs before workers start, with its exit codes: import and build "
+                   "the model factory, open the data source (a text source is packed into data.cache_dir), reach checkpoint.dir, read and verify "
+                   "the newest commit's manifest against the model and the run's settings")
 
     p = sub.add_parser("data", help="data set tools")
     dsub = p.add_subparsers(dest="data_cmd", required=True)
     b = dsub.add_parser("build", help="byte-level tokenise text files into a uint16 token file")
-    b.add_argument("--out", default="runs/data/demo.bin")
+    b.add_argument("--out", default="runs/data/demo.bin", help="token file to write (default runs/data/demo.bin, the demo's data.path)")
     b.add_argument("--text", nargs="*", default=None, help="text files (default: Python's standard library sources)")
-    b.add_argument("--limit-mb", type=float, default=8.0)
+    b.add_argument("--limit-mb", type=float, default=8.0, help="read at most this many MiB of the default texts (default 8)")
 
-    p = sub.add_parser("ckpt", help="checkpoint tools")
+    p = sub.add_parser("ckpt", help="checkpoint tools (read-only)")
     ksub = p.add_subparsers(dest="ckpt_cmd", required=True)
-    k = ksub.add_parser("list", help="list checkpoints under URI")
-    k.add_argument("uri")
-    k.add_argument("--endpoint-url", default="")
+    uri_help = "checkpoint root (checkpoint.dir): a path, file:///abs/path, s3://bucket/prefix"
+    endpoint_help = "S3 endpoint for an s3:// URI (default: AWS_ENDPOINT_URL_S3 / FSSPEC_S3_ENDPOINT_URL)"
+    step_help = "step to read (default: the newest valid commit, what a resume would load)"
+    k = ksub.add_parser("list", help="list checkpoints under URI: step, directory, status, world size, bytes, problem")
+    k.add_argument("uri", metavar="URI", help=uri_help)
+    k.add_argument("--endpoint-url", default="", help=endpoint_help)
     k = ksub.add_parser("inspect", help="show one checkpoint's manifest and tensors")
-    k.add_argument("uri")
-    k.add_argument("--step", type=int)
-    k.add_argument("--endpoint-url", default="")
+    k.add_argument("uri", metavar="URI", help=uri_help)
+    k.add_argument("--step", type=int, help=step_help)
+    k.add_argument("--endpoint-url", default="", help=endpoint_help)
     k = ksub.add_parser("export", help="consolidate model weights into one safetensors file")
-    k.add_argument("uri")
-    k.add_argument("--out", required=True)
-    k.add_argument("--step", type=int)
-    k.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    k.add_argument("--endpoint-url", default="")
+    k.add_argument("uri", metavar="URI", help=uri_help)
+    k.add_argument("--out", required=True, help="safetensors file to write (with --hf: the folder)")
+    k.add_argument("--step", type=int, help=step_help)
+    k.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the exported weights (default fp32)")
+    k.add_argument("--endpoint-url", default="", help=endpoint_help)
     k.add_argument("--hf", metavar="CONFIG", help="write a Hugging Face folder at --out (config.json + model.safetensors) for the model of training config CONFIG")
     k = ksub.add_parser("release", help="re-verify a quarantined checkpoint (seal, sizes, every byte's checksum) and lift its quarantine; refused while its bytes are bad")
-    k.add_argument("uri")
+    k.add_argument("uri", metavar="URI", help=uri_help)
     k.add_argument("--step", type=int, required=True, help="the quarantined checkpoint's step (its newest quarantined directory)")
-    k.add_argument("--endpoint-url", default="", help="S3 endpoint for an s3:// root")
+    k.add_argument("--endpoint-url", default="", help=endpoint_help)
 
     p = sub.add_parser("report", help="summarise a run (goodput, restarts) from its run directory or its checkpoint root, and plot it")
     p.add_argument("run_dir", metavar="RUN_DIR|CHECKPOINT_ROOT", help="run.dir (events.jsonl), or checkpoint.dir (local, file:// or s3://: the event logs mirrored under _events/)")
-    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png; ./report.png for a checkpoint root)")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png; ./report.png for a checkpoint root; with --json: no plot unless given)")
     p.add_argument("--endpoint-url", default="", help="S3 endpoint for an s3:// checkpoint root (default: FSSPEC_S3_ENDPOINT_URL / AWS settings)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON (writes nothing unless --out is given)")
     return ap
 
 
@@ -132,18 +138,58 @@ def _early_zygote(argv: list[str]):
 
 
 def _launch(argv: list[str], zygote) -> int:
-    from .config import check_max_world_size, load_config
+    from .config import load_config
     from .supervisor import options
-    from .supervisor.launcher import build_launch_config, launch
+    from .supervisor.launcher import launch
 
     a, explicit = options.parse_explicit(options.launch_parser(), argv)
     bad = [f"--{d.replace('_', '-')}" for d in options.SCRIPT_ONLY if getattr(a, d)]
     if bad:
         raise ConfigError(bad[0], "launch runs the built-in trainer (python -m elastic_trainer.worker.main); use 'elastic-trainer run' for a script")
     cfg = load_config(a.config, a.overrides)
+    config, cmd, cmd_args = _trainer_launch_config(cfg, a, explicit)
+    _check_before_start(cfg)
+    code = launch(cfg, config, cmd, cmd_args, zygote=zygote)
+    _print_closing_summary(cfg, code, argv)
+    return code
+
+
+def _trainer_launch_config(cfg, a, explicit: set[str]):
+    """``(LaunchConfig, cmd, cmd_args)`` of the built-in trainer from launch's parsed options,
+    checked against the largest world size the job may reach."""
+    from .config import check_max_world_size
+    from .supervisor import options
+    from .supervisor.launcher import build_launch_config
+
     a.training_script, a.training_script_args, a.module = options.WORKER_MODULE, [], True
     config, cmd, cmd_args = build_launch_config(cfg, a, explicit)
     check_max_world_size(cfg, config.max_nodes * config.nproc_per_node)
+    return config, cmd, cmd_args
+
+
+def _print_closing_summary(cfg, code: int, argv: list[str]) -> None:
+    import os
+    import shutil
+
+    from .report import closing_summary
+
+    prog, me = "elastic-trainer", os.path.abspath(sys.argv[0])
+    if os.path.basename(me) == prog and shutil.which(prog) != me:
+        prog = os.path.relpath(me)  # not the one on PATH, e.g. .venv/bin/elastic-trainer
+    try:
+        text = closing_summary(cfg.run.dir, cfg.checkpoint.dir, cfg.train.steps, code, prog, argv, pid=os.getpid())
+    except Exception as e:  # noqa: BLE001 - the summary must never change how launch ends
+        logger.warning("no closing summary: %s: %s", type(e).__name__, e)
+        return
+    if text:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _check_before_start(cfg) -> int | None:
+    """What ``launch`` checks before any worker starts (also ``config check --deep``): the model
+    factory imports and builds, the data source opens (a text source is packed into its cache),
+    ``model.init_from`` fits, storage answers, and the checkpoint a resume would load verifies
+    and fits. Returns that checkpoint's step (None: a fresh start)."""
     from .data_check import check_data_source
 
     check_data_source(cfg)
@@ -151,8 +197,8 @@ def _launch(argv: list[str], zygote) -> int:
     from .preflight import preflight
 
     step = preflight(cfg)
-    logger.info("preflight ok: %s", f"will resume from step {step}" if step is not None else "fresh start")
-    return launch(cfg, config, cmd, cmd_args, zygote=zygote)
+    logger.info("checks passed: %s", f"resuming from step {step} of {cfg.checkpoint.dir}" if step is not None else f"fresh start ({cfg.checkpoint.dir})")
+    return step
 
 
 def _check_init_from(cfg) -> None:
@@ -201,6 +247,12 @@ def _cmd_config(a) -> int:
     from .config import load_config
 
     cfg = load_config(a.config, a.overrides)
+    if a.deep:
+        from .supervisor import options
+
+        # The launch options as this node would resolve them (PET_* variables included).
+        _trainer_launch_config(cfg, *options.parse_explicit(options.launch_parser(), [a.config]))
+        _check_before_start(cfg)
     print(json.dumps(cfg.to_dict(), indent=2))
     return 0
 

@@ -23,10 +23,13 @@ class _PrefixFilter(logging.Filter):
 
 
 def setup_logging(level: str | int | None = None) -> None:
-    """Entry points call this once. Only the ``elastic_trainer`` logger gets a handler."""
+    """Entry points (the CLI, the worker, ``elastic_trainer.init``) call this. Only the
+    ``elastic_trainer`` logger gets a handler, and only when it has none yet: a program that
+    configured that logger itself keeps its own. Level: ``level``, else
+    ``ELASTIC_TRAINER_LOG_LEVEL``, else INFO."""
     level = level or os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO")
     logger = logging.getLogger("elastic_trainer")
-    if any(getattr(h, "_et", False) for h in logger.handlers):
+    if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler._et = True  # type: ignore[attr-defined]

@@ -29,6 +29,7 @@ import sys
 from dataclasses import asdict
 from typing import Any, Iterable
 
+from . import exit_codes
 from .events import read_events
 from .goodput import CATEGORIES, Goodput, Interruption, Ledger, account  # noqa: F401 - the accounting lives in goodput
 
@@ -123,6 +124,65 @@ def render_text(s: dict[str, Any], run_dir: str = "") -> str:
     return "\n".join(lines)
 
 
+_ENDINGS = {  # exit code -> (how the launch ended, detail after "at step N/T")
+    exit_codes.OK: ("finished", ""),
+    exit_codes.PREEMPTED: ("preempted", ", final step committed"),
+    exit_codes.PREEMPTED_UNCOMMITTED: ("preempted", ", final step not committed (a resume redoes the steps since the newest commit)"),
+    exit_codes.NONFINITE: ("stopped", " on a non-finite loss or gradient norm"),
+    exit_codes.FENCED: ("stopped", ": a newer launch owns the checkpoint root"),
+    exit_codes.FAILED: ("failed", ", restarts exhausted (the restart events in events.jsonl name the failing ranks)"),
+}
+
+
+def _without_override(argv: list[str], key: str) -> list[str]:
+    """``argv`` without its ``--set KEY=...`` / ``--set=KEY=...`` items."""
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--set" and i + 1 < len(argv) and argv[i + 1].startswith(f"{key}="):
+            skip = True
+        elif not a.startswith(f"--set={key}="):
+            out.append(a)
+    return out
+
+
+def closing_summary(run_dir: str, checkpoint_dir: str, target_steps: int, exit_code: int, prog: str, launch_args: list[str],
+                    pid: int | None = None) -> str | None:
+    """What ``launch`` prints when it ends: how this launch ended, its steps, wall time and
+    goodput (from its own records in ``run_dir/events.jsonl``), where the checkpoints are, and
+    the commands to resume and to draw the report (``prog``: how the user ran elastic-trainer).
+    None when this node holds no event log."""
+    import shlex
+
+    path = os.path.join(run_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return None
+    events = list(read_events(path))
+    starts = [i for i, e in enumerate(events) if e.get("event") == "launch" and (pid is None or e.get("pid") == pid)]
+    s = summarize(events[starts[-1]:] if starts else events)
+    g = s["goodput"]
+    goodput = f"goodput {100 * g['goodput']:.0f}%" if g["goodput"] is not None else "no steps"
+    ending, detail = _ENDINGS.get(exit_code, (f"ended with exit code {exit_code}", ""))
+    committed = s["last_committed_step"]
+    launch = shlex.join([prog, "launch", *launch_args])
+    if exit_code == exit_codes.OK:
+        args = _without_override(launch_args, "train.steps")
+        again = f"  train longer: {shlex.join([prog, 'launch', *args, '--set', 'train.steps=N'])}   (continues from step {committed})"
+    else:
+        again = f"  resume:      {launch}   (continues from the newest commit)"
+    return "\n".join([
+        f"{ending} at step {s['steps']}/{target_steps}{detail}: {g['wall_seconds']:.1f} s wall, {goodput}, "
+        f"{s['restarts']} restart(s), {s['checkpoints_committed']} checkpoint(s) committed",
+        f"  checkpoints: {checkpoint_dir}"
+        + (f" (newest commit: step {committed})" if committed is not None else " (none committed by this launch)")
+        + f"; list them: {shlex.join([prog, 'ckpt', 'list', checkpoint_dir])}",
+        f"  report:      {shlex.join([prog, 'report', run_dir])}   (loss curve, restarts, goodput -> {os.path.join(run_dir, 'report.png')})",
+        again,
+    ])
+
+
 def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
     """Write the PNG: loss vs step (one continuous curve of the kept steps; rolled-back runs in
     grey) with restarts, reshards and checkpoint commits marked; tokens/s and world size below.
@@ -199,9 +259,11 @@ def load_events(source: str, endpoint_url: str = "") -> tuple[list[dict[str, Any
         path = os.path.join(source, "events.jsonl")
         if os.path.exists(path):
             return list(read_events(path)), path
+    from .config import check_uri
     from .storage.fs import open_storage
     from .supervisor.history import EVENTS_PREFIX, read_mirrored_events
 
+    check_uri(source, "RUN_DIR|CHECKPOINT_ROOT")  # errors name the argument the user gave
     storage = open_storage(source, endpoint_url)
     events = read_mirrored_events(storage)
     return (events, storage.join(EVENTS_PREFIX)) if events else None
@@ -217,8 +279,9 @@ def main(args) -> int:
     events, where = loaded
     summary = summarize(events)
     local_run_dir = "://" not in args.run_dir and os.path.exists(os.path.join(args.run_dir, "events.jsonl"))
-    out = args.out or (os.path.join(args.run_dir, "report.png") if local_run_dir else "report.png")
-    plot(events, summary, out)
+    out = args.out or (None if args.json else os.path.join(args.run_dir, "report.png") if local_run_dir else "report.png")
+    if out is not None:  # --json alone only reads: it draws nothing unless --out asks for it
+        plot(events, summary, out)
     summary["run_dir"] = args.run_dir
     summary["events"] = where
     summary["plot"] = out

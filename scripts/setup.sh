@@ -1,26 +1,49 @@
 #!/usr/bin/env bash
-# Create .venv in the repo root and install everything: torch 2.13.0 first (the CPU build on
-# local disk here; never let pip pull a CUDA build), then the project with its extras (test,hf:
-# the tests also train a tiny transformers Llama), then, when running as root, the system
-# components the tests start (Prometheus, SLURM, kustomize, hadolint). Idempotent.
+# Create .venv in the repo root and install everything: torch first, then the project with its
+# extras (default test,hf: the tests also train a tiny transformers Llama), then, when running as
+# root, the system components the tests start (Prometheus, SLURM, kustomize, hadolint).
+# Idempotent. pip's output goes to .venv/setup.log and is shown only when a step fails.
+#
+# Choosing the torch build (the project needs torch>=2.13):
+#   ELASTIC_TRAINER_TORCH            what to install for torch: a requirement ("torch==2.13.0",
+#                                    the default; "torch>=2.13") or a wheel file/URL
+#   ELASTIC_TRAINER_TORCH_INDEX_URL  the package index for torch only, e.g.
+#                                    https://download.pytorch.org/whl/cpu  (the CPU build: no GPU
+#                                    libraries to download; what the demo needs), or
+#                                    https://download.pytorch.org/whl/cu128 for a CUDA build
+# Without either, pip installs torch==2.13.0 from your configured index (on PyPI for Linux that
+# is the CUDA build, several GB). A torch that already satisfies the choice is kept.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 EXTRAS="${ELASTIC_TRAINER_EXTRAS:-test,hf}"
 PY="${PYTHON:-python3}"
+TORCH="${ELASTIC_TRAINER_TORCH:-torch==2.13.0}"
+TORCH_INDEX="${ELASTIC_TRAINER_TORCH_INDEX_URL:-}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-if ! .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
-  .venv/bin/pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
-fi
+LOG=.venv/setup.log
+: > "$LOG"
+step() {  # step DESCRIPTION CMD...: run CMD with its output in $LOG; show the log if it fails
+  local what="$1"; shift
+  echo "+ $*" >> "$LOG"
+  if ! "$@" >> "$LOG" 2>&1; then
+    echo "setup: $what failed; pip's output ($LOG):" >&2
+    tail -n 40 "$LOG" >&2
+    exit 1
+  fi
+}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+.venv/bin/python -m pip install -q --upgrade pip >> "$LOG" 2>&1 || true
+# pip keeps an installed torch that already satisfies the choice (no download, no index query).
+step "installing torch ($TORCH)" .venv/bin/pip install -q ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH"
 if [ -n "$EXTRAS" ]; then
-  .venv/bin/pip install -q -e ".[${EXTRAS}]" 2>&1 | grep -v "^WARNING: Location" || true
+  step "installing elastic-trainer[$EXTRAS]" .venv/bin/pip install -q -e ".[${EXTRAS}]"
 else
-  .venv/bin/pip install -q -e . 2>&1 | grep -v "^WARNING: Location" || true
+  step "installing elastic-trainer" .venv/bin/pip install -q -e .
 fi
-.venv/bin/python -c "import torch, elastic_trainer; print('torch', torch.__version__, '| elastic_trainer', elastic_trainer.__version__)"
+.venv/bin/python -c "import torch, elastic_trainer; print('set-up done: .venv with torch', torch.__version__, '| elastic_trainer', elastic_trainer.__version__)"
 if [ "${ELASTIC_TRAINER_SYSTEM_DEPS:-1}" = "1" ] && [ "$(id -u)" = "0" ]; then
   for f in scripts/system-deps.d/*.sh; do
     [ -e "$f" ] || continue

@@ -59,8 +59,11 @@ def env_for_tests(extra: dict | None = None) -> dict:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("TORCHELASTIC_ENABLE_FILE_TIMER", None)
     env.pop("TORCHELASTIC_TIMER_FILE", None)
-    if extra:
-        env.update(extra)
+    for k, v in (extra or {}).items():  # None removes a variable
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     return env
 
 

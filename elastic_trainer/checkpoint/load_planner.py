@@ -12,7 +12,7 @@ everything under it). It removes the missing leaves from the nested state dict t
 gets back, so its ``load_state_dict`` sees what was (not) restored. Everything else stays strict.
 
 This relies on ``DefaultLoadPlanner``'s ``state_dict`` (flattened), ``mappings`` (flat key →
-nested path) and ``original_state_dict`` attributes; tests/unit/test_rng_state.py fails loudly
+nested path) and ``original_state_dict`` attributes; tests/dist/test_rng_state.py fails loudly
 if a torch release changes them.
 """
 

@@ -647,7 +647,7 @@ class CheckpointManager:
         duration = time.monotonic() - inf.started
         with self._lock:
             self.last_committed_step = inf.step
-        logger.info("checkpoint step %d committed: %d bytes in %.2fs (%s)", inf.step, manifest["total_bytes"], duration, inf.name)
+        logger.debug("checkpoint step %d committed: %d bytes in %.2fs (%s)", inf.step, manifest["total_bytes"], duration, inf.name)
         self.events.emit("checkpoint_committed", step=inf.step, name=inf.name, bytes=manifest["total_bytes"], seconds=round(duration, 4), world_size=self.world_size)
         self.metrics.histogram("elastic_trainer_checkpoint_save_duration_seconds", duration)
         self.metrics.counter("elastic_trainer_checkpoint_written_bytes_total", manifest["total_bytes"])

@@ -335,6 +335,10 @@ def read_data_view(storage_reader) -> list[dict] | None:
 
     from .load_planner import load_planner
 
+    import warnings
+
     states = {"data": DataViewState()}
-    dcp.load(states, storage_reader=storage_reader, planner=load_planner(states), no_dist=True)
+    with warnings.catch_warnings():  # torch warns that it loads in one process: that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(states, storage_reader=storage_reader, planner=load_planner(states), no_dist=True)
     return states["data"].recorded

@@ -6,9 +6,23 @@ from typing import Any
 
 import torch
 
+from ..config import check_uri
 from ..errors import CheckpointError
 from ..storage.fs import open_storage
 from .catalog import Catalog
+
+
+def _catalog(uri: str, endpoint_url: str) -> Catalog:
+    """The catalog of an existing checkpoint root; errors name ``URI`` (the tools' argument).
+
+    Raises ConfigError for a URI that is not a checkpoint location, CheckpointError when
+    nothing exists there (a typo must not read as "no checkpoints yet")."""
+    check_uri(uri, "URI")
+    storage = open_storage(uri, endpoint_url)
+    storage.check_access()
+    if not storage.exists(storage.root):
+        raise CheckpointError(f"no checkpoint root at {storage.describe()}")
+    return Catalog(storage)
 
 
 def list_checkpoints(uri: str, endpoint_url: str = "") -> list[dict[str, Any]]:
@@ -16,7 +30,7 @@ def list_checkpoints(uri: str, endpoint_url: str = "") -> list[dict[str, Any]]:
     valid, why not, and its status: ``head`` (what ``latest`` resumes), ``lineage`` (an ancestor
     of the head), ``parked`` (a valid commit off the current lineage: never picked by ``latest``),
     ``quarantined``, ``invalid`` or ``uncommitted``."""
-    catalog = Catalog(open_storage(uri, endpoint_url))
+    catalog = _catalog(uri, endpoint_url)
     candidates = catalog.scan()
     head = catalog.head(candidates)
     lineage = {c.name for c in catalog.lineage(head, candidates)}
@@ -62,7 +76,7 @@ def release(uri: str, step: int, endpoint_url: str = "") -> tuple[str, dict[str,
 
 def _pick(uri: str, step: int | None, endpoint_url: str):
     """(catalog, candidate) of ``step`` (its newest valid directory), or of the head."""
-    catalog = Catalog(open_storage(uri, endpoint_url))
+    catalog = _catalog(uri, endpoint_url)
     candidates = catalog.scan()
     if step is None:
         chosen = catalog.head(candidates)

@@ -48,7 +48,7 @@ def _require_transformers(key: str = "model.factory"):
     try:
         import transformers
     except ImportError:
-        raise ConfigError(key, f"{FACTORY} needs transformers: pip install 'elastic-trainer[hf]'") from None
+        raise ConfigError(key, f"{FACTORY} needs transformers: install the hf extra: pip install -e '.[hf]' in the elastic-trainer clone") from None
     return transformers
 
 

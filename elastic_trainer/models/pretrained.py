@@ -50,7 +50,7 @@ def file_shapes(files: list[str], key: str = KEY) -> dict[str, tuple[int, ...]]:
     try:
         from safetensors import safe_open
     except ImportError:
-        raise ConfigError(key, "reading safetensors needs the safetensors package: pip install 'elastic-trainer[hf]'") from None
+        raise ConfigError(key, "reading safetensors needs the safetensors package: install the hf extra: pip install -e '.[hf]' in the elastic-trainer clone") from None
     out: dict[str, tuple[int, ...]] = {}
     for f in files:
         try:

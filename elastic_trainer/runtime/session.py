@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .. import exit_codes
+from .. import exit_codes, log
 from ..config import Config, TrainConfig, apply_overrides, config_from_dict, load_config, read_toml, run_name
 from ..errors import CheckpointStopError, ConfigError, FencedError
 from ..events import EventLog
@@ -258,7 +258,10 @@ def init(config: str | os.PathLike | Config | dict | None = None, *, overrides: 
     """Set up this rank: process groups (the training group and a separate gloo group for
     checkpoints), the rank-0 event log (``run.dir/events.jsonl``), the metrics sink (the node's
     Prometheus exporter under the supervisor), the preemption flag (SIGTERM/SIGUSR1) and the
-    hang-watchdog client (under the supervisor). Call on every rank, first."""
+    hang-watchdog client (under the supervisor), and the ``elastic_trainer`` logger (stderr with a
+    ``[node/rank - step N]`` prefix, level ``ELASTIC_TRAINER_LOG_LEVEL``, default INFO; left alone
+    if the program gave that logger a handler). Call on every rank, first."""
+    log.setup_logging()
     try:
         cfg = resolve_config(config, overrides)
     except ConfigError as e:  # bad input, before anything started: exit 2 (the supervisor does not restart it)

@@ -26,14 +26,12 @@ def uses_external_store(config) -> bool:
     return str(config.rdzv_configs.get("is_host", "")).lower() in ("false", "0", "no")
 
 
-SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-
-
 def build_launch_config(cfg: Config, args, explicit: set[str], env=None):
     """``(LaunchConfig, cmd, cmd_args)`` from torchrun's parsed options (see :mod:`.options`)
     with the config applied where neither a flag nor ``PET_*`` set a value."""
     args = options.resolve(args, explicit, cfg.elastic, env)
-    return options.launch_config(args, explicit, env, shutdown_timeout=int(cfg.checkpoint.preempt_grace_seconds + 15), signals=SIGNALS_TO_HANDLE)
+    return options.launch_config(args, explicit, env, shutdown_timeout=int(cfg.checkpoint.preempt_grace_seconds + options.SHUTDOWN_MARGIN_SECONDS),
+                                  signals=options.SIGNALS_TO_HANDLE)
 
 
 def _make_agent_class():
@@ -412,7 +410,7 @@ def take_epoch(cfg: Config, launch_id: str, events: EventLog) -> str:
     c = cfg.checkpoint
     storage = open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
     epoch = Catalog(storage, events=events).acquire_epoch(launch_id)
-    logger.info("checkpoint root %s: this launch is epoch %s", storage.describe(), epoch)
+    logger.debug("checkpoint root %s: this launch is epoch %s", storage.describe(), epoch)
     return epoch
 
 

@@ -10,11 +10,14 @@ where neither the command line nor a ``PET_*`` variable gave one.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Any, Mapping
 
-from ..config import ElasticConfig, parse_nnodes, parse_rdzv_conf
+from ..config import CheckpointConfig, Config, ElasticConfig, parse_nnodes, parse_rdzv_conf
 from ..errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "elastic_trainer.worker.main"
 
@@ -33,6 +36,11 @@ CONFIG_KEYS: dict[str, str] = {
 SCRIPT_ONLY = ("no_python", "run_path")
 # torchrun's static rendezvous (what Kubeflow sets without an elastic policy).
 STATIC_KEYS = ("master_addr", "master_port", "node_rank")
+# The agent forwards these to the workers (SIGUSR1: SLURM's time-limit warning); torchrun's
+# default lacks SIGUSR1.
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# The agent's shutdown timeout is the preemption grace plus this margin (the workers commit first).
+SHUTDOWN_MARGIN_SECONDS = 15
 
 
 class _Unset:
@@ -66,17 +74,66 @@ def option_dests() -> list[str]:
     return [a.dest for a in p._actions if a.option_strings and a.dest != "help"]  # noqa: SLF001 - stdlib argparse
 
 
+def _defaults_help() -> dict[str, str]:
+    """Help for the options whose default here differs from torchrun's."""
+    e, grace = ElasticConfig(), CheckpointConfig().preempt_grace_seconds
+
+    def cfg(dest: str) -> str:
+        key = CONFIG_KEYS[dest]
+        return f"default: {env_var(dest)}, else elastic.{key} of the config (default {getattr(e, key)!r})"
+
+    return {
+        "nnodes": f"Number of nodes, or MIN:MAX ({cfg('nnodes')}). More than one node needs --rdzv-endpoint or --master-addr/--master-port/--node-rank.",
+        "nproc_per_node": f"Workers per node: an integer, gpu, cpu or auto ({cfg('nproc_per_node')}).",
+        "max_restarts": f"Worker-group restarts after failures; node joins and losses do not count ({cfg('max_restarts')}).",
+        "monitor_interval": f"Seconds between checks of the workers ({cfg('monitor_interval')}).",
+        "rdzv_backend": f"Rendezvous backend ({cfg('rdzv_backend')}).",
+        "rdzv_endpoint": f"Rendezvous endpoint HOST:PORT, e.g. an 'elastic-trainer store' ({cfg('rdzv_endpoint')}; none on one node = --standalone).",
+        "rdzv_id": f"Job id shared by the nodes of one job ({cfg('rdzv_id')}).",
+        "rdzv_conf": f"K=V,... rendezvous settings; items replace same-named items of elastic.rdzv_conf ({cfg('rdzv_conf')}).",
+        "signals_to_handle": f"Signals the agent forwards to the workers (default: PET_SIGNALS_TO_HANDLE, else {SIGNALS_TO_HANDLE}).",
+        "shutdown_timeout": "Seconds the workers get to stop before SIGKILL (default: PET_SHUTDOWN_TIMEOUT, else "
+                            f"checkpoint.preempt_grace_seconds + {SHUTDOWN_MARGIN_SECONDS}: {grace + SHUTDOWN_MARGIN_SECONDS:g}).",
+    }
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Lists each option under one spelling (torchrun also accepts ``--nproc_per_node`` etc.)."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            return super()._format_action_invocation(action) if not action.option_strings else ", ".join(_spellings(action))
+        metavar = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return ", ".join(f"{o} {metavar}" for o in _spellings(action))
+
+
+def _spellings(action: argparse.Action) -> list[str]:
+    return [o for o in action.option_strings if "_" not in o] or list(action.option_strings)
+
+
+def _document_defaults(actions) -> None:
+    helps = _defaults_help()
+    for action in actions:
+        if action.dest in helps:
+            action.help = helps[action.dest].replace("%", "%%")
+
+
 def launch_parser(prog: str = "elastic-trainer launch") -> argparse.ArgumentParser:
-    """``CONFIG [--set k=v ...]`` plus every option of torchrun (not its script positionals)."""
+    """``CONFIG [--set k=v ...]`` plus every option of torchrun (not its script positionals).
+    The script-only options stay accepted (launch refuses them with a clear error) but are not
+    listed in ``--help``."""
     tr = _get_args_parser()
-    p = argparse.ArgumentParser(prog=prog, description="Run this node's supervisor (torchrun's elastic agent) for the built-in trainer.")
+    p = argparse.ArgumentParser(prog=prog, description="Run this node's supervisor (torchrun's elastic agent) for the built-in trainer.",
+                                formatter_class=_HelpFormatter)
     p.add_argument("config", help="TOML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
-    group = p.add_argument_group("torchrun options (torchrun's meaning; default: the PET_* variable, then elastic.* of CONFIG)")
-    for action in tr._actions:  # noqa: SLF001 - stdlib argparse: reuse torchrun's own option actions
-        if action.option_strings and action.dest != "help":
-            group._group_actions.append(action)  # noqa: SLF001
-            p._add_action(action)  # noqa: SLF001
+    group = p.add_argument_group("torchrun options (torchrun's meaning; a flag wins over its PET_* variable, which wins over the config)")
+    actions = [a for a in tr._actions if a.option_strings and a.dest != "help"]  # noqa: SLF001 - stdlib argparse: reuse torchrun's own option actions
+    _document_defaults(actions)
+    for action in actions:
+        if action.dest in (*SCRIPT_ONLY, "module"):
+            action.help = argparse.SUPPRESS
+        group._add_action(action)  # noqa: SLF001
     return p
 
 
@@ -85,7 +142,12 @@ def run_parser(prog: str = "elastic-trainer run") -> argparse.ArgumentParser:
     ``--config FILE`` and ``--set k=v``."""
     p = torchrun_parser(prog)
     p.description = "Run any training script under the supervisor (torchrun's options and meaning)."
-    p.add_argument("--config", default=None, help="TOML config (run, elastic, metrics, checkpoint sections); defaults when absent")
+    p.formatter_class = _HelpFormatter
+    _document_defaults(p._actions)  # noqa: SLF001 - stdlib argparse
+    d = Config()
+    p.add_argument("--config", default=None, help="TOML config: its run, elastic, metrics and checkpoint sections apply. Without it: the built-in defaults "
+                   f"(run.dir {d.run.dir}, checkpoint.dir {d.checkpoint.dir}, metrics port {d.metrics.port}, the elastic.* defaults shown above), "
+                   "changed only by --set")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
     return p
 
@@ -115,7 +177,8 @@ def merge(parsed: Mapping[str, Any], explicit: set[str] | frozenset[str], env: M
       ``PET_RDZV_CONF`` (used only by a real rendezvous backend, not standalone/static);
     * with no rendezvous endpoint anywhere: ``--master-addr/--master-port/--node-rank`` (or their
       ``PET_*``) on more than one node mean torchrun's static rendezvous (Kubeflow without an
-      elastic policy); one node means ``--standalone``.
+      elastic policy); one node means ``--standalone``; more than one node without either is a
+      ConfigError (each node would otherwise wait on a store of its own).
     """
     given = set(explicit) | {d for d in parsed if env_var(d) in env}
     out = dict(parsed)
@@ -136,7 +199,12 @@ def merge(parsed: Mapping[str, Any], explicit: set[str] | frozenset[str], env: M
             conf.update(parse_rdzv_conf(parsed["rdzv_conf"] or "", "--rdzv-conf"))
         out["rdzv_conf"] = ",".join(f"{k}={v}" for k, v in conf.items())
     if not out.get("standalone") and out["rdzv_backend"] != "static" and not out["rdzv_endpoint"]:
-        out["rdzv_endpoint"] = "localhost:29400"
+        # Each node would wait on a store of its own: say what is missing instead.
+        raise ConfigError(
+            nnodes_key,
+            f"{out['nnodes']} nodes need a rendezvous endpoint: --rdzv-endpoint HOST:PORT (e.g. an 'elastic-trainer store'), "
+            "PET_RDZV_ENDPOINT or elastic.rdzv_endpoint; or --master-addr/--master-port/--node-rank for a fixed set of nodes",
+        )
     return out
 
 
@@ -155,17 +223,37 @@ def resolve(args: argparse.Namespace, explicit: set[str], elastic: ElasticConfig
     return out
 
 
+class _DropOmpBanner(logging.Filter):
+    """torchrun's five-line warning that it sets OMP_NUM_THREADS=1 (the value stays; the
+    banner is noise on every start)."""
+
+    dropped = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "OMP_NUM_THREADS" in str(record.msg):
+            self.dropped = True
+            return False
+        return True
+
+
 def launch_config(args: argparse.Namespace, explicit: set[str], env: Mapping[str, str] | None = None, *, shutdown_timeout: int, signals: str):
     """``(LaunchConfig, cmd, cmd_args)`` through torchrun's ``config_from_args``. Our shutdown
     timeout and signal list apply unless the option or its ``PET_*`` variable was given."""
     from torch.distributed.run import config_from_args
 
     env = os.environ if env is None else env
+    quiet = _DropOmpBanner()
+    torchrun_logger = logging.getLogger("torch.distributed.run")
+    torchrun_logger.addFilter(quiet)
     try:
         config, cmd, cmd_args = config_from_args(args)
     except (ValueError, AssertionError) as e:  # e.g. --nproc-per-node gpu without CUDA
         key = "--nproc-per-node" if "nproc_per_node" in str(e) or "not available" in str(e) else "torchrun options"
         raise ConfigError(key, str(e)) from None
+    finally:
+        torchrun_logger.removeFilter(quiet)
+    if quiet.dropped:
+        logger.debug("OMP_NUM_THREADS=1 for every worker (torchrun's default with several workers per node); set it to choose")
     if "shutdown_timeout" not in explicit and env_var("shutdown_timeout") not in env:
         config.shutdown_timeout = shutdown_timeout
     if "signals_to_handle" not in explicit and env_var("signals_to_handle") not in env:

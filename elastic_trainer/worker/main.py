@@ -90,9 +90,9 @@ def build_and_train(cfg: Config, t_start: float) -> int:
     )
     _ACTIVE["ckpt"] = ckpt
     if d.rank == 0:
-        logger.info("config: %s", cfg.to_json())
-        logger.info("checkpoints: %s", ckpt.storage.describe())
-        logger.info("parameters on this rank: %.2f MB of %s total elements", parallel.local_param_bytes(model) / 1e6, sum(p.numel() for p in model.parameters()))
+        logger.debug("config (also in %s): %s", _write_resolved_config(cfg), cfg.to_json())
+        logger.debug("checkpoints: %s", ckpt.storage.describe())
+        logger.debug("parameters on this rank: %.2f MB of %s total elements", parallel.local_param_bytes(model) / 1e6, sum(p.numel() for p in model.parameters()))
 
     def after_load(loaded) -> dict:
         if loaded is None:
@@ -109,6 +109,16 @@ def build_and_train(cfg: Config, t_start: float) -> int:
     ckpt.close(code)
     session.close()
     return code
+
+
+def _write_resolved_config(cfg: Config) -> str:
+    """``run.dir/config.json``: the resolved config of this start (rank 0), for the record."""
+    path = os.path.join(cfg.run.dir, "config.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(cfg.to_dict(), f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+    return path
 
 
 def die_with_supervisor() -> None:

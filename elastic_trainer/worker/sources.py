@@ -73,7 +73,7 @@ def _pyarrow():
     try:
         import pyarrow  # noqa: F401
     except ImportError:
-        raise ConfigError("data.format", "text/tokens sources need pyarrow: pip install 'elastic-trainer[hf]'") from None
+        raise ConfigError("data.format", "text/tokens sources need pyarrow: install the hf extra: pip install -e '.[hf]' in the elastic-trainer clone") from None
     import pyarrow as pa
 
     return pa
@@ -132,7 +132,7 @@ def load_tokenizer(path: str, key: str = "data.tokenizer"):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ConfigError(key, "text sources need tokenizers: pip install 'elastic-trainer[hf]'") from None
+        raise ConfigError(key, "text sources need tokenizers: install the hf extra: pip install -e '.[hf]' in the elastic-trainer clone") from None
     p = tokenizer_file(path, key)
     try:
         return Tokenizer.from_file(p)

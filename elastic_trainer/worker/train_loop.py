@@ -117,5 +117,9 @@ class Trainer:
         return (
             f"step {rec['step']}/{self.cfg.train.steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
             f"grad {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {rec['step_time_s'] * 1000:.0f} ms | "
-            f"world {self.session.world_size} | next ckpt in {nxt}"
+            f"world {self.session.world_size} | {self._committed()}, next in {nxt}"
         )
+
+    def _committed(self) -> str:
+        step = self.ckpt.manager.last_committed_step  # rank 0's view: what a restart would resume
+        return "no ckpt committed yet" if step is None else f"ckpt step {step} committed"

@@ -29,6 +29,9 @@ def test_reshard_restores_params_and_optimizer_state_exactly(tmp_path, save_worl
     assert saved[0]["committed"]
     loaded = run_ranks(load_and_continue, load_world, ckpt)
     assert loaded[0]["step"] == 3 and loaded[0]["saved_world"] == save_world
+    # Saving a committed step again (same incarnation, or the step just loaded) writes nothing.
+    assert {r["save_again"] for r in saved} == {"already committed"} and {r["save_loaded"] for r in loaded} == {"already committed"}
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")) == ["step-00000003"]
     assert all(r["train"] == (3, 3 * 8 * 16, 24) for r in loaded)
     before, after = saved[0]["state"], loaded[0]["state"]
     _assert_states_equal(before["model"], after["model"], "model")

@@ -101,8 +101,9 @@ def save_after_training(rank, world, ckpt_dir, mode):
     lr_at_save = sched.get_last_lr()
     next_losses = _train_steps(model, opt, sched, cfg, 4, rank, world, start=3)  # mutates params while the save may still upload
     ok = mgr.finish()
+    again = mgr.save(3).skipped  # a committed step is never rewritten
     mgr.close()
-    return {"state": state if rank == 0 else None, "next": next_losses, "committed": ok, "lr": lr_at_save}
+    return {"state": state if rank == 0 else None, "next": next_losses, "committed": ok, "lr": lr_at_save, "save_again": again}
 
 
 def load_and_continue(rank, world, ckpt_dir):
@@ -114,9 +115,11 @@ def load_and_continue(rank, world, ckpt_dir):
     loaded = mgr.load()
     state = full_state(model, opt)
     lr_after_load = sched.get_last_lr()
+    save_loaded = mgr.save(loaded.step).skipped if loaded else None  # the step just loaded: never rewritten
     next_losses = _train_steps(model, opt, sched, cfg, 4, rank, world, start=3)
     mgr.close()
-    return {"step": loaded.step if loaded else None, "saved_world": loaded.manifest["world_size"] if loaded else None, "state": state if rank == 0 else None, "next": next_losses, "train": (ts.step, ts.tokens_seen, ts.cursor), "lr": lr_after_load}
+    return {"step": loaded.step if loaded else None, "saved_world": loaded.manifest["world_size"] if loaded else None, "state": state if rank == 0 else None, "next": next_losses, "train": (ts.step, ts.tokens_seen, ts.cursor), "lr": lr_after_load,
+            "save_loaded": save_loaded}
 
 
 def logits_after_load(rank, world, ckpt_dir):

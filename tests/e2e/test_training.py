@@ -1,5 +1,6 @@
 """End to end under the elastic agent: world-size invariance, the event log, the demo learns."""
 
+import json
 import math
 from pathlib import Path
 
@@ -54,12 +55,23 @@ def test_demo_config_learns(tmp_path):
         cfg,
         "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={run_dir}/ckpt", "--set", f"data.path={data}",
         "--set", "train.steps=40", "--set", "train.warmup_steps=5", "--set", "checkpoint.interval_steps=20",
-        log=tmp_path / "demo.log",
+        log=tmp_path / "demo.log", env={"OMP_NUM_THREADS": None},
     )
-    assert r.returncode == 0, (tmp_path / "demo.log").read_text()[-3000:]
+    screen = (tmp_path / "demo.log").read_text()
+    assert r.returncode == 0, screen[-3000:]
     losses = runs.step_losses(run_dir)
     first, last = losses[1], sum(losses[s] for s in range(36, 41)) / 5
     assert last < first - 1.5, (first, last)
+    # The first screen is a user's: no warnings or banners, no config dump, commits in the
+    # progress line, and a closing summary saying where everything is.
+    lines = screen.strip().splitlines()
+    assert not [line for line in lines if "warning" in line.lower() or "OMP_NUM_THREADS" in line or "config: {" in line], screen
+    assert "| world 2 | ckpt step 20 committed, next in 20 steps" in screen and "checkpoint step 20 committed" not in screen
+    assert lines[-4].startswith("finished at step 40/40: ") and "goodput" in lines[-4] and "2 checkpoint(s) committed" in lines[-4], screen
+    assert f"checkpoints: {run_dir}/ckpt (newest commit: step 40)" in lines[-3]
+    assert f"report:      elastic-trainer report {run_dir}" in lines[-2]
+    assert lines[-1].strip().startswith("train longer: elastic-trainer launch") and "train.steps=N" in lines[-1]
+    assert (run_dir / "config.json").exists() and json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 40
 
 
 def test_bf16_mixed_precision_runs_on_cpu_and_checkpoints_fp32(tmp_path, token_file):

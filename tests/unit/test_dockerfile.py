@@ -156,7 +156,7 @@ def test_runtime_installs_the_package_and_runs_unprivileged(parsed):
     copies = body_text(final, "COPY")
     for needed in ("pyproject.toml", "README.md", "elastic_trainer"):
         assert needed in copies
-    assert re.search(r"pip install (--no-cache-dir )?\.(\s|$)", body_text(final, "RUN"))
+    assert re.search(r'pip install (--no-cache-dir )?"?\.(\$\{EXTRAS:\+\[\$\{EXTRAS\}\]\})?"?(\s|$)', body_text(final, "RUN"))
     users = [i.value for i in final.body if i.keyword == "USER"]
     assert users, "the runtime stage must switch to a non-root USER"
     user = expand(users[-1], stage_args(final)).split(":")[0]

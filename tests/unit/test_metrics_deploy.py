@@ -20,6 +20,32 @@ def test_alert_rules_unit_tests_pass(promtool):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_nonfinite_alert_fires_on_the_counter_alone(promtool, tmp_path):
+    """A non-finite step never writes the loss gauge: the alert must fire on the counter alone."""
+    import yaml
+
+    rule = next(r for g in yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"] for r in g["rules"]
+                if r["alert"] == "ElasticTrainerNonFiniteLoss")
+    fired = {"exp_labels": {"severity": "critical", "job": "train", "run": "r"},
+             "exp_annotations": {"summary": "train/r: a NaN/infinite loss or gradient norm (1 in 15 minutes)", "description": rule["annotations"]["description"]}}
+    case = {
+        "rule_files": [str(DEPLOY / "prometheus" / "alerts.yml")],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [{"series": 'elastic_trainer_train_nonfinite_events_total{job="train",run="r"}', "values": "0 0 1 1 1 1"}],
+            "alert_rule_test": [
+                {"eval_time": "1m", "alertname": "ElasticTrainerNonFiniteLoss", "exp_alerts": []},
+                {"eval_time": "3m", "alertname": "ElasticTrainerNonFiniteLoss", "exp_alerts": [fired]},
+            ],
+        }],
+    }
+    f = tmp_path / "nonfinite_test.yml"
+    f.write_text(yaml.safe_dump(case))
+    r = subprocess.run([promtool, "test", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_alert_set_covers_the_issue():
     import yaml
 

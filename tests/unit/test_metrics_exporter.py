@@ -292,7 +292,8 @@ def test_dashboard_queries_name_only_exported_metrics(full_exposition):
         assert names <= exported, f"{q!r} names {sorted(names - exported)}, which the exporter does not export"
         used |= names
     for needed in ("elastic_trainer_train_tokens_total", "elastic_trainer_train_loss", "elastic_trainer_checkpoint_stall_seconds_bucket",
-                   "elastic_trainer_checkpoint_last_commit_timestamp_seconds", "elastic_trainer_restarts_total", "elastic_trainer_world_size"):
+                   "elastic_trainer_checkpoint_last_commit_timestamp_seconds", "elastic_trainer_restarts_total", "elastic_trainer_world_size",
+                   "elastic_trainer_train_nonfinite_events_total"):
         assert needed in used, f"the dashboard has no panel on {needed}"
 
 

@@ -138,7 +138,10 @@ def test_cli_report_writes_png_and_text(tmp_path, capsys):
     assert report.main(argparse.Namespace(run_dir=str(run), out=None, json=True)) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["restarts"] == 1 and data["goodput"]["recompute_steps"] == 1
-    assert (run / "report.png").exists()
+    assert not (run / "report.png").exists() and data["plot"] is None  # --json only reads
+
+    assert report.main(argparse.Namespace(run_dir=str(run), out=None, json=False)) == 0
+    assert (run / "report.png").exists() and f"plot: {run / 'report.png'}" in capsys.readouterr().out
 
 
 def test_plot_draws_the_kept_curve_and_markers(tmp_path):
@@ -269,3 +272,18 @@ def test_a_commit_recorded_mid_step_charges_only_the_steps_slowdown():
     log2.at(0.05, "checkpoint_committed", step=6, bytes=1, seconds=0.5).steps(8, 9, seconds=1.0, gap=0.1)
     c2 = _cats(report.account(log2.events))
     assert c2["checkpoint_stall"] == pytest.approx(0.1)
+
+
+def test_closing_summary_covers_this_launch_only(tmp_path):
+    older = Log().at(0, "launch", pid=1).steps(1, 6).at(0.1, "checkpoint_committed", step=5, bytes=1, seconds=0.1)
+    mine = Log().at(0, "launch", pid=2).steps(6, 9).at(0.1, "checkpoint_committed", step=8, bytes=1, seconds=0.1)
+    run = _write(tmp_path, older.events + mine.events)
+    text = report.closing_summary(str(run), "s3://b/ckpt", 20, 75, "elastic-trainer", ["c.toml", "--set", "train.steps=20"], pid=2)
+    first, ckpt, rep, again = text.splitlines()
+    assert first.startswith("preempted at step 9/20, final step committed: ") and "1 checkpoint(s) committed" in first
+    assert ckpt == "  checkpoints: s3://b/ckpt (newest commit: step 8); list them: elastic-trainer ckpt list s3://b/ckpt"
+    assert rep.startswith(f"  report:      elastic-trainer report {run}")
+    assert again == "  resume:      elastic-trainer launch c.toml --set train.steps=20   (continues from the newest commit)"
+    done = report.closing_summary(str(run), "ck", 8, 0, ".venv/bin/elastic-trainer", ["c.toml", "--set", "train.steps=8", "--set=train.steps=8"], pid=2)
+    assert done.splitlines()[-1] == "  train longer: .venv/bin/elastic-trainer launch c.toml --set train.steps=N   (continues from step 8)"
+    assert report.closing_summary(str(tmp_path / "elsewhere"), "ck", 8, 0, "elastic-trainer", [], pid=2) is None

@@ -107,7 +107,10 @@ def test_documents_its_settings():
         (75, "PREEMPTED", 0, "", "1", "requeue"),
         (0, "RUNNING", 0, "", "1", "keep: launcher exited 0"),
         (1, "RUNNING", 0, "", "1", "keep: launcher exited 1"),
-        (76, "RUNNING", 0, "", "1", "keep: launcher exited 76"),
+        (76, "RUNNING", 0, "", "1", "requeue"),  # preempted, final save missed its grace: resume from the previous commit
+        (76, "TIMEOUT", 0, "", "1", "keep: the job is ending"),
+        (76, "RUNNING", 3, "3", "1", "keep: SLURM_RESTART_COUNT=3 reached ET_MAX_REQUEUES=3"),
+        (65, "RUNNING", 0, "", "1", "keep: launcher exited 65"),
         (75, "COMPLETING", 0, "", "1", "keep: the job is ending"),  # after scancel (measured)
         (75, "CANCELLED", 0, "", "1", "keep: the job is ending"),
         (75, "TIMEOUT", 0, "", "1", "keep: the job is ending"),
@@ -261,6 +264,18 @@ def test_env_overrides_topology(tmp_path):
         assert opts[opts.index(flag) + 1] == value
 
 
+def test_external_store_endpoint(tmp_path):
+    """ET_RDZV_ENDPOINT: every node joins a store outside the allocation and none hosts one."""
+    env = _stub_env(tmp_path, ET_RDZV_ENDPOINT="store-host:29400", ET_RDZV_CONF="join_timeout=900")
+    p = _run_script(tmp_path, env)
+    assert p.returncode == 0, p.stderr
+    argv = _calls(tmp_path, "srun.argv")
+    opts = argv[argv.index("launch") + 1:]
+    assert opts[opts.index("--rdzv-endpoint") + 1] == "store-host:29400"
+    assert opts[opts.index("--rdzv-conf") + 1] == "join_timeout=900,is_host=false"
+    assert _events(tmp_path)[0]["rdzv_endpoint"] == "store-host:29400"
+
+
 def test_invalid_config_fails_before_srun(tmp_path):
     p = _run_script(tmp_path, _stub_env(tmp_path), "configs/demo-cpu.toml", "--set", "train.steps=-1")
     assert p.returncode == 2
@@ -268,7 +283,7 @@ def test_invalid_config_fails_before_srun(tmp_path):
     assert not (tmp_path / "srun.argv").exists()
 
 
-@pytest.mark.parametrize("rc,state,requeued", [(75, "RUNNING", True), (75, "COMPLETING", False), (1, "RUNNING", False)])
+@pytest.mark.parametrize("rc,state,requeued", [(75, "RUNNING", True), (76, "RUNNING", True), (75, "COMPLETING", False), (1, "RUNNING", False)])
 def test_exit_code_and_requeue(tmp_path, rc, state, requeued):
     p = _run_script(tmp_path, _stub_env(tmp_path, FAKE_RC=str(rc), FAKE_STATE=state))
     assert p.returncode == rc

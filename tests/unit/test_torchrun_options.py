@@ -4,6 +4,7 @@ precedence CLI > PET_* > config (pure merge, table-tested), PET_* as Kubeflow se
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 
@@ -91,8 +92,6 @@ def test_bad_rdzv_conf_names_the_flag():
         # a configured endpoint wins over the static inference
         ({}, {"nnodes": "2", "master_addr": "m"}, ElasticConfig(rdzv_endpoint="store:1"), "c10d", False, "store:1"),
         ({"standalone": True}, {}, ElasticConfig(nnodes="1:2", rdzv_endpoint="x:1"), "c10d", True, "x:1"),
-        # multi-node without any endpoint: the documented localhost:29400
-        ({"nnodes": "2"}, {}, ElasticConfig(), "c10d", False, "localhost:29400"),
     ],
 )
 def test_rendezvous_choice(cli, env, elastic, backend, standalone, endpoint):
@@ -100,6 +99,41 @@ def test_rendezvous_choice(cli, env, elastic, backend, standalone, endpoint):
     assert (out["rdzv_backend"], bool(out["standalone"]), out["rdzv_endpoint"]) == (backend, standalone, endpoint)
     if standalone or backend == "static":
         assert out["rdzv_conf"] == ""
+
+
+@pytest.mark.parametrize(
+    "cli, env, elastic, key",
+    [
+        ({"nnodes": "2"}, {}, ElasticConfig(), "--nnodes"),
+        ({}, {"nnodes": "1:2"}, ElasticConfig(), "--nnodes"),
+        ({}, {}, ElasticConfig(nnodes="2:4"), "elastic.nnodes"),
+        ({"nnodes": "2", "rdzv_backend": "c10d"}, {}, ElasticConfig(), "--nnodes"),
+    ],
+)
+def test_several_nodes_without_endpoint_or_master_is_a_config_error(cli, env, elastic, key):
+    """Each node would otherwise wait on a store of its own at localhost."""
+    with pytest.raises(ConfigError, match=f"{key}.*rendezvous endpoint.*--master-addr"):
+        merged(cli, env, elastic)
+
+
+def test_launch_help_lists_each_option_once_with_launch_defaults():
+    text = options.launch_parser().format_help()
+    flags = [f for a in torchrun_actions() for f in a.option_strings if "_" not in f]
+    for flag in flags:
+        n = len(re.findall(rf"^  (?:-\S+(?: [A-Z_]+)?, )?{re.escape(flag)}(?=[ ,\n])", text, re.M))  # as an option, not in help text
+        assert n == (0 if flag in ("--no-python", "--run-path", "-m", "--module") else 1), (flag, n)
+    assert "--no-python" not in text and "--run-path" not in text and "--nproc_per_node" not in text
+    helps = {a.dest: " ".join(a.help.split()) for a in options.launch_parser()._actions if a.help}
+    assert "elastic.nproc_per_node of the config (default 2)" in helps["nproc_per_node"]
+    assert "elastic.max_restarts of the config (default 3)" in helps["max_restarts"]
+    assert options.SIGNALS_TO_HANDLE in helps["signals_to_handle"] and "SIGUSR1" in options.SIGNALS_TO_HANDLE
+    assert "checkpoint.preempt_grace_seconds + 15: 75" in helps["shutdown_timeout"]
+
+
+def test_run_help_says_which_config_applies_without_config():
+    helps = {a.dest: " ".join(a.help.split()) for a in options.run_parser()._actions if a.help}
+    assert "Without it: the built-in defaults (run.dir runs/demo, checkpoint.dir runs/demo/checkpoints" in helps["config"]
+    assert "elastic.max_restarts of the config (default 3)" in helps["max_restarts"]
 
 
 def test_int_nnodes_in_config():
