@@ -1,0 +1,153 @@
+"""Silent node loss, rejoin, shrink and grow of the demo on a virtual cluster of network namespaces.
+
+    python bench/netcluster.py [--config configs/demo-cpu.toml] [--rdzv-conf K=V,...] [--loss PCT]
+                               [--rounds 1] [--steps 400] [--set k=v ...]
+
+Needs root, iproute2 and nftables (scripts/system-deps.d/50-netns.sh). Builds the namespace
+cluster of tests/fixtures/netcluster.py (store + nodes a, b, c on a bridge, 198.51.100.0/24), runs
+the config with one worker per node, and measures, on one job:
+
+* silent   node a's network dropped (nftables, no reset) while its processes run → b's first step
+           at world 1 (b's ``step`` event time − the cut);
+* rejoin   a's network back → first step at world 2 again (a rejoins, or its supervisor stops);
+* shrink   every process of node a SIGKILLed → b's first step at world 1;
+* grow     node c started while b trains alone → b's first step at world 2 (also from c's
+           supervisor being ready, its ``launch`` event: without the interpreter start and imports).
+
+With ``--loss PCT`` every host drops PCT % of the packets it receives for the whole job, and the
+script counts restarts and ``node_lost`` events that no fault caused (false node loss). Prints one
+JSON line per round and a Markdown table of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import loadavg, machine_info  # noqa: E402
+from tests import runs  # noqa: E402
+from tests.fixtures import netcluster  # noqa: E402
+
+MEASURES = ("silent", "rejoin", "shrink", "grow", "grow_from_ready")
+
+
+def first_step(run_dir: Path, node_proc, after: float, world: int, timeout: float = 180) -> float:
+    rec = runs.wait_event(run_dir, "step", timeout, node_proc, where=lambda r: r["world_size"] == world and r["time"] > after)
+    return rec["time"] - after
+
+
+def phases(events: list[dict], after: float, node: str = "b") -> dict:
+    """Seconds from the fault to node ``node``'s restart, rendezvous done, worker start, resume."""
+    out = {}
+    for name in ("restart", "rendezvous", "start", "resume"):
+        e = next((e for e in events if e["event"] == name and e["time"] > after and e.get("node", node) == node), None)
+        out[name] = round(e["time"] - after, 2) if e else None
+    return out
+
+
+def one_round(args, work: Path, data: str) -> dict:
+    run_dir = work / "run"
+    sets = [f"run.dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}", f"data.path={data}", f"train.steps={args.steps}", *args.set]
+    cfg = work / "job.toml"
+    cfg.write_text(Path(args.config).read_text())
+    extra = [a for s in sets for a in ("--set", s)]
+    with netcluster.NetCluster(["store", "a", "b", "c"], tag=f"etb{os.getpid() % 100000}") as cluster:
+        job = netcluster.ClusterJob(cluster, runs.CLI, cfg, work, runs.env_for_tests(), runs.REPO, rdzv_conf=args.rdzv_conf)
+        if args.loss:
+            cluster.packet_loss(args.loss)
+        job.start_store()
+        a, b = job.node("a", *extra), job.node("b", *extra)
+        runs.wait_event(run_dir, "step", 300, b, where=lambda r: r["world_size"] == 2 and r["step"] >= 10)
+        out: dict = {}
+        marks: dict = {}
+        if args.steady:  # a fault-free stretch: any restart or node_lost here is a false loss
+            t0 = time.time()
+            time.sleep(args.steady)
+            quiet = [e for e in runs.read_events(run_dir) if e["time"] > t0 and e["event"] in ("restart", "node_lost")]
+            steps = [e for e in runs.read_events(run_dir, "step") if e["time"] > t0]
+            out["steady"] = {"seconds": args.steady, "steps": len(steps), "false_losses": len(quiet)}
+        cut = marks["silent"] = time.time()
+        cluster.silence("a")
+        out["silent"] = first_step(run_dir, b, cut, 1)
+        healed = marks["rejoin"] = time.time()
+        cluster.heal("a")
+        if args.loss:
+            cluster.packet_loss(args.loss, ["a"])
+        try:
+            out["rejoin"] = first_step(run_dir, b, healed, 2, timeout=120)
+        except AssertionError:
+            out["rejoin"] = None  # a's supervisor stopped instead (see its exit code)
+            job.node("a", *extra)
+            runs.wait_event(run_dir, "step", 180, b, where=lambda r: r["world_size"] == 2 and r["time"] > healed)
+        time.sleep(3)  # a few steps at world 2 (and a commit) before the next fault
+        killed = marks["shrink"] = time.time()
+        cluster.kill_host("a")
+        out["shrink"] = first_step(run_dir, b, killed, 1)
+        joined = marks["grow"] = time.time()
+        c = job.node("c", *extra)
+        out["grow"] = first_step(run_dir, b, joined, 2)
+        ready = next(e for e in runs.read_events(run_dir, "launch") if e["time"] > joined and e["node"] == "c")
+        out["grow_from_ready"] = out["grow"] - (ready["time"] - joined)
+        events = runs.read_events(run_dir)
+        if args.phases:
+            out["phases"] = {m: phases(events, t) for m, t in marks.items()}
+        faults = 3  # the cut, the rejoin, the kill; a grow is the 4th membership change
+        out["node_lost"] = [(e["node"], e["reason"]) for e in events if e["event"] == "node_lost"]
+        out["restarts"] = len([e for e in events if e["event"] == "restart" and e["node"] == "b"])
+        out["unexplained_restarts_b"] = max(0, out["restarts"] - (faults + 1))
+        out["codes"] = {n: p.poll() for n, p in {"a": a, "c": c}.items()}
+    return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(REPO / "configs" / "demo-cpu.toml"))
+    p.add_argument("--rdzv-conf", default=None, help="--rdzv-conf for every node (default: the config's elastic.rdzv_conf)")
+    p.add_argument("--loss", type=int, default=0, help="percent of packets every host drops, whole run")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--steps", type=int, default=2000, help="train.steps (the job is stopped after the measurements)")
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--steady", type=float, default=0, help="seconds of fault-free training at world 2 first (false node loss under --loss)")
+    p.add_argument("--workdir", default=None, help="where the scratch directory goes (kept with --keep)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory (logs, events)")
+    p.add_argument("--phases", action="store_true", help="also print when b restarted, rendezvoused, started, resumed")
+    args = p.parse_args()
+    reason = netcluster.unavailable()
+    if reason:
+        print(f"virtual cluster unavailable: {reason}", file=sys.stderr)
+        return 2
+    print(json.dumps({"machine": machine_info(), "loadavg": loadavg(), "rdzv_conf": args.rdzv_conf, "loss_pct": args.loss}))
+    rows = []
+    for i in range(args.rounds):
+        d = tempfile.mkdtemp(prefix="netbench", dir=args.workdir)
+        try:
+            data = Path(d) / "tokens.bin"
+            from elastic_trainer.worker.data import build_token_file, default_demo_texts
+
+            build_token_file(default_demo_texts(1 << 20), str(data))
+            r = one_round(args, Path(d), str(data))
+        finally:
+            if not args.keep:
+                shutil.rmtree(d, ignore_errors=True)
+        print(json.dumps({"round": i, **r}), flush=True)
+        rows.append(r)
+    med = {m: statistics.median([r[m] for r in rows if r.get(m) is not None] or [float("nan")]) for m in MEASURES}
+    print("| " + " | ".join(f"{m} (s)" for m in MEASURES) + " |")
+    print("|" + "---|" * len(MEASURES))
+    print("| " + " | ".join(f"{med[m]:.1f}" for m in MEASURES) + " |")
+    print(json.dumps({"loadavg_end": loadavg()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""Faults real networks make, on a virtual cluster of network namespaces (tests/fixtures/netcluster.py).
+
+Two one-worker nodes of the demo config, each in its own network namespace with its own address,
+the rendezvous store in a third; ``--local-addr`` and ``GLOO_SOCKET_IFNAME`` as on a cluster.
+
+* ``test_link_cut_mid_step_then_back``: node ``a`` (rank 0, the committer) has its link cut while
+  its processes keep running — a silent node: no reset, no FIN. The survivor trains at world 1
+  within 10 s (``hang_timeout_seconds`` left at the demo's 60 s: liveness, not the watchdog), the
+  cut-off node's workers are stopped before the survivor's new group exists and nothing it did
+  after the cut committed; its link comes back, it rejoins (grow), and every loss of the job
+  matches an uninterrupted world-2 run within 1e-5.
+* ``test_packet_loss_no_false_node_loss`` (soak): 2 % random loss on every host and links limited
+  to 300 Mbit/s for a whole run: no restart, no node_lost.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_trainer import exit_codes
+from tests import runs
+from tests.fixtures.netcluster import ClusterJob
+
+DEMO = runs.REPO / "configs" / "demo-cpu.toml"
+SCHEDULE_STEPS = 200  # train.steps (the lr schedule); both runs are stopped long before it
+SHRINK_BOUND_S = 10.0
+
+
+def demo_sets(run_dir: Path, token_file: str, steps: int = SCHEDULE_STEPS) -> list[str]:
+    sets = [f"run.dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}", f"data.path={token_file}", f"train.steps={steps}"]
+    return [a for s in sets for a in ("--set", s)]
+
+
+def reference_losses(tmp_path: Path, token_file: str, until: int) -> dict[int, float]:
+    """The demo config uninterrupted at world 2 (one node, two workers), steps 1..``until``."""
+    ref = tmp_path / "ref"
+    proc = runs.start_launch(DEMO, *demo_sets(ref, token_file), log=tmp_path / "ref.log")
+    try:
+        runs.wait_event(ref, "step", 300, proc, where=lambda r: r["step"] >= until)
+    finally:
+        runs.stop(proc)
+    return {s: loss for s, loss in runs.step_losses(ref).items() if s <= until}
+
+
+def after(events: list[dict], t: float, name: str, **match) -> list[dict]:
+    return [e for e in events if e["event"] == name and e["time"] > t and all(e.get(k) == v for k, v in match.items())]
+
+
+def test_link_cut_mid_step_then_back(netcluster, token_file, tmp_path):
+    cluster = netcluster(["store", "a", "b"])
+    run_dir = tmp_path / "run"
+    job = ClusterJob(cluster, runs.CLI, DEMO, tmp_path, runs.env_for_tests(), runs.REPO, nnodes="1:2")
+    job.start_store()
+    sets = demo_sets(run_dir, token_file)
+    a, b = job.node("a", *sets), job.node("b", *sets)
+
+    runs.wait_event(run_dir, "checkpoint_committed", 240, b, where=lambda r: r["step"] == 10)
+    runs.wait_event(run_dir, "step", 60, b, where=lambda r: r["step"] >= 11 and r["world_size"] == 2)
+    cut = time.time()
+    cluster.link("a", up=False)  # a's processes keep running; nothing it sends arrives, nothing reaches it
+    shrunk = runs.wait_event(run_dir, "step", 60, b, where=lambda r: r["world_size"] == 1 and r["time"] > cut)
+    restored = time.time()
+    cluster.link("a", up=True)
+    grown = runs.wait_event(run_dir, "step", 90, b, where=lambda r: r["world_size"] == 2 and r["time"] > restored)
+    runs.wait_event(run_dir, "step", 60, b, where=lambda r: r["step"] >= grown["step"] + 2)
+    for p in (a, b):
+        p.send_signal(signal.SIGTERM)  # preemption: commit and stop
+    assert b.wait(120) == exit_codes.PREEMPTED, job.log("b")
+    assert a.wait(60) == exit_codes.PREEMPTED, job.log("a")
+
+    events = runs.read_events(run_dir)
+    shrink_s = shrunk["time"] - cut
+    print(f"\nnetcluster: link cut → first step at world 1 after {shrink_s:.1f}s; link back → world 2 after {grown['time'] - restored:.1f}s")
+    assert shrink_s <= SHRINK_BOUND_S, f"first step at world 1 {shrink_s:.1f}s after the cut (bound {SHRINK_BOUND_S}s)"
+
+    # Detected by liveness on both sides, as membership changes (no restart used up).
+    [peer_lost] = after(events, cut, "node_lost", node="b")
+    assert peer_lost["reason"] == "peer_lost" and peer_lost["lost"][0].startswith(cluster.addr("a") + "_"), peer_lost
+    isolated = after(events, cut, "node_lost", node="a")
+    assert isolated and isolated[0]["reason"] == "isolated" and isolated[0]["no_contact_seconds"] >= 3, isolated
+    restarts = after(events, cut, "restart")
+    assert restarts and all(r["reason"] == "membership_change" and r["remaining_restarts"] == 3 for r in restarts), restarts
+
+    # Fencing: the cut-off node's workers (rank 0, the committer) were stopped before the
+    # survivor's new group started, and every commit after the cut is the new groups'.
+    old_workers = [e["pids"] for e in events if e["event"] == "workers_started" and e["node"] == "a" and e["time"] < cut][-1]
+    assert isolated[0]["killed"] == old_workers, (isolated[0], old_workers)
+    starts = after(events, cut, "start")
+    assert isolated[0]["time"] < starts[0]["time"], "the cut-off node's workers still ran when the new group started"
+    for c in after(events, cut, "checkpoint_committed"):
+        gen = [s for s in starts if s["time"] < c["time"]]
+        assert gen and gen[-1]["world_size"] == c["world_size"], f"commit {c} not made by a group started after the cut"
+
+    # The loss curve continues through both reshards.
+    losses = runs.step_losses(run_dir)
+    last = max(losses)
+    assert sorted(losses) == list(range(1, last + 1))
+    reference = reference_losses(tmp_path, token_file, last)
+    for step, ref in reference.items():
+        assert runs.close_rel(losses[step], ref, 1e-5), f"step {step}: {losses[step]!r} vs reference {ref!r}"
+    reshards = [(e["from_world_size"], e["to_world_size"]) for e in events if e["event"] == "reshard"]
+    assert reshards == [(2, 1), (1, 2)], reshards
+
+
+@pytest.mark.soak
+def test_packet_loss_no_false_node_loss(netcluster, token_file, tmp_path):
+    steps = 300
+    cluster = netcluster(["store", "a", "b"])
+    cluster.packet_loss(2)
+    for name in ("a", "b"):
+        cluster.rate_limit(name, 300)
+    run_dir = tmp_path / "run"
+    job = ClusterJob(cluster, runs.CLI, DEMO, tmp_path, runs.env_for_tests(), runs.REPO, nnodes="2:2")
+    job.start_store()
+    sets = demo_sets(run_dir, token_file, steps)
+    a, b = job.node("a", *sets), job.node("b", *sets)
+    assert b.wait(900) == 0, job.log("b")
+    assert a.wait(60) == 0, job.log("a")
+    events = runs.read_events(run_dir)
+    assert not [e for e in events if e["event"] in ("restart", "node_lost")]
+    assert sorted(runs.step_losses(run_dir)) == list(range(1, steps + 1))
