@@ -46,6 +46,35 @@ def first_step(run_dir: Path, node_proc, after: float, world: int, timeout: floa
     return rec["time"] - after
 
 
+def _window(run_dir: Path, seconds: float) -> tuple[float, int]:
+    """(steps per second, restarts + node_lost events) over the next ``seconds``."""
+    t0 = time.time()
+    time.sleep(seconds)
+    events = [e for e in runs.read_events(run_dir) if e["time"] > t0]
+    steps = [e for e in events if e["event"] == "step" and e.get("world_size") == 2]
+    return len(steps) / (time.time() - t0), len([e for e in events if e["event"] in ("restart", "node_lost")])
+
+
+def steady(args, cluster, run_dir: Path) -> dict:
+    """Fault-free training at world 2: clean, then ``--steady-loss`` % loss on every host and
+    ``--steady-rate`` Mbit/s on every node's link, then clean again (side by side in one job).
+    Any restart or node_lost in the lossy window is a false node loss."""
+    clean1, false1 = _window(run_dir, args.steady)
+    cluster.packet_loss(args.steady_loss)
+    if args.steady_rate:
+        for n in ("a", "b"):
+            cluster.rate_limit(n, args.steady_rate)
+    lossy, false_lossy = _window(run_dir, args.steady)
+    cluster.heal()
+    for n in ("a", "b"):
+        cluster.unlimit(n)
+    if args.loss:
+        cluster.packet_loss(args.loss)
+    clean2, false2 = _window(run_dir, args.steady)
+    return {"steps_per_s_clean": round((clean1 + clean2) / 2, 3), "steps_per_s_lossy": round(lossy, 3),
+            "ratio": round(lossy / ((clean1 + clean2) / 2), 3), "false_losses": false1 + false_lossy + false2}
+
+
 def phases(events: list[dict], after: float, node: str = "b") -> dict:
     """Seconds from the fault to node ``node``'s restart, rendezvous done, worker start, resume."""
     out = {}
@@ -70,12 +99,8 @@ def one_round(args, work: Path, data: str) -> dict:
         runs.wait_event(run_dir, "step", 300, b, where=lambda r: r["world_size"] == 2 and r["step"] >= 10)
         out: dict = {}
         marks: dict = {}
-        if args.steady:  # a fault-free stretch: any restart or node_lost here is a false loss
-            t0 = time.time()
-            time.sleep(args.steady)
-            quiet = [e for e in runs.read_events(run_dir) if e["time"] > t0 and e["event"] in ("restart", "node_lost")]
-            steps = [e for e in runs.read_events(run_dir, "step") if e["time"] > t0]
-            out["steady"] = {"seconds": args.steady, "steps": len(steps), "false_losses": len(quiet)}
+        if args.steady:
+            out["steady"] = steady(args, cluster, run_dir)
         cut = marks["silent"] = time.time()
         cluster.silence("a")
         out["silent"] = first_step(run_dir, b, cut, 1)
@@ -117,7 +142,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--steps", type=int, default=2000, help="train.steps (the job is stopped after the measurements)")
     p.add_argument("--set", action="append", default=[])
-    p.add_argument("--steady", type=float, default=0, help="seconds of fault-free training at world 2 first (false node loss under --loss)")
+    p.add_argument("--steady", type=float, default=0, help="seconds per window of the fault-free throughput check (clean, lossy, clean) first")
+    p.add_argument("--steady-loss", type=int, default=2, help="percent loss of the lossy window")
+    p.add_argument("--steady-rate", type=float, default=300, help="Mbit/s rate limit of the lossy window (0: none)")
     p.add_argument("--workdir", default=None, help="where the scratch directory goes (kept with --keep)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (logs, events)")
     p.add_argument("--phases", action="store_true", help="also print when b restarted, rendezvoused, started, resumed")

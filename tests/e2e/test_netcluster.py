@@ -15,7 +15,9 @@ the rendezvous store in a third; ``--local-addr`` and ``GLOO_SOCKET_IFNAME`` as 
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +25,7 @@ import pytest
 
 from elastic_trainer import exit_codes
 from tests import runs
-from tests.fixtures.netcluster import ClusterJob
+from tests.fixtures.netcluster import ClusterJob, NetCluster, unavailable
 
 DEMO = runs.REPO / "configs" / "demo-cpu.toml"
 SCHEDULE_STEPS = 200  # train.steps (the lr schedule); both runs are stopped long before it
@@ -106,6 +108,45 @@ def test_link_cut_mid_step_then_back(netcluster, token_file, tmp_path):
     assert reshards == [(2, 1), (1, 2)], reshards
 
 
+def _reaches(cluster: NetCluster, src: str, dst: str, port: int = 9) -> bool:
+    """A TCP connect from ``src`` to ``dst``: refused (RST) counts as reachable, a timeout not."""
+    code = (
+        "import socket,sys\n"
+        f"try: socket.create_connection(({cluster.addr(dst)!r}, {port}), timeout=0.5)\n"
+        "except ConnectionRefusedError: sys.exit(0)\n"
+        "except OSError: sys.exit(1)\n"
+    )
+    return cluster.exec(src, sys.executable, "-c", code, check=False).returncode == 0
+
+
+def test_faults_and_teardown(tmp_path):
+    """Each fault does what it says (silence: no answer at all, not even a reset; partition: only
+    between the two), and the cluster leaves nothing behind, also when the test body fails."""
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"virtual cluster unavailable: {reason}")
+    cluster = NetCluster(["store", "a", "b"], tag=f"et{os.getpid() % 100000}t")
+    with pytest.raises(RuntimeError, match="test body failed"):
+        with cluster:
+            proc = cluster.popen("a", ["sleep", "300"], tmp_path / "sleep.log")
+            assert _reaches(cluster, "a", "b") and _reaches(cluster, "a", "store")
+            cluster.partition("a", "b")
+            assert not _reaches(cluster, "a", "b") and not _reaches(cluster, "b", "a") and _reaches(cluster, "a", "store")
+            cluster.heal()
+            cluster.silence("b")
+            assert not _reaches(cluster, "a", "b") and not _reaches(cluster, "store", "b")
+            cluster.heal()
+            cluster.link("b", up=False)
+            assert not _reaches(cluster, "a", "b")
+            cluster.link("b", up=True)
+            cluster.rate_limit("b", 300)
+            assert "tbf" in cluster.exec("b", "tc", "qdisc", "show", "dev", "eth0").stdout
+            assert cluster.leftovers()
+            raise RuntimeError("test body failed")
+    assert cluster.leftovers() == []
+    assert proc.wait(5) is not None  # killed with its namespace
+
+
 @pytest.mark.soak
 def test_packet_loss_no_false_node_loss(netcluster, token_file, tmp_path):
     steps = 300
@@ -123,3 +164,37 @@ def test_packet_loss_no_false_node_loss(netcluster, token_file, tmp_path):
     events = runs.read_events(run_dir)
     assert not [e for e in events if e["event"] in ("restart", "node_lost")]
     assert sorted(runs.step_losses(run_dir)) == list(range(1, steps + 1))
+
+
+@pytest.mark.soak
+def test_store_partition_then_heal(netcluster, token_file, tmp_path):
+    """The store host unreachable for longer than the liveness bound: every node stops its own
+    workers (none can tell a dead store from being cut off itself), so no group trains on; once
+    the store is back, the nodes re-form and resume from the newest commit."""
+    cluster = netcluster(["store", "a", "b"])
+    run_dir = tmp_path / "run"
+    job = ClusterJob(cluster, runs.CLI, DEMO, tmp_path, runs.env_for_tests(), runs.REPO, nnodes="1:2")
+    job.start_store()
+    sets = demo_sets(run_dir, token_file)
+    a, b = job.node("a", *sets), job.node("b", *sets)
+    runs.wait_event(run_dir, "checkpoint_committed", 240, b, where=lambda r: r["step"] == 10)
+    cut = time.time()
+    cluster.silence("store")
+    for node in ("a", "b"):
+        runs.wait_event(run_dir, "node_lost", 30, b, where=lambda r, node=node: r["node"] == node and r["time"] > cut)
+    quiet_from = time.time()
+    time.sleep(5)
+    healed = time.time()
+    cluster.heal("store")
+    resumed = runs.wait_event(run_dir, "step", 120, b, where=lambda r: r["world_size"] == 2 and r["time"] > healed)
+    for p in (a, b):
+        p.send_signal(signal.SIGTERM)
+    assert b.wait(120) == exit_codes.PREEMPTED, job.log("b")
+    assert a.wait(60) == exit_codes.PREEMPTED, job.log("a")
+
+    events = runs.read_events(run_dir)
+    assert not [e for e in events if e["event"] == "step" and quiet_from < e["time"] < healed], "a group trained while the store was unreachable"
+    newest = max(e["step"] for e in events if e["event"] == "checkpoint_committed" and e["time"] < healed)
+    [resume] = [e for e in events if e["event"] == "resume" and e["time"] > healed][:1]
+    assert resume["step"] == newest and resumed["step"] == newest + 1, (resume, newest)
+    assert all(r["reason"] == "membership_change" for r in after(events, cut, "restart"))
