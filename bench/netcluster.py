@@ -1,7 +1,7 @@
 """Silent node loss, rejoin, shrink and grow of the demo on a virtual cluster of network namespaces.
 
     python bench/netcluster.py [--config configs/demo-cpu.toml] [--rdzv-conf K=V,...] [--loss PCT]
-                               [--rounds 1] [--steps 400] [--set k=v ...]
+                               [--rounds 1] [--steady SECONDS] [--phases] [--set k=v ...]
 
 Needs root, iproute2 and nftables (scripts/system-deps.d/50-netns.sh). Builds the namespace
 cluster of tests/fixtures/netcluster.py (store + nodes a, b, c on a bridge, 198.51.100.0/24), runs
@@ -15,8 +15,11 @@ the config with one worker per node, and measures, on one job:
            supervisor being ready, its ``launch`` event: without the interpreter start and imports).
 
 With ``--loss PCT`` every host drops PCT % of the packets it receives for the whole job, and the
-script counts restarts and ``node_lost`` events that no fault caused (false node loss). Prints one
-JSON line per round and a Markdown table of the medians.
+script counts b's restarts beyond the four the faults cause (false node loss). With ``--steady S``
+the first round starts with three fault-free windows of S seconds at world 2: clean, 2 % loss on
+every host with every node's link limited to 300 Mbit/s, clean again; it reports the steps/s
+ratio and any restart or ``node_lost`` (false node loss) in them. Prints one JSON line per round
+and a Markdown table of the medians.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def phases(events: list[dict], after: float, node: str = "b") -> dict:
     return out
 
 
-def one_round(args, work: Path, data: str) -> dict:
+def one_round(args, work: Path, data: str, first: bool) -> dict:
     run_dir = work / "run"
     sets = [f"run.dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}", f"data.path={data}", f"train.steps={args.steps}", *args.set]
     cfg = work / "job.toml"
@@ -99,7 +102,7 @@ def one_round(args, work: Path, data: str) -> dict:
         runs.wait_event(run_dir, "step", 300, b, where=lambda r: r["world_size"] == 2 and r["step"] >= 10)
         out: dict = {}
         marks: dict = {}
-        if args.steady:
+        if args.steady and first:
             out["steady"] = steady(args, cluster, run_dir)
         cut = marks["silent"] = time.time()
         cluster.silence("a")
@@ -142,7 +145,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--steps", type=int, default=2000, help="train.steps (the job is stopped after the measurements)")
     p.add_argument("--set", action="append", default=[])
-    p.add_argument("--steady", type=float, default=0, help="seconds per window of the fault-free throughput check (clean, lossy, clean) first")
+    p.add_argument("--steady", type=float, default=0, help="seconds per window of the fault-free throughput check (clean, lossy, clean), first round only")
     p.add_argument("--steady-loss", type=int, default=2, help="percent loss of the lossy window")
     p.add_argument("--steady-rate", type=float, default=300, help="Mbit/s rate limit of the lossy window (0: none)")
     p.add_argument("--workdir", default=None, help="where the scratch directory goes (kept with --keep)")
@@ -162,7 +165,7 @@ def main() -> int:
             from elastic_trainer.worker.data import build_token_file, default_demo_texts
 
             build_token_file(default_demo_texts(1 << 20), str(data))
-            r = one_round(args, Path(d), str(data))
+            r = one_round(args, Path(d), str(data), first=i == 0)
         finally:
             if not args.keep:
                 shutil.rmtree(d, ignore_errors=True)

@@ -52,14 +52,28 @@ def after(events: list[dict], t: float, name: str, **match) -> list[dict]:
     return [e for e in events if e["event"] == name and e["time"] > t and all(e.get(k) == v for k, v in match.items())]
 
 
-def test_link_cut_mid_step_then_back(netcluster, token_file, tmp_path):
+def two_nodes(netcluster, token_file: str, tmp_path: Path, nnodes: str = "1:2", steps: int = SCHEDULE_STEPS, network=lambda cluster: None):
+    """The store and nodes ``a`` (rank 0) and ``b`` running the demo, one worker each;
+    ``network(cluster)`` runs before anything starts. Returns (cluster, job, run_dir, a, b)."""
     cluster = netcluster(["store", "a", "b"])
+    network(cluster)
     run_dir = tmp_path / "run"
-    job = ClusterJob(cluster, runs.CLI, DEMO, tmp_path, runs.env_for_tests(), runs.REPO, nnodes="1:2")
+    job = ClusterJob(cluster, runs.CLI, DEMO, tmp_path, runs.env_for_tests(), runs.REPO, nnodes=nnodes)
     job.start_store()
-    sets = demo_sets(run_dir, token_file)
-    a, b = job.node("a", *sets), job.node("b", *sets)
+    sets = demo_sets(run_dir, token_file, steps)
+    return cluster, job, run_dir, job.node("a", *sets), job.node("b", *sets)
 
+
+def preempt(job: ClusterJob, a, b) -> None:
+    """SIGTERM both supervisors: the workers commit the current step and both exit 75."""
+    for p in (a, b):
+        p.send_signal(signal.SIGTERM)
+    assert b.wait(120) == exit_codes.PREEMPTED, job.log("b")
+    assert a.wait(60) == exit_codes.PREEMPTED, job.log("a")
+
+
+def test_link_cut_mid_step_then_back(netcluster, token_file, tmp_path):
+    cluster, job, run_dir, a, b = two_nodes(netcluster, token_file, tmp_path)
     runs.wait_event(run_dir, "checkpoint_committed", 240, b, where=lambda r: r["step"] == 10)
     runs.wait_event(run_dir, "step", 60, b, where=lambda r: r["step"] >= 11 and r["world_size"] == 2)
     cut = time.time()
@@ -69,10 +83,7 @@ def test_link_cut_mid_step_then_back(netcluster, token_file, tmp_path):
     cluster.link("a", up=True)
     grown = runs.wait_event(run_dir, "step", 90, b, where=lambda r: r["world_size"] == 2 and r["time"] > restored)
     runs.wait_event(run_dir, "step", 60, b, where=lambda r: r["step"] >= grown["step"] + 2)
-    for p in (a, b):
-        p.send_signal(signal.SIGTERM)  # preemption: commit and stop
-    assert b.wait(120) == exit_codes.PREEMPTED, job.log("b")
-    assert a.wait(60) == exit_codes.PREEMPTED, job.log("a")
+    preempt(job, a, b)
 
     events = runs.read_events(run_dir)
     shrink_s = shrunk["time"] - cut
@@ -150,15 +161,13 @@ def test_faults_and_teardown(tmp_path):
 @pytest.mark.soak
 def test_packet_loss_no_false_node_loss(netcluster, token_file, tmp_path):
     steps = 300
-    cluster = netcluster(["store", "a", "b"])
-    cluster.packet_loss(2)
-    for name in ("a", "b"):
-        cluster.rate_limit(name, 300)
-    run_dir = tmp_path / "run"
-    job = ClusterJob(cluster, runs.CLI, DEMO, tmp_path, runs.env_for_tests(), runs.REPO, nnodes="2:2")
-    job.start_store()
-    sets = demo_sets(run_dir, token_file, steps)
-    a, b = job.node("a", *sets), job.node("b", *sets)
+
+    def lossy(cluster):
+        cluster.packet_loss(2)
+        for name in ("a", "b"):
+            cluster.rate_limit(name, 300)
+
+    cluster, job, run_dir, a, b = two_nodes(netcluster, token_file, tmp_path, nnodes="2:2", steps=steps, network=lossy)
     assert b.wait(900) == 0, job.log("b")
     assert a.wait(60) == 0, job.log("a")
     events = runs.read_events(run_dir)
@@ -171,12 +180,7 @@ def test_store_partition_then_heal(netcluster, token_file, tmp_path):
     """The store host unreachable for longer than the liveness bound: every node stops its own
     workers (none can tell a dead store from being cut off itself), so no group trains on; once
     the store is back, the nodes re-form and resume from the newest commit."""
-    cluster = netcluster(["store", "a", "b"])
-    run_dir = tmp_path / "run"
-    job = ClusterJob(cluster, runs.CLI, DEMO, tmp_path, runs.env_for_tests(), runs.REPO, nnodes="1:2")
-    job.start_store()
-    sets = demo_sets(run_dir, token_file)
-    a, b = job.node("a", *sets), job.node("b", *sets)
+    cluster, job, run_dir, a, b = two_nodes(netcluster, token_file, tmp_path)
     runs.wait_event(run_dir, "checkpoint_committed", 240, b, where=lambda r: r["step"] == 10)
     cut = time.time()
     cluster.silence("store")
@@ -187,10 +191,7 @@ def test_store_partition_then_heal(netcluster, token_file, tmp_path):
     healed = time.time()
     cluster.heal("store")
     resumed = runs.wait_event(run_dir, "step", 120, b, where=lambda r: r["world_size"] == 2 and r["time"] > healed)
-    for p in (a, b):
-        p.send_signal(signal.SIGTERM)
-    assert b.wait(120) == exit_codes.PREEMPTED, job.log("b")
-    assert a.wait(60) == exit_codes.PREEMPTED, job.log("a")
+    preempt(job, a, b)
 
     events = runs.read_events(run_dir)
     assert not [e for e in events if e["event"] == "step" and quiet_from < e["time"] < healed], "a group trained while the store was unreachable"
