@@ -61,6 +61,7 @@ def _make_agent_class():
         _node_lost = None  # liveness.Verdict of the restart under way
         _isolated = None  # seconds without store contact when the ContactWatch stopped the workers
         contact_watch = None
+        watch_liveness = False  # several nodes: a single node has no peer to lose
 
         def _monitor_workers(self, worker_group):
             from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
@@ -199,7 +200,7 @@ def _make_agent_class():
         def _rendezvous(self, worker_group):
             t0 = time.monotonic()
             super()._rendezvous(worker_group)
-            self._joined = liveness.membership(worker_group.spec.rdzv_handler)
+            self._joined = liveness.membership(worker_group.spec.rdzv_handler) if self.watch_liveness else None
             self._isolated = None
             if self.contact_watch is not None:
                 self.contact_watch.reset()
@@ -349,9 +350,11 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
     agent.preempt_marker = preempt_marker
     agent.zygote = zygote
     agent.commits = commits
-    agent.contact_watch = liveness.ContactWatch(
-        spec.rdzv_handler, armed=lambda: agent._worker_group.state == WorkerState.HEALTHY, on_isolated=agent._on_isolated  # noqa: SLF001 - our agent
-    ).start()
+    agent.watch_liveness = config.max_nodes > 1
+    if agent.watch_liveness:
+        agent.contact_watch = liveness.ContactWatch(
+            spec.rdzv_handler, armed=lambda: agent._worker_group.state == WorkerState.HEALTHY, on_isolated=agent._on_isolated  # noqa: SLF001 - our agent
+        ).start()
     shutdown_rdzv = True
     try:
         return agent.run()
@@ -363,7 +366,8 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
             shutdown_rdzv = False
         raise
     finally:
-        agent.contact_watch.stop()
+        if agent.contact_watch is not None:
+            agent.contact_watch.stop()
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
         if agent.zygote is not None:
