@@ -16,9 +16,9 @@ the config with one worker per node, and measures, on one job:
 
 With ``--loss PCT`` every host drops PCT % of the packets it receives for the whole job, and the
 script counts b's restarts beyond the four the faults cause (false node loss). With ``--steady S``
-the first round starts with three fault-free windows of S seconds at world 2: clean, 2 % loss on
-every host with every node's link limited to 300 Mbit/s, clean again; it reports the steps/s
-ratio and any restart or ``node_lost`` (false node loss) in them. Prints one JSON line per round
+the first round starts with fault-free windows of S seconds at world 2: clean, 2 % loss on every
+host, every node's link limited to 300 Mbit/s, both, clean again; it reports each one's steps/s
+against the clean ones and any restart or ``node_lost`` (false node loss) in them. Prints one JSON line per round
 and a Markdown table of the medians.
 """
 
@@ -59,23 +59,32 @@ def _window(run_dir: Path, seconds: float) -> tuple[float, int]:
 
 
 def steady(args, cluster, run_dir: Path) -> dict:
-    """Fault-free training at world 2: clean, then ``--steady-loss`` % loss on every host and
-    ``--steady-rate`` Mbit/s on every node's link, then clean again (side by side in one job).
-    Any restart or node_lost in the lossy window is a false node loss."""
-    clean1, false1 = _window(run_dir, args.steady)
-    cluster.packet_loss(args.steady_loss)
-    if args.steady_rate:
-        for n in ("a", "b"):
+    """Fault-free training at world 2 in windows side by side in one job: clean, ``--steady-loss``
+    % loss on every host, every node's link limited to ``--steady-rate`` Mbit/s, both, clean
+    again. Any restart or node_lost in a window is a false node loss."""
+    nodes = ("a", "b")
+
+    def loss():
+        cluster.packet_loss(args.steady_loss)
+
+    def rate():
+        for n in nodes:
             cluster.rate_limit(n, args.steady_rate)
-    lossy, false_lossy = _window(run_dir, args.steady)
-    cluster.heal()
-    for n in ("a", "b"):
-        cluster.unlimit(n)
+
+    def clear():
+        cluster.heal()
+        for n in nodes:
+            cluster.unlimit(n)
+
+    out, false = {}, 0
+    for name, setup in (("clean", clear), ("loss", loss), ("rate", lambda: (clear(), rate())), ("loss_rate", loss), ("clean2", clear)):
+        setup()
+        out[name], n = _window(run_dir, args.steady)
+        false += n
     if args.loss:
         cluster.packet_loss(args.loss)
-    clean2, false2 = _window(run_dir, args.steady)
-    return {"steps_per_s_clean": round((clean1 + clean2) / 2, 3), "steps_per_s_lossy": round(lossy, 3),
-            "ratio": round(lossy / ((clean1 + clean2) / 2), 3), "false_losses": false1 + false_lossy + false2}
+    clean = (out.pop("clean") + out.pop("clean2")) / 2
+    return {"steps_per_s_clean": round(clean, 3), **{f"ratio_{k}": round(v / clean, 3) for k, v in out.items()}, "false_losses": false}
 
 
 def phases(events: list[dict], after: float, node: str = "b") -> dict:

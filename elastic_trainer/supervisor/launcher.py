@@ -21,6 +21,7 @@ from . import liveness, options, policy
 
 logger = logging.getLogger(__name__)
 
+
 def node_name() -> str:
     """This node's name in events: ``ELASTIC_TRAINER_NODE`` when set, else the host name."""
     return os.environ.get("ELASTIC_TRAINER_NODE") or os.uname().nodename
@@ -168,7 +169,7 @@ def _make_agent_class():
             from torch.distributed.elastic.agent.server.api import WorkerState
 
             if self._node_lost is not None:  # blocked in a collective with a silent peer: no grace helps
-                self._shutdown(death_sig=signal.SIGKILL, timeout=0)
+                self._shutdown(death_sig=signal.SIGKILL, timeout=policy.FAILED_STOP_GRACE_SECONDS)  # returns once they are gone
                 return
             result = self._last_result
             failed = result is not None and result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)

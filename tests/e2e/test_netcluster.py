@@ -160,7 +160,7 @@ def test_faults_and_teardown(tmp_path):
 
 @pytest.mark.soak
 def test_packet_loss_no_false_node_loss(netcluster, token_file, tmp_path):
-    steps = 300
+    steps = 150
 
     def lossy(cluster):
         cluster.packet_loss(2)
