@@ -9,8 +9,10 @@ the rendezvous store in a third; ``--local-addr`` and ``GLOO_SOCKET_IFNAME`` as 
   cut-off node's workers are stopped before the survivor's new group exists and nothing it did
   after the cut committed; its link comes back, it rejoins (grow), and every loss of the job
   matches an uninterrupted world-2 run within 1e-5.
-* ``test_packet_loss_no_false_node_loss`` (soak): 2 % random loss on every host and links limited
-  to 300 Mbit/s for a whole run: no restart, no node_lost.
+* ``test_faults_and_teardown``: each fault does what it says, and nothing is left behind.
+* soak: ``test_packet_loss_no_false_node_loss`` (2 % random loss on every host and links limited
+  to 300 Mbit/s for a whole run: no restart, no node_lost), ``test_store_partition_then_heal``,
+  ``test_slow_lossy_object_store`` (checkpoints to S3 behind 3 MB/s with 5 % loss).
 """
 
 from __future__ import annotations
@@ -199,3 +201,49 @@ def test_store_partition_then_heal(netcluster, token_file, tmp_path):
     [resume] = [e for e in events if e["event"] == "resume" and e["time"] > healed][:1]
     assert resume["step"] == newest and resumed["step"] == newest + 1, (resume, newest)
     assert all(r["reason"] == "membership_change" for r in after(events, cut, "restart"))
+
+
+@pytest.mark.soak
+def test_slow_lossy_object_store(netcluster, token_file, tmp_path):
+    """Checkpoints go to an S3 server (SeaweedFS) behind a 24 Mbit/s (3 MB/s) link with 5 %
+    packet loss: saves take long, but they commit, no healthy worker is taken for hung (storage
+    time is bounded by the save deadline, not the hang watchdog), and training goes on."""
+    from tests.fixtures import s3 as s3fix
+
+    weed = s3fix._weed_binary()  # noqa: SLF001 - the S3 fixture's own binary lookup
+    if weed is None:
+        pytest.skip("SeaweedFS `weed` binary not installed")
+    cluster = netcluster(["store", "a", "b", "s3"])
+    addr, root = cluster.addr("s3"), tmp_path / "seaweedfs"
+    (root / "data").mkdir(parents=True)
+    key, secret = "AKNETCLUSTER", "netcluster-secret-key"
+    s3fix._write_identity(root / "s3.json", key, secret)  # noqa: SLF001
+    names = ["master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc", "admin", "admin_grpc"]
+    ports = {n: 18000 + i for i, n in enumerate(names)}  # inside the s3 host's own namespace
+    cluster.popen("s3", s3fix._weed_argv(weed, root, root / "s3.json", ports, ip=addr), tmp_path / "weed.log", cwd=root)  # noqa: SLF001
+    endpoint = f"http://{addr}:{ports['s3']}"
+    env = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": s3fix.REGION}
+    make_bucket = (
+        "import sys,time; sys.path.insert(0, %r); from tests.fixtures.s3 import make_fs\n"
+        "for _ in range(150):\n"
+        "    try: make_fs(%r, %r, %r).mkdir('ckpt'); sys.exit(0)\n"
+        "    except Exception: time.sleep(0.2)\n"
+        "sys.exit(1)\n" % (str(runs.REPO), endpoint, key, secret)
+    )
+    assert cluster.exec("a", sys.executable, "-c", make_bucket, check=False).returncode == 0, (tmp_path / "weed.log").read_text()[-2000:]
+    cluster.rate_limit("s3", 24)
+    cluster.packet_loss(5, ["s3"])
+
+    run_dir = tmp_path / "run"
+    job = ClusterJob(cluster, runs.CLI, DEMO, tmp_path, runs.env_for_tests(env), runs.REPO, nnodes="2:2")
+    job.start_store()
+    sets = demo_sets(run_dir, token_file, steps=60) + ["--set", "checkpoint.dir=s3://ckpt/run", "--set", f"checkpoint.s3_endpoint_url={endpoint}"]
+    a, b = job.node("a", *sets), job.node("b", *sets)
+    assert b.wait(600) == 0, job.log("b")
+    assert a.wait(60) == 0, job.log("a")
+    events = runs.read_events(run_dir)
+    assert not [e for e in events if e["event"] in ("restart", "node_lost")]
+    commits = [e for e in events if e["event"] == "checkpoint_committed"]
+    assert commits and commits[-1]["step"] == 60, commits
+    assert sorted(runs.step_losses(run_dir)) == list(range(1, 61))
+    print(f"\nslow object store: {len(commits)} commits, save seconds {[c['seconds'] for c in commits]}")
