@@ -139,7 +139,7 @@ class ElasticConfig:
     # The default re-forms the group within seconds of a node loss or join (torch's defaults:
     # ~45 s). Run the store with 'elastic-trainer store' so that no node's loss stops the job
     # (docs/elasticity.md); add is_host=false to require it.
-    rdzv_conf: str = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
+    rdzv_conf: str = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
     hang_timeout_seconds: float = 120.0
     monitor_interval_seconds: float = 0.1  # detection latency of a dead worker; polls are cheap (waitpid)
     # Start workers by forking a pre-imported interpreter (the supervisor's zygote) instead of a

@@ -12,6 +12,7 @@ _FIXTURE_MODULES = [
     "tests.fixtures.faultproxy",
     "tests.fixtures.prometheus",
     "tests.fixtures.slurm",
+    "tests.fixtures.netcluster",
 ]
 
 pytest_plugins = [m for m in _FIXTURE_MODULES if importlib.util.find_spec(m) is not None]

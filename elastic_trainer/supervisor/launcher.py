@@ -17,9 +17,15 @@ from .. import exit_codes
 from ..config import Config
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
-from . import options, policy
+from . import liveness, options, policy
 
 logger = logging.getLogger(__name__)
+
+
+def node_name() -> str:
+    """This node's name in events: ``ELASTIC_TRAINER_NODE`` when set, else the host name."""
+    return os.environ.get("ELASTIC_TRAINER_NODE") or os.uname().nodename
+
 
 def uses_external_store(config) -> bool:
     """True when this agent joins a store it does not host (``is_host=false``)."""
@@ -50,16 +56,64 @@ def _make_agent_class():
         _last_result = None
         _failure_restarts = 0
         _last_restart = float("-inf")
+        _joined = None  # liveness.Membership right after this node's last rendezvous
+        _node_lost = None  # liveness.Verdict of the restart under way
+        _isolated = None  # seconds without store contact when the ContactWatch stopped the workers
+        contact_watch = None
+        watch_liveness = False  # several nodes: a single node has no peer to lose
 
         def _monitor_workers(self, worker_group):
+            from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
             result = super()._monitor_workers(worker_group)
             self._last_result = result
+            found = self._liveness_verdict(result)
+            if found is not None:
+                # A membership change torch's loop would only see at the next rendezvous: restart
+                # here (torch's loop then finds the new group healthy), without using up a restart.
+                self._node_lost = found
+                try:
+                    self._last_result = RunResult(state=WorkerState.HEALTHY)
+                    self._restart_workers(worker_group)
+                finally:
+                    self._node_lost = None
+                return RunResult(state=worker_group.state)
             if result.is_failed() and self._remaining_restarts > 0:
                 code = policy.terminal_code([f.exitcode for f in result.failures.values()])
                 if code is not None:  # non-finite stop / fenced: restarting would only repeat it
                     self.events.emit("job_stopped", exit_code=code, failures=policy.describe_failures(result.failures))
                     self._remaining_restarts = 0
             return result
+
+        def _liveness_verdict(self, result):
+            """A silent peer or this node cut off (see :mod:`.liveness`), or None."""
+            from torch.distributed.elastic.agent.server.api import WorkerState
+
+            if self._isolated is not None:  # the ContactWatch stopped the workers (and said so)
+                return liveness.Verdict(liveness.ISOLATED) if result.state != WorkerState.SUCCEEDED else None
+            if result.state != WorkerState.HEALTHY:
+                return None
+            found = liveness.verdict(self._joined, liveness.membership(self._worker_group.spec.rdzv_handler))
+            if found is not None:
+                self._emit_node_lost(found.reason, list(found.lost))
+            return found
+
+        def _emit_node_lost(self, reason: str, lost: list[str], **fields) -> None:
+            logger.warning("liveness: %s%s: restarting this node's workers as a membership change", reason, f" ({', '.join(lost)})" if lost else "")
+            self.events.emit("node_lost", reason=reason, lost=lost, node=node_name(), mono=time.monotonic(), **fields)
+
+        def _on_isolated(self, seconds: float) -> None:
+            """ContactWatch thread: no store contact beyond the liveness bound. The others drop
+            this node now; its workers must stop before their new group can commit (fencing)."""
+            self._isolated = seconds
+            pcontext = self._pcontext
+            pids = sorted(pcontext.pids().values()) if pcontext is not None else []
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self._emit_node_lost(liveness.ISOLATED, [], no_contact_seconds=round(seconds, 3), killed=pids)
 
         def _start_workers(self, worker_group):
             from . import warm
@@ -79,7 +133,7 @@ def _make_agent_class():
                 zygote_pid=zygote.pid if zygote is not None else None,
                 zygote_threads=(zygote.info or {}).get("threads") if zygote is not None else None,
                 seconds=round(time.monotonic() - t0, 4),
-                node=os.environ.get("ELASTIC_TRAINER_NODE", os.uname().nodename),
+                node=node_name(),
                 mono=time.monotonic(),
             )
             if fallbacks:
@@ -112,6 +166,9 @@ def _make_agent_class():
             cannot act on SIGTERM and would hold the restart for the whole grace."""
             from torch.distributed.elastic.agent.server.api import WorkerState
 
+            if self._node_lost is not None:  # blocked in a collective with a silent peer: no grace helps
+                self._shutdown(death_sig=signal.SIGKILL, timeout=policy.FAILED_STOP_GRACE_SECONDS)  # returns once they are gone
+                return
             result = self._last_result
             failed = result is not None and result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
             if self._pcontext is not None:
@@ -142,9 +199,13 @@ def _make_agent_class():
         def _rendezvous(self, worker_group):
             t0 = time.monotonic()
             super()._rendezvous(worker_group)
+            self._joined = liveness.membership(worker_group.spec.rdzv_handler) if self.watch_liveness else None
+            self._isolated = None
+            if self.contact_watch is not None:
+                self.contact_watch.reset()
             self.events.emit(
                 "rendezvous",
-                node=os.environ.get("ELASTIC_TRAINER_NODE", os.uname().nodename),
+                node=node_name(),
                 pid=os.getpid(),
                 group_rank=worker_group.group_rank,
                 nodes=worker_group.group_world_size,
@@ -182,7 +243,7 @@ def _make_agent_class():
                 failures=policy.describe_failures(result.failures) if failed else [],
                 backoff_seconds=delay,
                 progressed=progressed,
-                node=os.environ.get("ELASTIC_TRAINER_NODE", os.uname().nodename),
+                node=node_name(),
                 mono=time.monotonic(),
             )
             if delay:
@@ -207,7 +268,7 @@ def _make_agent_class():
                     to_world_size=_world_size(worker_group),
                     restart_refunded=refund,
                     remaining_restarts=self._remaining_restarts,
-                    node=os.environ.get("ELASTIC_TRAINER_NODE", os.uname().nodename),
+                    node=node_name(),
                 )
             self.metrics.histogram("elastic_trainer_recovery_seconds", time.monotonic() - t0)
 
@@ -242,7 +303,7 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
     """The essential part of torch's ``launch_agent`` with our agent class."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
     from torch.distributed.launcher.api import _get_addr_and_port
 
     if not config.run_id:
@@ -288,6 +349,11 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
     agent.preempt_marker = preempt_marker
     agent.zygote = zygote
     agent.commits = commits
+    agent.watch_liveness = config.max_nodes > 1
+    if agent.watch_liveness:
+        agent.contact_watch = liveness.ContactWatch(
+            spec.rdzv_handler, armed=lambda: agent._worker_group.state == WorkerState.HEALTHY, on_isolated=agent._on_isolated  # noqa: SLF001 - our agent
+        ).start()
     shutdown_rdzv = True
     try:
         return agent.run()
@@ -299,6 +365,8 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
             shutdown_rdzv = False
         raise
     finally:
+        if agent.contact_watch is not None:
+            agent.contact_watch.stop()
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
         if agent.zygote is not None:
@@ -343,7 +411,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
         rdzv_endpoint=config.rdzv_endpoint,
         rdzv_backend=config.rdzv_backend,
         entrypoint=" ".join(map(str, [getattr(cmd, "__name__", cmd), *cmd_args]))[:500],
-        node=os.uname().nodename,
+        node=node_name(),
         pid=os.getpid(),
         mono=time.monotonic(),
     )
@@ -425,8 +493,7 @@ def _start_history(cfg: Config, events_path: str, metrics: MetricsSink):
     except Exception as e:  # noqa: BLE001 - the mirror is a side channel; the workers report storage errors
         logger.warning("event log mirror disabled: %s", e)
         storage = None
-    node = os.environ.get("ELASTIC_TRAINER_NODE", os.uname().nodename)
-    return RunHistory(events_path, storage=storage, node=node, metrics=metrics).start()
+    return RunHistory(events_path, storage=storage, node=node_name(), metrics=metrics).start()
 
 
 def _commit_watch(cfg: Config):

@@ -1,0 +1,142 @@
+"""Silent node loss, detected from torch's rendezvous keep-alives instead of a collective timeout.
+
+Every supervisor's c10d rendezvous handler writes a keep-alive heartbeat into the shared
+rendezvous state every ``keep_alive_interval`` seconds, and torch itself drops a node whose
+heartbeat is older than ``keep_alive_interval × keep_alive_max_attempt`` (the *liveness bound*)
+when it reads that state. Torch only acts on it at the next rendezvous, though: a node that goes
+silent (power, NIC, switch port: no reset, no FIN) leaves its peers' workers blocked in a
+collective until the hang watchdog fires, minutes on a production config.
+
+Here each supervisor compares the group it joined with what torch's handler currently holds:
+
+* a peer of its round has been dropped (heartbeat stale beyond the bound) → **peer lost**: stop
+  this node's workers at once (they are blocked in a collective with the silent peer and would
+  not return) and re-rendezvous, a membership change that does not use up ``max_restarts``;
+* this node is no longer in the current round (the others dropped it while it was cut off) →
+  **isolated**: the same;
+* this node has not reached the store for longer than the bound (checked from a thread, since
+  the agent's own loop blocks in store calls while the store is unreachable) → **isolated**:
+  its workers are stopped at once, before the others' new group can commit anything, so a node
+  that is cut off cannot commit a checkpoint later (fencing).
+
+:func:`verdict` decides (pure, table-tested). Every use of torch's private rendezvous state
+lives in :func:`membership`, :func:`last_contact` and :func:`bound_seconds`;
+``tests/unit/test_liveness.py`` fails loudly when torch changes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+PEER_LOST = "peer_lost"
+ISOLATED = "isolated"
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One node's view of the rendezvous: the round, its participants, the nodes waiting to join
+    the next round, this node."""
+
+    round: int
+    participants: frozenset[str]
+    me: str
+    waiting: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    reason: str  # PEER_LOST or ISOLATED
+    lost: tuple[str, ...] = ()
+
+
+def verdict(joined: Membership | None, now: Membership | None) -> Verdict | None:
+    """What the group this node joined (``joined``, taken right after its rendezvous) has
+    become in the rendezvous state torch holds ``now`` (after it dropped stale heartbeats).
+    None: nothing to do (no dynamic rendezvous, or the group is intact)."""
+    if joined is None or now is None:
+        return None
+    if now.round != joined.round or now.me not in now.participants:
+        return Verdict(ISOLATED)
+    # A peer that left to re-rendezvous (a failure restart) waits for the next round: not lost.
+    lost = tuple(sorted(joined.participants - now.participants - now.waiting - {joined.me}))
+    return Verdict(PEER_LOST, lost) if lost else None
+
+
+def out_of_contact(last_contact: float | None, now: float, bound: float) -> bool:
+    """True when this node last reached the rendezvous store more than ``bound`` seconds ago
+    (monotonic clock): its peers have dropped it, or are about to."""
+    return last_contact is not None and now - last_contact > bound
+
+
+# ---------------------------------------------------------------------- torch's private state
+def _holder(handler):
+    return getattr(handler, "_state_holder", None)
+
+
+def membership(handler) -> Membership | None:
+    """This node's view of the rendezvous in torch's ``DynamicRendezvousHandler`` (c10d/etcd-v2
+    backends), or None for other handlers. Reads only what torch's last store sync left in memory
+    (no I/O): that sync already dropped nodes whose heartbeat is older than the bound."""
+    holder, me = _holder(handler), getattr(handler, "_this_node", None)
+    if holder is None or me is None:
+        return None
+    state = holder.state
+    return Membership(state.round, frozenset(map(repr, state.participants)), repr(me), frozenset(map(repr, state.wait_list | state.redundancy_list)))
+
+
+def last_contact(handler) -> float | None:
+    """``time.monotonic()`` of this node's last successful sync with the rendezvous store (a
+    read or a keep-alive write), or None for other handlers or before the first one."""
+    t = getattr(_holder(handler), "_last_sync_time", None)
+    return t if t is not None and t >= 0 else None
+
+
+def bound_seconds(handler) -> float | None:
+    """torch's liveness bound: ``keep_alive_interval × keep_alive_max_attempt`` seconds."""
+    settings = getattr(handler, "_settings", None)
+    if _holder(handler) is None or settings is None:
+        return None
+    return settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
+
+
+class ContactWatch:
+    """A thread that calls ``on_isolated()`` once when ``handler`` has not reached the store for
+    longer than the liveness bound while ``armed()`` (workers are running). Re-arms after
+    :meth:`reset`. The agent's own loop cannot do this: it blocks in the store call."""
+
+    def __init__(self, handler, armed: Callable[[], bool], on_isolated: Callable[[float], None], poll_seconds: float = 0.2):
+        self._handler, self._armed, self._on_isolated, self._poll = handler, armed, on_isolated, poll_seconds
+        self._bound = bound_seconds(handler)
+        self._stop = threading.Event()
+        self._fired = False
+        self._thread = threading.Thread(target=self._run, name="liveness-contact", daemon=True)
+
+    def start(self) -> "ContactWatch":
+        if self._bound is not None:
+            self._thread.start()
+        return self
+
+    def reset(self) -> None:
+        self._fired = False
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll):
+            if self._fired or not self._armed():
+                continue
+            last = last_contact(self._handler)
+            now = time.monotonic()
+            if out_of_contact(last, now, self._bound):
+                self._fired = True
+                try:
+                    self._on_isolated(now - last)
+                except Exception:  # noqa: BLE001 - the watch must outlive one failed stop
+                    logger.exception("liveness: stopping the isolated node's workers failed")
