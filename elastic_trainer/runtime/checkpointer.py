@@ -221,6 +221,7 @@ class Checkpointer:
                 break
         else:
             code = self.finish()
+        self.data.restart()  # the loader's workers end with the loop, not at interpreter exit
         self.close(code)
         self.exit_code = code
         if code != exit_codes.OK and exit_on_stop:

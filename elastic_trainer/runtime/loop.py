@@ -16,6 +16,7 @@ only if it is ``Stateful`` (e.g. torchdata's ``StatefulDataLoader``, saved per r
 
 from __future__ import annotations
 
+import os
 import signal
 from collections import deque
 from typing import Any, Iterator
@@ -67,7 +68,8 @@ class StepData:
         return PerRank(self.loader) if hasattr(self.loader, "state_dict") and hasattr(self.loader, "load_state_dict") else None
 
     def restart(self) -> None:
-        """Read again from the (restored or rolled back) data state."""
+        """Read again from the (restored or rolled back) data state. Dropping the iterator ends its
+        worker processes (a DataLoader iterator shuts its workers down when it is collected)."""
         self._it = None
 
     def next_step(self) -> tuple[list[Any], list[float]]:
@@ -100,18 +102,25 @@ def _rebuilt(loader, sampler: GlobalBatchSampler, seed: int):
 
 class WorkerInit:
     """A ``DataLoader`` worker leaves preemption to its rank: a launcher signals the rank's whole
-    process group (SIGTERM on preemption, SIGINT on Ctrl-C), and a worker killed by it would make
-    the rank fail instead of committing its final step. The worker ignores them (it ends with its
-    rank), then runs the user's ``worker_init_fn``."""
+    process group (SIGTERM on preemption, SIGINT on Ctrl-C), and a worker *killed* by a signal
+    makes the rank fail (torch's SIGCHLD check) instead of committing its final step. The worker
+    ends quietly instead (exit 0, which torch does not count as a failure): the rank's current
+    step already has its batch, and a preempted rank reads no more. Ignoring the signals would
+    be worse: the interpreter's exit terminates daemonic workers with SIGTERM and joins them.
+    Then the user's ``worker_init_fn`` runs."""
 
     def __init__(self, user: Any = None):
         self.user = user
 
     def __call__(self, worker_id: int) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, _quiet_exit)
         if self.user is not None:
             self.user(worker_id)
+
+
+def _quiet_exit(signum, frame) -> None:
+    os._exit(0)
 
 
 class Accumulator:

@@ -39,7 +39,8 @@ def test_port_resumes_bitwise_after_sigkill_commits_on_sigterm_and_reshards(tmp_
     ref = runs.step_losses(ref_dir)
     assert sorted(ref) == list(range(1, int(STEPS) + 1))
     # SIGKILL of a worker at step 7: restarted, resumed from step 5, bitwise the same losses.
-    r, kill_dir = _run(tmp_path, "kill", port, "--steps", STEPS, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=7"}, max_restarts=1)
+    # Paced (0.2 s a step) so that step 5's async save has committed before the kill, on any machine.
+    r, kill_dir = _run(tmp_path, "kill", port, "--steps", STEPS, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=7;slow@rank=0,step=1,seconds=0.2"}, max_restarts=1)
     assert r.returncode == 0, (kill_dir / "run.log").read_text()[-3000:]
     assert runs.read_events(kill_dir, "resume")[0]["step"] == 5
     assert runs.step_losses(kill_dir) == ref, "bitwise equal to the uninterrupted run"
