@@ -169,9 +169,9 @@ def _cmd_run(argv: list[str]) -> int:
     from .supervisor.launcher import build_launch_config, launch
 
     a, explicit = options.parse_explicit(options.run_parser(), argv)
-    cfg = load_config(a.config, a.overrides)
+    cfg = load_config(a.config, a.overrides + (["elastic.warm_start=false"] if a.no_warm_start else []))
     config, cmd, cmd_args = build_launch_config(cfg, a, explicit)
-    return launch(cfg, config, cmd, cmd_args)
+    return launch(cfg, config, cmd, cmd_args, preload=tuple(a.preload))
 
 
 def _cmd_store(a) -> int:
