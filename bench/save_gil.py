@@ -1,10 +1,10 @@
 """Where a worker's threads hold the interpreter lock while checkpoints are written (py-spy).
 
-    python bench/save_gil.py [--variants 1:omp1,2] [--seconds 25] [--rate 250] [--config configs/demo-cpu.toml]
+    python bench/save_gil.py [--variants 1:omp1,2,1:omp1:process] [--seconds 25] [--rate 250] [--config configs/demo-cpu.toml]
                              [--set k=v ...] [--json-out F]
 
 Needs ``py-spy`` (``pip install py-spy``) and permission to ptrace the workers. For each
-variant (``N[:ompK]``, as in ``bench/throughput.py``) runs the user's command
+variant (``N[:ompK][:process]``, as in ``bench/throughput.py``) runs the user's command
 
     elastic-trainer launch CONFIG --nproc-per-node N --set checkpoint.interval_steps=10 ...
 
@@ -110,13 +110,13 @@ def record(pid: int, seconds: float, rate: int, out: Path, mode: str) -> None:
 
 
 def one_variant(config: str, variant: str, a) -> dict:
-    nproc, omp, _ = parse_variant(variant)
+    nproc, omp, _, extra = parse_variant(variant)
     work = Path(tempfile.mkdtemp(prefix="bench-gil-"))
     run_dir = work / "run"
     steps = a.warmup + int(2 * a.seconds * 10) + 200  # never runs out before the samples are taken
     cmd = [*runs.CLI, "launch", config, "--nproc-per-node", str(nproc), "--set", f"train.steps={steps}", "--set", f"run.dir={run_dir}",
            "--set", f"checkpoint.dir={run_dir / 'ckpt'}", "--set", f"checkpoint.interval_steps={a.every}"]
-    for o in a.overrides:
+    for o in [*a.overrides, *extra]:
         cmd += ["--set", o]
     env = runs.env_for_tests()
     if omp is not None:
