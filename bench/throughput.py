@@ -61,6 +61,13 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)
 
 
+def _comm(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/comm").read().strip()
+    except OSError:
+        return ""
+
+
 def _threads(pid: int) -> int | None:
     try:
         for line in open(f"/proc/{pid}/status"):
@@ -139,9 +146,14 @@ def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[st
             for pid in runs.worker_pids(proc.pid):
                 if pid not in rank_of:
                     e = _environ(pid)
-                    if e:  # a worker forked by the warm-start zygote shows the zygote's start-up environment
-                        # (no RANK): it is labelled by the order it was seen in
-                        rank_of[pid] = int(e["RANK"]) if "RANK" in e else len(rank_of)
+                    comm = _comm(pid)
+                    if "RANK" in e:
+                        rank_of[pid] = int(e["RANK"])
+                    elif comm.startswith("et-worker-") and comm[10:].isdigit():
+                        # forked by the warm-start zygote: /proc shows the zygote's start-up environment
+                        # (no RANK); the worker names itself et-worker-<local rank> (one node here)
+                        rank_of[pid] = int(comm[10:])
+                    if pid in rank_of:
                         worker_env = {k: e.get(k, "") for k in ("OMP_NUM_THREADS", "WORLD_SIZE")}
                 hwm = vm_hwm_bytes(pid)
                 if hwm is not None and pid in rank_of:
