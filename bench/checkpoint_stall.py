@@ -210,7 +210,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     res["local_param_bytes"] = parallel.local_param_bytes(model)
     t0 = time.monotonic()
     for _ in range(o["warmup_steps"]):
-        trainer.train_step(state.step + 1, False)
+        trainer.train_step(state.step + 1)
     res["warmup_seconds"] = time.monotonic() - t0
     # The first save allocates the stager's buffers and starts its threads: measured apart.
     res["cold_save"] = run_block(2, save=True)

@@ -21,6 +21,10 @@ past it, the new save is skipped (``checkpoint_failed``) and training goes on. W
 rank's previous save is done is agreed with one tiny all-reduce on the *control* group (the
 training group), never on the checkpoint group a background upload may be using.
 
+With ``checkpoint.writer = "process"`` the checkpoint.dir upload runs in a persistent writer
+process per rank; before each such save the ranks also agree that every writer is usable, and
+replace them all together when one is not (:mod:`.writer_process`).
+
 DCP reports a failed save or load as ``CheckpointException``, a ``BaseException``: it is caught
 explicitly next to ``Exception`` wherever a DCP future or call is awaited.
 """
@@ -488,10 +492,10 @@ class CheckpointManager:
         if self.rank == 0:
             self.events.emit("checkpoint_writer_restarted", reason=why, step=self._inflight.step if self._inflight else None)
         writer_process.stop()
-        self._writer_failed = False
         save_planner.forget(self._plan_key)
         if previous_done is None:  # the stopped writer failed that save: wait for it to say so
             previous_done = self._finish_inflight(deadline=time.monotonic() + writer_process.STOP_TIMEOUT_SECONDS * 2, agree=True)
+        self._writer_failed = False
         return previous_done
 
     def _start_remote(self, name: str) -> tuple[Future | None, Future]:

@@ -5,7 +5,8 @@ rank 0's commit). Checked: a save commits with per-item checksums and loads back
 the verifying reader; the writer process is reused by the next save; a writer that died between
 saves is replaced before the next save (agreed by every rank, ``checkpoint_writer_restarted``)
 and that save commits; a writer killed while it writes fails that save visibly
-(``checkpoint_failed``, ``finish`` → False) and the next save, on fresh writers, commits. Also
+(``checkpoint_failed``, ``finish`` → False) and the next save, on fresh writers, commits; a writer stuck (SIGSTOP) past the save's deadline
+is stopped on every rank at the next save, which fails the stuck save and commits. Also
 the private torch seam of ``checkpoint/writer_process.py`` (fails loudly when torch moves it).
 """
 
@@ -89,11 +90,23 @@ def _scenario(rank, world, root):
     out["new_pid"] = writer_process.pid() not in (None, first_pid)
     out["killed_mid_save"] = save(4, kill_writer_of=1)
     out["after_kill"] = save(5)
+    # a stuck writer (stopped by SIGSTOP) past the save's deadline: training is not held up, and
+    # the next save stops every writer, fails the stuck save and commits on fresh writers
+    mgr.cfg = dataclasses.replace(mgr.cfg, save_timeout_seconds=2.0)
+    holder.t = _state(mesh, 6.0)
+    mgr.save(6)
+    mgr.wait_for_staging()
+    if rank == 1:
+        os.kill(writer_process.pid(), signal.SIGSTOP)
+    time.sleep(2.5)  # past the deadline of save 6
+    t0 = time.monotonic()
+    out["after_stuck"] = save(7)
+    out["stuck_handled_in"] = time.monotonic() - t0
     mgr.close()
     out["stopped"] = not writer_process.started()
     # every committed step loads back exactly through the verifying reader
     loaded = {}
-    for step in (1, 2, 3, 5):
+    for step in (1, 2, 3, 5, 7):
         holder.t = {k: torch.zeros_like(v) for k, v in _state(mesh, 0.0).items()}
         m = manager()
         res = m.load(resume=str(step))
@@ -108,16 +121,17 @@ def test_process_writer_commits_checksummed_saves_and_restarts_a_dead_writer(tmp
     os.makedirs(root)
     results = run_ranks(_scenario, 2, root, timeout=300, daemon=False)
     for r in results:
-        assert r["first"] and r["reused"] and r["after_death"] and r["new_pid"] and r["after_kill"] and r["stopped"], r
+        assert r["first"] and r["reused"] and r["after_death"] and r["new_pid"] and r["after_kill"] and r["after_stuck"] and r["stopped"], r
         assert r["killed_mid_save"] is False, "a writer killed while writing fails that save"
-        assert r["loaded"] == {1: True, 2: True, 3: True, 5: True}
+        assert r["stuck_handled_in"] < 60, r
+        assert r["loaded"] == {1: True, 2: True, 3: True, 5: True, 7: True}
     events = [json.loads(line) for line in open(os.path.join(root, "events.jsonl"))]
     names = [(e["event"], e.get("step")) for e in events if e["event"].startswith("checkpoint_")]
     committed = [s for n, s in names if n == "checkpoint_committed"]
-    assert committed == [1, 2, 3, 5], names
-    assert [e["step"] for e in events if e["event"] == "checkpoint_failed"] == [4], names
+    assert committed == [1, 2, 3, 5, 7], names
+    assert [e["step"] for e in events if e["event"] == "checkpoint_failed"] == [4, 6], names
     restarts = [e for e in events if e["event"] == "checkpoint_writer_restarted"]
-    assert [r["reason"] for r in restarts] == ["a writer process died or failed a save"] * 2, restarts
+    assert [r["reason"] for r in restarts] == ["a writer process died or failed a save"] * 2 + ["still writing past its deadline"], restarts
     manifest = json.load(open(os.path.join(root, sorted(d for d in os.listdir(root) if d.startswith("step-"))[0], "manifest.json")))
     items = [i for f in manifest["files"].values() for i in f.get("items", [])]
     assert items and all(len(i) == 3 for i in items), "per-item checksums written by the writer process"
