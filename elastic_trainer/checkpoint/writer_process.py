@@ -67,12 +67,7 @@ def stop() -> None:
         return
     try:
         if proc.is_alive():
-            proc.terminate()
-            proc.join(STOP_TIMEOUT_SECONDS)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(STOP_TIMEOUT_SECONDS)
-        else:
-            proc.join(0)
+            proc.kill()  # it holds nothing to flush (a save it runs is abandoned), and a stuck one may not take SIGTERM
+        proc.join(STOP_TIMEOUT_SECONDS)
     except (OSError, ValueError, AssertionError) as e:  # already reaped / closed
         logger.warning("stopping the checkpoint writer process: %s", e)
