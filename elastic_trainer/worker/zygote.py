@@ -204,9 +204,7 @@ def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int) -
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - report like the interpreter would, then exit
-        import traceback
-
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # the module's own hook, if it installed one (elastic_trainer's Session does)
         code = 1
     finally:
         try:
