@@ -208,6 +208,9 @@ def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int) -
         code = 1
     finally:
         try:
+            import atexit
+
+            atexit._run_exitfuncs()  # as the interpreter's exit would (a script's own handlers, multiprocessing's)
             sys.stdout.flush()
             sys.stderr.flush()
         finally:

@@ -151,17 +151,18 @@ def test_signals_and_exit_codes_reach_the_agent_like_popen(zygote):
 
 def test_the_zygote_runs_a_script_as_python_would(zygote, tmp_path):
     """'run SCRIPT.py': the child runs the file as __main__, its directory first on sys.path, its
-    path in argv[0]; the zygote's own working directory is not on sys.path."""
+    path in argv[0], and its atexit handlers run when it exits, as with 'python SCRIPT.py'."""
     zygote.wait_ready()
     sub = tmp_path / "scripts"
     sub.mkdir()
     (sub / "helper.py").write_text("VALUE = 'helper next to the script'\n")
-    (sub / "train.py").write_text("import os, sys\nimport helper\nif __name__ == '__main__':\n"
+    (sub / "train.py").write_text("import atexit, os, sys\nimport helper\nif __name__ == '__main__':\n"
+                                   "    atexit.register(lambda: os.write(1, b' atexit ran'))\n"
                                    "    os.write(1, repr((sys.argv, sys.path[0], helper.VALUE)).encode())\n    sys.exit(4)\n")
     with open(tmp_path / "out", "w") as out:
         p = zygote.spawn([sys.executable, "-u", str(sub / "train.py"), "--steps", "3"], {"PATH": os.environ["PATH"]}, stdout=out)
         assert p.wait(30) == 4
-    assert (tmp_path / "out").read_text() == repr(([str(sub / "train.py"), "--steps", "3"], str(sub), "helper next to the script"))
+    assert (tmp_path / "out").read_text() == repr(([str(sub / "train.py"), "--steps", "3"], str(sub), "helper next to the script")) + " atexit ran"
 
 
 def test_a_zygote_whose_imports_initialised_cuda_or_a_process_group_is_refused():
