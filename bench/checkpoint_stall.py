@@ -118,6 +118,18 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         def time_due(self) -> bool:
             return False
 
+        def cadence_tick(self) -> None:
+            pass
+
+        def cadence_vote(self) -> float:
+            return 0.0
+
+        def cadence_agreed(self, step: int, vote: float) -> None:
+            pass
+
+        def drain_after_failure(self) -> bool:
+            return True
+
         def wait_for_staging(self) -> float:
             return self.manager.wait_for_staging()
 
@@ -210,7 +222,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     res["local_param_bytes"] = parallel.local_param_bytes(model)
     t0 = time.monotonic()
     for _ in range(o["warmup_steps"]):
-        trainer.train_step(state.step + 1, False)
+        trainer.train_step(state.step + 1)
     res["warmup_seconds"] = time.monotonic() - t0
     # The first save allocates the stager's buffers and starts its threads: measured apart.
     res["cold_save"] = run_block(2, save=True)
@@ -253,6 +265,9 @@ class _PeerManager:
     ``maybe_wait_for_staging``; ``finish`` = its ``maybe_wait_for_saving``."""
 
     fenced = None
+
+    def inject_local_faults(self, step: int) -> None:
+        pass
 
     def __init__(self, mgr):
         self.mgr = mgr

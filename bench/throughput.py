@@ -12,7 +12,8 @@ Each run is the user's command, unchanged but for a scratch run/checkpoint dir a
 environment. A variant ``N:ompK`` runs N workers with ``OMP_NUM_THREADS=K`` exported (torchrun
 exports ``OMP_NUM_THREADS=1`` itself only when ``nproc_per_node > 1``, so a single worker
 otherwise runs torch's default thread pool); ``N:everyM`` saves every M steps (0 = no periodic
-save: the throughput cost of checkpointing, side by side). The variants' order is reversed every repeat
+save: the throughput cost of checkpointing, side by side); ``N:process`` writes with
+``checkpoint.writer = "process"``. The variants' order is reversed every repeat
 (ABBA) so slow drift in the machine's load hits all sides. A run still going after
 ``--max-seconds`` is stopped with SIGTERM (the job checkpoints and exits 75) and measured on
 the steps it did.
@@ -22,6 +23,9 @@ the steps it did.
   ``--skip`` warm-up steps; then the median over the repeats.
 * wall tokens/s: global tokens of steps ``skip+1..S`` / time between their events; this one
   includes what happens between steps (the async checkpoint calls).
+* blocked per save / overlapped step: see :func:`save_overlap` (from the step and
+  ``checkpoint_committed`` events). On a GPU node (``train.device = "auto"`` picks CUDA) the
+  same command measures the CUDA staging path (device → pinned host).
 * peak RSS per rank: ``VmHWM`` (the kernel's high-water mark of resident memory) of each worker
   process, read from ``/proc/PID/status`` every 0.2 s while it runs (the mark only grows, so the
   last read is the peak up to at most 0.2 s before the process exits); the rank is read from
@@ -57,6 +61,13 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)
 
 
+def _comm(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/comm").read().strip()
+    except OSError:
+        return ""
+
+
 def _threads(pid: int) -> int | None:
     try:
         for line in open(f"/proc/{pid}/status"):
@@ -67,27 +78,48 @@ def _threads(pid: int) -> int | None:
     return None
 
 
-def parse_variant(v: str) -> tuple[int, str | None, int | None]:
-    """``N[:ompK][:everyM]`` -> (workers, OMP_NUM_THREADS or None, checkpoint.interval_steps or None)."""
+def parse_variant(v: str) -> tuple[int, str | None, int | None, list[str]]:
+    """``N[:ompK][:everyM][:process]`` -> (workers, OMP_NUM_THREADS or None, checkpoint.interval_steps
+    or None, extra ``--set`` overrides: ``process`` = ``checkpoint.writer=process``)."""
     n, *mods = v.split(":")
     omp = every = None
+    extra = []
     for m in mods:
         if m.startswith("omp") and m[3:].isdigit():
             omp = m[3:]
         elif m.startswith("every") and m[5:].isdigit():
             every = int(m[5:])
+        elif m == "process":
+            extra.append("checkpoint.writer=process")
         else:
-            raise SystemExit(f"--variants: expected N[:ompK][:everyM], got {v!r}")
-    return int(n), omp, every
+            raise SystemExit(f"--variants: expected N[:ompK][:everyM][:process], got {v!r}")
+    return int(n), omp, every, extra
+
+
+def save_overlap(by_step: dict[int, dict], saved: set[int], skip: int) -> dict:
+    """From a run's step events (pure): the blocked time per save — the median gap between a
+    saved step's event and the next step's start, minus the median gap after an unsaved step —
+    and the slowdown of the step that overlaps the background write — the median time of a step
+    right after a saved one ÷ the median of the other steps. NaN without saves."""
+    gap, after, other = {True: [], False: []}, [], []
+    for s in sorted(by_step):
+        nxt = by_step.get(s + 1)
+        if s <= skip or nxt is None:
+            continue
+        gap[s in saved].append(nxt["time"] - nxt["step_time_s"] - by_step[s]["time"])
+        (after if s in saved else other).append(nxt["step_time_s"])
+    if not gap[True] or not gap[False]:
+        return {"blocked_per_save": float("nan"), "overlapped_step_ratio": float("nan")}
+    return {"blocked_per_save": median(gap[True]) - median(gap[False]), "overlapped_step_ratio": median(after) / median(other)}
 
 
 def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[str], max_seconds: float) -> dict:
-    nproc, omp, every = parse_variant(variant)
+    nproc, omp, every, extra = parse_variant(variant)
     work = Path(tempfile.mkdtemp(prefix=f"bench-tput-{nproc}w-"))
     run_dir = work / "run"
     cmd = [*runs.CLI, "launch", config, "--nproc-per-node", str(nproc), "--set", f"train.steps={steps}",
            "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={run_dir / 'ckpt'}"]
-    for o in overrides:
+    for o in [*overrides, *extra]:
         cmd += ["--set", o]
     if every is not None:
         cmd += ["--set", f"checkpoint.interval_steps={every}"]
@@ -114,9 +146,14 @@ def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[st
             for pid in runs.worker_pids(proc.pid):
                 if pid not in rank_of:
                     e = _environ(pid)
-                    if e:  # a worker forked by the warm-start zygote shows the zygote's start-up environment
-                        # (no RANK): it is labelled by the order it was seen in
-                        rank_of[pid] = int(e["RANK"]) if "RANK" in e else len(rank_of)
+                    comm = _comm(pid)
+                    if "RANK" in e:
+                        rank_of[pid] = int(e["RANK"])
+                    elif comm.startswith("et-worker-") and comm[10:].isdigit():
+                        # forked by the warm-start zygote: /proc shows the zygote's start-up environment
+                        # (no RANK); the worker names itself et-worker-<local rank> (one node here)
+                        rank_of[pid] = int(comm[10:])
+                    if pid in rank_of:
                         worker_env = {k: e.get(k, "") for k in ("OMP_NUM_THREADS", "WORLD_SIZE")}
                 hwm = vm_hwm_bytes(pid)
                 if hwm is not None and pid in rank_of:
@@ -138,6 +175,8 @@ def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[st
     if len(kept) < 3:
         raise RuntimeError(f"{variant}: only {len(by_step)} steps done in {max_seconds}s; raise --max-seconds or lower --skip")
     tps = [e["tokens_per_s"] for e in kept]
+    saved = {e["step"] for e in runs.read_events(run_dir, "checkpoint_committed")}
+    overlap = save_overlap(by_step, saved, skip)
     first, last = by_step[skip], by_step[max(by_step)]
     tokens = sum(e["tokens_per_s"] * e["step_time_s"] for e in kept)
     if len({r for r in rank_of.values()}) != nproc:
@@ -158,6 +197,7 @@ def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[st
         "supervisor_peak_rss": sup_peak,
         "worker_env": worker_env,
         "launch_wall_seconds": wall,
+        **overlap,
         "steps": len(by_step),
     }
 
@@ -209,6 +249,8 @@ def main() -> int:
             "supervisor_peak_rss": max(r["supervisor_peak_rss"] for r in rs),
             "worker_env": rs[0]["worker_env"],
             "threads": rs[0]["threads_by_rank"],
+            "blocked_per_save": median(r["blocked_per_save"] for r in rs),
+            "overlapped_step_ratio": median(r["overlapped_step_ratio"] for r in rs),
         }
     print()
     print(f"machine: {info['nproc']} CPUs ({info['cpu']}), {info['mem_total_gib']} GiB, torch {info['torch']}, python {info['python']}")
@@ -217,14 +259,17 @@ def main() -> int:
     print()
     rows = []
     base = summary[variants[0]]["tokens_per_s"]
+    wall_base = summary[variants[0]]["wall_tokens_per_s"]
     for v in variants:
         s = summary[v]
         n = s["nproc"]
         rss = ", ".join(f"{s['peak_rss_by_rank_max'][k] / 2**20:.0f}" for k in range(n))
         rows.append([v, f"{s['tokens_per_s']:,.0f}", ", ".join(f"{x:,.0f}" for x in s["tokens_per_s_runs"]), f"{s['tokens_per_s'] / base:.2f}",
-                     f"{s['wall_tokens_per_s']:,.0f}", f"{s['step_time'] * 1000:.0f}", rss, f"{s['supervisor_peak_rss'] / 2**20:.0f}",
+                     f"{s['wall_tokens_per_s']:,.0f}", f"{s['wall_tokens_per_s'] / wall_base:.3f}", ", ".join(f"{r['wall_tokens_per_s'] / wall_base:.3f}" for r in results if r["variant"] == v),
+                     f"{s['blocked_per_save'] * 1000:.1f}", f"{s['overlapped_step_ratio']:.2f}", f"{s['step_time'] * 1000:.0f}", rss, f"{s['supervisor_peak_rss'] / 2**20:.0f}",
                      s["worker_env"].get("OMP_NUM_THREADS") or "unset"])
-    print(table(["workers", "tokens/s (median)", "per run", f"÷ {variants[0]}", "wall tokens/s", "step ms", "peak RSS per rank MiB (max of runs)",
+    print(table(["workers", "tokens/s (median)", "per run", f"÷ {variants[0]}", "wall tokens/s", f"wall ÷ {variants[0]}", f"wall per run ÷ {variants[0]}",
+                 "blocked ms per save", "overlapped step ÷ median step", "step ms", "peak RSS per rank MiB (max of runs)",
                  "supervisor peak RSS MiB", "OMP_NUM_THREADS in worker"], rows))
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"info": info, "summary": summary, "runs": results}, indent=1))

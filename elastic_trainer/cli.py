@@ -220,7 +220,8 @@ def _cmd_run(argv: list[str]) -> int:
 
     a, explicit = options.parse_explicit(options.run_parser(), argv)
     # Paths a config does not set are the script's own (runs/<script>/...), as et.init derives them.
-    cfg = load_config(a.config, a.overrides, name=run_name(a.config) or run_name(a.training_script))
+    overrides = a.overrides + (["elastic.warm_start=false"] if a.no_warm_start else [])
+    cfg = load_config(a.config, overrides, name=run_name(a.config) or run_name(a.training_script))
     config, cmd, cmd_args = build_launch_config(cfg, a, explicit)
     # The script's state decides compatibility (in the workers: exit 2, not restarted); what needs
     # no script is checked here, before any worker starts.
@@ -228,7 +229,7 @@ def _cmd_run(argv: list[str]) -> int:
 
     _, plan = check_storage(cfg)
     logger.info("preflight ok: %s", f"newest commit step {plan.chosen.step}" if plan is not None and plan.chosen is not None else "no commit to resume")
-    return launch(cfg, config, cmd, cmd_args)
+    return launch(cfg, config, cmd, cmd_args, preload=tuple(a.preload))
 
 
 def _cmd_store(a) -> int:

@@ -109,6 +109,10 @@ class CheckpointConfig:
     keep_every: int = 0
     resume: str = "latest"  # latest | none | <step>
     mode: str = "async"  # async | sync
+    # Where an async save is written: "thread" (a thread of the training process) or "process"
+    # (a persistent writer process per rank fed through shared memory: the save's Python work
+    # never holds the training process's GIL; see checkpoint/writer_process.py).
+    writer: str = "thread"
     preempt_grace_seconds: float = 60.0
     s3_endpoint_url: str = ""
     storage_timeout_seconds: float = 20.0
@@ -474,6 +478,8 @@ def validate(cfg: Config) -> None:
     _require(c.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1, got {c.keep_last}")
     _require(c.keep_every >= 0, "checkpoint.keep_every", "must be >= 0")
     _require(c.mode in ("async", "sync"), "checkpoint.mode", f"expected async or sync, got {c.mode!r}")
+    _require(c.writer in ("thread", "process"), "checkpoint.writer", f"expected thread or process, got {c.writer!r}")
+    _require(c.writer == "thread" or not c.dir.startswith("memory://"), "checkpoint.writer", "process needs storage another process can reach; memory:// lives in one process")
     _require(c.preempt_grace_seconds > 0, "checkpoint.preempt_grace_seconds", "must be > 0")
     _require(c.storage_timeout_seconds > 0, "checkpoint.storage_timeout_seconds", "must be > 0")
     _require(c.storage_retries >= 0, "checkpoint.storage_retries", "must be >= 0")

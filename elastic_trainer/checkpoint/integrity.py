@@ -109,7 +109,17 @@ class _HashingFS:
         self.records: dict[str, _FileRecord] = {}
 
     def __getattr__(self, name):
+        if name == "_inner":  # during unpickling, before __setstate__
+            raise AttributeError(name)
         return getattr(self._inner, name)
+
+    # Pickled with the writer to a writer process (checkpoint.writer = "process") before it writes:
+    # the records start empty there, and the lock is the new process's own.
+    def __getstate__(self):
+        return {"inner": self._inner}
+
+    def __setstate__(self, state):
+        self.__init__(state["inner"])
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):

@@ -21,6 +21,10 @@ past it, the new save is skipped (``checkpoint_failed``) and training goes on. W
 rank's previous save is done is agreed with one tiny all-reduce on the *control* group (the
 training group), never on the checkpoint group a background upload may be using.
 
+With ``checkpoint.writer = "process"`` the checkpoint.dir upload runs in a persistent writer
+process per rank; before each such save the ranks also agree that every writer is usable, and
+replace them all together when one is not (:mod:`.writer_process`).
+
 DCP reports a failed save or load as ``CheckpointException``, a ``BaseException``: it is caught
 explicitly next to ``Exception`` wherever a DCP future or call is awaited.
 """
@@ -48,7 +52,7 @@ from ..errors import CheckpointError, CheckpointIncompatibleError, FencedError, 
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
-from . import compat, integrity, layout, save_planner
+from . import compat, integrity, layout, save_planner, writer_process
 from .catalog import Catalog, checkpoint_key
 from .load_planner import load_planner
 from .local_tier import CHAIN_MAX, LocalTier
@@ -134,12 +138,13 @@ class CheckpointManager:
         self._inflight: _InFlight | None = None
         self._stager = None
         self._use_cuda_staging = use_cuda_staging
-        # Where an async save's upload runs ("thread" or "process": a saver process per rank,
-        # spawned by the first save) and the CPU niceness of the thread that writes. Measured
-        # side by side in bench/checkpoint_stall.py --modes: neither beat the defaults (BENCHMARKS.md).
+        # Where an async save's upload runs (checkpoint.writer: "thread", or "process": a writer
+        # process per rank, see checkpoint/writer_process.py) and the CPU niceness of the thread
+        # that writes (bench/checkpoint_stall.py --modes; BENCHMARKS.md).
         if async_mode not in ("thread", "process"):
             raise ValueError(f"async_mode: expected thread or process, got {async_mode!r}")
         self._async_mode = async_mode
+        self._writer_failed = False  # process writer: a save of ours failed; restart the writers before the next
         self._upload_nice = upload_nice
         self.catalog = Catalog(storage, epoch=epoch, events=self.events) if rank == 0 else None
         self._launch_id = launch_id
@@ -415,19 +420,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def _new_stager(self, shared_memory: bool):
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.staging import DefaultStager
 
-        cuda = self._use_cuda_staging
-        return DefaultStager(
-            StagingOptions(
-                use_pinned_memory=cuda,
-                # PROCESS mode pickles the staged state to the saver process: buffers in
-                # shared memory travel as handles instead of being copied on every save.
-                use_shared_memory=shared_memory,
-                use_async_staging=True,
-                use_non_blocking_copy=cuda,
-            )
-        )
+        return DefaultStager(staging_options(cuda=self._use_cuda_staging, shared_memory=shared_memory))
 
     def _get_stager(self):
         if self._stager is None:
@@ -479,6 +474,8 @@ class CheckpointManager:
             return stats
         t0 = time.monotonic()
         previous_done = self._finish_inflight(deadline=self._deadline_of(self._inflight), agree=True)
+        if self._uses_writer_process(remote):
+            previous_done = self._check_writers(previous_done)
         stats.wait_previous = time.monotonic() - t0
         self.metrics.histogram("elastic_trainer_checkpoint_wait_previous_seconds", stats.wait_previous)
         if previous_done is None:
@@ -528,6 +525,28 @@ class CheckpointManager:
             self.wait_for_staging()
             self._finish_inflight(deadline=None)
         return stats
+
+    def _uses_writer_process(self, remote: bool) -> bool:
+        return remote and self._async_mode == "process" and self.cfg.mode != "sync"
+
+    def _check_writers(self, previous_done: bool | None) -> bool | None:
+        """Process writer, every rank, before a save: agree that every rank's writer process is
+        usable; if one died or failed a save, or the previous save is still writing past its
+        deadline (agreed by ``previous_done is None``), stop the writers on every rank (the
+        next save starts new ones together). Returns the previous save's state after that."""
+        ok = writer_process.healthy() and not self._writer_failed and previous_done is not None
+        if self._all_true(ok, self.control_group):
+            return previous_done
+        why = "still writing past its deadline" if previous_done is None else "a writer process died or failed a save"
+        logger.warning("restarting the checkpoint writer processes: %s", why)
+        if self.rank == 0:
+            self.events.emit("checkpoint_writer_restarted", reason=why, step=self._inflight.step if self._inflight else None)
+        writer_process.stop()
+        save_planner.forget(self._plan_key)
+        if previous_done is None:  # the stopped writer failed that save: wait for it to say so
+            previous_done = self._finish_inflight(deadline=time.monotonic() + writer_process.STOP_TIMEOUT_SECONDS * 2, agree=True)
+        self._writer_failed = False
+        return previous_done
 
     def _start_remote(self, name: str) -> tuple[Future | None, Future]:
         """Start the checkpoint.dir save into ``name``: (staging, upload) futures."""
@@ -694,6 +713,7 @@ class CheckpointManager:
             ok = None
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - recorded by _commit on rank 0
             save_planner.forget(self._plan_key)  # a failed save may have left the ranks' plan caches out of step
+            self._writer_failed = inf.upload is not None and self._async_mode == "process"
             if self.rank != 0:
                 logger.warning("checkpoint step %d failed on this rank: %s", inf.step, e)
             ok = False
@@ -757,6 +777,8 @@ class CheckpointManager:
         """``finished``: the run ended normally; this rank's local copies are dropped (no restart
         of this launch will need them, and a later launch never uses them)."""
         save_planner.forget(self._plan_key)
+        if self._async_mode == "process":
+            writer_process.stop()
         for stager in (self._stager, self._local_stager):
             if stager is not None:
                 stager.close()
@@ -765,6 +787,17 @@ class CheckpointManager:
             self.local.drop_epoch(self._epoch_name)
         if self._commit_pool is not None:
             self._commit_pool.shutdown(wait=True)
+
+
+def staging_options(*, cuda: bool, shared_memory: bool):
+    """How a save's stager copies the state out (pure; one mechanism for CPU and GPU): always in
+    the background, into buffers it keeps for the next save. CUDA tensors go device → pinned
+    host memory with non-blocking copies (pinned memory and non-blocking copies need an
+    accelerator); ``shared_memory`` (the process writer): buffers in shared memory, handed to
+    the writer process as handles instead of being copied on every save (on CUDA: pinned too)."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    return StagingOptions(use_pinned_memory=cuda, use_shared_memory=shared_memory, use_async_staging=True, use_non_blocking_copy=cuda)
 
 
 def _chain(src: Future, dst: Future | None) -> None:

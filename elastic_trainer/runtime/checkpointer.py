@@ -128,6 +128,7 @@ class Checkpointer:
             epoch=(os.environ.get(EPOCH_ENV) or None) if os.environ.get(ROOT_ENV) == c.dir else None,
             launch_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
             run_identity=self._identity,
+            async_mode=c.writer,
         )
         self.loaded: LoadResult | None = None
         self._rollback_window_open = False

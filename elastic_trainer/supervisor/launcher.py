@@ -150,7 +150,7 @@ def _make_agent_class():
             old.close()
             if restart:
                 self._zygote_restarts -= 1
-                self.zygote = warm.Zygote().start()
+                self.zygote = warm.Zygote(preload=old.preload).start()
             logger.warning("warm start unavailable (%s): workers were started cold%s", reason, "; a new zygote is starting" if restart else "")
             self.events.emit("warm_start_unavailable", reason=reason[:500], zygote_restarted=restart)
 
@@ -373,11 +373,12 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
             agent.zygote.close()
 
 
-def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
+def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, preload: tuple[str, ...] = ()) -> int:
     """Run this node's supervisor until the job ends. Returns the process exit code.
 
     ``launch_config, cmd, cmd_args``: from :func:`build_launch_config` (the built-in trainer
-    for ``launch``, the user's script for ``run``)."""
+    for ``launch``, the user's script for ``run``); ``preload``: modules the warm-start zygote
+    imports besides its own list (``run --preload``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     os.makedirs(cfg.run.dir, exist_ok=True)
@@ -391,7 +392,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
     os.environ.setdefault("TORCHELASTIC_TIMER_FILE", os.path.join(_runtime_dir(cfg), "watchdog.timer"))
-    zygote = _start_zygote(cfg, cmd, cmd_args, zygote)  # imports torch while this supervisor sets up
+    zygote = _start_zygote(cfg, cmd, cmd_args, zygote, preload)  # imports torch while this supervisor sets up
     from ..metrics import factory as metrics_factory
 
     server = metrics_factory.start_supervisor_exporter(cfg)
@@ -447,16 +448,20 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
     return code
 
 
-def _start_zygote(cfg: Config, cmd, cmd_args, early=None):
-    """The warm-start zygote for ``launch``'s trainer (``elastic.warm_start``), or None.
-    ``early``: one the CLI already started."""
+def _start_zygote(cfg: Config, cmd, cmd_args, early=None, preload: tuple[str, ...] = ()):
+    """The warm-start zygote (``elastic.warm_start``) for ``launch``'s trainer or ``run``'s
+    script, or None. ``early``: one the CLI already started (``launch``'s trainer)."""
     from . import warm
 
-    if not cfg.elastic.warm_start or not warm.is_warm_entrypoint(cmd, cmd_args, options.WORKER_MODULE):
-        if early is not None:
-            early.close()
+    modules = warm.preload_for(cmd, cmd_args, options.WORKER_MODULE, tuple(preload))
+    if early is not None and (not cfg.elastic.warm_start or modules != early.preload):
+        early.close()
+        early = None
+    if not cfg.elastic.warm_start or modules is None:
+        if preload:
+            logger.warning("--preload ignored: %s", "elastic.warm_start is off" if modules is not None else "this entry point is started cold")
         return None
-    return early if early is not None else warm.Zygote().start()
+    return early if early is not None else warm.Zygote(preload=modules).start()
 
 
 def _exit_codes(agent) -> list[int | None]:

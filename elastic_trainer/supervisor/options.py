@@ -149,13 +149,16 @@ def run_parser(prog: str = "elastic-trainer run") -> argparse.ArgumentParser:
                    f"(run.dir {d.run.dir}, checkpoint.dir {d.checkpoint.dir}, metrics port {d.metrics.port}, the elastic.* defaults shown above), "
                    "changed only by --set")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
+    p.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                   help="warm start: a module the zygote imports once for every worker (repeatable; besides torch, elastic_trainer and the script's top-level imports of installed packages)")
+    p.add_argument("--no-warm-start", dest="no_warm_start", action="store_true", help="start every worker as torchrun does (same as --set elastic.warm_start=false)")
     return p
 
 
 def parse_explicit(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, set[str]]:
     """Parse ``argv``; return the namespace (CLI > PET_* > default) and the dests given on the
     command line. Uses a first pass where every default is :data:`UNSET`."""
-    probe = argparse.Namespace(**{a.dest: UNSET for a in parser._actions if a.dest not in ("help", "overrides")})  # noqa: SLF001
+    probe = argparse.Namespace(**{a.dest: UNSET for a in parser._actions if a.dest not in ("help", "overrides", "preload")})  # noqa: SLF001
     parser.parse_args(argv, namespace=probe)
     explicit = {k for k, v in vars(probe).items() if v is not UNSET}
     return parser.parse_args(argv), explicit

@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 
+from ..errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 ZYGOTE_MODULE = "elastic_trainer.worker.zygote"
@@ -46,7 +48,7 @@ class Zygote:
 
     def __init__(self, python: str = sys.executable, ready_timeout: float = READY_TIMEOUT_SECONDS, preload: tuple[str, ...] = ()):
         self.python = python
-        self.preload = tuple(preload)  # empty: the zygote's own list (torch and the trainer)
+        self.preload = tuple(preload)  # empty: the zygote's own list (torch and the trainer); see preload_for
         self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
@@ -94,6 +96,9 @@ class Zygote:
                     raise ZygoteError(self._unusable)
             if self.info.get("threads", 1) != 1:
                 raise ZygoteError(f"the warm-start zygote has {self.info['threads']} threads after its imports; forking it is unsafe")
+            for what in ("cuda", "process_group"):
+                if self.info.get(what):
+                    raise ZygoteError(f"the warm-start zygote's imports initialised {what.replace('_', ' ')}; forking it is unsafe")
             return self.info
 
     @property
@@ -225,14 +230,57 @@ class ZygoteProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def is_warm_entrypoint(cmd, cmd_args, module: str) -> bool:
-    """True for ``python [-u] -m MODULE ...``: what the zygote can start (``launch``'s trainer)."""
-    if not isinstance(cmd, str):
-        return False
+def preload_for(cmd, cmd_args, trainer_module: str, extra: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """What a zygote for this entry point imports (pure), or None when it cannot start it warm.
+
+    ``python [-u] -m trainer_module``: ``()``, the zygote's own list (torch and the trainer).
+    ``python [-u] -m MODULE`` / ``python [-u] SCRIPT.py`` (``run``): torch and elastic_trainer's
+    public API (``@script``), the script's own top-level imports of installed packages
+    (:func:`script_imports`), then ``extra`` (``run --preload MODULE``). Anything else (torchrun's
+    ``--no-python``, ``--run-path``, other interpreter options) is started cold. Raises
+    ConfigError for an ``extra`` name that is not a dotted module name."""
+    for name in extra:
+        if not name or not all(part.isidentifier() for part in name.split(".")):
+            raise ConfigError("--preload", f"expected a module name such as 'transformers' or 'mypkg.model', got {name!r}")
+    if not isinstance(cmd, str) or not os.path.basename(cmd).startswith("python"):
+        return None
     rest = [str(a) for a in cmd_args]
     while rest and rest[0] == "-u":
         rest.pop(0)
-    return len(rest) >= 2 and rest[0] == "-m" and rest[1] == module and os.path.basename(cmd).startswith("python")
+    if len(rest) >= 2 and rest[0] == "-m":
+        if rest[1] == trainer_module and not extra:
+            return ()
+        return _unique(("@script", *extra))
+    if rest and not rest[0].startswith("-") and rest[0].endswith(".py"):
+        return _unique(("@script", *script_imports(rest[0]), *extra))
+    return None
+
+
+def script_imports(path: str) -> list[str]:
+    """The modules ``path`` imports at its top level (``import a.b``, ``from a.b import c``)
+    that are not its own: a module found next to the script (a file or a package in its
+    directory) is left out, since it may read the rank's environment when imported. An
+    unreadable or unparsable script gives []: the worker reports it the cold way."""
+    import ast
+
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    here = os.path.dirname(os.path.abspath(path))
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    own = lambda top: os.path.exists(os.path.join(here, top + ".py")) or os.path.isdir(os.path.join(here, top))  # noqa: E731
+    return [n for n in _unique(names) if n != "__future__" and not own(n.split(".")[0])]
+
+
+def _unique(names) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))
 
 
 def _handler_class(zygote: Zygote, on_fallback):

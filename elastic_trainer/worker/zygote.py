@@ -2,20 +2,22 @@
 
 The supervisor starts ``python -m elastic_trainer.worker.zygote FD [MODULE ...]`` once, ahead of the first
 rendezvous. It imports torch, torch.distributed, DCP and the trainer's modules (or the MODULEs
-given), and then only
+given; ``@trainer`` and ``@script`` stand for the built-in lists of ``launch``'s trainer and of a
+user's script under ``run``), and then only
 waits on the Unix socket ``FD`` (its end of a ``socketpair`` with the supervisor). For every
 worker the agent starts it forks one child, which becomes exactly what ``python -u -m MODULE``
-would be: its own session, the agent's environment and stdout/stderr, ``sys.argv`` of the
-module, then ``runpy`` runs the module as ``__main__``. Nothing else carries over: the zygote
-never trains, never initialises a process group, and has a single thread when it forks (it
-reports its thread count; the supervisor refuses a zygote with more than one and starts workers
-the cold way). So a replacement worker pays neither the interpreter start nor the torch import
+(or ``python -u SCRIPT``) would be: its own session, the agent's environment and stdout/stderr,
+``sys.argv`` of the module, then ``runpy`` runs the module (the script) as ``__main__``. Nothing
+else carries over: the zygote never trains, never initialises a process group or CUDA (it
+reports whether its imports did, and its thread count; the supervisor refuses a zygote that
+initialised either or has more than one thread, and starts workers the cold way). So a replacement worker pays neither the interpreter start nor the torch import
 on the critical path, and is still a fresh process of its own (new PID, no state of the group
 it replaces).
 
 Protocol (one JSON message per ``SOCK_SEQPACKET`` packet):
 
-* zygote → supervisor at start: ``{"ready": pid, "threads": n, "preload_seconds": s}``
+* zygote → supervisor at start: ``{"ready": pid, "threads": n, "preload_seconds": s, "missing": [...],
+  "cuda": bool, "process_group": bool}``
 * supervisor → zygote: ``{"id": i, "argv": [...], "env": {...}, "cwd": dir}`` with the worker's
   ``"fds": ["stdout", "stderr"]`` naming the file descriptors passed with it (``SCM_RIGHTS``;
   a stream not named is inherited from the zygote, i.e. the supervisor's)
@@ -38,7 +40,8 @@ import sys
 import threading
 import time
 
-PRELOAD = (
+# What every worker needs, whatever it runs: torch, its distributed pieces and DCP.
+TORCH_PRELOAD = (
     "torch",
     "torch.distributed",
     "torch.distributed.checkpoint",
@@ -57,6 +60,10 @@ PRELOAD = (
     "torch.utils._sympy.reference",
     "torch.utils.serialization",
     "statistics",
+)
+# ``launch``'s trainer (the default list).
+PRELOAD = (
+    *TORCH_PRELOAD,
     "elastic_trainer.worker.main",
     "elastic_trainer.worker.parallel",
     "elastic_trainer.worker.train_loop",
@@ -65,6 +72,18 @@ PRELOAD = (
     "elastic_trainer.checkpoint.manager",
     "elastic_trainer.checkpoint.state",
     "elastic_trainer.models.pretrained",
+    "elastic_trainer.storage.fs",
+    "elastic_trainer.metrics.factory",
+)
+# A user's script under ``run``: torch and elastic_trainer's public API (``import elastic_trainer as et``).
+SCRIPT_PRELOAD = (
+    *TORCH_PRELOAD,
+    "elastic_trainer.runtime.session",
+    "elastic_trainer.runtime.checkpointer",
+    "elastic_trainer.runtime.step",
+    "elastic_trainer.runtime.sampler",
+    "elastic_trainer.checkpoint.manager",
+    "elastic_trainer.checkpoint.state",
     "elastic_trainer.storage.fs",
     "elastic_trainer.metrics.factory",
 )
@@ -100,15 +119,29 @@ def settle_threads() -> int:
     return thread_count()
 
 
+LISTS = {"@trainer": PRELOAD, "@script": SCRIPT_PRELOAD}
+
+
 def preload(modules=PRELOAD) -> list[str]:
-    """Import ``modules``; returns the ones that could not be imported (optional extras)."""
+    """Import ``modules`` (``@trainer`` / ``@script`` stand for those lists); returns the ones
+    that could not be imported (optional extras, a user's module that is not installed)."""
     missing = []
-    for name in modules:
+    for name in [m for n in modules for m in LISTS.get(n, (n,))]:
         try:
             importlib.import_module(name)
-        except ImportError:
+        except Exception:  # noqa: BLE001 - not preloaded; the worker imports it (and reports its error) itself
             missing.append(name)
     return missing
+
+
+def _initialised() -> dict[str, bool]:
+    """Whether the imports initialised CUDA or a process group: a fork would share them, so the
+    supervisor refuses such a zygote (a user's module may do either at import)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {"cuda": False, "process_group": False}
+    dist = sys.modules.get("torch.distributed")
+    return {"cuda": bool(torch.cuda.is_initialized()), "process_group": bool(dist is not None and dist.is_available() and dist.is_initialized())}
 
 
 def _prctl(option: int, arg) -> None:
@@ -147,8 +180,7 @@ def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int) -
         # -u: unbuffered binary stdout/stderr, as the cold start has
         sys.stdout = _unbuffered(1, sys.stdout)
         sys.stderr = _unbuffered(2, sys.stderr)
-        argv = req["argv"]
-        module, args = _module_of(argv)
+        kind, target, args = _target_of(req["argv"])
         _prctl(PR_SET_NAME, f"et-worker-{os.environ.get('LOCAL_RANK', '')}".encode()[:15])
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads and threads.isdigit():  # read by OpenMP at library load, i.e. in the zygote
@@ -158,21 +190,27 @@ def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int) -
         _reseed()
         import runpy
 
-        sys.argv = [module, *args]
-        sys.modules.pop(module, None)  # as with 'python -m': the module runs once, as __main__
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if kind == "-m":
+            sys.argv = [target, *args]
+            sys.modules.pop(target, None)  # as with 'python -m': the module runs once, as __main__
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:  # as 'python SCRIPT': its directory first on sys.path, its path in argv[0]
+            sys.path[0] = os.path.dirname(os.path.realpath(target))
+            sys.argv = [target, *args]
+            runpy.run_path(target, run_name="__main__")
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - report like the interpreter would, then exit
-        import traceback
-
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # the module's own hook, if it installed one (elastic_trainer's Session does)
         code = 1
     finally:
         try:
+            import atexit
+
+            atexit._run_exitfuncs()  # as the interpreter's exit would (a script's own handlers, multiprocessing's)
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
@@ -186,14 +224,17 @@ def _unbuffered(fd: int, like):
     return io.TextIOWrapper(raw, encoding=getattr(like, "encoding", None), errors=getattr(like, "errors", None), write_through=True)
 
 
-def _module_of(argv: list[str]) -> tuple[str, list[str]]:
-    """``[python, -u, -m, MODULE, *args]`` → ``(MODULE, args)``; anything else is refused."""
+def _target_of(argv: list[str]) -> tuple[str, str, list[str]]:
+    """``[python, -u, -m, MODULE, *args]`` → ``("-m", MODULE, args)``, ``[python, -u, SCRIPT,
+    *args]`` → ``("path", SCRIPT, args)``; any other interpreter option is refused."""
     rest = list(argv[1:])
     while rest and rest[0] == "-u":
         rest.pop(0)
-    if len(rest) < 2 or rest[0] != "-m":
-        raise ValueError(f"the zygote starts only 'python -u -m MODULE ...', got {argv!r}")
-    return rest[1], rest[2:]
+    if len(rest) >= 2 and rest[0] == "-m":
+        return "-m", rest[1], rest[2:]
+    if rest and not rest[0].startswith("-"):
+        return "path", rest[0], rest[1:]
+    raise ValueError(f"the zygote starts only 'python -u -m MODULE ...' or 'python -u SCRIPT ...', got {argv!r}")
 
 
 def _reseed() -> None:
@@ -236,7 +277,7 @@ def serve(sock: socket.socket) -> int:
                 return 0
             req = json.loads(msg)
             try:
-                _module_of(req["argv"])
+                _target_of(req["argv"])
             except ValueError as e:
                 for fd in fds:
                     os.close(fd)
@@ -263,7 +304,7 @@ def main() -> int:
     sock = socket.socket(fileno=fd)
     t0 = time.monotonic()
     missing = preload(sys.argv[2:] or PRELOAD)
-    _send(sock, {"ready": os.getpid(), "threads": settle_threads(), "preload_seconds": round(time.monotonic() - t0, 3), "missing": missing})
+    _send(sock, {"ready": os.getpid(), "threads": settle_threads(), "preload_seconds": round(time.monotonic() - t0, 3), "missing": missing, **_initialised()})
     code = serve(sock)
     # Nothing of the zygote's needs tearing down (its workers are reaped, it holds no files of
     # the job): skip the interpreter's shutdown of torch, which takes about a second.

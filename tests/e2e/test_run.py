@@ -43,13 +43,17 @@ def start(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.Pope
 
 
 def script_pids(supervisor_pid: int) -> list[int]:
+    """The script's workers: the supervisor's children running it, or (warm start) its zygote's children."""
     pids = []
     for c in children(supervisor_pid):
         try:
-            if b"dist_script" in open(f"/proc/{c}/cmdline", "rb").read():
-                pids.append(c)
+            cmd = open(f"/proc/{c}/cmdline", "rb").read()
         except FileNotFoundError:
-            pass
+            continue
+        if b"dist_script" in cmd:
+            pids.append(c)
+        elif b"elastic_trainer.worker.zygote" in cmd:
+            pids += children(c)
     return pids
 
 

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from elastic_trainer.errors import ConfigError
 from elastic_trainer.supervisor import warm
 from elastic_trainer.supervisor.options import WORKER_MODULE
 
@@ -26,18 +27,32 @@ sys.exit(int(sys.argv[1]))
 
 
 @pytest.mark.parametrize(
-    "cmd, args, warm_ok",
+    "cmd, args, preload",
     [
-        (sys.executable, ["-u", "-m", WORKER_MODULE], True),
-        (sys.executable, ["-m", WORKER_MODULE, "--x"], True),
-        (sys.executable, ["-u", "-m", "other.module"], False),
-        (sys.executable, ["-u", "train.py"], False),  # 'run' with a script: cold
-        ("/usr/bin/env", ["-u", "-m", WORKER_MODULE], False),
-        (lambda: None, [], False),
+        (sys.executable, ["-u", "-m", WORKER_MODULE], ()),  # launch's trainer: the zygote's own list
+        (sys.executable, ["-m", WORKER_MODULE, "--x"], ()),
+        (sys.executable, ["-u", "-m", "other.module"], ("@script",)),  # run -m MODULE
+        (sys.executable, ["-u", "missing_train.py", "--steps", "3"], ("@script",)),  # run SCRIPT: unreadable -> no imports of its own
+        ("/usr/bin/env", ["-u", "-m", WORKER_MODULE], None),  # --no-python: cold
+        (sys.executable, ["-u", "-c", "pass"], None),
+        (lambda: None, [], None),  # --run-path
     ],
 )
-def test_only_the_trainer_module_is_started_warm(cmd, args, warm_ok):
-    assert warm.is_warm_entrypoint(cmd, args, WORKER_MODULE) is warm_ok
+def test_what_the_zygote_preloads_for_each_entry_point(cmd, args, preload):
+    assert warm.preload_for(cmd, args, WORKER_MODULE) == preload
+
+
+def test_a_script_preloads_its_installed_imports_and_the_preload_list_but_not_its_own_modules(tmp_path):
+    (tmp_path / "mymodel.py").write_text("import os\nRANK = os.environ['RANK']\n")
+    (tmp_path / "mypkg").mkdir()
+    script = tmp_path / "train.py"
+    script.write_text("from __future__ import annotations\nimport argparse, sys\nimport torch.nn.functional as F\nfrom torch import nn\n"
+                      "import mymodel\nfrom mypkg.sub import x\nfrom . import rel\ndef f():\n    import numpy\n")
+    got = warm.preload_for(sys.executable, ["-u", str(script)], WORKER_MODULE, ("transformers", "torch"))
+    assert got == ("@script", "argparse", "sys", "torch.nn.functional", "torch", "transformers")
+    assert warm.preload_for(sys.executable, ["-u", "-m", WORKER_MODULE], WORKER_MODULE, ("x",)) == ("@script", "x")
+    with pytest.raises(ConfigError, match="--preload.*'my-mod'"):
+        warm.preload_for(sys.executable, ["-u", str(script)], WORKER_MODULE, ("my-mod",))
 
 
 class _FakeZygote:
@@ -131,7 +146,31 @@ def test_signals_and_exit_codes_reach_the_agent_like_popen(zygote):
     ok = zygote.spawn([sys.executable, "-u", "-m", "warm_child", "0"], env)
     assert ok.wait(30) == 0
     with pytest.raises(warm.ZygoteError, match="python -u -m MODULE"):
-        zygote.spawn([sys.executable, "script.py"], env)
+        zygote.spawn([sys.executable, "-c", "pass"], env)
+
+
+def test_the_zygote_runs_a_script_as_python_would(zygote, tmp_path):
+    """'run SCRIPT.py': the child runs the file as __main__, its directory first on sys.path, its
+    path in argv[0], and its atexit handlers run when it exits, as with 'python SCRIPT.py'."""
+    zygote.wait_ready()
+    sub = tmp_path / "scripts"
+    sub.mkdir()
+    (sub / "helper.py").write_text("VALUE = 'helper next to the script'\n")
+    (sub / "train.py").write_text("import atexit, os, sys\nimport helper\nif __name__ == '__main__':\n"
+                                   "    atexit.register(lambda: os.write(1, b' atexit ran'))\n"
+                                   "    os.write(1, repr((sys.argv, sys.path[0], helper.VALUE)).encode())\n    sys.exit(4)\n")
+    with open(tmp_path / "out", "w") as out:
+        p = zygote.spawn([sys.executable, "-u", str(sub / "train.py"), "--steps", "3"], {"PATH": os.environ["PATH"]}, stdout=out)
+        assert p.wait(30) == 4
+    assert (tmp_path / "out").read_text() == repr(([str(sub / "train.py"), "--steps", "3"], str(sub), "helper next to the script")) + " atexit ran"
+
+
+def test_a_zygote_whose_imports_initialised_cuda_or_a_process_group_is_refused():
+    for what in ("cuda", "process_group"):
+        z = warm.Zygote()
+        z.info = {"ready": 1, "threads": 1, what: True}
+        with pytest.raises(warm.ZygoteError, match=what.replace("_", " ")):
+            z.wait_ready()
 
 
 def test_the_zygote_ignores_the_signals_the_supervisor_forwards_but_its_workers_do_not(zygote, tmp_path):

@@ -1,0 +1,137 @@
+"""checkpoint.writer = "process": saves written by a persistent writer process per rank.
+
+Two real gloo ranks, the real manager (async saves, shared-memory staging, checksummed writer,
+rank 0's commit). Checked: a save commits with per-item checksums and loads back exactly through
+the verifying reader; the writer process is reused by the next save; a writer that died between
+saves is replaced before the next save (agreed by every rank, ``checkpoint_writer_restarted``)
+and that save commits; a writer killed while it writes fails that save visibly
+(``checkpoint_failed``, ``finish`` → False) and the next save, on fresh writers, commits; a writer stuck (SIGSTOP) past the save's deadline
+is stopped on every rank at the next save, which fails the stuck save and commits. Also
+the private torch seam of ``checkpoint/writer_process.py`` (fails loudly when torch moves it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from tests.dist.harness import run_ranks
+
+
+class _Tensors:
+    def __init__(self, t: dict):
+        self.t = t
+
+    def state_dict(self):
+        return dict(self.t)
+
+    def load_state_dict(self, sd):
+        for k, v in sd.items():
+            self.t[k].copy_(v)
+
+
+def _state(mesh, base: float, rows: int = 64) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(rows * 256, dtype=torch.float32).reshape(rows, 256) + base
+    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": distribute_tensor(full[:, 0].contiguous(), mesh, [Shard(0)])}
+
+
+def _scenario(rank, world, root):
+    from torch.distributed.checkpoint import _async_process_executor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic_trainer.checkpoint import writer_process
+    from elastic_trainer.checkpoint.manager import CheckpointManager
+    from elastic_trainer.config import config_from_dict
+    from elastic_trainer.events import EventLog
+    from elastic_trainer.storage.fs import open_storage
+    from tests.dist.workloads import TINY
+
+    assert hasattr(_async_process_executor, "_CHECKPOINT_PROCESS"), "torch moved DCP's writer-process slot"
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = config_from_dict({**TINY, "checkpoint": {"dir": root, "mode": "async", "writer": "process", "keep_last": 10}})
+    holder = _Tensors(_state(mesh, 0.0))
+    group = dist.new_group(backend="gloo")
+    events = EventLog(os.path.join(root, "events.jsonl") if rank == 0 else None)
+
+    def manager():
+        return CheckpointManager(cfg.checkpoint, open_storage(root), {"model": holder}, rank=rank, world_size=world, mesh_shape=[world],
+                                 group=group, fingerprint="f", events=events, async_mode=cfg.checkpoint.writer)
+
+    mgr = manager()
+    mgr.load()
+    out = {}
+
+    def save(step: int, kill_writer_of: int | None = None) -> bool:
+        holder.t = _state(mesh, float(step))
+        mgr.save(step)
+        if rank == kill_writer_of:
+            proc = _async_process_executor._CHECKPOINT_PROCESS._save_process  # the seam writer_process uses
+            os.kill(proc.pid, signal.SIGKILL)
+        mgr.wait_for_staging()
+        return mgr.finish(timeout=120)
+
+    out["first"] = save(1)
+    first_pid = writer_process.pid()
+    out["reused"] = save(2) and writer_process.pid() == first_pid and first_pid != os.getpid()
+    if rank == 1:  # dies between saves
+        os.kill(first_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while writer_process.healthy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    out["after_death"] = save(3)
+    out["new_pid"] = writer_process.pid() not in (None, first_pid)
+    out["killed_mid_save"] = save(4, kill_writer_of=1)
+    out["after_kill"] = save(5)
+    # a stuck writer (stopped by SIGSTOP) past the save's deadline: training is not held up, and
+    # the next save stops every writer, fails the stuck save and commits on fresh writers
+    mgr.cfg = dataclasses.replace(mgr.cfg, save_timeout_seconds=2.0)
+    holder.t = _state(mesh, 6.0)
+    mgr.save(6)
+    mgr.wait_for_staging()
+    if rank == 1:
+        os.kill(writer_process.pid(), signal.SIGSTOP)
+    time.sleep(2.5)  # past the deadline of save 6
+    t0 = time.monotonic()
+    out["after_stuck"] = save(7)
+    out["stuck_handled_in"] = time.monotonic() - t0
+    mgr.close()
+    out["stopped"] = not writer_process.started()
+    # every committed step loads back exactly through the verifying reader
+    loaded = {}
+    for step in (1, 2, 3, 5, 7):
+        holder.t = {k: torch.zeros_like(v) for k, v in _state(mesh, 0.0).items()}
+        m = manager()
+        res = m.load(resume=str(step))
+        loaded[step] = res is not None and res.step == step and all(torch.equal(holder.t[k].full_tensor(), v.full_tensor()) for k, v in _state(mesh, float(step)).items())
+        m.close()
+    out["loaded"] = loaded
+    return out
+
+
+def test_process_writer_commits_checksummed_saves_and_restarts_a_dead_writer(tmp_path):
+    root = str(tmp_path / "ckpt")
+    os.makedirs(root)
+    results = run_ranks(_scenario, 2, root, timeout=300, daemon=False)
+    for r in results:
+        assert r["first"] and r["reused"] and r["after_death"] and r["new_pid"] and r["after_kill"] and r["after_stuck"] and r["stopped"], r
+        assert r["killed_mid_save"] is False, "a writer killed while writing fails that save"
+        assert r["stuck_handled_in"] < 60, r
+        assert r["loaded"] == {1: True, 2: True, 3: True, 5: True, 7: True}
+    events = [json.loads(line) for line in open(os.path.join(root, "events.jsonl"))]
+    names = [(e["event"], e.get("step")) for e in events if e["event"].startswith("checkpoint_")]
+    committed = [s for n, s in names if n == "checkpoint_committed"]
+    assert committed == [1, 2, 3, 5, 7], names
+    assert [e["step"] for e in events if e["event"] == "checkpoint_failed"] == [4, 6], names
+    restarts = [e for e in events if e["event"] == "checkpoint_writer_restarted"]
+    assert [r["reason"] for r in restarts] == ["a writer process died or failed a save"] * 2 + ["still writing past its deadline"], restarts
+    manifest = json.load(open(os.path.join(root, sorted(d for d in os.listdir(root) if d.startswith("step-"))[0], "manifest.json")))
+    items = [i for f in manifest["files"].values() for i in f.get("items", [])]
+    assert items and all(len(i) == 3 for i in items), "per-item checksums written by the writer process"
