@@ -47,7 +47,9 @@ def test_port_resumes_bitwise_after_sigkill_commits_on_sigterm_and_reshards(tmp_
     # SIGTERM mid-run: the final step committed, exit 75; then 3 workers resume it within 1e-5.
     args, term_dir = _args(tmp_path, "term", port)
     with open(term_dir / "run.log", "ab") as out:
-        proc = subprocess.Popen([*args, "--steps", "400"], stdout=out, stderr=subprocess.STDOUT, cwd=runs.REPO, start_new_session=True,
+        # The same --steps as the reference: a schedule over the run's length (the HF port's linear
+        # decay) must be the same schedule; the pacing makes the stop land well before the end.
+        proc = subprocess.Popen([*args, "--steps", STEPS], stdout=out, stderr=subprocess.STDOUT, cwd=runs.REPO, start_new_session=True,
                                 env=runs.env_for_tests({"ELASTIC_TRAINER_INJECT_FAULT": "slow@rank=0,step=1,seconds=0.3"}))  # paced: the stop lands before step 10
     try:
         runs.wait_event(term_dir, "step", 180, proc, where=lambda e: e["step"] >= 3)
