@@ -63,6 +63,9 @@ def alive(pid: int) -> bool:
         return False
 
 
+# Soak: tests/e2e/test_netcluster.py::test_link_cut_mid_step_then_back loses the rank-0 node of a
+# two-node job (silently, the harder case) and grows it back in every run, losses within 1e-5.
+@pytest.mark.soak
 def test_lose_a_node_then_grow_back(store, token_file, tmp_path):
     ref_dir = tmp_path / "ref"
     ref_cfg = runs.write_config(tmp_path / "ref.toml", token_file, ref_dir, **SCALE)
