@@ -206,3 +206,17 @@ def stop(proc: subprocess.Popen, timeout: float = 20) -> None:
 
 def close_rel(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+def signal_at_step(args: list[str], run_dir: Path, at_step: int, sig: int = signal.SIGTERM, env: dict | None = None, timeout: float = 120) -> int:
+    """Run ``args`` (a supervisor) in its own session, logging to ``run_dir/run.log``; send ``sig``
+    once ``run_dir``'s event log has a step ``>= at_step``; return its exit code."""
+    with open(Path(run_dir) / "run.log", "ab") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env_for_tests(env), cwd=REPO, start_new_session=True)
+    try:
+        wait_event(run_dir, "step", timeout + 60, proc, where=lambda r: r["step"] >= at_step)
+        proc.send_signal(sig)
+        return proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

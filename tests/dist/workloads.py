@@ -50,20 +50,27 @@ def sharding_facts(rank, world):
     return {"all_dtensor": all_dtensor, "local_bytes": local_param_bytes(model), "total_bytes": total, "full": full if rank == 0 else None}
 
 
-def _train_steps(model, opt, sched, cfg, n, rank, world, start=0):
-    """n optimizer steps on a fixed synthetic global batch of 8 samples, split over ranks."""
+def _backward_on_fixed_batch(model, cfg, seed: int, rank, world):
+    """Forward and backward of this rank's share of the fixed synthetic global batch ``seed``
+    (8 samples); returns this rank's share of the global loss."""
     import torch.nn.functional as F
 
     from elastic_trainer.runtime.sampler import rank_slice
 
+    g = torch.Generator().manual_seed(1000 + seed)
+    data = torch.randint(0, cfg.model.vocab_size, (8, cfg.model.seq_len + 1), generator=g)
+    s, c = rank_slice(8, world, rank)
+    x, y = data[s : s + c, :-1], data[s : s + c, 1:]
+    loss = F.cross_entropy(model(x).reshape(-1, cfg.model.vocab_size), y.reshape(-1), reduction="sum") / (8 * cfg.model.seq_len)
+    loss.backward()
+    return loss
+
+
+def _train_steps(model, opt, sched, cfg, n, rank, world, start=0):
+    """n optimizer steps on a fixed synthetic global batch of 8 samples, split over ranks."""
     losses = []
     for step in range(start, start + n):
-        g = torch.Generator().manual_seed(1000 + step)
-        data = torch.randint(0, cfg.model.vocab_size, (8, cfg.model.seq_len + 1), generator=g)
-        s, c = rank_slice(8, world, rank)
-        x, y = data[s : s + c, :-1], data[s : s + c, 1:]
-        loss = F.cross_entropy(model(x).reshape(-1, cfg.model.vocab_size), y.reshape(-1), reduction="sum") / (8 * cfg.model.seq_len)
-        loss.backward()
+        loss = _backward_on_fixed_batch(model, cfg, step, rank, world)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
@@ -167,18 +174,9 @@ SCHEDULERS = ("sequential", "warm_restarts", "plateau", "chained", "one_cycle", 
 def _sched_steps(model, opt, sched, cfg, first, last, rank, world, mgr=None, save_at=None):
     """Steps ``first..last`` (1-based) of the fixed synthetic batches; (loss, lr) per step.
     Saves at ``save_at`` through ``mgr``."""
-    import torch.nn.functional as F
-
-    from elastic_trainer.runtime.sampler import rank_slice
-
     out = {}
     for step in range(first, last + 1):
-        g = torch.Generator().manual_seed(1000 + step)
-        data = torch.randint(0, cfg.model.vocab_size, (8, cfg.model.seq_len + 1), generator=g)
-        s, c = rank_slice(8, world, rank)
-        x, y = data[s : s + c, :-1], data[s : s + c, 1:]
-        loss = F.cross_entropy(model(x).reshape(-1, cfg.model.vocab_size), y.reshape(-1), reduction="sum") / (8 * cfg.model.seq_len)
-        loss.backward()
+        loss = _backward_on_fixed_batch(model, cfg, step, rank, world)
         total = loss.detach().clone()
         dist.all_reduce(total)
         opt.step()

@@ -9,7 +9,6 @@ resumes exactly.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -93,15 +92,7 @@ def test_sigterm_commits_the_final_step_and_exits_75(tmp_path):
     ckpt = tmp_path / "p-ckpt"
     args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={ckpt}", "--set", "metrics.port=0", "--nproc-per-node", "2", "--monitor-interval", "0.2",
             SCRIPT, "--steps", "400"]
-    with open(run_dir / "run.log", "ab") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(), cwd=runs.REPO, start_new_session=True)
-    try:
-        runs.wait_event(run_dir, "step", 120, proc, where=lambda r: r["step"] >= 7)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code = runs.signal_at_step(args, run_dir, 7)
     (pre,) = runs.read_events(run_dir, "preempted")
     assert code == 75 and pre["committed"] is True, (run_dir / "run.log").read_text()[-3000:]
     head = Catalog(open_storage(str(ckpt))).head()

@@ -5,7 +5,6 @@ committed; that commit resumed by 3 workers → within 1e-5 of the uninterrupted
 
 from __future__ import annotations
 
-import signal
 import subprocess
 
 import pytest
@@ -46,18 +45,9 @@ def test_port_resumes_bitwise_after_sigkill_commits_on_sigterm_and_reshards(tmp_
     assert runs.step_losses(kill_dir) == ref, "bitwise equal to the uninterrupted run"
     # SIGTERM mid-run: the final step committed, exit 75; then 3 workers resume it within 1e-5.
     args, term_dir = _args(tmp_path, "term", port)
-    with open(term_dir / "run.log", "ab") as out:
-        # The same --steps as the reference: a schedule over the run's length (the HF port's linear
-        # decay) must be the same schedule; the pacing makes the stop land well before the end.
-        proc = subprocess.Popen([*args, "--steps", STEPS], stdout=out, stderr=subprocess.STDOUT, cwd=runs.REPO, start_new_session=True,
-                                env=runs.env_for_tests({"ELASTIC_TRAINER_INJECT_FAULT": "slow@rank=0,step=1,seconds=0.3"}))  # paced: the stop lands before step 10
-    try:
-        runs.wait_event(term_dir, "step", 180, proc, where=lambda e: e["step"] >= 3)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # The same --steps as the reference: a schedule over the run's length (the HF port's linear
+    # decay) must be the same schedule; paced (0.3 s a step) so the stop lands well before the end.
+    code = runs.signal_at_step([*args, "--steps", STEPS], term_dir, 3, env={"ELASTIC_TRAINER_INJECT_FAULT": "slow@rank=0,step=1,seconds=0.3"})
     (pre,) = runs.read_events(term_dir, "preempted")
     assert code == 75 and pre["committed"] is True, (term_dir / "run.log").read_text()[-3000:]
     head = Catalog(open_storage(str(tmp_path / "ckpt" / "term"))).head()
