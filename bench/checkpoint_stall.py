@@ -60,6 +60,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
 
     from elastic_trainer.checkpoint import integrity
     from elastic_trainer.checkpoint.manager import CheckpointManager
+    from elastic_trainer.checkpoint.savers import RemoteSaver
     from elastic_trainer.checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState
     from elastic_trainer.config import config_from_dict
     from elastic_trainer.events import EventLog
@@ -99,12 +100,13 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         if mode.startswith("torchtitan-"):
             managers[mode] = _torchtitan_manager(mode, work, model, states)
             continue
-        async_mode, _, nice = mode.partition("-nice")
-        mcfg = dataclasses.replace(cfg.checkpoint, dir=os.path.join(work, f"ckpt-{mode}"))
+        writer, _, nice = mode.partition("-nice")
+        mcfg = dataclasses.replace(cfg.checkpoint, dir=os.path.join(work, f"ckpt-{mode}"), writer=writer)
+        storage = open_storage(mcfg.dir)
         managers[mode] = CheckpointManager(
-            mcfg, open_storage(mcfg.dir), states, rank=d.rank, world_size=d.world_size, mesh_shape=list(d.mesh.shape),
+            mcfg, storage, states, rank=d.rank, world_size=d.world_size, mesh_shape=list(d.mesh.shape),
             group=d.ckpt_group, fingerprint=cfg.model_fingerprint(), events=events, metrics=NullSink(),
-            async_mode=async_mode, upload_nice=int(nice or 0),
+            remote=RemoteSaver(storage, d.ckpt_group, mode=mcfg.mode, writer=writer, upload_nice=int(nice or 0)),
         )
     class _Shim:
         """What Trainer.train_step needs of a Checkpointer, over one of the managers compared here."""
@@ -155,8 +157,8 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
             if save and i == 0:
                 stats = mgr.save(step)
                 marks = {"save_returned": time.monotonic() - t0}
-                inf = mgr._inflight
-                for name, f in (("staged", inf.staging), ("uploaded", inf.upload)):
+                save = mgr._inflight
+                for name, f in (("staged", save.stagings[0] if save.stagings else None), ("uploaded", save.written)):
                     if f is not None:
                         f.add_done_callback(lambda _f, name=name: marks.__setitem__(name, time.monotonic() - t0))
             times.append(time.monotonic() - s0)
@@ -286,7 +288,7 @@ class _PeerManager:
         t1 = time.monotonic()
         self.mgr.save(step)
         st.call = time.monotonic() - t1
-        self._inflight = types.SimpleNamespace(staging=self.mgr.staging_future, upload=self.mgr.save_future)
+        self._inflight = types.SimpleNamespace(stagings=[self.mgr.staging_future], written=self.mgr.save_future)
         return st
 
     def wait_for_staging(self) -> float:

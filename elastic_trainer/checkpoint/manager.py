@@ -6,31 +6,38 @@ boundary, in the same order):
 * :meth:`load` → resumes from what the catalog plans (or None); falls back past checkpoints
   that fail to load, quarantining each, in the same start.
 * :meth:`save` → starts a save of ``step`` (async by default). Saving a step that is already
-  committed (the one just loaded, or one this incarnation saved) is a no-op that counts.
+  committed (the one just loaded, or one this incarnation committed) is a no-op that counts.
 * :meth:`wait_for_staging` → call before anything mutates the saved tensors (optimizer.step).
-* :meth:`finish` → waits (bounded) for the save in flight and its commit.
+* :meth:`settle` / :meth:`finish` → wait (bounded) for the save in flight and its commit;
+  :meth:`committed_everywhere` / :meth:`fenced_everywhere` → rank 0's answers, agreed.
 * :meth:`close`.
 
-Rank 0's bookkeeping (scan, verification, commit, quarantine, retention, fencing) is the
-:class:`~elastic_trainer.checkpoint.catalog.Catalog`'s. The manager never looks inside the
-``Stateful`` objects it is given.
+Each save is a :class:`~.save.Save` (its states and transitions are documented there); the
+manager keeps at most one in flight. Its bytes are written by the savers it is given
+(:mod:`.savers`: checkpoint.dir through DCP, and the local tier), its agreements go through the
+:class:`~.agreement.Agreement` it is given, and rank 0's bookkeeping (scan, verification,
+commit, quarantine, retention, fencing) is the :class:`~.catalog.Catalog`'s. The manager never
+looks inside the ``Stateful`` objects it is given.
 
 Storage time is bounded by ``checkpoint.save_timeout_seconds`` per save, never by the hang
 watchdog: a save still writing when the next one is due is waited for at most until its deadline;
 past it, the new save is skipped (``checkpoint_failed``) and training goes on. Whether every
 rank's previous save is done is agreed with one tiny all-reduce on the *control* group (the
-training group), never on the checkpoint group a background upload may be using.
+training group), never on the checkpoint group a background upload may be using. A load (a
+rollback) gives up on a save still writing: it is abandoned, never committed, and its directory
+is kept out of the names later saves use.
 
 With ``checkpoint.writer = "process"`` the checkpoint.dir upload runs in a persistent writer
 process per rank; before each such save the ranks also agree that every writer is usable, and
 replace them all together when one is not (:mod:`.writer_process`).
 
 DCP reports a failed save or load as ``CheckpointException``, a ``BaseException``: it is caught
-explicitly next to ``Exception`` wherever a DCP future or call is awaited.
+explicitly next to ``Exception`` wherever a DCP call is awaited.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import threading
@@ -46,34 +53,24 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import collectives, faults
+from .. import faults
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, CheckpointIncompatibleError, FencedError, NoUsableCheckpointError
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
-from . import compat, integrity, layout, save_planner, writer_process
+from . import compat, integrity, layout, writer_process
+from .agreement import Agreement
 from .catalog import Catalog, checkpoint_key
 from .load_planner import load_planner
 from .local_tier import CHAIN_MAX, LocalTier
+from .save import Save, SaveState
+from .savers import LocalSaver, RemoteSaver
 from .state import PerRank, state_types
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class _InFlight:
-    step: int
-    name: str | None  # the checkpoint.dir directory; None for a save to the local tier only
-    started: float
-    staging: Future | None
-    upload: Future | None  # the checkpoint.dir write; None for a local-only save
-    commit: Future | None = None  # rank 0 only
-    staged_at: float | None = None
-    local_staging: Future | None = None
-    local: Future | None = None  # this rank's local copy written and committed -> bool
-
-
+_OK = (SaveState.COMMITTED, SaveState.WRITTEN)  # a save's ends that mean "this rank's part is done"
 
 
 @dataclass
@@ -102,7 +99,40 @@ class SaveStats:
         return self.wait_previous + self.call + self.staging_wait
 
 
+@dataclass
+class Decision:
+    """Rank 0's resume plan, broadcast to every rank. ``refused``: the error every rank raises
+    with ``message`` instead of loading; else ``chosen`` (None: start fresh)."""
+
+    refused: type[Exception] | None = None
+    message: str = ""
+    chosen: str | None = None
+    manifest: dict[str, Any] = field(default_factory=dict)
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    taken: list[str] = field(default_factory=list)
+    first_start: bool = True
+    unreadable: str | None = None  # the chosen checkpoint's metadata could not be read: damage
+    added: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)
+    epoch: str = ""
+    lineage: str = ""
+
+
+class LocalLoad(enum.Enum):
+    NONE = "no copy every rank has"
+    FAILED = "a copy failed to load"
+
+
 class CheckpointManager:
+    """Checkpointing of named ``Stateful`` objects on every rank.
+
+    ``remote``/``local``: the savers (defaults: :class:`~.savers.RemoteSaver` into ``storage``
+    per ``cfg.mode``/``cfg.writer``, and a :class:`~.savers.LocalSaver` when ``cfg.local_dir`` is
+    set); ``agreement``: how the ranks agree (default: the process groups; with one rank, the
+    identity). ``group`` is the checkpoint group DCP loads and saves on; ``control_group`` the
+    training group the agreements between saves use."""
+
     def __init__(
         self,
         cfg: CheckpointConfig,
@@ -117,12 +147,13 @@ class CheckpointManager:
         events: EventLog | None = None,
         metrics: MetricsSink | None = None,
         use_cuda_staging: bool = False,
-        async_mode: str = "thread",
-        upload_nice: int = 0,
         control_group: dist.ProcessGroup | None = None,
         epoch: str | None = None,
         launch_id: str = "",
         run_identity: dict[str, Any] | None = None,
+        remote: RemoteSaver | None = None,
+        local: LocalSaver | None = None,
+        agreement: Agreement | None = None,
     ):
         self.cfg = cfg
         self.storage = storage
@@ -131,68 +162,65 @@ class CheckpointManager:
         self.world_size = world_size
         self.mesh_shape = mesh_shape
         self.group = group
-        self.control_group = control_group
         self.fingerprint = fingerprint
         self.events = events or EventLog(None)
         self.metrics = metrics or NullSink()
-        self._inflight: _InFlight | None = None
-        self._stager = None
-        self._use_cuda_staging = use_cuda_staging
-        # Where an async save's upload runs (checkpoint.writer: "thread", or "process": a writer
-        # process per rank, see checkpoint/writer_process.py) and the CPU niceness of the thread
-        # that writes (bench/checkpoint_stall.py --modes; BENCHMARKS.md).
-        if async_mode not in ("thread", "process"):
-            raise ValueError(f"async_mode: expected thread or process, got {async_mode!r}")
-        self._async_mode = async_mode
-        self._writer_failed = False  # process writer: a save of ours failed; restart the writers before the next
-        self._upload_nice = upload_nice
+        self.agreement = agreement or Agreement(world_size, group, control_group)
+        self.remote = remote or RemoteSaver(storage, group, mode=cfg.mode, writer=cfg.writer, cuda_staging=use_cuda_staging)
+        if local is None and cfg.local_dir:
+            tier = LocalTier(cfg.local_dir, storage.root, rank=rank, world_size=world_size, key=checkpoint_key())
+            local = LocalSaver(tier, mode=cfg.mode, cuda_staging=use_cuda_staging)
+        # The local tier (checkpoint.local_dir): every save, per rank; checkpoint.dir gets every
+        # remote_every-th (and every durable one). See checkpoint/local_tier.py.
+        self.local_saver = local
+        self.local = local.tier if local is not None else None
         self.catalog = Catalog(storage, epoch=epoch, events=self.events) if rank == 0 else None
         self._launch_id = launch_id
         self._run_identity = run_identity or {}
         self._commit_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit") if rank == 0 else None
-        self._lock = threading.Lock()  # guards the fields the commit thread writes
-        self.last_committed_step: int | None = None  # rank 0: newest commit it knows of
-        self.fenced: str | None = None  # rank 0: why a newer launch stopped our commits
+        # Shared with the commit thread, under _lock: the newest commit rank 0 knows of, why a
+        # newer launch stopped our commits, and which load the current state came from.
+        self._lock = threading.Lock()
+        self._last_committed: int | None = None
+        self._fenced: str | None = None
+        self._generation = 0  # +1 at every load: a commit of a save from before it changes nothing
+        self._inflight: Save | None = None
+        self.last_save: Save | None = None  # the newest settled save
+        self._writer_failed = False  # process writer: a save of ours failed; restart the writers before the next
         self.loaded_step: int | None = None
+        self.loaded_tier: str | None = None
         self._parent: str | None = None  # the checkpoint the current state descends from
         self._seq = 0
         self._taken: set[str] = set()  # checkpoint directory names in use (same on every rank)
-        self._saved: set[int] = set()  # steps this incarnation saved (same on every rank)
+        self._committed: set[int] = set()  # steps this incarnation committed to checkpoint.dir (agreed)
         self.save_stats: list[SaveStats] = []
-        self.failures = 0
-        self._plan_key = save_planner.new_key()  # DCP plan cache of this manager's saves
-        # The local tier (checkpoint.local_dir): every save, per rank; checkpoint.dir gets every
-        # remote_every-th (and every durable one). See checkpoint/local_tier.py.
-        self.local = LocalTier(cfg.local_dir, storage.root, rank=rank, world_size=world_size, key=checkpoint_key()) if cfg.local_dir else None
-        self._local_stager = None
         self._epoch_name = ""  # the root's launch epoch, learnt at load (names the local copies)
         self._lineage = ""  # agreed at each load: which start wrote a local copy
         self._chain: list[str] = [""]  # remote checkpoints the current state's lineage went through
         self._saves_since_remote = 0
         self._local_saved: set[int] = set()
-        self.loaded_tier: str | None = None
         self._state_types = state_types(states)  # recorded in every manifest, compared at resume
         for s in states.values():
             if isinstance(s, PerRank):
                 s.bind(rank, world_size)
 
-    # ------------------------------------------------------------------ collectives helpers
-    def _broadcast(self, obj: Any) -> Any:
-        if self.group is None and not dist.is_initialized() or self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+    @property
+    def last_committed_step(self) -> int | None:
+        """Rank 0: the newest commit it knows of (loaded, or committed since)."""
+        with self._lock:
+            return self._last_committed
 
-    def _all_true(self, flag: bool, group) -> bool:
-        """Every rank's ``flag`` is true. Main thread only."""
-        if self.world_size == 1 or not dist.is_initialized():
-            return flag
-        t = torch.tensor([0.0 if flag else 1.0], dtype=torch.float64)
-        if dist.get_backend(group) == "nccl":  # pragma: no cover - GPU only
-            t = t.cuda()
-        collectives.all_reduce(t, group=group)
-        return float(t.item()) == 0.0
+    @property
+    def fenced(self) -> str | None:
+        """Rank 0: why a newer launch stopped our commits (None: it did not)."""
+        with self._lock:
+            return self._fenced
+
+    def _set_fenced(self, why: str, step: int) -> None:
+        with self._lock:
+            self._fenced = why
+        logger.error("%s", why)
+        self.events.emit("checkpoint_fenced", step=step, error=why)
 
     # ------------------------------------------------------------------ load
     def load(self, resume: str | None = None) -> LoadResult | None:
@@ -208,61 +236,52 @@ class CheckpointManager:
         never a silent start from step 0. Raises CheckpointError when an explicitly requested
         step is unusable and FencedError when a newer launch owns the root."""
         resume = self.cfg.resume if resume is None else resume
+        self._abandon_inflight()
         failed: set[str] = set()
         skipped_all: list[tuple[int, str]] = []
         try_local = self.local is not None and resume == "latest"
         while True:
-            decision = self._decide(resume, frozenset(failed)) if self.rank == 0 else {}
-            if self.rank == 0:
-                decision["epoch"] = self.catalog.epoch or ""
-                decision["lineage"] = uuid.uuid4().hex[:12]  # names the local copies this start will write
-            decision = self._broadcast(decision)
-            if "fenced" in decision:
-                raise FencedError(decision["fenced"])
-            if "error" in decision:
-                raise CheckpointError(decision["error"])
-            if "incompatible" in decision:
-                raise CheckpointIncompatibleError(decision["incompatible"])
-            if "stop" in decision:
-                raise NoUsableCheckpointError(decision["stop"])
-            self._taken = set(decision.get("taken", []))
-            skipped_all += [tuple(s) for s in decision.get("skipped", [])]
-            self._epoch_name = decision.get("epoch", "")
-            self._lineage = decision.get("lineage", "")
+            decision = self._decide(resume, frozenset(failed)) if self.rank == 0 else None
+            decision = self.agreement.broadcast(decision)
+            if decision.refused is not None:
+                raise decision.refused(decision.message)
+            self._taken |= set(decision.taken)  # never forget a name: an abandoned save may still write into it
+            skipped_all += [tuple(s) for s in decision.skipped]
+            self._epoch_name = decision.epoch
+            self._lineage = decision.lineage
             if try_local:
                 try_local = False
                 local = self._load_local(decision, skipped_all)
                 if isinstance(local, LoadResult):
                     return local
-                if local == "failed" and decision.get("chosen") is None:
+                if local is LocalLoad.FAILED and decision.chosen is None:
                     raise CheckpointError("the local copies failed to load and checkpoint.dir has no commit; restarting from a clean state")
-            if decision.get("chosen") is None:
+            if decision.chosen is None:
                 if failed:  # every candidate failed its load in this start: never train from step 0 over them
                     raise NoUsableCheckpointError(
                         f"every committed checkpoint failed to load ({', '.join(sorted(failed))}: quarantined); not starting over from step 0. "
                         "'elastic-trainer ckpt release URI --step N' re-verifies one and lifts its quarantine if its bytes are good; "
                         "or start a new run: another checkpoint.dir, or checkpoint.resume = \"none\" for this launch"
                     )
+                self._loaded(None, None, committed=None)
                 self._parent, self._seq = None, 0
-                self._chain, self.loaded_tier = [""], None
+                self._chain = [""]
                 return None
-            name, manifest = decision["chosen"], decision["manifest"]
+            name, manifest = decision.chosen, decision.manifest
             step = int(manifest["step"])
-            reason = decision.get("integrity")  # rank 0 could not read the checkpoint's metadata
+            reason = decision.unreadable  # rank 0 could not read the checkpoint's metadata
             if reason is None:
                 t0 = time.monotonic()
-                loaded = self._load_remote(name, manifest, frozenset(decision.get("absent", ())))
+                loaded = self._load_remote(name, manifest, frozenset(decision.absent))
                 if loaded is None:
                     seconds = time.monotonic() - t0
-                    self.loaded_step = step
-                    self.last_committed_step = step
+                    self._loaded(step, "remote", committed=step)
                     self._parent, self._seq = name, int(manifest.get("seq", 0))
-                    self._saved = set()
-                    self._chain, self.loaded_tier, self._local_saved = [name], "remote", set()
+                    self._chain, self._local_saved = [name], set()
                     self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
                     if self.rank == 0:
                         self._report_evolution(name, step, decision)
-                    return LoadResult(step, name, manifest, seconds, skipped_all, bool(decision.get("first_start", True)))
+                    return LoadResult(step, name, manifest, seconds, skipped_all, decision.first_start)
                 reason = loaded
             reason = f"load failed: {reason}"
             logger.error("checkpoint %s %s", name, reason)
@@ -291,9 +310,9 @@ class CheckpointManager:
             dcp.load(states, storage_reader=reader, process_group=self.group, planner=load_planner(states))
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
             mine = ("integrity" if compat.is_integrity(e) else "incompatible", compat.one_line(e))
-        if self._all_true(not mine[0], self.group):
+        if self.agreement.all_true(not mine[0], control=False):
             return None
-        views = [v for v in self._gather(mine) if v[0]]
+        views = [v for v in self.agreement.gather(mine) if v[0]]
         bad = [v for v in views if v[0] == "integrity"]
         if bad:
             return bad[0][1]
@@ -302,29 +321,44 @@ class CheckpointManager:
             "register the same state as the run that wrote it, or start a new run: another checkpoint.dir, or checkpoint.resume = \"none\")"
         )
 
-    def _report_evolution(self, name: str, step: int, decision: dict[str, Any]) -> None:
+    def _report_evolution(self, name: str, step: int, decision: Decision) -> None:
         """Rank 0: events for state the load left as initialised or did not load (on purpose)."""
-        if decision.get("added"):
-            self.events.emit("state_added", step=step, name=name, keys=decision["added"][:100])
-            logger.warning("checkpoint %s has no %s: left as initialised (optional_on_load)", name, ", ".join(decision["added"][:10]))
-        if decision.get("ignored"):
-            self.events.emit("state_ignored", step=step, name=name, keys=decision["ignored"])
-            logger.warning("checkpoint %s holds %s, which this code does not register: not loaded", name, ", ".join(decision["ignored"]))
+        if decision.added:
+            self.events.emit("state_added", step=step, name=name, keys=decision.added[:100])
+            logger.warning("checkpoint %s has no %s: left as initialised (optional_on_load)", name, ", ".join(decision.added[:10]))
+        if decision.ignored:
+            self.events.emit("state_ignored", step=step, name=name, keys=decision.ignored)
+            logger.warning("checkpoint %s holds %s, which this code does not register: not loaded", name, ", ".join(decision.ignored))
 
-    def _gather(self, obj: Any) -> list[Any]:
-        if self.world_size == 1 or not dist.is_initialized():
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+    def _loaded(self, step: int | None, tier: str | None, *, committed: int | None) -> None:
+        """The state now comes from ``step`` (None: fresh): a commit of a save from before this
+        load no longer counts (see :meth:`_commit`)."""
+        with self._lock:
+            self._generation += 1
+            self._last_committed = committed
+        self.loaded_step, self.loaded_tier = step, tier
+        self._committed = set()
 
-    def _load_local(self, decision: dict[str, Any], skipped: list[tuple[int, str]]) -> LoadResult | str:
+    def _abandon_inflight(self) -> None:
+        """Before a load: a save still writing (a rollback after its deadline passed) is given up
+        on: it is never committed, and its name stays taken. A commit already in progress is
+        waited for, so the plan sees it."""
+        save, self._inflight = self._inflight, None
+        if save is None:
+            return
+        if save.abandon("a load replaced the state it saves"):
+            logger.warning("checkpoint step %d abandoned: still writing when the state was reloaded", save.step)
+        else:  # committing (short, bounded by storage timeouts) or ended: let it land before planning
+            save.wait(max(save.deadline, time.monotonic() + self.cfg.storage_timeout_seconds))
+        self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 0)
+
+    def _load_local(self, decision: Decision, skipped: list[tuple[int, str]]) -> LoadResult | LocalLoad:
         """Every rank: load the newest local copy that every rank can prove, if it is at least as
-        new as the remote choice and descends from it. Returns the result, "none" (no common
-        copy) or "failed" (a load failed somewhere: the state may be partly overwritten, and the
+        new as the remote choice and descends from it. Returns the result, NONE (no common
+        copy) or FAILED (a load failed somewhere: the state may be partly overwritten, and the
         failing ranks dropped their copy). All ranks load the same tier: never a mix."""
-        chosen = decision.get("chosen")
-        remote_step = int(decision["manifest"]["step"]) if chosen else 0
+        chosen = decision.chosen
+        remote_step = int(decision.manifest["step"]) if chosen else 0
         epoch = self._epoch_name
         try:
             self.local.purge_other_epochs(epoch)
@@ -333,13 +367,13 @@ class CheckpointManager:
             copies, why = [], f"local tier unreadable: {type(e).__name__}: {e}"
         # A copy is named by (step, the start that wrote it): after a rollback or a restart a step
         # may exist twice in one epoch, and ranks must agree on the very same save.
-        views = self._gather(([(c.step, c.manifest.get("lineage")) for c in copies], why))
+        views = self.agreement.gather(([(c.step, c.manifest.get("lineage")) for c in copies], why))
         common = set.intersection(*(set(map(tuple, keys)) for keys, _ in views))
         if not common:
             if self.rank == 0 and any(steps for steps, _ in views):
                 reasons = "; ".join(f"rank {r}: {w}" for r, (steps, w) in enumerate(views) if not steps) or "no step every rank has"
                 self.events.emit("checkpoint_local_skipped", step=max(k[0] for keys, _ in views for k in keys), reason=f"not on every rank ({reasons})", remote_step=remote_step)
-            return "none"
+            return LocalLoad.NONE
         best = max(common)
         copy = next(c for c in copies if (c.step, c.manifest.get("lineage")) == best)
         t0 = time.monotonic()
@@ -349,25 +383,27 @@ class CheckpointManager:
             dcp.load(self.states, storage_reader=self.local.reader(copy), planner=load_planner(self.states), no_dist=True)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
             error = f"{type(e).__name__}: {e}"[:2000]
-        if not self._all_true(not error, self.group):
+        if not self.agreement.all_true(not error, control=False):
             if error:  # this rank's copy is bad: never chosen again
                 logger.error("local copy of step %d failed to load: %s", copy.step, error)
                 self.local.discard(copy)
             if self.rank == 0:
                 self.events.emit("checkpoint_local_skipped", step=copy.step, reason=f"load failed: {error or 'on another rank'}", remote_step=remote_step)
             skipped.append((copy.step, f"local copy: load failed: {error or 'on another rank'}"))
-            return "failed"
+            return LocalLoad.FAILED
         seconds = time.monotonic() - t0
-        self.loaded_step, self.loaded_tier = copy.step, "local"
-        self._parent, self._seq = chosen, int(decision["manifest"].get("seq", 0)) if chosen else 0
+        self._loaded(copy.step, "local", committed=remote_step if chosen else None)
+        self._parent, self._seq = chosen, int(decision.manifest.get("seq", 0)) if chosen else 0
         self._chain = list(copy.manifest.get("remote_chain") or [chosen or ""])
-        self._saved, self._local_saved = set(), {copy.step}
+        self._local_saved = {copy.step}
         self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
         self.metrics.counter("elastic_trainer_checkpoint_local_resumes_total")
-        return LoadResult(copy.step, os.path.relpath(copy.path, self.local.root), copy.manifest, seconds, skipped, bool(decision.get("first_start", True)), tier="local")
+        return LoadResult(copy.step, os.path.relpath(copy.path, self.local.root), copy.manifest, seconds, skipped, decision.first_start, tier="local")
 
-    def _decide(self, resume: str, exclude: frozenset[str]) -> dict[str, Any]:
-        """Rank 0: plan the resume. Never raises (the answer is broadcast to every rank)."""
+    def _decide(self, resume: str, exclude: frozenset[str]) -> Decision:
+        """Rank 0: plan the resume. Never raises (the answer is broadcast to every rank). Only
+        the first load of this manager cleans up uncommitted directories: a later one (a
+        rollback) may have abandoned a save that is still writing."""
         cat = self.catalog
         try:
             if cat.epoch is None:
@@ -385,57 +421,40 @@ class CheckpointManager:
                     logger.warning("could not quarantine %s: %s", name, e)
             if resume not in ("latest", "none") and plan.first_start and plan.chosen is None:
                 reason = plan.skipped[0][1] if plan.skipped else "not found"
-                return {"error": f"checkpoint.resume={resume}: checkpoint step {resume} is unusable: {reason}"}
+                return Decision(CheckpointError, f"checkpoint.resume={resume}: checkpoint step {resume} is unusable: {reason}")
             stop = plan.stop_reason()
             if plan.incompatible is not None:
                 self.events.emit("checkpoint_incompatible", name=plan.incompatible[0], reason=plan.incompatible[1])
-                return {"incompatible": stop}
+                return Decision(CheckpointIncompatibleError, stop)
             if stop is not None:
                 self.events.emit("resume_refused", reason=stop, unusable=[n for n, _ in plan.unusable])
-                return {"stop": stop}
-            if not exclude:
+                return Decision(NoUsableCheckpointError, stop)
+            if not exclude and self._generation == 0:
                 cat.clean_uncommitted(frozenset({plan.chosen.name}) if plan.chosen else frozenset())
                 if plan.first_start:
                     cat.record_base(plan.chosen.name if plan.chosen else None)
-            taken = sorted(c.name for c in cat.scan())
+            out = Decision(skipped=plan.skipped, taken=sorted(c.name for c in cat.scan()), first_start=plan.first_start,
+                           epoch=cat.epoch or "", lineage=uuid.uuid4().hex[:12])  # lineage: names the local copies this start writes
             if plan.chosen is None:
-                return {"chosen": None, "skipped": plan.skipped, "taken": taken, "first_start": plan.first_start}
-            manifest = plan.chosen.manifest
-            out = {"chosen": plan.chosen.name, "manifest": manifest, "skipped": plan.skipped, "taken": taken, "first_start": plan.first_start}
+                return out
+            out.chosen, out.manifest = plan.chosen.name, plan.chosen.manifest
             try:
                 metadata = cat.read_metadata(plan.chosen)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - unreadable metadata is damage: quarantined by load()
-                return {**out, "integrity": compat.one_line(e)}
-            report = compat.check(self.states, metadata, manifest, self.world_size)
+                out.unreadable = compat.one_line(e)
+                return out
+            report = compat.check(self.states, metadata, out.manifest, self.world_size)
             if not report.ok:
-                message = report.message(plan.chosen.name)
                 self.events.emit("checkpoint_incompatible", step=plan.chosen.step, name=plan.chosen.name, problems=report.problems)
-                return {"incompatible": message}
-            self.last_committed_step = plan.chosen.step
-            return {**out, "added": report.added, "ignored": report.ignored, "absent": report.absent}
+                return Decision(CheckpointIncompatibleError, report.message(plan.chosen.name))
+            out.added, out.ignored, out.absent = report.added, report.ignored, list(report.absent)
+            return out
         except FencedError as e:
-            return {"fenced": str(e)}
+            return Decision(FencedError, str(e))
         except Exception as e:  # noqa: BLE001 - reported on every rank
-            return {"error": f"{type(e).__name__}: {e}"}
+            return Decision(CheckpointError, f"{type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ save
-    def _new_stager(self, shared_memory: bool):
-        from torch.distributed.checkpoint.staging import DefaultStager
-
-        return DefaultStager(staging_options(cuda=self._use_cuda_staging, shared_memory=shared_memory))
-
-    def _get_stager(self):
-        if self._stager is None:
-            self._stager = self._new_stager(self._async_mode == "process")
-        return self._stager
-
-    def _get_local_stager(self):
-        """The local tier's own stager: a stager reuses its buffers, and the object-store
-        upload of the same step may still be reading the other one's."""
-        if self._local_stager is None:
-            self._local_stager = self._new_stager(False)
-        return self._local_stager
-
     @property
     def in_flight(self) -> bool:
         return self._inflight is not None
@@ -444,13 +463,13 @@ class CheckpointManager:
     def save_in_progress(self) -> bool:
         """Whether this rank's part of the latest save is still being written. Rank-local: a
         measurement (checkpoint cadence), never a decision that ranks must share."""
-        inf = self._inflight
-        return inf is not None and any(f is not None and not f.done() for f in (inf.upload, inf.local))
+        save = self._inflight
+        return save is not None and save.writing
 
     def is_committed(self, step: int) -> bool:
-        """Whether ``step`` is known committed in checkpoint.dir on every rank's shared knowledge
-        (loaded from there or saved there by this incarnation); a save of such a step is a no-op."""
-        return (step == self.loaded_step and self.loaded_tier == "remote") or step in self._saved
+        """Whether every rank knows ``step`` committed in checkpoint.dir: loaded from there, or
+        saved there by this incarnation and agreed committed. A save of such a step is a no-op."""
+        return (step == self.loaded_step and self.loaded_tier == "remote") or step in self._committed
 
     def save(self, step: int, *, blocking: bool = False, meta: dict[str, Any] | None = None, force: bool = False, durable: bool = False) -> SaveStats:
         """Start saving ``step``. All ranks. ``meta`` goes into the manifest (e.g. the loss).
@@ -464,21 +483,14 @@ class CheckpointManager:
         when it is ``durable`` (the final step), ``force``d or ``blocking`` (preemption), or the
         ``remote_every``-th since the last one there."""
         stats = SaveStats(step)
-        if self.is_committed(step) and not force:
-            stats.skipped = "already committed"
-            return stats
-        remote = self.local is None or force or blocking or durable or self._saves_since_remote + 1 >= self.cfg.remote_every
-        local = self.local is not None and step not in self._local_saved
-        if not remote and not local:
-            stats.skipped = "already in the local tier"
-            return stats
         t0 = time.monotonic()
-        previous_done = self._finish_inflight(deadline=self._deadline_of(self._inflight), agree=True)
-        if self._uses_writer_process(remote):
-            previous_done = self._check_writers(previous_done)
+        settled = self.settle(self._inflight.deadline if self._inflight else None)
+        remote = self.local is None or force or blocking or durable or self._saves_since_remote + 1 >= self.cfg.remote_every
+        if self.remote.uses_writer_process and remote:
+            settled = self._check_writers()
         stats.wait_previous = time.monotonic() - t0
         self.metrics.histogram("elastic_trainer_checkpoint_wait_previous_seconds", stats.wait_previous)
-        if previous_done is None:
+        if not settled:
             stats.skipped = f"previous save of step {self._inflight.step} still writing after {self.cfg.save_timeout_seconds:.0f}s"
             logger.error("checkpoint step %d skipped: %s", step, stats.skipped)
             if self.rank == 0:
@@ -486,91 +498,90 @@ class CheckpointManager:
                 self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
             self.save_stats.append(stats)
             return stats
+        if self.is_committed(step) and not force:
+            stats.skipped = "already committed"
+            return stats
+        local = self.local is not None and step not in self._local_saved
+        if not remote and not local:
+            stats.skipped = "already in the local tier"
+            return stats
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 1)
         t1 = time.monotonic()
-        inflight = _InFlight(step, None, t1, None, None)
         extra = {"parent": self._parent, "seq": self._seq, "launch": self._launch_id, "finite": True, "run_identity": self._run_identity,
                  "state_types": self._state_types, **(meta or {})}
+        name = None
         if remote:
             name = layout.next_dir_name(step, self._taken)
             self._taken.add(name)
-            self._saved.add(step)
             self._saves_since_remote = 0
             self._chain = (self._chain + [name])[-CHAIN_MAX:]
-            inflight.name = name
-            inflight.staging, inflight.upload = self._start_remote(name)
             self._parent = name
             self._seq += 1
         else:
             self._saves_since_remote += 1
+        save = Save(step, name, started=t1, deadline=t1 + self.cfg.save_timeout_seconds, staged=self.cfg.mode == "sync")
+        self._inflight = save
+        if remote:
+            if self.rank == 0:
+                self._commit_pool.submit(self._mark_writer, name)
+            staging, written = self.remote.start(self.states, name)
+            save.stagings.append(staging)
+            save.written = written
+            extra["seq"] = self._seq
+            written.add_done_callback(lambda f, generation=self._generation: self._on_written(save, f, {**extra}, generation))
         if local:
             self._local_saved.add(step)
             # the remote save this state descends from (started above when there is one)
             local_extra = {**extra, "parent": self._parent, "seq": self._seq, "remote_chain": list(self._chain), "lineage": self._lineage}
-            inflight.local_staging, inflight.local = self._start_local(step, local_extra, t1)
-        self._inflight = inflight
+            staging, committed = self._start_local(step, local_extra, t1)
+            save.stagings.append(staging)
+            if remote:
+                save.track_local(committed)
+            else:
+                committed.add_done_callback(lambda f: self._on_local_only(save, f.result()))
         stats.call = time.monotonic() - t1
-        if remote and self.rank == 0 and self._commit_pool is not None:
-            inflight = self._inflight
-            inflight.commit = Future()
-            extra["seq"] = self._seq
-
-            def on_upload_done(f: Future, inflight: _InFlight = inflight) -> None:
-                inner = self._commit_pool.submit(self._commit, inflight, extra)
-                inner.add_done_callback(lambda r: _chain(r, inflight.commit))
-
-            inflight.upload.add_done_callback(on_upload_done)
         self.save_stats.append(stats)
         if blocking:
             self.wait_for_staging()
-            self._finish_inflight(deadline=None)
+            self.settle(None)
         return stats
 
-    def _uses_writer_process(self, remote: bool) -> bool:
-        return remote and self._async_mode == "process" and self.cfg.mode != "sync"
+    def _on_written(self, save: Save, written: Future, extra: dict[str, Any], generation: int) -> None:
+        """Upload thread: this rank's checkpoint.dir bytes are written (or failed). Rank 0 goes on
+        to commit on its commit thread; an abandoned save goes nowhere."""
+        save.staged()
+        exc = written.exception()
+        error = "" if exc is None else f"{type(exc).__name__}: {exc}"
+        if self.rank != 0:
+            save.advance(SaveState.FAILED if exc is not None else SaveState.WRITTEN, error=error)
+        elif exc is not None:
+            if save.advance(SaveState.FAILED, error=error):
+                self._report_failure(save, error)
+        elif save.advance(SaveState.COMMITTING):
+            self._commit_pool.submit(self._commit, save, extra, generation)
 
-    def _check_writers(self, previous_done: bool | None) -> bool | None:
+    @staticmethod
+    def _on_local_only(save: Save, committed: bool) -> None:
+        save.staged()
+        save.advance(SaveState.COMMITTED if committed else SaveState.FAILED, error="" if committed else "local copy failed")
+
+    def _check_writers(self) -> bool:
         """Process writer, every rank, before a save: agree that every rank's writer process is
         usable; if one died or failed a save, or the previous save is still writing past its
-        deadline (agreed by ``previous_done is None``), stop the writers on every rank (the
-        next save starts new ones together). Returns the previous save's state after that."""
-        ok = writer_process.healthy() and not self._writer_failed and previous_done is not None
-        if self._all_true(ok, self.control_group):
-            return previous_done
-        why = "still writing past its deadline" if previous_done is None else "a writer process died or failed a save"
+        deadline, stop the writers on every rank (the next save starts new ones together).
+        Returns whether the previous save is settled after that."""
+        stuck = self._inflight is not None
+        ok = self.remote.writers_healthy() and not self._writer_failed and not stuck
+        if self.agreement.all_true(ok):
+            return True
+        why = "still writing past its deadline" if stuck else "a writer process died or failed a save"
         logger.warning("restarting the checkpoint writer processes: %s", why)
         if self.rank == 0:
             self.events.emit("checkpoint_writer_restarted", reason=why, step=self._inflight.step if self._inflight else None)
-        writer_process.stop()
-        save_planner.forget(self._plan_key)
-        if previous_done is None:  # the stopped writer failed that save: wait for it to say so
-            previous_done = self._finish_inflight(deadline=time.monotonic() + writer_process.STOP_TIMEOUT_SECONDS * 2, agree=True)
+        self.remote.stop_writers()
         self._writer_failed = False
-        return previous_done
-
-    def _start_remote(self, name: str) -> tuple[Future | None, Future]:
-        """Start the checkpoint.dir save into ``name``: (staging, upload) futures."""
-        if self.rank == 0:
-            self._commit_pool.submit(self._mark_writer, name)
-        writer = integrity.checksummed(self.storage.dcp_writer(self.storage.join(name)))
-        if self._upload_nice and self.cfg.mode != "sync":  # never the training thread
-            writer.upload_nice = self._upload_nice
-        if self.cfg.mode == "sync":
-            fut: Future = Future()
-            try:
-                dcp.save(self.states, storage_writer=writer, process_group=self.group, planner=save_planner.make(self._plan_key))
-                fut.set_result(None)
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - handled as a failed save
-                fut.set_exception(e)
-            return None, fut
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-        kind = AsyncCheckpointerType.PROCESS if self._async_mode == "process" else AsyncCheckpointerType.THREAD
-        resp = dcp.async_save(
-            self.states, storage_writer=writer, process_group=self.group, async_stager=self._get_stager(), async_checkpointer_type=kind,
-            planner=save_planner.make(self._plan_key),
-        )
-        return getattr(resp, "staging_completion", None), getattr(resp, "upload_completion", resp)
+        # the stopped writer failed that save: wait for it to say so
+        return self.settle(time.monotonic() + writer_process.STOP_TIMEOUT_SECONDS * 2)
 
     def _start_local(self, step: int, extra: dict[str, Any], started: float) -> tuple[Future | None, Future]:
         """Start this rank's local copy of ``step`` (no collectives): (staging, committed) futures;
@@ -578,9 +589,9 @@ class CheckpointManager:
         done: Future = Future()
         epoch = self._epoch_name
 
-        def commit(f: Future | None) -> None:
+        def commit(f: Future) -> None:
             try:
-                exc = f.exception() if f is not None else None
+                exc = f.exception()
                 if exc is not None:
                     raise exc
                 manifest = self.local.commit(epoch, step, mesh_shape=self.mesh_shape, fingerprint=self.fingerprint, torch_version=torch.__version__, extra=extra)
@@ -594,24 +605,9 @@ class CheckpointManager:
                 self.events.emit("checkpoint_local_saved", step=step, bytes=manifest["total_bytes"], seconds=round(time.monotonic() - started, 4))
             done.set_result(True)
 
-        try:
-            writer = self.local.writer(epoch, step)
-            if self.cfg.mode == "sync":
-                dcp.save(self.states, storage_writer=writer, no_dist=True)
-                commit(None)
-                return None, done
-            resp = dcp.async_save(self.states, storage_writer=writer, no_dist=True, async_stager=self._get_local_stager())
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - as a failed local copy
-            failed: Future = Future()
-            failed.set_exception(e)
-            commit(failed)
-            return None, done
-        upload = getattr(resp, "upload_completion", resp)
-        upload.add_done_callback(commit)
-        return getattr(resp, "staging_completion", None), done
-
-    def _deadline_of(self, inf: _InFlight | None) -> float | None:
-        return None if inf is None else inf.started + self.cfg.save_timeout_seconds
+        staging, written = self.local_saver.start(self.states, epoch, step)
+        written.add_done_callback(commit)
+        return staging, done
 
     def _mark_writer(self, name: str) -> None:
         try:
@@ -621,152 +617,118 @@ class CheckpointManager:
 
     def wait_for_staging(self) -> float:
         """Block until the in-flight save has copied the state out. Returns the seconds waited."""
-        inf = self._inflight
-        if inf is None or (inf.staging is None and inf.local_staging is None) or inf.staged_at is not None:
+        save = self._inflight
+        if save is None or save.state is not SaveState.STAGING:
             return 0.0
         t0 = time.monotonic()
-        for staging in (inf.staging, inf.local_staging):
+        for staging in save.stagings:
             try:
                 if staging is not None:
                     staging.result()
             except (Exception, CheckpointException):  # noqa: BLE001 - the upload future carries the same failure
-                logger.exception("staging of step %d failed", inf.step)
+                logger.exception("staging of step %d failed", save.step)
+        save.staged()
         waited = time.monotonic() - t0
-        inf.staged_at = time.monotonic()
-        if self.save_stats and self.save_stats[-1].step == inf.step:
+        if self.save_stats and self.save_stats[-1].step == save.step:
             self.save_stats[-1].staging_wait += waited
             self.metrics.histogram("elastic_trainer_checkpoint_stall_seconds", self.save_stats[-1].stall)
         return waited
 
-    def _commit(self, inf: _InFlight, extra: dict[str, Any]) -> bool:
-        """Rank 0, background thread: prove the save complete and commit it, then retention."""
-        duration = time.monotonic() - inf.started
-        exc = inf.upload.exception()
-        if exc is not None:
-            return self._failed(inf, f"{type(exc).__name__}: {exc}", duration)
-        faults.maybe_inject("kill_before_commit", inf.step)
+    def _commit(self, save: Save, extra: dict[str, Any], generation: int) -> None:
+        """Rank 0, commit thread: prove the save complete and commit it, then retention."""
+        faults.maybe_inject("kill_before_commit", save.step)
         try:
-            manifest = self.catalog.commit(
-                inf.name,
-                step=inf.step,
-                world_size=self.world_size,
-                mesh_shape=self.mesh_shape,
-                fingerprint=self.fingerprint,
-                torch_version=torch.__version__,
-                extra=extra,
-            )
+            manifest = self.catalog.commit(save.name, step=save.step, world_size=self.world_size, mesh_shape=self.mesh_shape,
+                                           fingerprint=self.fingerprint, torch_version=torch.__version__, extra=extra)
         except FencedError as e:
-            with self._lock:
-                self.fenced = str(e)
-            logger.error("%s", e)
-            self.events.emit("checkpoint_fenced", step=inf.step, error=str(e))
-            return False
+            self._set_fenced(str(e), save.step)
+            save.advance(SaveState.FENCED, error=str(e))
+            return
         except Exception as e:  # noqa: BLE001 - a failed commit is a failed save
-            return self._failed(inf, f"commit: {type(e).__name__}: {e}", duration)
-        duration = time.monotonic() - inf.started
+            error = f"commit: {type(e).__name__}: {e}"
+            save.advance(SaveState.FAILED, error=error)
+            self._report_failure(save, error)
+            return
+        duration = time.monotonic() - save.started
         with self._lock:
-            self.last_committed_step = inf.step
-        logger.debug("checkpoint step %d committed: %d bytes in %.2fs (%s)", inf.step, manifest["total_bytes"], duration, inf.name)
-        self.events.emit("checkpoint_committed", step=inf.step, name=inf.name, bytes=manifest["total_bytes"], seconds=round(duration, 4), world_size=self.world_size)
+            if generation == self._generation:  # else a load replaced the state since this save began
+                self._last_committed = save.step
+        logger.debug("checkpoint step %d committed: %d bytes in %.2fs (%s)", save.step, manifest["total_bytes"], duration, save.name)
+        self.events.emit("checkpoint_committed", step=save.step, name=save.name, bytes=manifest["total_bytes"], seconds=round(duration, 4), world_size=self.world_size)
         self.metrics.histogram("elastic_trainer_checkpoint_save_duration_seconds", duration)
         self.metrics.counter("elastic_trainer_checkpoint_written_bytes_total", manifest["total_bytes"])
-        self.metrics.gauge("elastic_trainer_checkpoint_last_committed_step", inf.step)
+        self.metrics.gauge("elastic_trainer_checkpoint_last_committed_step", save.step)
         self.metrics.gauge("elastic_trainer_checkpoint_last_commit_timestamp_seconds", manifest["time"])
         try:
-            self.catalog.retention(inf.name, self.cfg.keep_last, self.cfg.keep_every)
+            self.catalog.retention(save.name, self.cfg.keep_last, self.cfg.keep_every)
         except FencedError as e:
-            with self._lock:
-                self.fenced = str(e)
-            self.events.emit("checkpoint_fenced", step=inf.step, error=str(e))
+            self._set_fenced(str(e), save.step)
         except Exception as e:  # noqa: BLE001 - retention is best effort
             logger.warning("retention failed: %s", e)
-        return True
+        save.advance(SaveState.COMMITTED, manifest=manifest)
 
-    def _failed(self, inf: _InFlight, error: str, duration: float) -> bool:
-        self.failures += 1
-        logger.error("checkpoint step %d failed, not committed: %s", inf.step, error)
-        self.events.emit("checkpoint_failed", step=inf.step, error=error[:2000], seconds=round(duration, 4))
+    def _report_failure(self, save: Save, error: str) -> None:
+        logger.error("checkpoint step %d failed, not committed: %s", save.step, error)
+        self.events.emit("checkpoint_failed", step=save.step, error=error[:2000], seconds=round(time.monotonic() - save.started, 4))
         self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
-        return False
 
-    def _finish_inflight(self, deadline: float | None, agree: bool = False) -> bool | None:
-        """Wait for the in-flight save (and, on rank 0, its commit) until ``deadline``
-        (``time.monotonic()``; None = forever). Returns True if it committed (rank 0) /
-        succeeded (other ranks), False if it failed, None if it is still running (then it stays
-        in flight). With ``agree``, the "still running" answer is agreed by every rank."""
-        inf = self._inflight
-        if inf is None:
-            if agree:
-                self._all_true(True, self.control_group)
+    # ------------------------------------------------------------------ waiting
+    def settle(self, deadline: float | None) -> bool:
+        """Collective: wait for the save in flight (and, on rank 0, its commit) until ``deadline``
+        (``time.monotonic()``; None: no limit). True when no save is in flight any more on any
+        rank (:attr:`last_save` is the one that settled); False when one is still running on
+        some rank (it stays in flight)."""
+        save = self._inflight
+        if save is None:
+            self.agreement.all_true(True)
             return True
         self.wait_for_staging()
-        ok: bool | None = True
-        try:
-            if inf.upload is not None:
-                inf.upload.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if inf.commit is not None:
-                ok = bool(inf.commit.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())))
-            if inf.local is not None:
-                local_ok = inf.local.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-                ok = ok if inf.upload is not None else local_ok
-        except TimeoutError:
-            ok = None
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - recorded by _commit on rank 0
-            save_planner.forget(self._plan_key)  # a failed save may have left the ranks' plan caches out of step
-            self._writer_failed = inf.upload is not None and self._async_mode == "process"
-            if self.rank != 0:
-                logger.warning("checkpoint step %d failed on this rank: %s", inf.step, e)
-            ok = False
-        if agree and not self._all_true(ok is not None, self.control_group):
-            return None
-        if ok is None:
-            return None
-        self._inflight = None
+        save.wait(deadline)
+        if not self.agreement.all_true(save.settled):
+            return False
+        self._inflight, self.last_save = None, save
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 0)
-        return ok
+        state = save.state
+        if state not in _OK:
+            self.remote.failed()
+            self._writer_failed = save.name is not None and self.remote.uses_writer_process
+            if self.rank != 0:
+                logger.warning("checkpoint step %d failed on this rank: %s", save.step, save.error)
+        if save.name is not None and self.agreement.all_true(state in _OK):
+            self._committed.add(save.step)
+        return True
 
     def finish(self, timeout: float | None = None) -> bool:
-        """Wait for the save in flight to be written and committed, at most ``timeout`` seconds
-        (default: its per-save deadline). Raises TimeoutError past it (the save stays uncommitted
-        unless it lands later)."""
-        deadline = self._deadline_of(self._inflight) if timeout is None else time.monotonic() + timeout
-        ok = self._finish_inflight(deadline)
-        if ok is None:
-            raise TimeoutError(f"checkpoint step {self._inflight.step} still writing")
-        return ok
-
-    def finish_agreed(self, deadline: float | None) -> bool | None:
-        """Collective :meth:`finish`: None when the save is still running on some rank."""
-        return self._finish_inflight(deadline, agree=True)
+        """Collective: wait for the save in flight to be written and committed, at most
+        ``timeout`` seconds (default: its per-save deadline). Returns whether this rank's part
+        ended well (rank 0: committed). Raises TimeoutError past it (the save stays in flight)."""
+        save = self._inflight
+        if save is None:
+            self.agreement.all_true(True)
+            return self.last_save is None or self.last_save.state in _OK
+        if not self.settle(save.deadline if timeout is None else time.monotonic() + timeout):
+            raise TimeoutError(f"checkpoint step {save.step} still writing")
+        return save.state in _OK
 
     def committed_everywhere(self, step: int) -> bool:
         """Collective: rank 0's answer to "is ``step`` committed?", agreed by every rank. Call
-        with no save in flight (after :meth:`finish_agreed`)."""
+        with no save in flight (after :meth:`settle`)."""
         with self._lock:
-            mine = self.rank != 0 or (self.last_committed_step == step and self.fenced is None)
-        return self._all_true(mine, self.control_group)
+            mine = self.rank != 0 or (self._last_committed == step and self._fenced is None)
+        return self.agreement.all_true(mine)
 
     def fenced_everywhere(self) -> bool:
         """Collective: rank 0's answer to "did a newer launch fence our commits?", agreed by
         every rank (e.g. after the final save, whose commit may be the one refused)."""
-        with self._lock:
-            mine = self.fenced is None
-        return not self._all_true(mine, self.control_group)
+        return not self.agreement.all_true(self.fenced is None)
 
     def drain_on_failure(self, timeout: float) -> bool:
         """Exception path: start nothing, but give a save that is already uploading up to
         ``timeout`` seconds to finish (and, on rank 0, to commit). Never raises."""
-        inf = self._inflight
-        if inf is None or inf.upload is None:
+        save = self._inflight
+        if save is None or save.name is None:
             return False
-        try:
-            deadline = time.monotonic() + timeout
-            inf.upload.result(timeout=timeout)
-            if inf.commit is not None:
-                return bool(inf.commit.result(timeout=max(0.0, deadline - time.monotonic())))
-            return True
-        except BaseException:  # noqa: BLE001 - best effort by design
-            return False
+        return save.wait(time.monotonic() + timeout) in _OK
 
     def inject_local_faults(self, step: int) -> None:
         """Fault injection (tests): lose or corrupt this rank's local copies at ``step``."""
@@ -776,35 +738,10 @@ class CheckpointManager:
     def close(self, finished: bool = False) -> None:
         """``finished``: the run ended normally; this rank's local copies are dropped (no restart
         of this launch will need them, and a later launch never uses them)."""
-        save_planner.forget(self._plan_key)
-        if self._async_mode == "process":
-            writer_process.stop()
-        for stager in (self._stager, self._local_stager):
-            if stager is not None:
-                stager.close()
-        self._stager = self._local_stager = None
+        self.remote.close()
+        if self.local_saver is not None:
+            self.local_saver.close()
         if finished and self.local is not None:
             self.local.drop_epoch(self._epoch_name)
         if self._commit_pool is not None:
             self._commit_pool.shutdown(wait=True)
-
-
-def staging_options(*, cuda: bool, shared_memory: bool):
-    """How a save's stager copies the state out (pure; one mechanism for CPU and GPU): always in
-    the background, into buffers it keeps for the next save. CUDA tensors go device → pinned
-    host memory with non-blocking copies (pinned memory and non-blocking copies need an
-    accelerator); ``shared_memory`` (the process writer): buffers in shared memory, handed to
-    the writer process as handles instead of being copied on every save (on CUDA: pinned too)."""
-    from torch.distributed.checkpoint.staging import StagingOptions
-
-    return StagingOptions(use_pinned_memory=cuda, use_shared_memory=shared_memory, use_async_staging=True, use_non_blocking_copy=cuda)
-
-
-def _chain(src: Future, dst: Future | None) -> None:
-    if dst is None or dst.done():
-        return
-    exc = src.exception()
-    if exc is not None:
-        dst.set_exception(exc)
-    else:
-        dst.set_result(src.result())

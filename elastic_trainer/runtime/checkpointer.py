@@ -128,7 +128,6 @@ class Checkpointer:
             epoch=(os.environ.get(EPOCH_ENV) or None) if os.environ.get(ROOT_ENV) == c.dir else None,
             launch_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
             run_identity=self._identity,
-            async_mode=c.writer,
         )
         self.loaded: LoadResult | None = None
         self._rollback_window_open = False
@@ -390,13 +389,13 @@ class Checkpointer:
         a newer launch fenced the final commit; 74 when the final step was saved but its commit
         failed or did not land in time (event ``final_checkpoint_failed``)."""
         m, s = self.manager, self.session
-        done = m.finish_agreed(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+        settled = m.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
         if m.fenced_everywhere():  # the final commit was refused: a newer launch owns the root
             return self.fenced_exit()
         final = self._final_saved
-        if final is None or (done is not None and m.committed_everywhere(final)):
+        if final is None or (settled and m.committed_everywhere(final)):
             return exit_codes.OK
-        reason = "still writing after checkpoint.save_timeout_seconds" if done is None else "the save or its commit failed"
+        reason = "the save or its commit failed" if settled else "still writing after checkpoint.save_timeout_seconds"
         logger.error("final checkpoint of step %d not committed (%s); exiting %d", final, reason, exit_codes.FINAL_SAVE_FAILED)
         s.events.emit("final_checkpoint_failed", step=final, reason=reason, last_committed_step=m.last_committed_step)
         return exit_codes.FINAL_SAVE_FAILED
@@ -415,11 +414,11 @@ class Checkpointer:
         s.events.emit("preempt_requested", step=done, signal=s.preempt.signal_name, grace_seconds=grace)
         logger.warning("preemption (%s): saving step %d within %.0fs", s.preempt.signal_name, done, grace)
         committed = False
-        if m.finish_agreed(deadline) is not None:
+        if m.settle(deadline):
             committed = m.committed_everywhere(done)
             if not committed and done > 0:
                 m.save(done, force=True, meta={"skipped_ranges": self.state.skipped})
-                committed = m.finish_agreed(deadline) is not None and m.committed_everywhere(done)
+                committed = m.settle(deadline) and m.committed_everywhere(done)
         if not committed:
             reason = "grace budget exceeded" if time.monotonic() >= deadline else "final checkpoint not committed"
             s.events.emit("preempted", step=done, committed=False, reason=reason)
@@ -451,7 +450,7 @@ class Checkpointer:
         s.metrics.counter("elastic_trainer_train_nonfinite_events_total")
         logger.error("non-finite loss %s / grad norm %s at step %d (samples %s)", loss, grad_norm, step, sample_range)
         if mode == "rollback" and not self._rollback_window_open:
-            self.manager.finish_agreed(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+            self.manager.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
             loaded = self.manager.load(resume="latest")
             if loaded is not None:
                 if sampler is not None:
@@ -467,7 +466,7 @@ class Checkpointer:
             why = "a second non-finite event before a checkpoint after the last rollback"
         else:
             why = "train.on_nonfinite = stop"
-        self.manager.finish_agreed(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+        self.manager.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
         s.events.emit("nonfinite_stop", step=step, reason=why, last_finite_step=self.state.step)
         logger.error("stopping at step %d (%s); last finite step %d", step, why, self.state.step)
         return exit_codes.NONFINITE

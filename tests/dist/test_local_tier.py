@@ -96,7 +96,7 @@ def _resume(rank, world, root, local, damage, preempt=False, launch_id="dist-loc
     out = {"step": loaded.step, "tier": loaded.tier, "train_step": ts.step, "state": state if rank == 0 else None, "committed_now": mgr.is_committed(loaded.step)}
     if preempt:  # what preempt_exit does when the loaded step is not committed in checkpoint.dir
         mgr.save(loaded.step, force=True)
-        out["preempt_commit"] = mgr.finish_agreed(None) is not None and mgr.committed_everywhere(loaded.step)
+        out["preempt_commit"] = mgr.settle(None) and mgr.committed_everywhere(loaded.step)
     mgr.close()
     return out
 

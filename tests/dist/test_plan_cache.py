@@ -72,10 +72,10 @@ def _scenario(rank, world, root, stale):
     for step, rows, base in plan:
         holder.t = _state(mesh, rows, base)
         mgr.save(step, blocking=True)
-        cached.append(SavePlanner._cached_save_plan.get(mgr._plan_key))
+        cached.append(SavePlanner._cached_save_plan.get(mgr.remote._plan_key))
     # the cache is used (same local plan object kept when nothing changed) and replaced on a change
     reuse = [cached[1] is cached[0], cached[2] is cached[1], cached[3] is cached[2]]
-    key = mgr._plan_key
+    key = mgr.remote._plan_key
     mgr.close()
     forgotten = key not in save_planner.cached_keys()
 

@@ -63,7 +63,7 @@ def _scenario(rank, world, root):
 
     def manager():
         return CheckpointManager(cfg.checkpoint, open_storage(root), {"model": holder}, rank=rank, world_size=world, mesh_shape=[world],
-                                 group=group, fingerprint="f", events=events, async_mode=cfg.checkpoint.writer)
+                                 group=group, fingerprint="f", events=events)
 
     mgr = manager()
     mgr.load()

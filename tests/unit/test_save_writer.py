@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_trainer.checkpoint.manager import staging_options
+from elastic_trainer.checkpoint.savers import staging_options
 from elastic_trainer.config import config_from_dict
 from elastic_trainer.errors import ConfigError
 

@@ -1,0 +1,145 @@
+"""The savers: what writes a save's bytes, given to the manager (tests give it fakes).
+
+A saver's ``start`` begins writing and returns ``(staging, written)``: ``staging`` resolves once
+the state is copied out of the training tensors (None: the call itself copied it, a synchronous
+save), ``written`` once this rank's bytes are written (its exception: why not). ``start`` never
+raises: a save that cannot start is a ``written`` future that failed.
+
+* :class:`RemoteSaver`: a checkpoint.dir directory through DCP (``dcp.save``, or
+  ``dcp.async_save`` on a thread or on a writer process per rank, see :mod:`.writer_process`),
+  with the checksummed writer, a background stager and the plan cache.
+* :class:`LocalSaver`: this rank's copy in the local tier (``checkpoint.local_dir``), no
+  collectives.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ..storage.fs import Storage
+from . import integrity, save_planner, writer_process
+from .local_tier import LocalTier
+
+
+def staging_options(*, cuda: bool, shared_memory: bool):
+    """How a save's stager copies the state out (pure; one mechanism for CPU and GPU): always in
+    the background, into buffers it keeps for the next save. CUDA tensors go device → pinned
+    host memory with non-blocking copies (pinned memory and non-blocking copies need an
+    accelerator); ``shared_memory`` (the process writer): buffers in shared memory, handed to
+    the writer process as handles instead of being copied on every save (on CUDA: pinned too)."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    return StagingOptions(use_pinned_memory=cuda, use_shared_memory=shared_memory, use_async_staging=True, use_non_blocking_copy=cuda)
+
+
+def _failed(e: BaseException) -> tuple[None, Future]:
+    f: Future = Future()
+    f.set_exception(e)
+    return None, f
+
+
+class _Staged:
+    """A stager made on first use and kept (it reuses its buffers from one save to the next)."""
+
+    def __init__(self, cuda: bool, shared_memory: bool):
+        self._options = (cuda, shared_memory)
+        self._stager = None
+
+    def get(self):
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager
+
+            self._stager = DefaultStager(staging_options(cuda=self._options[0], shared_memory=self._options[1]))
+        return self._stager
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+        self._stager = None
+
+
+class RemoteSaver:
+    """Every rank: DCP saves into checkpoint.dir directories. ``mode``: ``checkpoint.mode``
+    (sync / async); ``writer``: ``checkpoint.writer`` (thread / process); ``upload_nice``: the
+    CPU niceness of the writing thread (never the training thread)."""
+
+    def __init__(self, storage: Storage, group: dist.ProcessGroup | None, *, mode: str = "async", writer: str = "thread",
+                 cuda_staging: bool = False, upload_nice: int = 0):
+        if writer not in ("thread", "process"):
+            raise ValueError(f"checkpoint.writer: expected thread or process, got {writer!r}")
+        self.storage = storage
+        self.group = group
+        self.sync = mode == "sync"
+        self.uses_writer_process = writer == "process" and not self.sync
+        self._upload_nice = upload_nice
+        self._stager = _Staged(cuda_staging, shared_memory=writer == "process")
+        self._plan_key = save_planner.new_key()  # DCP plan cache of these saves
+
+    def start(self, states: dict[str, Stateful], name: str) -> tuple[Future | None, Future]:
+        try:
+            writer = integrity.checksummed(self.storage.dcp_writer(self.storage.join(name)))
+            planner = save_planner.make(self._plan_key)
+            if self.sync:
+                dcp.save(states, storage_writer=writer, process_group=self.group, planner=planner)
+                done: Future = Future()
+                done.set_result(None)
+                return None, done
+            if self._upload_nice:
+                writer.upload_nice = self._upload_nice
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            kind = AsyncCheckpointerType.PROCESS if self.uses_writer_process else AsyncCheckpointerType.THREAD
+            resp = dcp.async_save(states, storage_writer=writer, process_group=self.group, async_stager=self._stager.get(),
+                                  async_checkpointer_type=kind, planner=planner)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a save that cannot start is a failed save
+            return _failed(e)
+        return getattr(resp, "staging_completion", None), getattr(resp, "upload_completion", resp)
+
+    def failed(self) -> None:
+        """After a failed save: the ranks' plan caches may be out of step; plan the next afresh."""
+        save_planner.forget(self._plan_key)
+
+    def writers_healthy(self) -> bool:
+        """This rank's writer process is usable (always, without one)."""
+        return not self.uses_writer_process or writer_process.healthy()
+
+    def stop_writers(self) -> None:
+        """Every rank together: stop the writer processes (the next save starts new ones)."""
+        writer_process.stop()
+        save_planner.forget(self._plan_key)
+
+    def close(self) -> None:
+        save_planner.forget(self._plan_key)
+        if self.uses_writer_process:
+            writer_process.stop()
+        self._stager.close()
+
+
+class LocalSaver:
+    """This rank's copies in the local tier, with their own stager: the checkpoint.dir upload of
+    the same step may still be reading the other one's buffers."""
+
+    def __init__(self, tier: LocalTier, *, mode: str = "async", cuda_staging: bool = False):
+        self.tier = tier
+        self.sync = mode == "sync"
+        self._stager = _Staged(cuda_staging, shared_memory=False)
+
+    def start(self, states: dict[str, Stateful], epoch: str, step: int) -> tuple[Future | None, Future]:
+        try:
+            writer = self.tier.writer(epoch, step)
+            if self.sync:
+                dcp.save(states, storage_writer=writer, no_dist=True)
+                done: Future = Future()
+                done.set_result(None)
+                return None, done
+            resp = dcp.async_save(states, storage_writer=writer, no_dist=True, async_stager=self._stager.get())
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - as a failed local copy
+            return _failed(e)
+        return getattr(resp, "staging_completion", None), getattr(resp, "upload_completion", resp)
+
+    def close(self) -> None:
+        self._stager.close()

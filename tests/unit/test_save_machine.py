@@ -1,0 +1,399 @@
+"""The save state machine and the manager around it, in one process: no process group.
+
+The savers are fakes that write real DCP checkpoints (so rank 0's catalog really proves and
+commits them) but only when a test lets them (``GatedSaver``); the agreement is a fake that plays
+the other ranks' answers (``ScriptedAgreement``). Every transition of
+:class:`elastic_trainer.checkpoint.save.Save` is driven here, and the races the manager closes
+each have a test: a save counts as committed only once agreed committed, a rollback abandons a
+save still writing (never committed, its directory not cleaned up under it, its name not reused),
+and a commit that lands after a load does not move the newest-commit mark.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from elastic_trainer.checkpoint import integrity, layout
+from elastic_trainer.checkpoint.catalog import Catalog
+from elastic_trainer.checkpoint.manager import CheckpointManager
+from elastic_trainer.checkpoint.save import Save, SaveState
+from elastic_trainer.config import CheckpointConfig
+from elastic_trainer.events import EventLog, read_events
+from elastic_trainer.storage.fs import open_storage
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+S = SaveState
+WAIT = 10.0  # seconds any single wait in these tests may take at most
+
+
+class Weights:
+    """A Stateful holding one tensor."""
+
+    def __init__(self, value: float = 0.0):
+        self.w = torch.full((4,), value)
+
+    def state_dict(self):
+        return {"w": self.w}
+
+    def load_state_dict(self, sd):
+        self.w = sd["w"].clone()
+
+
+class GatedSaver:
+    """A checkpoint.dir saver whose staging and writing each wait for the test's go-ahead.
+
+    The state is copied at ``start`` (when staging is released) and written as a real
+    checksummed DCP checkpoint (single process) when writing is released, or fails with the
+    exception given to :meth:`fail`."""
+
+    uses_writer_process = False
+
+    def __init__(self, storage, *, hold_staging: bool = False, hold_writing: bool = True):
+        self.storage = storage
+        self.hold_staging, self.hold_writing = hold_staging, hold_writing
+        self.started: list[str] = []
+        self._gates: dict[str, tuple[threading.Event, threading.Event, list]] = {}
+        self.failures_seen = 0
+
+    def start(self, states, name):
+        self.started.append(name)
+        staged, go, error = threading.Event(), threading.Event(), []
+        self._gates[name] = (staged, go, error)
+        if not self.hold_staging:
+            staged.set()
+        if not self.hold_writing:
+            go.set()
+        staging, written = Future(), Future()
+
+        def run():
+            staged.wait(WAIT)
+            copy = {k: {"w": v.state_dict()["w"].clone()} for k, v in states.items()}
+            staging.set_result(None)
+            go.wait(WAIT)
+            if error:
+                written.set_exception(error[0])
+                return
+            try:
+                writer = integrity.checksummed(self.storage.dcp_writer(self.storage.join(name)))
+                dcp.save(copy, storage_writer=writer, no_dist=True)
+                written.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the manager like DCP would
+                written.set_exception(e)
+
+        threading.Thread(target=run, daemon=True).start()
+        return staging, written
+
+    def stage(self, name):
+        self._gates[name][0].set()
+
+    def release(self, name):
+        self._gates[name][1].set()
+
+    def fail(self, name, exc: BaseException):
+        self._gates[name][2].append(exc)
+        self._gates[name][1].set()
+
+    def failed(self):
+        self.failures_seen += 1
+
+    def writers_healthy(self):
+        return True
+
+    def stop_writers(self):
+        pass
+
+    def close(self):
+        for staged, go, _ in self._gates.values():
+            staged.set()
+            go.set()
+
+
+class ScriptedAgreement:
+    """One rank's view of the agreement; ``others`` is what the other ranks answer to
+    ``all_true`` (True: they agree with this rank)."""
+
+    def __init__(self):
+        self.others = True
+        self.calls = 0
+
+    def all_true(self, flag, *, control=True):
+        self.calls += 1
+        return bool(flag) and self.others
+
+    def broadcast(self, obj):
+        return obj
+
+    def gather(self, obj):
+        return [obj]
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def _make(*, rank=0, timeout=WAIT, weights=None, saver_kw=None, **cfg):
+        root = str(tmp_path / "ckpt")
+        storage = open_storage(root)
+        saver = GatedSaver(storage, **(saver_kw or {}))
+        agreement = ScriptedAgreement()
+        events_path = str(tmp_path / "events.jsonl")
+        ccfg = CheckpointConfig(dir=root, save_timeout_seconds=timeout, **cfg)
+        mgr = CheckpointManager(ccfg, storage, {"model": weights or Weights()}, rank=rank, world_size=1 if rank == 0 else 2,
+                                mesh_shape=[1], group=None, fingerprint="f", events=EventLog(events_path, enabled=rank == 0),
+                                remote=saver, agreement=agreement)
+        made.append(mgr)
+        mgr.test_saver, mgr.test_agreement, mgr.test_events = saver, agreement, events_path
+        return mgr
+
+    yield _make
+    for m in made:
+        m.test_saver.close()
+        m.close()
+
+
+def events(mgr, name):
+    return [e for e in read_events(mgr.test_events) if e["event"] == name]
+
+
+def begin(m, step):
+    """Start a save of ``step``; the Save object in flight."""
+    m.save(step)
+    return m._inflight
+
+
+def wait_for(predicate, what):
+    deadline = time.monotonic() + WAIT
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+# ------------------------------------------------------------------ the Save object
+def test_only_the_transitions_of_the_diagram_are_taken():
+    s = Save(3, "step-00000003", started=0.0, deadline=1e18)
+    assert s.state is S.STAGING and not s.settled
+    assert not s.advance(S.COMMITTED)  # a save is never committed before it is written
+    assert s.staged() and s.state is S.WRITING
+    assert not s.staged()  # once
+    assert s.advance(S.COMMITTING)
+    assert not s.abandon("too late")  # a commit in progress is not abandoned
+    assert s.advance(S.COMMITTED, manifest={"step": 3})
+    for to in S:
+        assert not s.advance(to), f"terminal COMMITTED moved to {to}"
+    assert s.history == [S.STAGING, S.WRITING, S.COMMITTING, S.COMMITTED] and s.settled and s.manifest == {"step": 3}
+
+
+@pytest.mark.parametrize("path, end", [
+    ([S.WRITING, S.WRITTEN], S.WRITTEN),
+    ([S.WRITING, S.COMMITTING, S.FENCED], S.FENCED),
+    ([S.WRITING, S.COMMITTING, S.FAILED], S.FAILED),
+    ([S.FAILED], S.FAILED),
+    ([S.ABANDONED], S.ABANDONED),
+    ([S.WRITING, S.ABANDONED], S.ABANDONED),
+])
+def test_every_end_is_terminal(path, end):
+    s = Save(1, "n", started=0.0, deadline=1e18)
+    for to in path:
+        assert s.advance(to, error="why" if to in (S.FAILED, S.FENCED, S.ABANDONED) else "")
+    assert s.state is end and end.terminal and s.settled
+    assert not s.advance(S.COMMITTED)
+
+
+def test_wait_ends_at_the_deadline_and_a_settled_save_waits_for_its_local_copy():
+    s = Save(1, "n", started=0.0, deadline=0.0, staged=True)
+    t0 = time.monotonic()
+    assert s.wait(time.monotonic() + 0.05) is S.WRITING
+    assert time.monotonic() - t0 < WAIT
+    local: Future = Future()
+    s.track_local(local)
+    s.advance(S.WRITTEN)
+    assert not s.settled and s.wait(time.monotonic() + 0.01) is S.WRITING and s.writing  # the local copy is still being written
+    threading.Timer(0.02, local.set_result, (True,)).start()
+    assert s.wait(time.monotonic() + WAIT) is S.WRITTEN and s.settled and not s.writing
+
+
+# ------------------------------------------------------------------ the manager, every transition
+def test_an_async_save_goes_staging_writing_committing_committed(make):
+    m = make(saver_kw={"hold_staging": True})
+    assert m.load() is None
+    save = begin(m, 5)
+    assert save.state is S.STAGING and m.save_in_progress
+    assert not m.is_committed(5), "a save that only started is not committed"
+    m.test_saver.stage(save.name)
+    m.wait_for_staging()
+    assert save.state is S.WRITING
+    m.test_saver.release(save.name)
+    assert m.finish() is True
+    assert save.history == [S.STAGING, S.WRITING, S.COMMITTING, S.COMMITTED]
+    assert m.last_committed_step == 5 and m.is_committed(5) and not m.in_flight
+    assert [e["step"] for e in events(m, "checkpoint_committed")] == [5]
+    assert Catalog(m.storage).plan_resume("latest").chosen.step == 5
+
+
+def test_a_failed_write_is_failed_reported_and_the_next_save_goes_on(make):
+    m = make()
+    m.load()
+    first = begin(m, 2)
+    m.test_saver.fail(first.name, OSError("disk full"))
+    assert m.finish() is False
+    assert first.state is S.FAILED and "disk full" in first.error and m.test_saver.failures_seen == 1
+    assert not m.is_committed(2) and m.last_committed_step is None
+    assert "disk full" in events(m, "checkpoint_failed")[0]["error"]
+    m.save(2)  # not committed: saved again, into another directory
+    second = m._inflight
+    assert second.name != first.name
+    m.test_saver.release(second.name)
+    assert m.finish() is True and second.state is S.COMMITTED and m.is_committed(2)
+
+
+def test_a_commit_that_cannot_prove_the_files_fails(make):
+    m = make()
+    m.load()
+    save = begin(m, 3)
+    m.test_saver.release(save.name)
+    assert m.finish() is True and save.state is S.COMMITTED
+    # the same machine, with a file lost between the write and the commit
+    lost = begin(m, 4)
+    original = m.catalog.commit
+
+    def commit_after_loss(name, **kw):
+        os.remove(os.path.join(m.storage.root, name, ".metadata"))
+        return original(name, **kw)
+
+    m.catalog.commit = commit_after_loss
+    m.test_saver.release(lost.name)
+    assert m.finish() is False
+    assert lost.history[-2:] == [S.COMMITTING, S.FAILED] and ".metadata" in lost.error
+    assert m.last_committed_step == 3
+
+
+def test_a_newer_launch_fences_the_commit(make):
+    m = make()
+    m.load()
+    save = begin(m, 1)
+    Catalog(open_storage(m.storage.root)).acquire_epoch("a-newer-launch")
+    m.test_saver.release(save.name)
+    m.finish()
+    assert save.history[-2:] == [S.COMMITTING, S.FENCED]
+    assert m.fenced and m.fenced_everywhere() and not m.committed_everywhere(1)
+    assert events(m, "checkpoint_fenced")
+
+
+def test_other_ranks_end_written_and_rank_0_commits(make):
+    m = make(rank=1)
+    save = begin(m, 7)
+    m.test_saver.release(save.name)
+    assert m.finish() is True
+    assert save.history == [S.STAGING, S.WRITING, S.WRITTEN] and m.catalog is None
+
+
+def test_a_save_still_writing_past_its_deadline_skips_the_next_and_lands_later(make):
+    m = make(timeout=0.2)
+    m.load()
+    slow = begin(m, 1)
+    m.save(2)  # slow is past its deadline: this one is skipped, training goes on
+    assert m._inflight is slow and m.test_saver.started == [slow.name]
+    assert "still writing" in events(m, "checkpoint_failed")[0]["error"]
+    m.test_saver.release(slow.name)
+    assert m.settle(time.monotonic() + WAIT) and slow.state is S.COMMITTED and m.is_committed(1)
+
+
+def test_a_save_settles_only_when_every_rank_has_settled(make):
+    m = make()
+    m.load()
+    save = begin(m, 1)
+    m.test_saver.release(save.name)
+    save.wait(time.monotonic() + WAIT)
+    m.test_agreement.others = False  # another rank is still writing its part
+    assert not m.settle(time.monotonic() + 0.05) and m.in_flight
+    with pytest.raises(TimeoutError):
+        m.finish(timeout=0.05)
+    m.test_agreement.others = True
+    assert m.settle(None) and not m.in_flight and m.last_save is save
+
+
+# ------------------------------------------------------------------ the races
+def test_a_step_counts_as_committed_only_once_agreed_and_a_failed_one_is_saved_again(make):
+    """Before: a step was "committed" once its save started, so a failed save of the final
+    step was never retried and the run could end claiming it."""
+    m = make()
+    m.load()
+    first = begin(m, 9)
+    assert not m.is_committed(9)
+    m.test_saver.fail(first.name, OSError("lost"))
+    m.save(9, durable=True)  # the run's final save of the same step: retried, not skipped
+    assert m.test_saver.started == [first.name, m._inflight.name] and first.state is S.FAILED
+    m.test_saver.release(m._inflight.name)
+    assert m.finish() is True and m.is_committed(9)
+    before = len(m.test_saver.started)
+    assert m.save(9).skipped == "already committed" and len(m.test_saver.started) == before
+
+
+def test_a_rollback_abandons_a_save_still_writing_keeps_its_directory_and_never_commits_it(make):
+    """Before: a rollback reloaded while a timed-out save still wrote, and the start-up
+    cleanup could then delete that save's directory under it (or a new save reuse its name)."""
+    m = make(timeout=0.2)
+    m.load()
+    m.save(10)
+    m.test_saver.release(m._inflight.name)
+    assert m.finish() is True
+    stuck = begin(m, 20)
+    wait_for(lambda: m.storage.exists(m.storage.join(stuck.name, layout.WRITER)), "the writer marker")
+    assert not m.settle(time.monotonic() + 0.05)
+    loaded = m.load(resume="latest")  # what a non-finite rollback does
+    assert loaded.step == 10 and stuck.state is S.ABANDONED and not m.in_flight
+    assert m.storage.exists(m.storage.join(stuck.name, layout.WRITER)), "the rollback's load cleaned up a directory still being written"
+    m.test_saver.release(stuck.name)
+    wait_for(lambda: m.storage.exists(m.storage.join(stuck.name, integrity.CHECKSUMS)), "the abandoned write to end")
+    time.sleep(0.05)  # a commit, if one were (wrongly) started, would run now on the commit thread
+    assert not m.storage.exists(m.storage.join(stuck.name, layout.MANIFEST)) and stuck.state is S.ABANDONED
+    assert m.last_committed_step == 10 and not events(m, "checkpoint_committed")[1:]
+    m.save(20)  # the same step again after the rollback: a new directory
+    again = m._inflight
+    assert again.name != stuck.name
+    m.test_saver.release(again.name)
+    assert m.finish() is True and m.last_committed_step == 20
+
+
+def test_a_commit_in_progress_at_a_load_is_waited_for_and_counted(make):
+    """A save already committing when a rollback loads: the load waits for the commit (it is
+    short), so the newest commit is the one loaded and nothing lands behind the load's back."""
+    m = make(timeout=0.2)
+    m.load()
+    save = begin(m, 30)
+    gate = threading.Event()
+    original = m.catalog.commit
+
+    def slow_commit(name, **kw):
+        gate.wait(WAIT)
+        return original(name, **kw)
+
+    m.catalog.commit = slow_commit
+    m.test_saver.release(save.name)
+    wait_for(lambda: save.state is S.COMMITTING, "the commit to start")
+    threading.Timer(0.1, gate.set).start()
+    loaded = m.load(resume="latest")
+    assert save.state is S.COMMITTED and loaded is not None and loaded.step == 30 and m.last_committed_step == 30
+
+
+def test_the_newest_commit_mark_ignores_a_commit_from_before_a_load(make):
+    """The commit thread and a load both write the newest-commit mark: under one lock, and a
+    commit of a save older than the current load does not move it."""
+    m = make()
+    m.load()
+    save = begin(m, 40)
+    generation = m._generation
+    m._loaded(None, None, committed=None)  # a load happened in between (fresh state)
+    save.staged()
+    save.advance(S.COMMITTING)
+    m.test_saver.release(save.name)
+    wait_for(lambda: m.storage.exists(m.storage.join(save.name, integrity.CHECKSUMS)), "the write")
+    m._commit(save, {}, generation)
+    assert save.state is S.COMMITTED and m.last_committed_step is None
