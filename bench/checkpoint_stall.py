@@ -60,6 +60,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
 
     from elastic_trainer.checkpoint import integrity
     from elastic_trainer.checkpoint.manager import CheckpointManager
+    from elastic_trainer.checkpoint.cadence import Cadence
     from elastic_trainer.checkpoint.savers import RemoteSaver
     from elastic_trainer.checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState
     from elastic_trainer.config import config_from_dict
@@ -111,29 +112,9 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     class _Shim:
         """What Trainer.train_step needs of a Checkpointer, over one of the managers compared here."""
 
-        cadence = None  # fixed cadence: the bench decides when to save
-        fixed_interval = 0
-
         def __init__(self, mgr):
             self.manager, self.state = mgr, state
-
-        def time_due(self) -> bool:
-            return False
-
-        def cadence_tick(self) -> None:
-            pass
-
-        def cadence_vote(self) -> float:
-            return 0.0
-
-        def cadence_agreed(self, step: int, vote: float) -> None:
-            pass
-
-        def drain_after_failure(self) -> bool:
-            return True
-
-        def wait_for_staging(self) -> float:
-            return self.manager.wait_for_staging()
+            self.cadence = Cadence(cfg.checkpoint, rank=d.rank, start_step=0, now=time.monotonic())  # the bench decides when to save
 
     session = Session(cfg, d, EventLog(None), NullSink(), PreemptionFlag())
     trainer = Trainer(cfg, model, optimizer, scheduler, batches, session, _Shim(ckpt))
@@ -267,9 +248,13 @@ class _PeerManager:
     ``maybe_wait_for_staging``; ``finish`` = its ``maybe_wait_for_saving``."""
 
     fenced = None
+    save_in_progress = False
 
     def inject_local_faults(self, step: int) -> None:
         pass
+
+    def drain_after_failure(self) -> bool:
+        return True
 
     def __init__(self, mgr):
         self.mgr = mgr

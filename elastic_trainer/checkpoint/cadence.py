@@ -1,5 +1,7 @@
-"""Checkpoint cadence from measurements (Young/Daly style): the interval, in steps, that
-maximises the expected goodput. Pure; table-tested in tests/unit/test_cadence.py.
+"""When to save: :class:`Cadence`, the one policy (fixed steps, seconds, ``auto``, the final
+step, an early stop or preemption), and for ``auto`` the interval from measurements (Young/Daly
+style): the interval, in steps, that maximises the expected goodput. The interval math is pure;
+all of it is table-tested in tests/unit/test_cadence.py.
 
 Model, per interval of ``n`` steps of ``step_seconds`` each, with failures arriving at rate
 ``failure_rate`` (per second of wall time):
@@ -24,13 +26,19 @@ prior and a job that fails often moves towards what it observes.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from ..config import CheckpointConfig
+from ..events import EventLog, read_events
 from ..goodput import Ledger
+from ..metrics.sink import MetricsSink, NullSink
+
+logger = logging.getLogger(__name__)
 
 
 def expected_waste(n: int, step_seconds: float, save_cost: float, restart_cost: float, failure_rate: float, commit_lag: float = 0.0) -> float:
@@ -263,3 +271,98 @@ class AutoCadence:
 
 def _round(x: float | None, digits: int) -> float | None:
     return None if x is None else round(x, digits)
+
+
+class Cadence:
+    """When to save: the one policy for a fixed step interval (``checkpoint.interval_steps``), a
+    time interval (``interval_seconds``), ``auto`` (:class:`AutoCadence`), the final step and an
+    early stop or preemption. Main thread; every rank holds one and decides alike, because its
+    decisions use only agreed values.
+
+    Per step: :meth:`begin_step` (rank 0 measures for ``auto``), :meth:`votes` (this rank's
+    inputs to the step's all-reduce), :meth:`agreed` (the all-reduced values), :meth:`due` (the
+    decision at the end of the step), and :meth:`saved` when a save started. The gauge
+    ``elastic_trainer_checkpoint_interval_steps`` and the event ``checkpoint_interval_changed``
+    follow the interval in force."""
+
+    def __init__(self, cfg: CheckpointConfig, *, rank: int, start_step: int, now: float, events: EventLog | None = None,
+                 metrics: MetricsSink | None = None, lineage: Lineage | None = None):
+        self.rank = rank
+        self.every_seconds = cfg.interval_seconds
+        self.fixed = 0 if cfg.interval_steps == "auto" else int(cfg.interval_steps)
+        self._events, self._metrics = events or EventLog(None), metrics or NullSink()
+        self._last_save_time = now
+        self._time_due = False  # agreed at this step
+        self._tick: tuple[float, bool] | None = None  # (start of the loop iteration, it started a save)
+        self.auto: AutoCadence | None = None
+        if cfg.interval_steps == "auto":
+            self.auto = AutoCadence(rank=rank, start_step=start_step, lineage=lineage or Lineage(), prior_mtbf_seconds=cfg.auto_prior_mtbf_seconds,
+                                    prior_weight_seconds=cfg.auto_prior_weight_seconds, min_steps=cfg.auto_min_steps,
+                                    max_steps=cfg.auto_max_steps, now=now)
+        else:
+            self._metrics.gauge("elastic_trainer_checkpoint_interval_steps", self.fixed)
+
+    @property
+    def interval(self) -> int | None:
+        """The step interval in force (None: ``auto`` before its first agreement; 0: none)."""
+        return self.auto.interval if self.auto is not None else self.fixed
+
+    def begin_step(self, now: float, save_in_progress: bool) -> None:
+        """Rank 0, start of each step (``auto``): the previous loop iteration's wall time."""
+        if self.auto is None or self.rank != 0:
+            return
+        if self._tick is not None:
+            self.auto.observe(now - self._tick[0], self._tick[1], save_in_progress, now)
+        self._tick = (now, False)
+
+    def votes(self, now: float) -> tuple[float, float]:
+        """This rank's elements of the step's all-reduce (SUM): the time trigger, and rank 0's
+        proposed ``auto`` interval (0 elsewhere)."""
+        time_due = self.every_seconds > 0 and now - self._last_save_time >= self.every_seconds
+        return float(time_due), self.auto.vote() if self.auto is not None else 0.0
+
+    def agreed(self, step: int, time_due: float, vote: float) -> None:
+        """The all-reduced :meth:`votes` of ``step``."""
+        self._time_due = time_due > 0
+        change = self.auto.agree(vote) if self.auto is not None else None
+        if change is None:
+            return
+        b = change.basis
+        self._metrics.gauge("elastic_trainer_checkpoint_interval_steps", change.interval_steps)
+        self._events.emit(
+            "checkpoint_interval_changed", step=step, interval_steps=change.interval_steps, previous=change.previous,
+            save_cost_s=b.get("save_cost_s"), restart_cost_s=b.get("restart_cost_s"), failure_rate_per_h=b.get("failure_rate_per_h"),
+            reason=b.get("reason"), step_seconds=b.get("step_seconds"), commit_lag_s=b.get("commit_lag_s"), failures=b.get("failures"),
+        )
+
+    def due(self, step: int, total_steps: int, *, stop: bool = False) -> bool:
+        """Save at the end of ``step``? The final step, an agreed stop (early stop, preemption),
+        the fixed or ``auto`` interval, or the agreed time trigger."""
+        if stop or step >= total_steps:
+            return True
+        if self.fixed > 0 and step % self.fixed == 0:
+            return True
+        return self._time_due or (self.auto is not None and self.auto.due(step))
+
+    def saved(self, step: int, now: float) -> None:
+        """A save of ``step`` started (every rank)."""
+        self._last_save_time = now
+        self._time_due = False
+        if self.auto is not None:
+            self.auto.saved(step)
+        if self._tick is not None:
+            self._tick = (self._tick[0], True)
+
+
+def from_run(cfg: CheckpointConfig, events_path: str, *, rank: int, start_step: int, now: float, events: EventLog | None = None,
+             metrics: MetricsSink | None = None) -> Cadence:
+    """The cadence of a (re)start: for ``auto``, rank 0 reads this job's lineage from the tail of
+    its event log (failures, observed time, restart cost, last measurement); a damaged log
+    starts from the prior."""
+    lineage = Lineage()
+    if cfg.interval_steps == "auto" and rank == 0:
+        try:
+            lineage = lineage_from_events(read_events(events_path, tail_bytes=LINEAGE_TAIL_BYTES))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            logger.warning("checkpoint cadence: could not read the event log (%s); using the prior", e)
+    return Cadence(cfg, rank=rank, start_step=start_step, now=now, events=events, metrics=metrics, lineage=lineage)

@@ -274,15 +274,6 @@ def cleanable_uncommitted(candidates: list[Candidate], epoch: str) -> list[Candi
     return out
 
 
-def should_save(step: int, total_steps: int, interval_steps: int, time_due: bool, preempt: bool) -> bool:
-    """The cadence decision at the end of ``step`` (all inputs already agreed by all ranks)."""
-    if preempt or step == total_steps:
-        return True
-    if interval_steps > 0 and step % interval_steps == 0:
-        return True
-    return time_due
-
-
 def compare_shapes(saved: dict[str, tuple[int, ...]], ours: dict[str, tuple[int, ...]], step: int) -> tuple[str, str] | None:
     """First difference between checkpoint and model tensors."""
     for k in sorted(ours):

@@ -70,6 +70,7 @@ from .state import PerRank, state_types
 
 logger = logging.getLogger(__name__)
 
+DRAIN_SECONDS = 10.0  # how long the exception path waits for a save already uploading
 _OK = (SaveState.COMMITTED, SaveState.WRITTEN)  # a save's ends that mean "this rank's part is done"
 
 
@@ -186,6 +187,7 @@ class CheckpointManager:
         self._generation = 0  # +1 at every load: a commit of a save from before it changes nothing
         self._inflight: Save | None = None
         self.last_save: Save | None = None  # the newest settled save
+        self._drain_deadline: float | None = None  # the exception path's budget, once started
         self._writer_failed = False  # process writer: a save of ours failed; restart the writers before the next
         self.loaded_step: int | None = None
         self.loaded_tier: str | None = None
@@ -722,13 +724,17 @@ class CheckpointManager:
         every rank (e.g. after the final save, whose commit may be the one refused)."""
         return not self.agreement.all_true(self.fenced is None)
 
-    def drain_on_failure(self, timeout: float) -> bool:
-        """Exception path: start nothing, but give a save that is already uploading up to
-        ``timeout`` seconds to finish (and, on rank 0, to commit). Never raises."""
+    def drain_after_failure(self) -> bool:
+        """Exception path (starts no save and no collective): give a save that is already
+        uploading up to :data:`DRAIN_SECONDS` in all (over every call) to finish (and, on rank 0,
+        to commit). True when nothing is left in flight. Never raises."""
         save = self._inflight
-        if save is None or save.name is None:
-            return False
-        return save.wait(time.monotonic() + timeout) in _OK
+        if save is None:
+            return True
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + DRAIN_SECONDS
+            logger.warning("step failed: letting the save already in flight finish (at most %.0fs)", DRAIN_SECONDS)
+        return save.name is not None and save.wait(self._drain_deadline) in _OK
 
     def inject_local_faults(self, step: int) -> None:
         """Fault injection (tests): lose or corrupt this rank's local copies at ``step``."""

@@ -7,7 +7,10 @@ of the user's, e.g. a :class:`~elastic_trainer.runtime.sampler.GlobalBatchSample
 what a loop needs around it: resume events, the agreed preemption exit (75 only when the final
 step is committed), non-finite rollback, the fenced exit, and the run's end.
 
-All methods that touch collectives must be called on every rank in the same order.
+Its public methods are the loop API: :meth:`steps` (with :meth:`backward`,
+:meth:`optimizer_step`, :meth:`record` and :meth:`request_stop` inside it), and for a loop that
+keeps its own iteration, :meth:`resume` and :meth:`end_of_step` around ``session.step``. All
+methods that touch collectives must be called on every rank in the same order.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -24,18 +28,15 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import exit_codes, faults
-from ..checkpoint import cadence, layout
+from ..checkpoint import cadence
 from ..checkpoint.manager import CheckpointManager, LoadResult, SaveStats
 from ..checkpoint.state import ModelState, NamedStates, OptimizerState, RNGState, SchedulerState, TrainState, check_state_name
 from ..config import check_run_identity
-from ..events import read_events
 from ..storage.fs import open_storage
 from .loop import Accumulator, StepData
 from .session import Session
 
 logger = logging.getLogger(__name__)
-
-DRAIN_SECONDS = 10.0  # how long the exception path waits for a save already uploading
 
 EPOCH_ENV = "ELASTIC_TRAINER_CHECKPOINT_EPOCH"  # set by the supervisor (fencing, see checkpoint/catalog.py) ...
 ROOT_ENV = "ELASTIC_TRAINER_CHECKPOINT_ROOT"  # ... for this checkpoint.dir
@@ -81,7 +82,6 @@ class Checkpointer:
         session.checkpointer = self  # its exception path lets this one's in-flight save land
         cfg = session.cfg
         self.state = train_state or TrainState()
-        self._drain_deadline: float | None = None
         self.rng = RNGState(session.rank, session.world_size)
         states: dict[str, Stateful] = {"model": ModelState(model)}
         if isinstance(optimizer, dict):
@@ -131,11 +131,11 @@ class Checkpointer:
         )
         self.loaded: LoadResult | None = None
         self._rollback_window_open = False
-        self._last_save_time = time.monotonic()
-        self.cadence: cadence.AutoCadence | None = None  # checkpoint.interval_steps = "auto"
-        self._tick: tuple[float, bool] | None = None  # (start of the loop iteration, it started a save)
-        self._total_steps: int | None = None  # from due(): the final step's save is always durable
+        # when to save; resume() replaces it with one that knows the run's lineage (auto)
+        self.cadence = cadence.Cadence(c, rank=session.rank, start_step=0, now=time.monotonic())
+        self._total_steps: int | None = None  # the final step's save is always durable
         self._resumed = False
+        self._closed = False
         self._final_saved: int | None = None  # the step of the run's final save, once started
         self._acc: Accumulator | None = None  # the step in progress under steps()
         self._ctx = None
@@ -157,7 +157,8 @@ class Checkpointer:
             self.rng.reseed(s.cfg.train.seed, self.state.step)
         rng_note = "restored" if self.rng.restored else ("seeded" if loaded is None else "reseeded from (train.seed, rank, step)")
         fields = after_load(loaded) if after_load else {}
-        self._start_cadence()
+        self.cadence = cadence.from_run(s.cfg.checkpoint, os.path.join(s.cfg.run.dir, "events.jsonl"), rank=s.rank, start_step=self.state.step,
+                                        now=time.monotonic(), events=s.events, metrics=s.metrics)
         if loaded is None:
             return 0
         allowed = check_run_identity(s.cfg, loaded.manifest.get("run_identity") or {}) if self._identity else []
@@ -203,26 +204,24 @@ class Checkpointer:
         if not self._resumed:
             self.resume()
         step, code = self.state.step, None
-        sampler = self.data.sampler
-        self._total_steps = total_steps
-        while step < total_steps and not self._stop_requested:
-            step += 1
-            with self.session.step(step, checkpointer=self) as s:
-                batches, weights = self.data.next_step()
-                self._ctx, self._acc = s, Accumulator(weights, self.session.device)
-                yield step, batches[0] if len(batches) == 1 else batches
-                if self._ctx is not None:
-                    raise RuntimeError(f"step {step}: call ckpt.optimizer_step(loss) once per step")
-            code = self.end_of_step(s, step, total_steps, sampler=sampler)
-            if s.nonfinite and code is None:  # rolled back: continue after the restored step
-                step = self.state.step
-                self.data.restart()
-            if code is not None:
-                break
-        else:
-            code = self.finish()
-        self.data.restart()  # the loader's workers end with the loop, not at interpreter exit
-        self.close(code)
+        try:
+            while code is None:
+                if step >= total_steps:  # resumed at the end: nothing left to run
+                    code = self.end_of_step(None, step, total_steps)
+                    break
+                step += 1
+                with self.session.step(step, checkpointer=self) as s:
+                    batches, weights = self.data.next_step()
+                    self._ctx, self._acc = s, Accumulator(weights, self.session.device)
+                    yield step, batches[0] if len(batches) == 1 else batches
+                    if self._ctx is not None:
+                        raise RuntimeError(f"step {step}: call ckpt.optimizer_step(loss) once per step")
+                code = self.end_of_step(s, step, total_steps)
+                if s.nonfinite and code is None:  # rolled back: continue after the restored step
+                    step = self.state.step
+                    self.data.restart()
+        finally:
+            self.data.restart()  # the loader's workers end with the loop, not at interpreter exit
         self.exit_code = code
         if code != exit_codes.OK and exit_on_stop:
             raise SystemExit(code)
@@ -236,9 +235,10 @@ class Checkpointer:
 
     def optimizer_step(self, loss: torch.Tensor | None = None) -> float | None:
         """End of a step under :meth:`steps`: ``loss`` (if given) goes through :meth:`backward`;
-        then the staging wait, gradient clipping (``train.grad_clip``) to the global norm, the
-        agreed non-finite guard, every optimizer's and scheduler's step (``ReduceLROnPlateau``
-        on the global loss), the data cursor, and ``zero_grad``. Returns the global loss."""
+        then gradient clipping (``train.grad_clip``) to the global norm, the staging wait and the
+        agreed non-finite guard (``StepContext.check``), every optimizer's and scheduler's step
+        (``ReduceLROnPlateau`` on the global loss), the data cursor, and ``zero_grad``. Returns the
+        global loss."""
         s, acc = self._ctx, self._acc
         if s is None or acc is None:
             raise RuntimeError("ckpt.optimizer_step() belongs inside 'for step, batch in ckpt.steps(...)', once per step")
@@ -246,7 +246,6 @@ class Checkpointer:
             acc.backward(loss)
         if not acc.complete:
             raise RuntimeError(f"step {s.step}: {len(acc.weights)} micro-batch(es) without a backward pass: call ckpt.backward(loss) for each")
-        self.wait_for_staging()
         clip = self.session.cfg.train.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         if s.check(acc.loss, grad_norm):
@@ -278,92 +277,39 @@ class Checkpointer:
         every rank at the same step (decide from agreed values, e.g. the global loss)."""
         self._stop_requested = True
 
-    def end_of_step(self, s, step: int, total_steps: int, sampler: Any = None) -> int | None:
-        """After each step (the one stop protocol of every loop): fenced → 73; preempted → the
-        final commit, 75/76; non-finite → the policy (an exit code, or None after a rollback:
-        continue from ``state.step``); else save when due. None: go on."""
-        if s.fenced:
-            return self.fenced_exit()
-        if s.preempt:
-            return self.preempt_exit()
-        if s.nonfinite:
-            return self.on_nonfinite(step, s.loss, s.grad_norm, self.session.cfg.train.global_batch_size, sampler=sampler)
-        if self.due(step, total_steps, s.save_due) or self._stop_requested:
-            self.save(step, meta={"loss": s.loss}, final=self._stop_requested)
-            faults.maybe_inject("kill_in_save", step)
-        return None
+    def end_of_step(self, s, step: int, total_steps: int) -> int | None:
+        """After each step ``s`` (a ``session.step`` context) — the one stop protocol of every
+        loop, :meth:`steps` and the built-in trainer's alike: fenced → 73; preempted → the final
+        commit, 75/76; non-finite → the policy (an exit code, or None after a rollback: continue
+        from ``state.step``); else save when due, and at ``total_steps`` (or after
+        :meth:`request_stop`) wait for the final commit: 0, 73 or 74. None: go on. When it returns
+        a code the run has ended: the checkpointer is closed and the process should exit with it.
+        ``s`` None: no step was left to run (resumed at ``total_steps``)."""
+        self._total_steps = total_steps
+        code: int | None = None
+        if s is None:
+            code = self._finish()
+        elif s.fenced:
+            code = self._fenced_exit()
+        elif s.preempt:
+            code = self._preempt_exit()
+        elif s.nonfinite:
+            code = self._on_nonfinite(step, s.loss, s.grad_norm, self.data.sampler if self.data is not None else None)
+        else:
+            final = self._stop_requested or step >= total_steps
+            if self.cadence.due(step, total_steps, stop=self._stop_requested):
+                self._save(step, meta={"loss": s.loss}, final=final)
+                faults.maybe_inject("kill_in_save", step)
+            if final:
+                code = self._finish()
+        if code is not None:
+            self._close(code)
+        return code
 
     # ------------------------------------------------------------------ saving
-    def due(self, step: int, total_steps: int, save_due: bool = False) -> bool:
-        """The cadence decision at the end of ``step`` (``save_due``: the agreed time trigger of
-        the step's :class:`StepContext`). Pure given agreed inputs, so every rank decides alike."""
-        self._total_steps = total_steps
-        auto_due = self.cadence is not None and self.cadence.due(step)
-        return layout.should_save(step, total_steps, self.fixed_interval, save_due or auto_due, False)
-
-    @property
-    def fixed_interval(self) -> int:
-        every = self.session.cfg.checkpoint.interval_steps
-        return 0 if every == "auto" else every
-
-    # -- checkpoint.interval_steps = "auto" (see checkpoint/cadence.py) ----------------------------
-    def _start_cadence(self) -> None:
-        """Fixed interval: set the gauge. Auto: rank 0 reads this job's lineage from the event log
-        (failures, observed time, restart cost, last measurement); the interval itself is agreed
-        in the first step's all-reduce."""
-        s, c = self.session, self.session.cfg.checkpoint
-        if c.interval_steps != "auto":
-            s.metrics.gauge("elastic_trainer_checkpoint_interval_steps", c.interval_steps)
-            return
-        lineage = cadence.Lineage()
-        if s.rank == 0:
-            try:
-                lineage = cadence.lineage_from_events(
-                    read_events(os.path.join(s.cfg.run.dir, "events.jsonl"), tail_bytes=cadence.LINEAGE_TAIL_BYTES))
-            except (OSError, ValueError, TypeError, KeyError) as e:  # a damaged log: start from the prior
-                logger.warning("checkpoint cadence: could not read the event log (%s); using the prior", e)
-        self.cadence = cadence.AutoCadence(
-            rank=s.rank, start_step=self.state.step, lineage=lineage, prior_mtbf_seconds=c.auto_prior_mtbf_seconds,
-            prior_weight_seconds=c.auto_prior_weight_seconds, min_steps=c.auto_min_steps, max_steps=c.auto_max_steps, now=time.monotonic(),
-        )
-
-    def cadence_tick(self) -> None:
-        """Rank 0, start of each step: feed the previous loop iteration's wall time."""
-        if self.cadence is None or self.session.rank != 0:
-            return
-        now = time.monotonic()
-        if self._tick is not None:
-            self.cadence.observe(now - self._tick[0], self._tick[1], self.manager.save_in_progress, now)
-        self._tick = (now, False)
-
-    def cadence_vote(self) -> float:
-        """Rank 0's proposed interval (0 elsewhere): summed in the step's all-reduce."""
-        return self.cadence.vote() if self.cadence is not None else 0.0
-
-    def cadence_agreed(self, step: int, vote: float) -> None:
-        if self.cadence is None:
-            return
-        change = self.cadence.agree(vote)
-        if change is None:
-            return
-        s, b = self.session, change.basis
-        s.metrics.gauge("elastic_trainer_checkpoint_interval_steps", change.interval_steps)
-        s.events.emit(
-            "checkpoint_interval_changed", step=step, interval_steps=change.interval_steps, previous=change.previous,
-            save_cost_s=b.get("save_cost_s"), restart_cost_s=b.get("restart_cost_s"), failure_rate_per_h=b.get("failure_rate_per_h"),
-            reason=b.get("reason"), step_seconds=b.get("step_seconds"), commit_lag_s=b.get("commit_lag_s"), failures=b.get("failures"),
-        )
-        if s.rank == 0:
-            logger.info("checkpoint interval %s -> %d steps (%s)", change.previous, change.interval_steps, b)
-
-    def time_due(self) -> bool:
-        """This rank's view of the time-based trigger (agree it through the step context)."""
-        every = self.session.cfg.checkpoint.interval_seconds
-        return every > 0 and time.monotonic() - self._last_save_time >= every
-
-    def save(self, step: int, meta: dict[str, Any] | None = None, final: bool = False) -> SaveStats:
-        """Start an async save of ``step`` (a no-op if that step is already committed). Call
-        only after a finite step: non-finite state must never be saved. ``final``: the run's last
+    def _save(self, step: int, meta: dict[str, Any] | None = None, final: bool = False) -> SaveStats:
+        """Start an async save of ``step`` (a no-op if that step is already committed). Only
+        after a finite step: non-finite state must never be saved. ``final``: the run's last
         save (also implied at ``total_steps``): durable in checkpoint.dir even with a local tier."""
         final = final or (self._total_steps is not None and step >= self._total_steps)
         stats = self.manager.save(step, meta={"skipped_ranges": self.state.skipped, **(meta or {})}, durable=final)
@@ -371,19 +317,11 @@ class Checkpointer:
             self._final_saved = step
         if not stats.skipped:
             self._rollback_window_open = False
-        if self.cadence is not None:
-            self.cadence.saved(step)
-            if self._tick is not None:
-                self._tick = (self._tick[0], True)
-        self._last_save_time = time.monotonic()
+        self.cadence.saved(step, time.monotonic())
         return stats
 
-    def wait_for_staging(self) -> float:
-        """Call before anything mutates the saved tensors (``optimizer.step()``)."""
-        return self.manager.wait_for_staging()
-
     # ------------------------------------------------------------------ ending
-    def finish(self) -> int:
+    def _finish(self) -> int:
         """End of training (every rank): wait (bounded by ``checkpoint.save_timeout_seconds``)
         for the last save and its commit. Returns the exit code, agreed by every rank: 0; 73 when
         a newer launch fenced the final commit; 74 when the final step was saved but its commit
@@ -391,7 +329,7 @@ class Checkpointer:
         m, s = self.manager, self.session
         settled = m.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
         if m.fenced_everywhere():  # the final commit was refused: a newer launch owns the root
-            return self.fenced_exit()
+            return self._fenced_exit()
         final = self._final_saved
         if final is None or (settled and m.committed_everywhere(final)):
             return exit_codes.OK
@@ -400,7 +338,7 @@ class Checkpointer:
         s.events.emit("final_checkpoint_failed", step=final, reason=reason, last_committed_step=m.last_committed_step)
         return exit_codes.FINAL_SAVE_FAILED
 
-    def preempt_exit(self) -> int:
+    def _preempt_exit(self) -> int:
         """All ranks agreed to stop for preemption: commit the final step within the grace budget.
 
         Every decision below is agreed by all ranks, so all ranks enter the same collectives and
@@ -427,24 +365,25 @@ class Checkpointer:
         s.events.emit("preempted", step=done, committed=True, seconds=round(time.monotonic() - started, 3))
         return exit_codes.PREEMPTED
 
-    def fenced_exit(self) -> int:
+    def _fenced_exit(self) -> int:
         """A newer launch owns the checkpoint root (agreed by every rank): stop, exit 73."""
         reason = self.manager.fenced or "a newer launch owns the checkpoint root"
         self.session.events.emit("fenced", step=self.state.step, error=reason)
         logger.error("stopping: %s", reason)
         return exit_codes.FENCED
 
-    def on_nonfinite(self, step: int, loss: float, grad_norm: float, global_batch_size: int, sampler: Any = None) -> int | None:
+    def _on_nonfinite(self, step: int, loss: float, grad_norm: float, sampler: Any = None, global_batch_size: int | None = None) -> int | None:
         """A non-finite loss or gradient norm at ``step`` (agreed by every rank; the optimizer
         step was not taken). ``train.on_nonfinite = stop``: exit 65 (nothing after the last
-        finite step is committed). ``rollback``: reload the newest commit of this lineage, skip
-        the global sample range that produced the event (kept in the train state, so later
-        resumes skip it too) and continue; a second event before a save after the first stops.
-        Returns an exit code, or None to continue. ``sampler``: a GlobalBatchSampler whose cursor
-        and skip list are the data state (else the train state's cursor is)."""
+        finite step is committed). ``rollback``: reload the newest commit of this lineage (a save
+        still writing past its deadline is abandoned, never committed), skip the global sample
+        range that produced the event (kept in the train state, so later resumes skip it too) and
+        continue; a second event before a save after the first stops. Returns an exit code, or
+        None to continue. ``sampler``: a GlobalBatchSampler whose cursor and skip list are the
+        data state (else the train state's cursor is)."""
         s = self.session
         cursor = sampler.cursor if sampler is not None else self.state.cursor
-        sample_range = [cursor, cursor + global_batch_size]
+        sample_range = [cursor, cursor + (global_batch_size or s.cfg.train.global_batch_size)]
         mode = s.cfg.train.on_nonfinite
         s.events.emit("nonfinite", step=step, loss=loss, grad_norm=grad_norm, sample_range=sample_range, action=mode)
         s.metrics.counter("elastic_trainer_train_nonfinite_events_total")
@@ -471,20 +410,12 @@ class Checkpointer:
         logger.error("stopping at step %d (%s); last finite step %d", step, why, self.state.step)
         return exit_codes.NONFINITE
 
-    def drain_after_failure(self) -> bool:
-        """Exception path (starts no save and no collective): give a save that is already
-        uploading up to ``DRAIN_SECONDS`` in all (over every call) to land. True when nothing
-        is left in flight."""
-        if not self.manager.in_flight:
-            return True
-        if self._drain_deadline is None:
-            self._drain_deadline = time.monotonic() + DRAIN_SECONDS
-            logger.warning("step failed: letting the save already in flight finish (at most %.0fs)", DRAIN_SECONDS)
-        return self.manager.drain_on_failure(max(0.0, self._drain_deadline - time.monotonic()))
-
-    def close(self, code: int) -> None:
+    def _close(self, code: int) -> None:
         """Record how the run ended (``finished`` event, or rank 0's marker for the supervisor
-        when ``code`` is not 0) and stop the background machinery. Every rank."""
+        when ``code`` is not 0) and stop the background machinery. Every rank; once."""
+        if self._closed:
+            return
+        self._closed = True
         s = self.session
         if code == exit_codes.OK:
             s.events.emit("finished", step=self.state.step, tokens_seen=self.state.tokens_seen, last_committed_step=self.manager.last_committed_step)
@@ -493,3 +424,36 @@ class Checkpointer:
             with open(os.path.join(s.cfg.run.dir, PREEMPT_MARKER), "w") as f:
                 json.dump({"step": self.state.step, "exit_code": code, "committed_step": self.manager.last_committed_step}, f)
         self.manager.close(finished=code == exit_codes.OK)
+
+    # ------------------------------------------------------------------ the earlier lower-level API
+    def __getattr__(self, name: str) -> Any:
+        """Scripts written against the earlier lower-level API (``due``/``save``/``finish``/
+        ``close``/``preempt_exit``/``fenced_exit``/``on_nonfinite``/``wait_for_staging``) keep
+        running, with a DeprecationWarning naming what replaces them: :meth:`end_of_step`."""
+        old = _EARLIER_API.get(name)
+        if old is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(f"Checkpointer.{name}() is deprecated: after each step, code = ckpt.end_of_step(s, step, total_steps) "
+                      "does fencing, preemption, the non-finite policy, the cadence and the end", DeprecationWarning, stacklevel=2)
+        return old.__get__(self)
+
+
+def _due(ck: Checkpointer, step: int, total_steps: int, save_due: bool = False) -> bool:
+    ck._total_steps = total_steps
+    return ck.cadence.due(step, total_steps) or save_due
+
+
+def _on_nonfinite(ck: Checkpointer, step: int, loss: float, grad_norm: float, global_batch_size: int, sampler: Any = None) -> int | None:
+    return ck._on_nonfinite(step, loss, grad_norm, sampler, global_batch_size)
+
+
+_EARLIER_API = {
+    "due": _due,
+    "save": Checkpointer._save,
+    "finish": Checkpointer._finish,
+    "close": Checkpointer._close,
+    "preempt_exit": Checkpointer._preempt_exit,
+    "fenced_exit": Checkpointer._fenced_exit,
+    "on_nonfinite": _on_nonfinite,
+    "wait_for_staging": lambda ck: ck.manager.wait_for_staging(),
+}

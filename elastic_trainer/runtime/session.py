@@ -198,7 +198,7 @@ class Session:
             os._exit(code)
         previous(exc_type, exc, tb)
         ck = self.checkpointer
-        if ck is None or issubclass(exc_type, KeyboardInterrupt) or ck.drain_after_failure():
+        if ck is None or issubclass(exc_type, KeyboardInterrupt) or ck.manager.drain_after_failure():
             return
         logger.error("rank %d: a save is still uploading after the failure; exiting without it (the previous commit stays the latest)", self.rank)
         for stream in (sys.stdout, sys.stderr):

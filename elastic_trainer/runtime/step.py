@@ -3,12 +3,10 @@
     with session.step(step, checkpointer=ckpt) as s:
         s.agree()                       # optional: agree early (default: at the end of the step)
         ...forward/backward...
-        ckpt.wait_for_staging()
-        if s.check(loss_sum, grad_norm):  # one all-reduce of the loss; False = non-finite
+        if s.check(loss_sum, grad_norm):  # waits for the save's staging; one all-reduce of the loss; False = non-finite
             optimizer.step()
         s.record(lr=..., tokens=...)
-    if s.preempt: ...   # see Checkpointer.preempt_exit
-    if s.nonfinite: ... # see Checkpointer.on_nonfinite
+    code = ckpt.end_of_step(s, step, total_steps)  # fenced, preempted, non-finite, save when due, the end
 
 Every flag is agreed by all ranks (one small all-reduce carries preemption, the time-based save
 trigger, fencing and any per-rank sums the caller adds), so every rank takes the same branch.
@@ -50,7 +48,7 @@ class StepContext:
     def __enter__(self) -> "StepContext":
         self._t0 = time.monotonic()
         if self.ckpt is not None:
-            self.ckpt.cadence_tick()
+            self.ckpt.cadence.begin_step(self._t0, self.ckpt.manager.save_in_progress)
         self._scope = self.session.watchdog(f"step-{self.step}")
         self._scope.__enter__()
         try:
@@ -72,7 +70,7 @@ class StepContext:
         if exc_type is not None and self.ckpt is not None:
             # The exception path starts no checkpoint and no collective; it only lets a save
             # that is already uploading land (bounded), so the newest commit is not lost.
-            self.ckpt.drain_after_failure()
+            self.ckpt.manager.drain_after_failure()
         if exc_type is None and self.loss is not None and not self.nonfinite and not self.preempt and not self.fenced:
             self._emit()
         return False
@@ -89,8 +87,7 @@ class StepContext:
         s = self.session
         ck = self.ckpt
         fenced = float(ck is not None and ck.manager.fenced is not None)
-        time_due = float(ck is not None and ck.time_due())
-        vote = ck.cadence_vote() if ck is not None else 0.0  # auto cadence: rank 0's interval
+        time_due, vote = ck.cadence.votes(time.monotonic()) if ck is not None else (0.0, 0.0)  # vote: auto cadence, rank 0's interval
         t = torch.tensor([*map(float, sums), float(s.preempt.requested), time_due, fenced, vote], dtype=torch.float64, device=s.device)
         t0 = time.monotonic()
         if s.world_size > 1:
@@ -100,15 +97,18 @@ class StepContext:
         self.preempt, self.save_due, self.fenced = preempt > 0, save_due > 0, fenced > 0
         self._agreed = True
         if ck is not None:
-            ck.cadence_agreed(self.step, vote)
+            ck.cadence.agreed(self.step, save_due, vote)
         return out
 
     def check(self, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None) -> bool:
         """The non-finite guard, before ``optimizer.step()``: all-reduces (SUM) this rank's share
         of the loss (so :attr:`loss` becomes the global loss) and checks it and the global
         gradient norm (already global: ``clip_grad_norm_`` over DTensor gradients). False when
-        either is NaN/Inf: do not step the optimizer (zero the gradients)."""
+        either is NaN/Inf: do not step the optimizer (zero the gradients). First, it waits until a
+        save in flight has copied the state out (the optimizer step is about to change it)."""
         s = self.session
+        if self.ckpt is not None:
+            self.ckpt.manager.wait_for_staging()
         t = loss.detach().to(torch.float64).reshape(()) if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), dtype=torch.float64)
         t = t.to(s.device)
         t0 = time.monotonic()

@@ -106,7 +106,6 @@ def build_and_train(cfg: Config, t_start: float) -> int:
 
     ckpt.resume(after_load)
     code = Trainer(cfg, model, optimizer, scheduler, batches, session, ckpt).run()
-    ckpt.close(code)
     session.close()
     return code
 
@@ -169,7 +168,7 @@ def main() -> None:
             )
             ckpt = _ACTIVE.get("ckpt")
             if ckpt is not None:  # no new checkpoint or collective: only an upload under way may land
-                ckpt.drain_after_failure()
+                ckpt.manager.drain_after_failure()
             ErrorHandler().record_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
         finally:
             sys.stdout.flush()

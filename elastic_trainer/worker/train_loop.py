@@ -55,16 +55,16 @@ class Trainer:
         return self.ckpt.state
 
     def run(self) -> int:
-        """Train to ``train.steps``. Returns the process exit code (see ``exit_codes``)."""
-        t = self.cfg.train
-        while self.state.step < t.steps:
+        """Train to ``train.steps``. Returns the process exit code (see ``exit_codes``); the
+        checkpointer has ended the run (:meth:`Checkpointer.end_of_step`)."""
+        t, code = self.cfg.train, None
+        while code is None:
             step = self.state.step + 1
+            if step > t.steps:  # resumed at the end: nothing left to run
+                return self.ckpt.end_of_step(None, self.state.step, t.steps)
             log.set_step(step)
-            s = self.train_step(step)
-            code = self.ckpt.end_of_step(s, step, t.steps)
-            if code is not None:
-                return code
-        return self.ckpt.finish()
+            code = self.ckpt.end_of_step(self.train_step(step), step, t.steps)
+        return code
 
     def train_step(self, step: int) -> StepContext:
         with self.session.step(step, checkpointer=self.ckpt) as s:
@@ -85,7 +85,6 @@ class Trainer:
                     loss = loss * float("nan")
                 loss.backward()
                 loss_sum += loss.detach().double()
-            self.ckpt.wait_for_staging()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf"))
             # The loss is agreed before the optimizer step: with the global gradient norm every
             # rank sees the same two numbers, so non-finite state is never stepped into or saved.
@@ -108,12 +107,11 @@ class Trainer:
 
     def _progress_line(self, rec: dict) -> str:
         c = self.ckpt.cadence
-        if c is not None:
-            left = (c.interval or 0) - (rec["step"] - c.last_saved)
+        if c.auto is not None:
+            left = (c.interval or 0) - (rec["step"] - c.auto.last_saved)
             nxt = f"{max(0, left)} steps (auto)" if c.interval else "-"
         else:
-            every = self.ckpt.fixed_interval
-            nxt = f"{every - rec['step'] % every} steps" if every else "-"
+            nxt = f"{c.fixed - rec['step'] % c.fixed} steps" if c.fixed else "-"
         return (
             f"step {rec['step']}/{self.cfg.train.steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
             f"grad {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {rec['step_time_s'] * 1000:.0f} ms | "

@@ -239,37 +239,50 @@ def test_lineage_from_events():
     assert cadence.lineage_from_events([]) == cadence.Lineage()
 
 
-def _checkpointer(cfg, sink, log):
-    """A Checkpointer with only what the cadence uses (no process group, no storage)."""
-    from types import SimpleNamespace
-
-    from elastic_trainer.checkpoint.state import TrainState
-    from elastic_trainer.runtime.checkpointer import Checkpointer
-
-    ck = Checkpointer.__new__(Checkpointer)
-    ck.session = SimpleNamespace(cfg=cfg, metrics=sink, events=log, rank=0)
-    ck.state, ck.cadence, ck._tick = TrainState(), None, None
-    return ck
+def _cadence(cfg, sink, log, start_step=0):
+    return cadence.from_run(cfg.checkpoint, log.path, rank=0, start_step=start_step, now=0.0, events=log, metrics=sink)
 
 
-def test_checkpointer_sets_the_gauge_and_emits_the_event(tmp_path):
+@pytest.mark.parametrize("step, total, every, seconds_due, stop, expected", [
+    (5, 10, 5, False, False, True), (4, 10, 5, False, False, False), (10, 10, 0, False, False, True), (3, 10, 0, True, False, True),
+    (3, 10, 5, False, True, True), (3, 10, 0, False, False, False), (11, 10, 0, False, False, True),
+])
+def test_one_policy_decides_fixed_time_final_and_stop(step, total, every, seconds_due, stop, expected):
+    cfg = load_config(None, [f"checkpoint.interval_steps={every}", "checkpoint.interval_seconds=60"])
+    c = cadence.Cadence(cfg.checkpoint, rank=0, start_step=0, now=0.0)
+    time_due, vote = c.votes(now=61.0 if seconds_due else 1.0)
+    assert (time_due, vote) == (float(seconds_due), 0.0)
+    c.agreed(step, time_due, vote)  # what every rank gets back from the step's all-reduce
+    assert c.due(step, total, stop=stop) is expected
+
+
+def test_the_time_trigger_counts_from_the_last_save_and_is_agreed():
+    cfg = load_config(None, ["checkpoint.interval_steps=0", "checkpoint.interval_seconds=10"])
+    c = cadence.Cadence(cfg.checkpoint, rank=1, start_step=0, now=0.0)
+    assert c.votes(now=9.0)[0] == 0.0
+    c.agreed(1, 1.0, 0.0)  # another rank's clock passed 10 s: every rank saves
+    assert c.due(1, 100)
+    c.saved(1, now=9.5)
+    assert not c.due(2, 100) and c.votes(now=19.0)[0] == 0.0 and c.votes(now=19.5)[0] == 1.0
+
+
+def test_the_gauge_and_the_event_follow_the_interval_in_force(tmp_path):
     from elastic_trainer.events import EventLog, read_events
     from elastic_trainer.metrics.sink import RecordingSink
 
     cfg = load_config(None, [f"run.dir={tmp_path}", "checkpoint.interval_steps=auto"])
     sink, log = RecordingSink(), EventLog(str(tmp_path / "events.jsonl"))
-    ck = _checkpointer(cfg, sink, log)
-    ck._start_cadence()
+    c = _cadence(cfg, sink, log)
     assert "elastic_trainer_checkpoint_interval_steps" not in sink.gauges, "auto: nothing in force before the first agreement"
-    ck.cadence_agreed(1, 10.0)
-    ck.cadence_agreed(2, 10.0)
-    assert sink.gauges["elastic_trainer_checkpoint_interval_steps"] == 10
+    c.agreed(1, 0.0, 10.0)
+    c.agreed(2, 0.0, 10.0)
+    assert sink.gauges["elastic_trainer_checkpoint_interval_steps"] == 10 and c.interval == 10
     (ev,) = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == "checkpoint_interval_changed"]
     assert ev["interval_steps"] == 10 and ev["previous"] is None and ev["reason"] == "initial" and ev["step"] == 1
     assert {"save_cost_s", "restart_cost_s", "failure_rate_per_h"} <= set(ev)
-    fixed = _checkpointer(load_config(None, ["checkpoint.interval_steps=25"]), RecordingSink(), log)
-    fixed._start_cadence()
-    assert fixed.session.metrics.gauges["elastic_trainer_checkpoint_interval_steps"] == 25 and fixed.cadence is None
+    sink = RecordingSink()
+    fixed = _cadence(load_config(None, ["checkpoint.interval_steps=25"]), sink, log)
+    assert sink.gauges["elastic_trainer_checkpoint_interval_steps"] == 25 and fixed.auto is None and fixed.interval == 25
 
 
 def test_read_events_tail_starts_at_a_record_boundary(tmp_path):
@@ -315,10 +328,8 @@ def test_a_restart_reads_only_the_recent_lineage(tmp_path, monkeypatch):
         at("step", step=i, step_time_s=0.5)
     monkeypatch.setattr(cadence, "LINEAGE_TAIL_BYTES", 40_000)  # ~500 records of this log
     cfg = load_config(None, [f"run.dir={tmp_path}", "checkpoint.interval_steps=auto"])
-    ck = _checkpointer(cfg, RecordingSink(), log)
-    ck._start_cadence()
-    assert ck.cadence.lineage.failures == 1
-    assert 200 < ck.cadence.lineage.observed_seconds < 300
+    c = _cadence(cfg, RecordingSink(), log)
+    assert c.auto.lineage.failures == 1
+    assert 200 < c.auto.lineage.observed_seconds < 300
     monkeypatch.setattr(cadence, "LINEAGE_TAIL_BYTES", 1 << 30)
-    ck._start_cadence()
-    assert ck.cadence.lineage.failures == 6
+    assert _cadence(cfg, RecordingSink(), log).auto.lineage.failures == 6

@@ -100,14 +100,6 @@ def test_retention(steps, keep_last, keep_every, protected, victims):
     assert layout.retention_victims(steps, keep_last, keep_every, protected) == victims
 
 
-@pytest.mark.parametrize(
-    "step, total, interval, time_due, preempt, expected",
-    [(5, 10, 5, False, False, True), (4, 10, 5, False, False, False), (10, 10, 0, False, False, True), (3, 10, 0, True, False, True), (3, 10, 5, False, True, True), (3, 10, 0, False, False, False)],
-)
-def test_should_save(step, total, interval, time_due, preempt, expected):
-    assert layout.should_save(step, total, interval, time_due, preempt) is expected
-
-
 def test_manifest_contents():
     m = layout.build_manifest(step=7, world_size=2, mesh_shape=[2], files={"b": {"size": 2}, "a": {"size": 1}}, created=1.0, torch_version="x", fingerprint="f", epoch="00000001-x")
     assert m["total_bytes"] == 3 and list(m["files"]) == ["a", "b"] and m["world_size"] == 2 and m["config_fingerprint"] == "f"

@@ -86,9 +86,9 @@ def main() -> int:
     if a.per_rank:
         with open(os.path.join(a.run_dir, f"tally-{session.rank}.json"), "w") as f:
             json.dump({"rank": session.rank, "loaded_from": tally.loaded_from, "seen": tally.seen}, f)
-    code = 0
-    while step < a.steps:
-        step += 1
+    code = None if step < a.steps else ckpt.end_of_step(None, step, a.steps)  # resumed at the end
+    while code is None:
+        step = ckpt.state.step + 1
         with session.step(step, checkpointer=ckpt) as s:
             loss_sum = torch.zeros(())
             for mb in sampler.micro_batches():
@@ -96,7 +96,6 @@ def main() -> int:
                 loss.backward()
                 loss_sum += loss.detach()
                 tally.seen += 1
-            ckpt.wait_for_staging()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if s.check(loss_sum, grad_norm):
                 opt.step()
@@ -106,11 +105,7 @@ def main() -> int:
                 if "counter" in extra:
                     extra["counter"].n += 1
             opt.zero_grad(set_to_none=True)
-        if ckpt.due(step, a.steps, s.save_due):
-            ckpt.save(step)
-    else:
-        code = ckpt.finish()
-    ckpt.close(code)
+        code = ckpt.end_of_step(s, step, a.steps)
     session.close()
     return code
 
