@@ -5,10 +5,11 @@ The public API for your own training loop (semantic versioning applies to these 
     import elastic_trainer as et
 
     session = et.init()                                   # process groups, events, metrics, preemption
-    ckpt = et.Checkpointer(session, model=model, optimizer=opt, scheduler=sched, extra={"sampler": sampler})
-    start = ckpt.resume()                                 # exact, resharding; 0 on a fresh start
-    ...
-    with session.step(step, checkpointer=ckpt) as s: ...  # agreed flags, non-finite guard, watchdog
+    model = session.shard(build_model(), [Block])         # FSDP2, bottom-up
+    ckpt = et.Checkpointer(session, model=model, optimizer=opt, scheduler=sched, data=loader)
+    for step, batch in ckpt.steps(total_steps):           # resume, agree, save when due, truthful exit
+        loss = compute_loss(model, batch); loss.backward()
+        ckpt.optimizer_step(loss)                         # staging wait, clip, non-finite guard, step
 
 See docs/own-script.md. Names resolve lazily, so ``import elastic_trainer`` stays cheap.
 """

@@ -37,14 +37,12 @@ explicitly next to ``Exception`` wherever a DCP call is awaited.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import threading
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,15 +53,17 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import faults
 from ..config import CheckpointConfig
-from ..errors import CheckpointError, CheckpointIncompatibleError, FencedError, NoUsableCheckpointError
+from ..errors import CheckpointError, FencedError, NoUsableCheckpointError
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
-from . import compat, integrity, layout, writer_process
+from . import layout, writer_process
+from . import resume as resume_plan
 from .agreement import Agreement
 from .catalog import Catalog, checkpoint_key
 from .load_planner import load_planner
 from .local_tier import CHAIN_MAX, LocalTier
+from .resume import Decision, LoadResult, LocalLoad
 from .save import Save, SaveState
 from .savers import LocalSaver, RemoteSaver
 from .state import PerRank, state_types
@@ -72,17 +72,6 @@ logger = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 10.0  # how long the exception path waits for a save already uploading
 _OK = (SaveState.COMMITTED, SaveState.WRITTEN)  # a save's ends that mean "this rank's part is done"
-
-
-@dataclass
-class LoadResult:
-    step: int
-    name: str
-    manifest: dict[str, Any]
-    seconds: float
-    skipped: list[tuple[int, str]] = field(default_factory=list)
-    first_start: bool = True
-    tier: str = "remote"  # "local": every rank loaded its copy from checkpoint.local_dir
 
 
 @dataclass
@@ -100,29 +89,6 @@ class SaveStats:
         return self.wait_previous + self.call + self.staging_wait
 
 
-@dataclass
-class Decision:
-    """Rank 0's resume plan, broadcast to every rank. ``refused``: the error every rank raises
-    with ``message`` instead of loading; else ``chosen`` (None: start fresh)."""
-
-    refused: type[Exception] | None = None
-    message: str = ""
-    chosen: str | None = None
-    manifest: dict[str, Any] = field(default_factory=dict)
-    skipped: list[tuple[int, str]] = field(default_factory=list)
-    taken: list[str] = field(default_factory=list)
-    first_start: bool = True
-    unreadable: str | None = None  # the chosen checkpoint's metadata could not be read: damage
-    added: list[str] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)
-    absent: list[str] = field(default_factory=list)
-    epoch: str = ""
-    lineage: str = ""
-
-
-class LocalLoad(enum.Enum):
-    NONE = "no copy every rank has"
-    FAILED = "a copy failed to load"
 
 
 class CheckpointManager:
@@ -243,7 +209,8 @@ class CheckpointManager:
         skipped_all: list[tuple[int, str]] = []
         try_local = self.local is not None and resume == "latest"
         while True:
-            decision = self._decide(resume, frozenset(failed)) if self.rank == 0 else None
+            decision = resume_plan.decide(self.catalog, self.states, self.world_size, resume, frozenset(failed), clean=not failed and self._generation == 0,
+                                          launch_id=self._launch_id, events=self.events) if self.rank == 0 else None
             decision = self.agreement.broadcast(decision)
             if decision.refused is not None:
                 raise decision.refused(decision.message)
@@ -274,7 +241,7 @@ class CheckpointManager:
             reason = decision.unreadable  # rank 0 could not read the checkpoint's metadata
             if reason is None:
                 t0 = time.monotonic()
-                loaded = self._load_remote(name, manifest, frozenset(decision.absent))
+                loaded = resume_plan.load_remote(self.states, self.storage, self.group, self.agreement, decision)
                 if loaded is None:
                     seconds = time.monotonic() - t0
                     self._loaded(step, "remote", committed=step)
@@ -282,7 +249,7 @@ class CheckpointManager:
                     self._chain, self._local_saved = [name], set()
                     self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
                     if self.rank == 0:
-                        self._report_evolution(name, step, decision)
+                        resume_plan.report_evolution(self.events, name, step, decision)
                     return LoadResult(step, name, manifest, seconds, skipped_all, decision.first_start)
                 reason = loaded
             reason = f"load failed: {reason}"
@@ -295,42 +262,6 @@ class CheckpointManager:
                     logger.warning("could not quarantine %s: %s", name, e)
             skipped_all.append((step, reason))
             failed.add(name)
-
-    def _load_remote(self, name: str, manifest: dict[str, Any], absent: frozenset[str]) -> str | None:
-        """Every rank: load ``name`` from checkpoint.dir, except the optional Statefuls it holds
-        nothing of (``absent``: left as initialised). None when every rank loaded it; else the
-        integrity problem (agreed: quarantine it). Raises CheckpointIncompatibleError (agreed)
-        when a rank's failure is not about the bytes (the code could not take them)."""
-        states = {k: v for k, v in self.states.items() if k not in absent}
-        faults.maybe_inject("kill_in_load", int(manifest["step"]))
-        for s in self.states.values():
-            if isinstance(s, PerRank):
-                s.expect_world(manifest.get("world_size"))
-        mine: tuple[str, str] = ("", "")
-        try:
-            reader = integrity.verifying(self.storage.dcp_reader(self.storage.join(name)), integrity.Checks.from_manifest(manifest))
-            dcp.load(states, storage_reader=reader, process_group=self.group, planner=load_planner(states))
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
-            mine = ("integrity" if compat.is_integrity(e) else "incompatible", compat.one_line(e))
-        if self.agreement.all_true(not mine[0], control=False):
-            return None
-        views = [v for v in self.agreement.gather(mine) if v[0]]
-        bad = [v for v in views if v[0] == "integrity"]
-        if bad:
-            return bad[0][1]
-        raise CheckpointIncompatibleError(
-            f"checkpoint {name} is intact but this code could not load it: {views[0][1]} (nothing was quarantined or changed; "
-            "register the same state as the run that wrote it, or start a new run: another checkpoint.dir, or checkpoint.resume = \"none\")"
-        )
-
-    def _report_evolution(self, name: str, step: int, decision: Decision) -> None:
-        """Rank 0: events for state the load left as initialised or did not load (on purpose)."""
-        if decision.added:
-            self.events.emit("state_added", step=step, name=name, keys=decision.added[:100])
-            logger.warning("checkpoint %s has no %s: left as initialised (optional_on_load)", name, ", ".join(decision.added[:10]))
-        if decision.ignored:
-            self.events.emit("state_ignored", step=step, name=name, keys=decision.ignored)
-            logger.warning("checkpoint %s holds %s, which this code does not register: not loaded", name, ", ".join(decision.ignored))
 
     def _loaded(self, step: int | None, tier: str | None, *, committed: int | None) -> None:
         """The state now comes from ``step`` (None: fresh): a commit of a save from before this
@@ -401,60 +332,6 @@ class CheckpointManager:
         self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
         self.metrics.counter("elastic_trainer_checkpoint_local_resumes_total")
         return LoadResult(copy.step, os.path.relpath(copy.path, self.local.root), copy.manifest, seconds, skipped, decision.first_start, tier="local")
-
-    def _decide(self, resume: str, exclude: frozenset[str]) -> Decision:
-        """Rank 0: plan the resume. Never raises (the answer is broadcast to every rank). Only
-        the first load of this manager cleans up uncommitted directories: a later one (a
-        rollback) may have abandoned a save that is still writing."""
-        cat = self.catalog
-        try:
-            if cat.epoch is None:
-                cat.acquire_epoch(self._launch_id or f"standalone-{time.time_ns()}")
-            plan = cat.plan_resume(resume, exclude)
-            for name in cat.ignored_entries():
-                self.events.emit("checkpoint_ignored", path=name, reason="not a step-XXXXXXXX directory")
-            for step, reason in plan.skipped:
-                logger.warning("skipping checkpoint step %d: %s", step, reason)
-                self.events.emit("checkpoint_skipped", step=step, reason=reason)
-            for name, reason in plan.corrupt:
-                try:
-                    cat.quarantine(name, reason)
-                except Exception as e:  # noqa: BLE001 - skipped in this start either way
-                    logger.warning("could not quarantine %s: %s", name, e)
-            if resume not in ("latest", "none") and plan.first_start and plan.chosen is None:
-                reason = plan.skipped[0][1] if plan.skipped else "not found"
-                return Decision(CheckpointError, f"checkpoint.resume={resume}: checkpoint step {resume} is unusable: {reason}")
-            stop = plan.stop_reason()
-            if plan.incompatible is not None:
-                self.events.emit("checkpoint_incompatible", name=plan.incompatible[0], reason=plan.incompatible[1])
-                return Decision(CheckpointIncompatibleError, stop)
-            if stop is not None:
-                self.events.emit("resume_refused", reason=stop, unusable=[n for n, _ in plan.unusable])
-                return Decision(NoUsableCheckpointError, stop)
-            if not exclude and self._generation == 0:
-                cat.clean_uncommitted(frozenset({plan.chosen.name}) if plan.chosen else frozenset())
-                if plan.first_start:
-                    cat.record_base(plan.chosen.name if plan.chosen else None)
-            out = Decision(skipped=plan.skipped, taken=sorted(c.name for c in cat.scan()), first_start=plan.first_start,
-                           epoch=cat.epoch or "", lineage=uuid.uuid4().hex[:12])  # lineage: names the local copies this start writes
-            if plan.chosen is None:
-                return out
-            out.chosen, out.manifest = plan.chosen.name, plan.chosen.manifest
-            try:
-                metadata = cat.read_metadata(plan.chosen)
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - unreadable metadata is damage: quarantined by load()
-                out.unreadable = compat.one_line(e)
-                return out
-            report = compat.check(self.states, metadata, out.manifest, self.world_size)
-            if not report.ok:
-                self.events.emit("checkpoint_incompatible", step=plan.chosen.step, name=plan.chosen.name, problems=report.problems)
-                return Decision(CheckpointIncompatibleError, report.message(plan.chosen.name))
-            out.added, out.ignored, out.absent = report.added, report.ignored, list(report.absent)
-            return out
-        except FencedError as e:
-            return Decision(FencedError, str(e))
-        except Exception as e:  # noqa: BLE001 - reported on every rank
-            return Decision(CheckpointError, f"{type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ save
     @property
@@ -557,8 +434,9 @@ class CheckpointManager:
         if self.rank != 0:
             save.advance(SaveState.FAILED if exc is not None else SaveState.WRITTEN, error=error)
         elif exc is not None:
-            if save.advance(SaveState.FAILED, error=error):
+            if save.state is not SaveState.ABANDONED:  # reported before the state moves: a waiter then sees the event
                 self._report_failure(save, error)
+            save.advance(SaveState.FAILED, error=error)
         elif save.advance(SaveState.COMMITTING):
             self._commit_pool.submit(self._commit, save, extra, generation)
 
@@ -648,8 +526,8 @@ class CheckpointManager:
             return
         except Exception as e:  # noqa: BLE001 - a failed commit is a failed save
             error = f"commit: {type(e).__name__}: {e}"
-            save.advance(SaveState.FAILED, error=error)
             self._report_failure(save, error)
+            save.advance(SaveState.FAILED, error=error)
             return
         duration = time.monotonic() - save.started
         with self._lock:

@@ -60,6 +60,7 @@ class GatedSaver:
         self.hold_staging, self.hold_writing = hold_staging, hold_writing
         self.started: list[str] = []
         self._gates: dict[str, tuple[threading.Event, threading.Event, list]] = {}
+        self._threads: dict[str, threading.Thread] = {}
         self.failures_seen = 0
 
     def start(self, states, name):
@@ -87,8 +88,14 @@ class GatedSaver:
             except BaseException as e:  # noqa: BLE001 - handed to the manager like DCP would
                 written.set_exception(e)
 
-        threading.Thread(target=run, daemon=True).start()
+        self._threads[name] = threading.Thread(target=run, daemon=True)
+        self._threads[name].start()
         return staging, written
+
+    def join(self, name):
+        """Until the write of ``name`` has ended and its callbacks have run (they run on its thread)."""
+        self._threads[name].join(WAIT)
+        assert not self._threads[name].is_alive()
 
     def stage(self, name):
         self._gates[name][0].set()
@@ -343,7 +350,7 @@ def test_a_rollback_abandons_a_save_still_writing_keeps_its_directory_and_never_
     m.load()
     m.save(10)
     m.test_saver.release(m._inflight.name)
-    assert m.finish() is True
+    assert m.finish(timeout=WAIT) is True
     stuck = begin(m, 20)
     wait_for(lambda: m.storage.exists(m.storage.join(stuck.name, layout.WRITER)), "the writer marker")
     assert not m.settle(time.monotonic() + 0.05)
@@ -351,15 +358,16 @@ def test_a_rollback_abandons_a_save_still_writing_keeps_its_directory_and_never_
     assert loaded.step == 10 and stuck.state is S.ABANDONED and not m.in_flight
     assert m.storage.exists(m.storage.join(stuck.name, layout.WRITER)), "the rollback's load cleaned up a directory still being written"
     m.test_saver.release(stuck.name)
-    wait_for(lambda: m.storage.exists(m.storage.join(stuck.name, integrity.CHECKSUMS)), "the abandoned write to end")
-    time.sleep(0.05)  # a commit, if one were (wrongly) started, would run now on the commit thread
+    m.test_saver.join(stuck.name)
+    m._commit_pool.submit(lambda: None).result(WAIT)  # a commit, had one been (wrongly) started, has run
+    assert m.storage.exists(m.storage.join(stuck.name, integrity.CHECKSUMS))
     assert not m.storage.exists(m.storage.join(stuck.name, layout.MANIFEST)) and stuck.state is S.ABANDONED
     assert m.last_committed_step == 10 and not events(m, "checkpoint_committed")[1:]
     m.save(20)  # the same step again after the rollback: a new directory
     again = m._inflight
     assert again.name != stuck.name
     m.test_saver.release(again.name)
-    assert m.finish() is True and m.last_committed_step == 20
+    assert m.finish(timeout=WAIT) is True and m.last_committed_step == 20
 
 
 def test_a_commit_in_progress_at_a_load_is_waited_for_and_counted(make):
@@ -394,6 +402,6 @@ def test_the_newest_commit_mark_ignores_a_commit_from_before_a_load(make):
     save.staged()
     save.advance(S.COMMITTING)
     m.test_saver.release(save.name)
-    wait_for(lambda: m.storage.exists(m.storage.join(save.name, integrity.CHECKSUMS)), "the write")
+    m.test_saver.join(save.name)
     m._commit(save, {}, generation)
     assert save.state is S.COMMITTED and m.last_committed_step is None

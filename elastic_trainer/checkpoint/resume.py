@@ -1,0 +1,165 @@
+"""What a (re)start or a rollback loads: rank 0's plan, and the load of a checkpoint.dir commit.
+
+:func:`decide` runs on rank 0 only and never raises: its :class:`Decision` is broadcast, and
+every rank then loads the same checkpoint, or raises the same error. :func:`load_remote` runs on
+every rank and agrees whether the load failed, and how: bad bytes (integrity: quarantine it and
+fall back to an older commit) or good bytes this code cannot take (compatibility: stop, naming
+the keys, with nothing changed). The manager (:mod:`.manager`) runs the fallback loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .. import faults
+from ..errors import CheckpointError, CheckpointIncompatibleError, FencedError, NoUsableCheckpointError
+from ..events import EventLog
+from ..storage.fs import Storage
+from . import compat, integrity
+from .agreement import Agreement
+from .catalog import Catalog
+from .load_planner import load_planner
+from .state import PerRank
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadResult:
+    step: int
+    name: str
+    manifest: dict[str, Any]
+    seconds: float
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    first_start: bool = True
+    tier: str = "remote"  # "local": every rank loaded its copy from checkpoint.local_dir
+
+
+@dataclass
+class Decision:
+    """Rank 0's resume plan, broadcast to every rank. ``refused``: the error every rank raises
+    with ``message`` instead of loading; else ``chosen`` (None: start fresh)."""
+
+    refused: type[Exception] | None = None
+    message: str = ""
+    chosen: str | None = None
+    manifest: dict[str, Any] = field(default_factory=dict)
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    taken: list[str] = field(default_factory=list)
+    first_start: bool = True
+    unreadable: str | None = None  # the chosen checkpoint's metadata could not be read: damage
+    added: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)
+    epoch: str = ""
+    lineage: str = ""
+
+
+class LocalLoad(enum.Enum):
+    NONE = "no copy every rank has"
+    FAILED = "a copy failed to load"
+
+
+def decide(cat: Catalog, states: dict[str, Stateful], world_size: int, resume: str, exclude: frozenset[str], *, clean: bool,
+           launch_id: str, events: EventLog) -> Decision:
+    """Rank 0: plan the load for ``resume`` (``latest``, ``none`` or a step), past the names in
+    ``exclude`` (failed in this start). Never raises (the answer is broadcast to every rank).
+    ``clean``: remove uncommitted directories (at a process's first load only: a later one, a
+    rollback, may have abandoned a save that is still writing)."""
+    try:
+        if cat.epoch is None:
+            cat.acquire_epoch(launch_id or f"standalone-{time.time_ns()}")
+        plan = cat.plan_resume(resume, exclude)
+        for name in cat.ignored_entries():
+            events.emit("checkpoint_ignored", path=name, reason="not a step-XXXXXXXX directory")
+        for step, reason in plan.skipped:
+            logger.warning("skipping checkpoint step %d: %s", step, reason)
+            events.emit("checkpoint_skipped", step=step, reason=reason)
+        for name, reason in plan.corrupt:
+            try:
+                cat.quarantine(name, reason)
+            except Exception as e:  # noqa: BLE001 - skipped in this start either way
+                logger.warning("could not quarantine %s: %s", name, e)
+        if resume not in ("latest", "none") and plan.first_start and plan.chosen is None:
+            reason = plan.skipped[0][1] if plan.skipped else "not found"
+            return Decision(CheckpointError, f"checkpoint.resume={resume}: checkpoint step {resume} is unusable: {reason}")
+        stop = plan.stop_reason()
+        if plan.incompatible is not None:
+            events.emit("checkpoint_incompatible", name=plan.incompatible[0], reason=plan.incompatible[1])
+            return Decision(CheckpointIncompatibleError, stop)
+        if stop is not None:
+            events.emit("resume_refused", reason=stop, unusable=[n for n, _ in plan.unusable])
+            return Decision(NoUsableCheckpointError, stop)
+        if clean:
+            cat.clean_uncommitted(frozenset({plan.chosen.name}) if plan.chosen else frozenset())
+            if plan.first_start:
+                cat.record_base(plan.chosen.name if plan.chosen else None)
+        out = Decision(skipped=plan.skipped, taken=sorted(c.name for c in cat.scan()), first_start=plan.first_start,
+                       epoch=cat.epoch or "", lineage=uuid.uuid4().hex[:12])  # lineage: names the local copies this start writes
+        if plan.chosen is None:
+            return out
+        out.chosen, out.manifest = plan.chosen.name, plan.chosen.manifest
+        try:
+            metadata = cat.read_metadata(plan.chosen)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - unreadable metadata is damage: quarantined by the load loop
+            out.unreadable = compat.one_line(e)
+            return out
+        report = compat.check(states, metadata, out.manifest, world_size)
+        if not report.ok:
+            events.emit("checkpoint_incompatible", step=plan.chosen.step, name=plan.chosen.name, problems=report.problems)
+            return Decision(CheckpointIncompatibleError, report.message(plan.chosen.name))
+        out.added, out.ignored, out.absent = report.added, report.ignored, list(report.absent)
+        return out
+    except FencedError as e:
+        return Decision(FencedError, str(e))
+    except Exception as e:  # noqa: BLE001 - reported on every rank
+        return Decision(CheckpointError, f"{type(e).__name__}: {e}")
+
+
+def report_evolution(events: EventLog, name: str, step: int, decision: Decision) -> None:
+    """Rank 0: events for state the load left as initialised or did not load (on purpose)."""
+    if decision.added:
+        events.emit("state_added", step=step, name=name, keys=decision.added[:100])
+        logger.warning("checkpoint %s has no %s: left as initialised (optional_on_load)", name, ", ".join(decision.added[:10]))
+    if decision.ignored:
+        events.emit("state_ignored", step=step, name=name, keys=decision.ignored)
+        logger.warning("checkpoint %s holds %s, which this code does not register: not loaded", name, ", ".join(decision.ignored))
+
+
+def load_remote(states: dict[str, Stateful], storage: Storage, group: dist.ProcessGroup | None, agreement: Agreement, decision: Decision) -> str | None:
+    """Every rank: load the chosen checkpoint from checkpoint.dir, except the optional Statefuls
+    it holds nothing of (left as initialised). None when every rank loaded it; else the
+    integrity problem (agreed: quarantine it). Raises CheckpointIncompatibleError (agreed) when
+    a rank's failure is not about the bytes (the code could not take them)."""
+    name, manifest = decision.chosen, decision.manifest
+    some = {k: v for k, v in states.items() if k not in decision.absent}
+    faults.maybe_inject("kill_in_load", int(manifest["step"]))
+    for s in states.values():
+        if isinstance(s, PerRank):
+            s.expect_world(manifest.get("world_size"))
+    mine: tuple[str, str] = ("", "")
+    try:
+        reader = integrity.verifying(storage.dcp_reader(storage.join(name)), integrity.Checks.from_manifest(manifest))
+        dcp.load(some, storage_reader=reader, process_group=group, planner=load_planner(some))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
+        mine = ("integrity" if compat.is_integrity(e) else "incompatible", compat.one_line(e))
+    if agreement.all_true(not mine[0], control=False):
+        return None
+    views = [v for v in agreement.gather(mine) if v[0]]
+    bad = [v for v in views if v[0] == "integrity"]
+    if bad:
+        return bad[0][1]
+    raise CheckpointIncompatibleError(
+        f"checkpoint {name} is intact but this code could not load it: {views[0][1]} (nothing was quarantined or changed; "
+        "register the same state as the run that wrote it, or start a new run: another checkpoint.dir, or checkpoint.resume = \"none\")"
+    )
