@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import exit_codes, faults
+from .. import contract, exit_codes, faults
 from ..checkpoint import cadence, layout
 from ..checkpoint.manager import CheckpointManager, LoadResult, SaveStats
 from ..checkpoint.state import ModelState, NamedStates, OptimizerState, RNGState, SchedulerState, TrainState, check_state_name
@@ -37,9 +37,9 @@ logger = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 10.0  # how long the exception path waits for a save already uploading
 
-EPOCH_ENV = "ELASTIC_TRAINER_CHECKPOINT_EPOCH"  # set by the supervisor (fencing, see checkpoint/catalog.py) ...
-ROOT_ENV = "ELASTIC_TRAINER_CHECKPOINT_ROOT"  # ... for this checkpoint.dir
-PREEMPT_MARKER = "PREEMPTED"  # rank 0 writes it in run.dir when it exits non-zero; the supervisor reads it
+EPOCH_ENV = contract.CHECKPOINT_EPOCH_ENV  # set by the supervisor (fencing, see checkpoint/catalog.py) ...
+ROOT_ENV = contract.CHECKPOINT_ROOT_ENV  # ... for this checkpoint.dir
+PREEMPT_MARKER = contract.PREEMPT_MARKER  # rank 0 writes it in run.dir when it exits non-zero; the supervisor reads it
 
 
 def shape_fingerprint(model: nn.Module) -> str:
@@ -126,7 +126,7 @@ class Checkpointer:
             # The supervisor's epoch is for its checkpoint root; a script that checkpoints
             # elsewhere takes its own (joined by every restart of this launch) at load.
             epoch=(os.environ.get(EPOCH_ENV) or None) if os.environ.get(ROOT_ENV) == c.dir else None,
-            launch_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
+            launch_id=os.environ.get(contract.RUN_ID_ENV, ""),
             run_identity=self._identity,
             async_mode=c.writer,
         )
@@ -151,7 +151,7 @@ class Checkpointer:
         continue after (0 for a fresh start). ``after_load`` may add fields to the resume event."""
         s = self.session
         self._resumed = True
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        restart = int(os.environ.get(contract.RESTART_COUNT_ENV, "0"))
         s.events.emit("start", world_size=s.world_size, restart_count=restart, rank0_host=os.uname().nodename, pid=os.getpid(), checkpoint_dir=self.storage.describe())
         loaded = self.loaded = self.manager.load()
         if not self.rng.restored:  # a fresh start, or per-rank streams that do not map onto this world size
@@ -320,7 +320,7 @@ class Checkpointer:
         if s.rank == 0:
             try:
                 lineage = cadence.lineage_from_events(
-                    read_events(os.path.join(s.cfg.run.dir, "events.jsonl"), tail_bytes=cadence.LINEAGE_TAIL_BYTES))
+                    read_events(os.path.join(s.cfg.run.dir, contract.EVENTS_FILE), tail_bytes=cadence.LINEAGE_TAIL_BYTES))
             except (OSError, ValueError, TypeError, KeyError) as e:  # a damaged log: start from the prior
                 logger.warning("checkpoint cadence: could not read the event log (%s); using the prior", e)
         self.cadence = cadence.AutoCadence(
