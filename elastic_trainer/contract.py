@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 # ---------------------------------------------------------------------------------------------
 # Environment variables
@@ -61,19 +62,56 @@ TORCHRUN_ENV_PREFIX = "PET_"  # torchrun reads option --foo-bar from PET_FOO_BAR
 
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(CONFIG_ENV, "supervisor", "workers", "The resolved configuration as JSON."),
-    EnvVar(SUPERVISOR_PID_ENV, "supervisor", "workers, zygote", "The supervisor's PID: a worker or zygote whose parent is not it exits at once."),
-    EnvVar(PARENT_PID_ENV, "zygote", "workers it forks", "The zygote's PID, the parent a warm-started worker checks instead of the supervisor."),
+    EnvVar(
+        SUPERVISOR_PID_ENV,
+        "supervisor",
+        "workers, zygote",
+        "The supervisor's PID: a worker or zygote whose parent is not it exits at once.",
+    ),
+    EnvVar(
+        PARENT_PID_ENV,
+        "zygote",
+        "workers it forks",
+        "The zygote's PID, the parent a warm-started worker checks instead of the supervisor.",
+    ),
     EnvVar(CHECKPOINT_EPOCH_ENV, "supervisor", "rank 0", "This launch's fencing epoch on the checkpoint root."),
-    EnvVar(CHECKPOINT_ROOT_ENV, "supervisor", "rank 0", "The checkpoint.dir the epoch was taken on (a script writing elsewhere takes its own)."),
+    EnvVar(
+        CHECKPOINT_ROOT_ENV,
+        "supervisor",
+        "rank 0",
+        "The checkpoint.dir the epoch was taken on (a script writing elsewhere takes its own).",
+    ),
     EnvVar(CHECKPOINT_KEY_ENV, "user", "supervisor, workers, ckpt tools", "Key of the manifests' HMAC (never logged)."),
-    EnvVar(NODE_ENV, "user", "supervisor, log lines", "This node's name in events and log prefixes (default: the host name)."),
+    EnvVar(
+        NODE_ENV,
+        "user",
+        "supervisor, log lines",
+        "This node's name in events and log prefixes (default: the host name).",
+    ),
     EnvVar(LOG_LEVEL_ENV, "user", "every process", "Log level of the elastic_trainer logger (default INFO)."),
     EnvVar(INJECT_FAULT_ENV, "tests", "workers", "Fault injection for the test suites (faults.py)."),
-    EnvVar(METRICS_DIR_ENV, "supervisor", "workers", "prometheus_client's multiprocess directory the supervisor exports."),
-    EnvVar(SIGNALS_TO_HANDLE_ENV, "supervisor", "torch's agent", "Signals the agent forwards to the workers (FORWARDED_SIGNALS)."),
+    EnvVar(
+        METRICS_DIR_ENV, "supervisor", "workers", "prometheus_client's multiprocess directory the supervisor exports."
+    ),
+    EnvVar(
+        SIGNALS_TO_HANDLE_ENV,
+        "supervisor",
+        "torch's agent",
+        "Signals the agent forwards to the workers (FORWARDED_SIGNALS).",
+    ),
     EnvVar(ENABLE_FILE_TIMER_ENV, "supervisor", "torch's agent", "Turns on the file-based hang watchdog."),
-    EnvVar(TIMER_FILE_ENV, "supervisor", "torch's agent, workers", "The watchdog's named pipe (TIMER_FILE in the supervisor's runtime directory)."),
-    EnvVar(SHARE_RDZV_STORE_ENV, "supervisor", "torch's agent", "1: workers do not reuse the rendezvous store (stale addresses after scale-up)."),
+    EnvVar(
+        TIMER_FILE_ENV,
+        "supervisor",
+        "torch's agent, workers",
+        "The watchdog's named pipe (TIMER_FILE in the supervisor's runtime directory).",
+    ),
+    EnvVar(
+        SHARE_RDZV_STORE_ENV,
+        "supervisor",
+        "torch's agent",
+        "1: workers do not reuse the rendezvous store (stale addresses after scale-up).",
+    ),
     EnvVar(RUN_ID_ENV, "torch's agent", "workers", "The rendezvous id: the launch id fencing records."),
     EnvVar(RESTART_COUNT_ENV, "torch's agent", "workers", "How many times the agent restarted the worker group."),
     EnvVar(USE_AGENT_STORE_ENV, "torch's agent", "workers", "Whether the workers may use the agent's TCP store."),
@@ -83,7 +121,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(GROUP_RANK_ENV, "torch's agent", "log lines", "This node's rank in the group."),
     EnvVar(MASTER_ADDR_ENV, "torch's agent", "workers", "Host of the group's store."),
     EnvVar(MASTER_PORT_ENV, "torch's agent", "workers", "Port of the group's store."),
-    EnvVar(OMP_THREADS_ENV, "torch's agent or user", "workers, zygote", "Threads per worker (applied by the zygote to the workers it forks)."),
+    EnvVar(
+        OMP_THREADS_ENV,
+        "torch's agent or user",
+        "workers, zygote",
+        "Threads per worker (applied by the zygote to the workers it forks).",
+    ),
 )
 
 # Signals the supervisor forwards to the workers (which then checkpoint); the zygote ignores
@@ -153,116 +196,285 @@ class Event:
 WRITERS = ("supervisor", "rank 0", "supervisor / rank 0", "the failing rank", "`ckpt release`", "`deploy/slurm` script")
 
 
-def _f(spec: str | tuple[str, str]) -> Field:
-    """``"name"`` required, ``"name?"`` optional; ``(spec, note)`` with a note."""
-    spec, note = (spec, "") if isinstance(spec, str) else spec
-    return Field(spec.rstrip("?"), note, not spec.endswith("?"))
+def _e(name: str, writer: str, meaning: str, fields: str, /, extensible: bool = False, **notes: str) -> Event:
+    """``fields``: names separated by spaces, ``name?`` for an optional one; ``notes``: what a field holds, by name."""
+    specs = fields.split()
+    unknown = set(notes) - {f.rstrip("?") for f in specs}
+    assert not unknown, f"{name}: notes for fields it does not have: {unknown}"
+    return Event(
+        name,
+        writer,
+        meaning,
+        tuple(Field(f.rstrip("?"), notes.get(f.rstrip("?"), ""), not f.endswith("?")) for f in specs),
+        extensible,
+    )
 
 
-def _e(name: str, writer: str, meaning: str, *fields: str | tuple[str, str], extensible: bool = False) -> Event:
-    return Event(name, writer, meaning, tuple(_f(f) for f in fields), extensible)
-
-
-_NODE, _MONO = "node", "mono"  # explained once, above the table
+_SUPERVISOR, _RANK0 = "supervisor", "rank 0"
 _RESEEDED = "reseeded from (train.seed, rank, step)"
 
 EVENTS: tuple[Event, ...] = (
     # supervisor lifecycle
-    _e("launch", "supervisor", "A supervisor started (one per `launch`/`run` per node).",
-       "nnodes", "nproc_per_node", "max_restarts", "rdzv_endpoint", "rdzv_backend", "entrypoint", _NODE, "pid", _MONO),
-    _e("rendezvous", "supervisor", "A rendezvous round completed on this node.",
-       _NODE, "pid", ("group_rank", "this node's rank"), "nodes", "world_size", ("seconds", "the rendezvous round"), _MONO),
-    _e("workers_started", "supervisor", "The agent started this node's worker group.",
-       ("warm", "forked from the zygote, `elastic.warm_start`"), "pids", "zygote_pid", "zygote_threads",
-       ("seconds", "the agent starting the group"), _NODE, _MONO),
-    _e("warm_start_unavailable", "supervisor", "Workers were started cold (see docs/elasticity.md).", "reason", "zygote_restarted"),
-    _e("restart", "supervisor", "The worker group is restarted.",
-       ("reason", "`worker_failure`, `membership_change`"), "restart_count", "remaining_restarts", _NODE, _MONO,
-       ("failures", "local/global rank, exit code, signal, error from torch's `@record` error file"), "backoff_seconds",
-       ("progressed", "a failure restart that would be backed off: whether a newer checkpoint was committed since the "
-                      "previous failure, which resets the back-off; `null` when not read")),
-    _e("node_lost", "supervisor",
-       "A silent peer or this node cut off; a `restart{reason: membership_change}` follows (docs/elasticity.md, \"Silent nodes\").",
-       ("reason", "`peer_lost`: a peer of this node's round stopped heartbeating for longer than the liveness bound; "
-                  "`isolated`: this node was dropped from the round, or has not reached the rendezvous store for longer than the bound"),
-       ("lost", "the dropped peers' rendezvous ids, `<address>_<pid>_<n>`"),
-       ("no_contact_seconds?", "when the store was out of reach"), ("killed?", "worker PIDs SIGKILLed, when the store was out of reach"),
-       _NODE, _MONO),
-    _e("membership_change", "supervisor", "Nodes left or joined; the group restarts at the new size.",
-       "from_nodes", "to_nodes", "from_world_size", "to_world_size",
-       ("restart_refunded", "a node loss or join does not use up a restart"), "remaining_restarts", _NODE),
-    _e("job_stopped", "supervisor", "A terminal code (65 or 73): the group is not restarted.", "exit_code", "failures"),
-    _e("job_failed", "supervisor", "Restarts exhausted.", ("failures", "the last failures, as in `restart`")),
-    _e("supervisor_exit", "supervisor", "The supervisor exits with `exit_code`.",
-       "exit_code", ("preempted", "the preemption marker, or `{\"exit_codes\": [...]}` when a worker exited 75"), "signalled"),
-    _e("checkpoint_epoch", "supervisor / rank 0", "This launch took its fencing epoch on the checkpoint root.", "epoch", "previous"),
+    _e(
+        "launch",
+        _SUPERVISOR,
+        "A supervisor started (one per `launch`/`run` per node).",
+        "nnodes nproc_per_node max_restarts rdzv_endpoint rdzv_backend entrypoint node pid mono",
+    ),
+    _e(
+        "rendezvous",
+        _SUPERVISOR,
+        "A rendezvous round completed on this node.",
+        "node pid group_rank nodes world_size seconds mono",
+        group_rank="this node's rank",
+        seconds="the rendezvous round",
+    ),
+    _e(
+        "workers_started",
+        _SUPERVISOR,
+        "The agent started this node's worker group.",
+        "warm pids zygote_pid zygote_threads seconds node mono",
+        warm="forked from the zygote, `elastic.warm_start`",
+        seconds="the agent starting the group",
+    ),
+    _e(
+        "warm_start_unavailable",
+        _SUPERVISOR,
+        "Workers were started cold (see docs/elasticity.md).",
+        "reason zygote_restarted",
+    ),
+    _e(
+        "restart",
+        _SUPERVISOR,
+        "The worker group is restarted.",
+        "reason restart_count remaining_restarts node mono failures backoff_seconds progressed",
+        reason="`worker_failure`, `membership_change`",
+        failures="local/global rank, exit code, signal, error from torch's `@record` error file",
+        progressed="a failure restart that would be backed off: whether a newer checkpoint was committed since "
+        "the previous failure, which resets the back-off; `null` when not read",
+    ),
+    _e(
+        "node_lost",
+        _SUPERVISOR,
+        "A silent peer or this node cut off; a `restart{reason: membership_change}` follows "
+        '(docs/elasticity.md, "Silent nodes").',
+        "reason lost no_contact_seconds? killed? node mono",
+        reason="`peer_lost`: a peer of this node's round stopped heartbeating for longer than the liveness bound; "
+        "`isolated`: this node was dropped from the round, or has not reached the rendezvous store for longer "
+        "than the bound",
+        lost="the dropped peers' rendezvous ids, `<address>_<pid>_<n>`",
+        no_contact_seconds="when the store was out of reach",
+        killed="worker PIDs SIGKILLed, when the store was out of reach",
+    ),
+    _e(
+        "membership_change",
+        _SUPERVISOR,
+        "Nodes left or joined; the group restarts at the new size.",
+        "from_nodes to_nodes from_world_size to_world_size restart_refunded remaining_restarts node",
+        restart_refunded="a node loss or join does not use up a restart",
+    ),
+    _e("job_stopped", _SUPERVISOR, "A terminal code (65 or 73): the group is not restarted.", "exit_code failures"),
+    _e("job_failed", _SUPERVISOR, "Restarts exhausted.", "failures", failures="the last failures, as in `restart`"),
+    _e(
+        "supervisor_exit",
+        _SUPERVISOR,
+        "The supervisor exits with `exit_code`.",
+        "exit_code preempted signalled",
+        preempted='the preemption marker, or `{"exit_codes": [...]}` when a worker exited 75',
+    ),
+    _e(
+        "checkpoint_epoch",
+        "supervisor / rank 0",
+        "This launch took its fencing epoch on the checkpoint root.",
+        "epoch previous",
+    ),
     # workers: start and resume
-    _e("start", "rank 0", "A worker group started.", "world_size", "restart_count", "pid", "checkpoint_dir", "rank0_host"),
-    _e("resume", "rank 0", "Resumed from a checkpoint; a script's `after_load` may add fields.",
-       "step", ("tier", "`remote`: `checkpoint.dir`; `local`: every rank's `checkpoint.local_dir` copy"),
-       "from_world_size", "world_size", "load_seconds", "since_start_seconds", "cursor", "skipped",
-       ("rng", f"`restored` or `{_RESEEDED}`"),
-       ("data_view?", "`recorded`, or `resolved now (the checkpoint has none)` for a checkpoint written before data views were recorded"),
-       extensible=True),
-    _e("init_from", "rank 0", "A fresh start loaded `model.init_from`.", "path", "files", "tensors", "seconds"),
-    _e("reshard", "rank 0", "Resumed at a world size other than the checkpoint's.",
-       "step", "from_world_size", "to_world_size", "from_mesh", "to_mesh",
-       ("rng", f"always `{_RESEEDED}`: see [Resume and reshard](#resume-and-reshard)")),
-    _e("data_view_frozen", "rank 0", "The files a run reads were recorded at its first start.",
-       ("files", "how many files the run reads"), ("ignored", "up to 100 paths `data.path` resolves to now that the run does not read"),
-       "ignored_count"),
-    _e("config_changed", "rank 0", "Resumed with configuration changes `checkpoint.allow_changes` allows.",
-       "step", ("changes", "`key`, `checkpoint`, `config`")),
-    _e("state_added", "rank 0", "Optional state the checkpoint lacks, left as initialised.", "step", "name", "keys"),
-    _e("state_ignored", "rank 0", "State the code no longer registers, not loaded.", "step", "name", "keys"),
+    _e("start", _RANK0, "A worker group started.", "world_size restart_count pid checkpoint_dir rank0_host"),
+    _e(
+        "resume",
+        _RANK0,
+        "Resumed from a checkpoint; a script's `after_load` may add fields.",
+        "step tier from_world_size world_size load_seconds since_start_seconds cursor skipped rng data_view?",
+        extensible=True,
+        tier="`remote`: `checkpoint.dir`; `local`: every rank's `checkpoint.local_dir` copy",
+        rng=f"`restored` or `{_RESEEDED}`",
+        data_view="`recorded`, or `resolved now (the checkpoint has none)` for a checkpoint written before data "
+        "views were recorded",
+    ),
+    _e("init_from", _RANK0, "A fresh start loaded `model.init_from`.", "path files tensors seconds"),
+    _e(
+        "reshard",
+        _RANK0,
+        "Resumed at a world size other than the checkpoint's.",
+        "step from_world_size to_world_size from_mesh to_mesh rng",
+        rng=f"always `{_RESEEDED}`: see [Resume and reshard](#resume-and-reshard)",
+    ),
+    _e(
+        "data_view_frozen",
+        _RANK0,
+        "The files a run reads were recorded at its first start.",
+        "files ignored ignored_count",
+        files="how many files the run reads",
+        ignored="up to 100 paths `data.path` resolves to now that the run does not read",
+    ),
+    _e(
+        "config_changed",
+        _RANK0,
+        "Resumed with configuration changes `checkpoint.allow_changes` allows.",
+        "step changes",
+        changes="`key`, `checkpoint`, `config`",
+    ),
+    _e("state_added", _RANK0, "Optional state the checkpoint lacks, left as initialised.", "step name keys"),
+    _e("state_ignored", _RANK0, "State the code no longer registers, not loaded.", "step name keys"),
     # workers: training
-    _e("step", "rank 0", "One optimizer step; a script adds fields with `s.record(...)`.",
-       "step", "loss", "lr", "grad_norm", "world_size", "step_time_s", "tokens_per_s", extensible=True),
-    _e("nonfinite", "rank 0", "A step's loss or gradient norm was not finite; its update was not applied.",
-       "step", "loss", "grad_norm", "sample_range", ("action", "`stop`/`rollback`")),
-    _e("rollback", "rank 0", "After a non-finite step: reloaded the newest commit; the offending samples are skipped.",
-       "from_step", "to_step", "skipped_range", "skipped_ranges"),
-    _e("nonfinite_stop", "rank 0", "Stopped on a non-finite step (exit 65).", "step", "reason", "last_finite_step"),
-    _e("checkpoint_interval_changed", "rank 0", "`checkpoint.interval_steps = \"auto\"` chose an interval.",
-       ("step", "agreed at"), "interval_steps", "previous", ("reason", "`initial`, `lineage`, `measured`"),
-       "save_cost_s", "restart_cost_s", "failure_rate_per_h", "step_seconds", "commit_lag_s", "failures"),
-    _e("preempt_requested", "rank 0", "A preemption signal reached the workers.", "step", "signal", "grace_seconds"),
-    _e("preempted", "rank 0", "Stopped for a preemption: 75 when the final step was committed, 76 when not.",
-       "step", "committed", ("seconds?", "signal to commit, when committed"), ("reason?", "when not committed")),
-    _e("finished", "rank 0", "Training reached its last step.", "step", "tokens_seen", "last_committed_step"),
-    _e("failure", "the failing rank", "A worker raised; the supervisor restarts the group while restarts remain.", "rank", "error", "restart_count"),
-    _e("fenced", "rank 0", "A newer launch owns the checkpoint root: this one stops (exit 73).", "step", "error"),
+    _e(
+        "step",
+        _RANK0,
+        "One optimizer step; a script adds fields with `s.record(...)`.",
+        "step loss lr grad_norm world_size step_time_s tokens_per_s",
+        extensible=True,
+    ),
+    _e(
+        "nonfinite",
+        _RANK0,
+        "A step's loss or gradient norm was not finite; its update was not applied.",
+        "step loss grad_norm sample_range action",
+        action="`stop`/`rollback`",
+    ),
+    _e(
+        "rollback",
+        _RANK0,
+        "After a non-finite step: reloaded the newest commit; the offending samples are skipped.",
+        "from_step to_step skipped_range skipped_ranges",
+    ),
+    _e("nonfinite_stop", _RANK0, "Stopped on a non-finite step (exit 65).", "step reason last_finite_step"),
+    _e(
+        "checkpoint_interval_changed",
+        _RANK0,
+        '`checkpoint.interval_steps = "auto"` chose an interval.',
+        "step interval_steps previous reason save_cost_s restart_cost_s failure_rate_per_h step_seconds commit_lag_s "
+        "failures",
+        step="agreed at",
+        reason="`initial`, `lineage`, `measured`",
+    ),
+    _e("preempt_requested", _RANK0, "A preemption signal reached the workers.", "step signal grace_seconds"),
+    _e(
+        "preempted",
+        _RANK0,
+        "Stopped for a preemption: 75 when the final step was committed, 76 when not.",
+        "step committed seconds? reason?",
+        seconds="signal to commit, when committed",
+        reason="when not committed",
+    ),
+    _e("finished", _RANK0, "Training reached its last step.", "step tokens_seen last_committed_step"),
+    _e(
+        "failure",
+        "the failing rank",
+        "A worker raised; the supervisor restarts the group while restarts remain.",
+        "rank error restart_count",
+    ),
+    _e("fenced", _RANK0, "A newer launch owns the checkpoint root: this one stops (exit 73).", "step error"),
     # workers: checkpoints
-    _e("checkpoint_committed", "rank 0", "A checkpoint was committed.",
-       "step", ("name", "the directory"), "bytes", "seconds", "world_size"),
-    _e("checkpoint_failed", "rank 0", "A save failed or missed its deadline; not committed, training continues.", "step", "error", "seconds"),
-    _e("checkpoint_fenced", "rank 0", "A commit found a newer launch's epoch: this one stops (exit 73).", "step", "error"),
-    _e("checkpoint_writer_restarted", "rank 0",
-       "`checkpoint.writer = \"process\"` replaced every rank's writer process before a save (one died or failed "
-       "a save, or a save was still writing past its deadline).",
-       "reason", ("step", "the save in flight, if any")),
-    _e("checkpoint_local_saved", "rank 0", "Rank 0's local-tier copy committed; every rank commits its own.", "step", "bytes", "seconds"),
-    _e("checkpoint_local_skipped", "rank 0",
-       "The local tier could not be used at this start (not every rank had the copy, or a load failed); every rank loaded `checkpoint.dir`.",
-       "step", "reason", "remote_step"),
-    _e("final_checkpoint_failed", "rank 0", "Training reached its last step but the final checkpoint was not committed (exit 74).",
-       "step", "reason", "last_committed_step"),
-    _e("checkpoint_skipped", "rank 0", "A checkpoint passed over at resume (it failed to load, or the resume plan skipped it).", "step", "name?", "reason"),
-    _e("checkpoint_ignored", "rank 0", "An entry under the checkpoint root that is not a step directory, left alone.", "path", "reason"),
-    _e("checkpoint_cleaned", "rank 0", "An uncommitted directory of this launch or an older one was removed.", "step", "name", "reason"),
-    _e("checkpoint_deleted", "rank 0", "A committed checkpoint left the retention window.", "step", "name", "reason"),
-    _e("checkpoint_quarantined", "rank 0", "A checkpoint whose bytes failed to load: marked, never deleted.",
-       "step", "name", ("reason", "one line")),
-    _e("checkpoint_released", "`ckpt release`", "The quarantine lifted after every byte re-verified.", "step", "name", "reason"),
-    _e("checkpoint_incompatible", "rank 0", "An intact checkpoint the code cannot take; the start stops with exit 2.",
-       "name", "step?", ("problems?", "by `Stateful`"), ("reason?", "format version")),
-    _e("resume_refused", "rank 0", "Commits of the lineage exist but none loads; the start stops with exit 2 instead of training from step 0.",
-       "reason", "unusable"),
+    _e(
+        "checkpoint_committed",
+        _RANK0,
+        "A checkpoint was committed.",
+        "step name bytes seconds world_size",
+        name="the directory",
+    ),
+    _e(
+        "checkpoint_failed",
+        _RANK0,
+        "A save failed or missed its deadline; not committed, training continues.",
+        "step error seconds",
+    ),
+    _e("checkpoint_fenced", _RANK0, "A commit found a newer launch's epoch: this one stops (exit 73).", "step error"),
+    _e(
+        "checkpoint_writer_restarted",
+        _RANK0,
+        '`checkpoint.writer = "process"` replaced every rank\'s writer process before a save (one died or failed '
+        "a save, or a save was still writing past its deadline).",
+        "reason step",
+        step="the save in flight, if any",
+    ),
+    _e(
+        "checkpoint_local_saved",
+        _RANK0,
+        "Rank 0's local-tier copy committed; every rank commits its own.",
+        "step bytes seconds",
+    ),
+    _e(
+        "checkpoint_local_skipped",
+        _RANK0,
+        "The local tier could not be used at this start (not every rank had the copy, or a load failed); "
+        "every rank loaded `checkpoint.dir`.",
+        "step reason remote_step",
+    ),
+    _e(
+        "final_checkpoint_failed",
+        _RANK0,
+        "Training reached its last step but the final checkpoint was not committed (exit 74).",
+        "step reason last_committed_step",
+    ),
+    _e(
+        "checkpoint_skipped",
+        _RANK0,
+        "A checkpoint passed over at resume (it failed to load, or the resume plan skipped it).",
+        "step name? reason",
+    ),
+    _e(
+        "checkpoint_ignored",
+        _RANK0,
+        "An entry under the checkpoint root that is not a step directory, left alone.",
+        "path reason",
+    ),
+    _e(
+        "checkpoint_cleaned",
+        _RANK0,
+        "An uncommitted directory of this launch or an older one was removed.",
+        "step name reason",
+    ),
+    _e("checkpoint_deleted", _RANK0, "A committed checkpoint left the retention window.", "step name reason"),
+    _e(
+        "checkpoint_quarantined",
+        _RANK0,
+        "A checkpoint whose bytes failed to load: marked, never deleted.",
+        "step name reason",
+        reason="one line",
+    ),
+    _e(
+        "checkpoint_released",
+        "`ckpt release`",
+        "The quarantine lifted after every byte re-verified.",
+        "step name reason",
+    ),
+    _e(
+        "checkpoint_incompatible",
+        _RANK0,
+        "An intact checkpoint the code cannot take; the start stops with exit 2.",
+        "name step? problems? reason?",
+        problems="by `Stateful`",
+        reason="format version",
+    ),
+    _e(
+        "resume_refused",
+        _RANK0,
+        "Commits of the lineage exist but none loads; the start stops with exit 2 instead of training from step 0.",
+        "reason unusable",
+    ),
     # the SLURM batch script (deploy/slurm/elastic-trainer.sbatch)
-    _e("slurm_job", "`deploy/slurm` script", "One per run of the batch script.",
-       "job_id", "restart_count", "nodes", "nnodes", "rdzv_endpoint"),
-    _e("slurm_exit", "`deploy/slurm` script", "The batch script ends.",
-       "job_id", "restart_count", "launcher_exit_code", "signal", "job_state", "requeued"),
+    _e(
+        "slurm_job",
+        "`deploy/slurm` script",
+        "One per run of the batch script.",
+        "job_id restart_count nodes nnodes rdzv_endpoint",
+    ),
+    _e(
+        "slurm_exit",
+        "`deploy/slurm` script",
+        "The batch script ends.",
+        "job_id restart_count launcher_exit_code signal job_state requeued",
+    ),
 )
 
 EVENT_NAMES: dict[str, Event] = {e.name: e for e in EVENTS}
@@ -270,7 +482,9 @@ EVENT_NAMES: dict[str, Event] = {e.name: e for e in EVENTS}
 _SNAKE = re.compile(r"^[a-z][a-z0-9_]*[a-z0-9]$")
 
 
-def event_problems(event: str, fields: Mapping[str, Any] | set[str] | frozenset[str], *, partial: bool = False) -> list[str]:
+def event_problems(
+    event: str, fields: Mapping[str, Any] | set[str] | frozenset[str], *, partial: bool = False
+) -> list[str]:
     """Why a record ``event`` with ``fields`` (names) breaks the catalogue; empty when it fits.
     ``partial``: the fields are only some of the record's (a call that also passes ``**x``),
     so missing required ones are not a problem."""
@@ -280,7 +494,10 @@ def event_problems(event: str, fields: Mapping[str, Any] | set[str] | frozenset[
     names = set(fields)
     out = [f"event {event!r}: field {n!r} is reserved" for n in sorted(names & set(RECORD_FIELDS))]
     if not spec.extensible:
-        out += [f"event {event!r}: field {n!r} is not in the catalogue" for n in sorted(names - spec.names - set(RECORD_FIELDS))]
+        out += [
+            f"event {event!r}: field {n!r} is not in the catalogue"
+            for n in sorted(names - spec.names - set(RECORD_FIELDS))
+        ]
     if not partial:
         out += [f"event {event!r}: required field {n!r} missing" for n in sorted(spec.required - names)]
     return out

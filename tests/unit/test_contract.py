@@ -22,7 +22,11 @@ SBATCH = REPO / "deploy" / "slurm" / "elastic-trainer.sbatch"
 
 
 def _modules() -> dict[str, ast.Module]:
-    return {f.relative_to(PACKAGE).as_posix(): ast.parse(f.read_text()) for f in sorted(PACKAGE.rglob("*.py")) if f.name != "contract.py" or f.parent != PACKAGE}
+    return {
+        f.relative_to(PACKAGE).as_posix(): ast.parse(f.read_text())
+        for f in sorted(PACKAGE.rglob("*.py"))
+        if f.name != "contract.py" or f.parent != PACKAGE
+    }
 
 
 MODULES = _modules()
@@ -34,7 +38,15 @@ def _emit_calls() -> list[tuple[str, int, ast.expr, set[str], bool]]:
     for where, tree in MODULES.items():
         for n in ast.walk(tree):
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "emit" and n.args:
-                out.append((where, n.lineno, n.args[0], {k.arg for k in n.keywords if k.arg}, any(k.arg is None for k in n.keywords)))
+                out.append(
+                    (
+                        where,
+                        n.lineno,
+                        n.args[0],
+                        {k.arg for k in n.keywords if k.arg},
+                        any(k.arg is None for k in n.keywords),
+                    )
+                )
     return out
 
 
@@ -76,7 +88,11 @@ def test_every_emit_call_names_its_event_literally():
     """The scan below (and anyone grepping for an event) sees every event only if its name is written at the call."""
     calls = _emit_calls()
     assert len(calls) > 40, "the source scan found too few emit calls"
-    dynamic = [f"{w}:{line}" for w, line, name, _, _ in calls if not (isinstance(name, ast.Constant) and isinstance(name.value, str))]
+    dynamic = [
+        f"{w}:{line}"
+        for w, line, name, _, _ in calls
+        if not (isinstance(name, ast.Constant) and isinstance(name.value, str))
+    ]
     assert not dynamic, f"emit(...) with a computed event name: {dynamic}"
 
 
@@ -91,7 +107,9 @@ def test_every_event_and_field_the_code_writes_is_catalogued():
 
 def test_every_catalogued_event_and_field_is_written_somewhere():
     written: dict[str, set[str]] = {}
-    open_ended = set()  # events some call completes with **fields: their other fields are checked at run time (EventLog.check)
+    open_ended = (
+        set()
+    )  # events some call completes with **fields: their other fields are checked at run time (EventLog.check)
     for _, _, name, fields, starred in _emit_calls():
         written.setdefault(name.value, set()).update(fields)
         if starred:
@@ -99,7 +117,11 @@ def test_every_catalogued_event_and_field_is_written_somewhere():
     for name, fields in _sbatch_events().items():
         written.setdefault(name, set()).update(fields)
     assert sorted(set(contract.EVENT_NAMES) - set(written)) == [], "catalogued events nothing writes"
-    unused = {e.name: sorted(e.names - written[e.name]) for e in contract.EVENTS if e.name not in open_ended and e.names - written[e.name]}
+    unused = {
+        e.name: sorted(e.names - written[e.name])
+        for e in contract.EVENTS
+        if e.name not in open_ended and e.names - written[e.name]
+    }
     assert not unused, f"catalogued fields nothing writes: {unused}"
 
 
@@ -134,10 +156,18 @@ def _read_events() -> dict[str, set[str]]:
                 for comparator in n.comparators:
                     for name in _names_in(comparator, tree):
                         out.setdefault(name, set()).add(where)
-            if isinstance(n, ast.Lambda) and any(_is_event_of_a_record(c.left) for c in ast.walk(n.body) if isinstance(c, ast.Compare)):
-                # report.py's ``by = lambda name: [e for e in events if e.get("event") == name]``: its callers' arguments
+            if isinstance(n, ast.Lambda) and any(
+                _is_event_of_a_record(c.left) for c in ast.walk(n.body) if isinstance(c, ast.Compare)
+            ):
+                # report.py's ``by = lambda name: [e for e in events if e.get("event") == name]``:
+                # its callers' arguments
                 for call in ast.walk(tree):
-                    if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "by" and call.args:
+                    if (
+                        isinstance(call, ast.Call)
+                        and isinstance(call.func, ast.Name)
+                        and call.func.id == "by"
+                        and call.args
+                    ):
                         for name in _names_in(call.args[0], tree):
                             out.setdefault(name, set()).add(where)
     return out
@@ -145,7 +175,9 @@ def _read_events() -> dict[str, set[str]]:
 
 def test_every_event_a_reader_of_the_log_asks_for_is_catalogued():
     read = _read_events()
-    assert {"goodput.py", "report.py", "checkpoint/cadence.py", "supervisor/history.py"} <= {w for ws in read.values() for w in ws}, read
+    assert {"goodput.py", "report.py", "checkpoint/cadence.py", "supervisor/history.py"} <= {
+        w for ws in read.values() for w in ws
+    }, read
     assert {n: sorted(w) for n, w in read.items() if n not in contract.EVENT_NAMES} == {}
 
 
@@ -162,7 +194,9 @@ def test_checking_mode_refuses_events_and_fields_outside_the_catalogue(tmp_path)
         log.emit("fenced", step=1, error="newer epoch", time=0)
     # optional fields may be left out; an extensible event takes a script's own fields
     log.emit("checkpoint_skipped", step=3, reason="older than the head")
-    log.emit("step", step=1, loss=2.5, lr=1e-3, grad_norm=0.5, world_size=2, step_time_s=0.1, tokens_per_s=10.0, my_metric=7)
+    log.emit(
+        "step", step=1, loss=2.5, lr=1e-3, grad_norm=0.5, world_size=2, step_time_s=0.1, tokens_per_s=10.0, my_metric=7
+    )
     written = [json.loads(line)["event"] for line in (tmp_path / contract.EVENTS_FILE).read_text().splitlines()]
     assert written == ["checkpoint_skipped", "step"], "a refused record must not reach the log"
 
@@ -208,8 +242,20 @@ def _contract_refs() -> set[str]:
 
 def test_every_contract_name_is_used_by_the_package():
     """No dead entry: each constant of the contract is read or set somewhere."""
-    constants = [k for k, v in vars(contract).items() if k.isupper() and not k.startswith("_") and isinstance(v, (str, int, tuple, dict))]
-    docs_only = {"ENV_VARS", "EVENTS", "RECORD_FIELDS", "WRITERS", "ZYGOTE_MESSAGES", "PREEMPT_MARKER_FIELDS", "EVENT_NAMES"}  # checked here
+    constants = [
+        k
+        for k, v in vars(contract).items()
+        if k.isupper() and not k.startswith("_") and isinstance(v, (str, int, tuple, dict))
+    ]
+    docs_only = {
+        "ENV_VARS",
+        "EVENTS",
+        "RECORD_FIELDS",
+        "WRITERS",
+        "ZYGOTE_MESSAGES",
+        "PREEMPT_MARKER_FIELDS",
+        "EVENT_NAMES",
+    }  # checked here
     unused = sorted(set(constants) - docs_only - _contract_refs())
     assert unused == []
 
@@ -220,23 +266,49 @@ CONTRACT_STRINGS = re.compile(r"^(ELASTIC_TRAINER_\w+|TORCHELASTIC_\w+|TORCH_\w+
 
 
 SHARED = set(_env_constants().values()) | {
-    contract.EVENTS_FILE, contract.PREEMPT_MARKER, contract.TIMER_FILE, contract.RUNTIME_DIR, contract.EVENTS_MIRROR_DIR,
-    contract.ZYGOTE_MODULE, contract.ZYGOTE_PRELOAD_TRAINER, contract.ZYGOTE_PRELOAD_SCRIPT, contract.TORCHRUN_ENV_PREFIX,
+    contract.EVENTS_FILE,
+    contract.PREEMPT_MARKER,
+    contract.TIMER_FILE,
+    contract.RUNTIME_DIR,
+    contract.EVENTS_MIRROR_DIR,
+    contract.ZYGOTE_MODULE,
+    contract.ZYGOTE_PRELOAD_TRAINER,
+    contract.ZYGOTE_PRELOAD_SCRIPT,
+    contract.TORCHRUN_ENV_PREFIX,
 }
 
 
 def _spelled_out(tree: ast.Module) -> list[str]:
-    """Contract names a module writes by hand: string constants (docstrings aside) and environment lookups with a literal key."""
+    """Contract names a module writes by hand: string constants (docstrings aside) and
+    environment lookups with a literal key."""
     found = []
-    docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(n) is not None}
+    docstrings = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(n) is not None
+    }
     for n in ast.walk(tree):
         if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
             if n.value in SHARED or CONTRACT_STRINGS.match(n.value):
                 found.append(f"{n.lineno}: {n.value!r}")
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("get", "setdefault", "pop") and n.args:
-            if "environ" in ast.unparse(n.func.value) and isinstance(n.args[0], ast.Constant) and n.args[0].value not in STORAGE_ENV | SHARED:
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("get", "setdefault", "pop")
+            and n.args
+        ):
+            if (
+                "environ" in ast.unparse(n.func.value)
+                and isinstance(n.args[0], ast.Constant)
+                and n.args[0].value not in STORAGE_ENV | SHARED
+            ):
                 found.append(f"{n.lineno}: os.environ lookup of {n.args[0].value!r}")
-        if isinstance(n, ast.Subscript) and "environ" in ast.unparse(n.value) and isinstance(n.slice, ast.Constant) and n.slice.value not in SHARED:
+        if (
+            isinstance(n, ast.Subscript)
+            and "environ" in ast.unparse(n.value)
+            and isinstance(n.slice, ast.Constant)
+            and n.slice.value not in SHARED
+        ):
             found.append(f"{n.lineno}: os.environ[{n.slice.value!r}]")
     return found
 
@@ -258,11 +330,21 @@ def test_the_scan_sees_names_spelled_out():
 
 def test_the_preemption_marker_has_the_fields_the_supervisor_reads():
     writer = MODULES["runtime/checkpointer.py"]
-    dicts = [n for n in ast.walk(writer) if isinstance(n, ast.Dict) and {"exit_code", "committed_step"} <= set(_names_in(ast.Tuple(elts=n.keys), writer))]
+    dicts = [
+        n
+        for n in ast.walk(writer)
+        if isinstance(n, ast.Dict) and {"exit_code", "committed_step"} <= set(_names_in(ast.Tuple(elts=n.keys), writer))
+    ]
     assert len(dicts) == 1, "rank 0's marker is one dict literal"
     assert tuple(k.value for k in dicts[0].keys) == contract.PREEMPT_MARKER_FIELDS
-    read = {n.args[0].value for n in ast.walk(MODULES["supervisor/policy.py"])
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get" and "preempt_marker" in ast.unparse(n.func.value)}
+    read = {
+        n.args[0].value
+        for n in ast.walk(MODULES["supervisor/policy.py"])
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "get"
+        and "preempt_marker" in ast.unparse(n.func.value)
+    }
     assert read and read <= set(contract.PREEMPT_MARKER_FIELDS)
 
 
@@ -288,7 +370,18 @@ def _message_keys(where: str, func: str) -> list[list[str]]:
 
 
 def _kind(keys: list[str]) -> str | None:
-    return next((k for k, v in contract.ZYGOTE_MESSAGES.items() if keys and keys[0] == v[0] and set(keys) <= set(v) and (k != "started" or "pid" in keys) and (k != "refused" or "error" in keys)), None)
+    return next(
+        (
+            k
+            for k, v in contract.ZYGOTE_MESSAGES.items()
+            if keys
+            and keys[0] == v[0]
+            and set(keys) <= set(v)
+            and (k != "started" or "pid" in keys)
+            and (k != "refused" or "error" in keys)
+        ),
+        None,
+    )
 
 
 def test_every_zygote_message_is_a_kind_of_the_protocol():
@@ -296,19 +389,35 @@ def test_every_zygote_message_is_a_kind_of_the_protocol():
     kinds = {_kind(keys) for keys in sent}
     assert None not in kinds, [k for k in sent if _kind(k) is None]
     assert kinds == set(contract.ZYGOTE_MESSAGES), "every kind of message is sent by one side"
-    initialised = [list(_names_in(ast.Tuple(elts=n.value.keys), MODULES["worker/zygote.py"])) for n in ast.walk(MODULES["worker/zygote.py"])
-                   if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict)]
+    initialised = [
+        list(_names_in(ast.Tuple(elts=n.value.keys), MODULES["worker/zygote.py"]))
+        for n in ast.walk(MODULES["worker/zygote.py"])
+        if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict)
+    ]
     assert initialised and all(set(k) <= set(contract.ZYGOTE_MESSAGES["ready"]) for k in initialised), initialised
 
 
 def test_the_supervisor_reads_only_keys_of_the_protocol():
     keys = set()
     for n in ast.walk(MODULES["supervisor/warm.py"]):
-        if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and ast.unparse(n.value) in ("msg", "reply", "self.info"):
+        if (
+            isinstance(n, ast.Subscript)
+            and isinstance(n.slice, ast.Constant)
+            and ast.unparse(n.value) in ("msg", "reply", "self.info")
+        ):
             keys.add(n.slice.value)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get" and ast.unparse(n.func.value) in ("msg", "self.info"):
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "get"
+            and ast.unparse(n.func.value) in ("msg", "self.info")
+        ):
             keys.update(_names_in(n.args[0], MODULES["supervisor/warm.py"]))
-        if isinstance(n, ast.Compare) and isinstance(n.ops[0], ast.In) and ast.unparse(n.comparators[0]) in ("msg", "reply"):
+        if (
+            isinstance(n, ast.Compare)
+            and isinstance(n.ops[0], ast.In)
+            and ast.unparse(n.comparators[0]) in ("msg", "reply")
+        ):
             keys.update(_names_in(n.left, MODULES["supervisor/warm.py"]))
     assert {"exit", "code", "ready", "error", "pid", "threads"} <= keys, keys
     assert keys <= {k for v in contract.ZYGOTE_MESSAGES.values() for k in v}
