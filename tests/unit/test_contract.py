@@ -427,3 +427,21 @@ def test_the_zygote_knows_every_preload_list_the_supervisor_names():
     from elastic_trainer.worker import zygote
 
     assert set(zygote.LISTS) == {contract.ZYGOTE_PRELOAD_TRAINER, contract.ZYGOTE_PRELOAD_SCRIPT}
+
+
+def test_every_variable_the_documents_name_is_in_the_contract_or_read_by_the_scripts():
+    """A document or deployment file naming ELASTIC_TRAINER_* means a variable that something reads:
+    the package (then it is in the contract) or the setup and test scripts."""
+    token = re.compile(r"\bELASTIC_TRAINER_[A-Z_]*[A-Z]\b")
+    documents = [
+        REPO / "README.md",
+        *(REPO / "docs").glob("*.md"),
+        *(p for p in (REPO / "deploy").rglob("*") if p.is_file()),
+    ]
+    named = {n for p in documents for n in token.findall(p.read_text(errors="replace"))}
+    assert {contract.CHECKPOINT_KEY_ENV, contract.NODE_ENV} <= named, "the scan found the documented variables"
+    scripts = [*(REPO / "scripts").rglob("*.sh"), *(REPO / "tests").rglob("*.py"), REPO / "Dockerfile"]
+    scripts.remove(Path(__file__))
+    harness = {n for p in scripts for n in token.findall(p.read_text(errors="replace"))}
+    unknown = sorted(named - {v.name for v in contract.ENV_VARS} - harness)
+    assert unknown == [], f"documents name variables nothing reads: {unknown}"
