@@ -14,7 +14,7 @@ initialised either or has more than one thread, and starts workers the cold way)
 on the critical path, and is still a fresh process of its own (new PID, no state of the group
 it replaces).
 
-Protocol (one JSON message per ``SOCK_SEQPACKET`` packet):
+Protocol (one JSON message per ``SOCK_SEQPACKET`` packet; its names and sizes are ``contract.ZYGOTE_*``):
 
 * zygote → supervisor at start: ``{"ready": pid, "threads": n, "preload_seconds": s, "missing": [...],
   "cuda": bool, "process_group": bool}``
