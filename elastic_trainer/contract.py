@@ -60,73 +60,32 @@ MASTER_PORT_ENV = "MASTER_PORT"
 OMP_THREADS_ENV = "OMP_NUM_THREADS"
 TORCHRUN_ENV_PREFIX = "PET_"  # torchrun reads option --foo-bar from PET_FOO_BAR
 
+_SUP, _AGENT = "supervisor", "torch's agent"
 ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar(CONFIG_ENV, "supervisor", "workers", "The resolved configuration as JSON."),
-    EnvVar(
-        SUPERVISOR_PID_ENV,
-        "supervisor",
-        "workers, zygote",
-        "The supervisor's PID: a worker or zygote whose parent is not it exits at once.",
-    ),
-    EnvVar(
-        PARENT_PID_ENV,
-        "zygote",
-        "workers it forks",
-        "The zygote's PID, the parent a warm-started worker checks instead of the supervisor.",
-    ),
-    EnvVar(CHECKPOINT_EPOCH_ENV, "supervisor", "rank 0", "This launch's fencing epoch on the checkpoint root."),
-    EnvVar(
-        CHECKPOINT_ROOT_ENV,
-        "supervisor",
-        "rank 0",
-        "The checkpoint.dir the epoch was taken on (a script writing elsewhere takes its own).",
-    ),
-    EnvVar(CHECKPOINT_KEY_ENV, "user", "supervisor, workers, ckpt tools", "Key of the manifests' HMAC (never logged)."),
-    EnvVar(
-        NODE_ENV,
-        "user",
-        "supervisor, log lines",
-        "This node's name in events and log prefixes (default: the host name).",
-    ),
+    EnvVar(CONFIG_ENV, _SUP, "workers", "The resolved configuration as JSON."),
+    EnvVar(SUPERVISOR_PID_ENV, _SUP, "workers, zygote", "The supervisor's PID: a child with another parent exits."),
+    EnvVar(PARENT_PID_ENV, "zygote", "workers it forks", "The zygote's PID: the parent a warm-started worker checks."),
+    EnvVar(CHECKPOINT_EPOCH_ENV, _SUP, "rank 0", "This launch's fencing epoch on the checkpoint root."),
+    EnvVar(CHECKPOINT_ROOT_ENV, _SUP, "rank 0", "The checkpoint.dir of that epoch (a script elsewhere takes its own)."),
+    EnvVar(CHECKPOINT_KEY_ENV, "user", "supervisor, workers, ckpt", "Key of the manifests' HMAC (never logged)."),
+    EnvVar(NODE_ENV, "user", "supervisor, logs", "This node's name in events and logs (default: the host name)."),
     EnvVar(LOG_LEVEL_ENV, "user", "every process", "Log level of the elastic_trainer logger (default INFO)."),
     EnvVar(INJECT_FAULT_ENV, "tests", "workers", "Fault injection for the test suites (faults.py)."),
-    EnvVar(
-        METRICS_DIR_ENV, "supervisor", "workers", "prometheus_client's multiprocess directory the supervisor exports."
-    ),
-    EnvVar(
-        SIGNALS_TO_HANDLE_ENV,
-        "supervisor",
-        "torch's agent",
-        "Signals the agent forwards to the workers (FORWARDED_SIGNALS).",
-    ),
-    EnvVar(ENABLE_FILE_TIMER_ENV, "supervisor", "torch's agent", "Turns on the file-based hang watchdog."),
-    EnvVar(
-        TIMER_FILE_ENV,
-        "supervisor",
-        "torch's agent, workers",
-        "The watchdog's named pipe (TIMER_FILE in the supervisor's runtime directory).",
-    ),
-    EnvVar(
-        SHARE_RDZV_STORE_ENV,
-        "supervisor",
-        "torch's agent",
-        "1: workers do not reuse the rendezvous store (stale addresses after scale-up).",
-    ),
-    EnvVar(RUN_ID_ENV, "torch's agent", "workers", "The rendezvous id: the launch id fencing records."),
-    EnvVar(RESTART_COUNT_ENV, "torch's agent", "workers", "How many times the agent restarted the worker group."),
-    EnvVar(USE_AGENT_STORE_ENV, "torch's agent", "workers", "Whether the workers may use the agent's TCP store."),
-    EnvVar(RANK_ENV, "torch's agent", "workers", "Global rank."),
-    EnvVar(LOCAL_RANK_ENV, "torch's agent", "workers, zygote", "Rank on this node."),
-    EnvVar(WORLD_SIZE_ENV, "torch's agent", "workers", "Number of workers in the group."),
-    EnvVar(GROUP_RANK_ENV, "torch's agent", "log lines", "This node's rank in the group."),
-    EnvVar(MASTER_ADDR_ENV, "torch's agent", "workers", "Host of the group's store."),
-    EnvVar(MASTER_PORT_ENV, "torch's agent", "workers", "Port of the group's store."),
-    EnvVar(
-        OMP_THREADS_ENV,
-        "torch's agent or user",
-        "workers, zygote",
-        "Threads per worker (applied by the zygote to the workers it forks).",
-    ),
+    EnvVar(METRICS_DIR_ENV, _SUP, "workers", "prometheus_client's multiprocess directory the supervisor exports."),
+    EnvVar(SIGNALS_TO_HANDLE_ENV, _SUP, "torch's agent", "Signals the agent forwards (FORWARDED_SIGNALS)."),
+    EnvVar(ENABLE_FILE_TIMER_ENV, _SUP, "torch's agent", "Turns on the file-based hang watchdog."),
+    EnvVar(TIMER_FILE_ENV, _SUP, "torch's agent, workers", "The hang watchdog's pipe (TIMER_FILE in RUNTIME_DIR)."),
+    EnvVar(SHARE_RDZV_STORE_ENV, _SUP, "torch's agent", "1: no reuse of the rendezvous store (stale addresses)."),
+    EnvVar(RUN_ID_ENV, _AGENT, "workers", "The rendezvous id: the launch id fencing records."),
+    EnvVar(RESTART_COUNT_ENV, _AGENT, "workers", "How many times the agent restarted the worker group."),
+    EnvVar(USE_AGENT_STORE_ENV, _AGENT, "workers", "Whether the workers may use the agent's TCP store."),
+    EnvVar(RANK_ENV, _AGENT, "workers", "Global rank."),
+    EnvVar(LOCAL_RANK_ENV, _AGENT, "workers, zygote", "Rank on this node."),
+    EnvVar(WORLD_SIZE_ENV, _AGENT, "workers", "Number of workers in the group."),
+    EnvVar(GROUP_RANK_ENV, _AGENT, "log lines", "This node's rank in the group."),
+    EnvVar(MASTER_ADDR_ENV, _AGENT, "workers", "Host of the group's store."),
+    EnvVar(MASTER_PORT_ENV, _AGENT, "workers", "Port of the group's store."),
+    EnvVar(OMP_THREADS_ENV, "agent or user", "workers, zygote", "Threads per worker (the zygote applies it at fork)."),
 )
 
 # Signals the supervisor forwards to the workers (which then checkpoint); the zygote ignores
@@ -361,10 +320,9 @@ EVENTS: tuple[Event, ...] = (
     _e(
         "preempted",
         _RANK0,
-        "Stopped for a preemption: 75 when the final step was committed, 76 when not.",
+        "Stopped for a preemption: 75 when the final step was committed (`seconds` since the signal), "
+        "76 when not (`reason`).",
         "step committed seconds? reason?",
-        seconds="signal to commit, when committed",
-        reason="when not committed",
     ),
     _e("finished", _RANK0, "Training reached its last step.", "step tokens_seen last_committed_step"),
     _e(
