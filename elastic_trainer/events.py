@@ -1,10 +1,11 @@
-"""Event log: JSON lines in ``<run.dir>/events.jsonl``.
+"""Event log: JSON lines in ``<run.dir>/events.jsonl`` (``contract.EVENTS_FILE``).
 
 Workers write only from rank 0 (``EventLog(path, enabled=rank == 0)``); the supervisor writes
 its own lifecycle records (restarts) to the same file. Each line is one complete JSON object
 written with a single ``write`` on a file opened in append mode, so concurrent writers
 (supervisor and rank 0, or a background commit thread) never interleave within a line.
-Every record carries ``event``, ``time`` (unix seconds) and ``mono`` (process monotonic clock).
+Every record carries ``event`` and ``time`` (unix seconds); the events, their fields and their
+meaning are catalogued in :data:`elastic_trainer.contract.EVENTS`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,14 @@ import threading
 import time
 from typing import Any, Iterator
 
+from . import contract
+
 
 class EventLog:
+    check = False
+    """When True (the test suites switch it on), :meth:`emit` raises ValueError for an event, or a
+    field, that is not in the catalogue (``contract.EVENTS``), or a required field it lacks."""
+
     def __init__(self, path: str | None, enabled: bool = True):
         self.path = path
         self.enabled = enabled and path is not None
@@ -25,6 +32,10 @@ class EventLog:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        if EventLog.check:
+            problems = contract.event_problems(event, fields)
+            if problems:
+                raise ValueError("; ".join(problems))
         record = {"event": event, "time": time.time(), **fields}
         if self.enabled:
             line = json.dumps(record, sort_keys=False, default=str) + "\n"

@@ -31,7 +31,8 @@ import signal
 import time
 from dataclasses import dataclass
 
-ENV = "ELASTIC_TRAINER_INJECT_FAULT"
+from . import contract
+
 KINDS = ("raise", "kill", "hang", "kill_in_save", "kill_before_commit", "kill_in_load", "nan", "slow", "lose_local", "corrupt_local")
 
 
@@ -49,14 +50,14 @@ def parse(spec: str) -> list[Fault]:
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         kind, _, rest = item.partition("@")
         if kind not in KINDS:
-            raise ValueError(f"{ENV}: unknown fault kind {kind!r} (known: {', '.join(KINDS)})")
+            raise ValueError(f"{contract.INJECT_FAULT_ENV}: unknown fault kind {kind!r} (known: {', '.join(KINDS)})")
         kv = dict(p.split("=", 1) for p in rest.split(",") if p)
         faults.append(Fault(kind, int(kv.get("rank", 0)), int(kv.get("step", 0)), int(kv.get("restart", 0)), float(kv.get("seconds", 0.2))))
     return faults
 
 
 def _active() -> list[Fault]:
-    spec = os.environ.get(ENV, "")
+    spec = os.environ.get(contract.INJECT_FAULT_ENV, "")
     return parse(spec) if spec else []
 
 
@@ -68,8 +69,8 @@ def active(kind: str, step: int) -> bool:
     faults = _active()
     if not faults:
         return False
-    rank = int(os.environ.get("RANK", "0"))
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = int(os.environ.get(contract.RANK_ENV, "0"))
+    restart = int(os.environ.get(contract.RESTART_COUNT_ENV, "0"))
     for f in faults:
         if f.kind == kind and f.rank == rank and f.step == step and f.restart == restart and f not in _FIRED:
             if kind == "nan":
@@ -81,8 +82,8 @@ def active(kind: str, step: int) -> bool:
 def maybe_inject(kind: str, step: int) -> None:
     """Trigger a configured fault of ``kind`` at ``step`` for this rank and incarnation."""
     if kind == "slow":
-        rank = int(os.environ.get("RANK", "0"))
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        rank = int(os.environ.get(contract.RANK_ENV, "0"))
+        restart = int(os.environ.get(contract.RESTART_COUNT_ENV, "0"))
         for f in _active():
             if f.kind == "slow" and f.rank == rank and f.step <= step and f.restart == restart:
                 time.sleep(f.seconds)
@@ -90,7 +91,7 @@ def maybe_inject(kind: str, step: int) -> None:
     if not active(kind, step):
         return
     if kind == "raise":
-        raise RuntimeError(f"injected failure on rank {os.environ.get('RANK', '0')} at step {step}")
+        raise RuntimeError(f"injected failure on rank {os.environ.get(contract.RANK_ENV, '0')} at step {step}")
     if kind == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)
         return

@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from . import contract
+
 _STATE = {"step": "-"}
 
 
@@ -16,8 +18,8 @@ def set_step(step: int | str) -> None:
 
 class _PrefixFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        record.et_rank = os.environ.get("RANK", "-")
-        record.et_node = os.environ.get("GROUP_RANK", os.environ.get("ELASTIC_TRAINER_NODE", "-"))
+        record.et_rank = os.environ.get(contract.RANK_ENV, "-")
+        record.et_node = os.environ.get(contract.GROUP_RANK_ENV, os.environ.get(contract.NODE_ENV, "-"))
         record.et_step = _STATE["step"]
         return True
 
@@ -27,7 +29,7 @@ def setup_logging(level: str | int | None = None) -> None:
     ``elastic_trainer`` logger gets a handler, and only when it has none yet: a program that
     configured that logger itself keeps its own. Level: ``level``, else
     ``ELASTIC_TRAINER_LOG_LEVEL``, else INFO."""
-    level = level or os.environ.get("ELASTIC_TRAINER_LOG_LEVEL", "INFO")
+    level = level or os.environ.get(contract.LOG_LEVEL_ENV, "INFO")
     logger = logging.getLogger("elastic_trainer")
     if logger.handlers:
         return

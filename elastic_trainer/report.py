@@ -29,7 +29,7 @@ import sys
 from dataclasses import asdict
 from typing import Any, Iterable
 
-from . import exit_codes
+from . import contract, exit_codes
 from .events import read_events
 from .goodput import CATEGORIES, Goodput, Interruption, Ledger, account  # noqa: F401 - the accounting lives in goodput
 
@@ -156,7 +156,7 @@ def closing_summary(run_dir: str, checkpoint_dir: str, target_steps: int, exit_c
     None when this node holds no event log."""
     import shlex
 
-    path = os.path.join(run_dir, "events.jsonl")
+    path = os.path.join(run_dir, contract.EVENTS_FILE)
     if not os.path.exists(path):
         return None
     events = list(read_events(path))
@@ -256,17 +256,17 @@ def load_events(source: str, endpoint_url: str = "") -> tuple[list[dict[str, Any
     logs mirrored under ``<source>/_events/`` (a checkpoint root: local, ``file://`` or ``s3://``).
     Returns ``(events, where)``, or None when neither holds a log."""
     if "://" not in source:
-        path = os.path.join(source, "events.jsonl")
+        path = os.path.join(source, contract.EVENTS_FILE)
         if os.path.exists(path):
             return list(read_events(path)), path
     from .config import check_uri
     from .storage.fs import open_storage
-    from .supervisor.history import EVENTS_PREFIX, read_mirrored_events
+    from .supervisor.history import read_mirrored_events
 
     check_uri(source, "RUN_DIR|CHECKPOINT_ROOT")  # errors name the argument the user gave
     storage = open_storage(source, endpoint_url)
     events = read_mirrored_events(storage)
-    return (events, storage.join(EVENTS_PREFIX)) if events else None
+    return (events, storage.join(contract.EVENTS_MIRROR_DIR)) if events else None
 
 
 def main(args) -> int:
@@ -278,7 +278,7 @@ def main(args) -> int:
         return 2
     events, where = loaded
     summary = summarize(events)
-    local_run_dir = "://" not in args.run_dir and os.path.exists(os.path.join(args.run_dir, "events.jsonl"))
+    local_run_dir = "://" not in args.run_dir and os.path.exists(os.path.join(args.run_dir, contract.EVENTS_FILE))
     out = args.out or (None if args.json else os.path.join(args.run_dir, "report.png") if local_run_dir else "report.png")
     if out is not None:  # --json alone only reads: it draws nothing unless --out asks for it
         plot(events, summary, out)

@@ -22,6 +22,11 @@ import os  # noqa: E402
 
 import pytest  # noqa: E402
 
+from elastic_trainer.events import EventLog  # noqa: E402
+
+# Every event an in-process test makes the code write must fit the catalogue (contract.EVENTS).
+EventLog.check = True
+
 
 def pytest_collection_modifyitems(config, items):
     """``soak`` tests repeat what the bounded suite already covers; they run only with

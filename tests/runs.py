@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from elastic_trainer import contract
+
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "elastic_trainer.cli"]
 
@@ -87,6 +89,9 @@ def start_launch(config: Path, *args: str, env: dict | None = None, log: Path | 
 
 
 def read_events(run_dir: Path, name: str | None = None) -> list[dict]:
+    """The run's records (of event ``name``); fails the test on any record, of whatever event,
+    outside the catalogue (contract.EVENTS): an end-to-end run checks the fields the code only
+    knows at run time (a ``**fields`` call) too."""
     path = Path(run_dir) / "events.jsonl"
     if not path.exists():
         return []
@@ -96,6 +101,8 @@ def read_events(run_dir: Path, name: str | None = None) -> list[dict]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
+        problems = contract.event_problems(rec.get("event"), set(rec) - set(contract.RECORD_FIELDS))
+        assert not problems, f"{path}: {problems}"
         if name is None or rec.get("event") == name:
             out.append(rec)
     return out

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import contract
 from ..errors import CheckpointError, FencedError
 from ..events import EventLog
 from ..storage.fs import Storage
@@ -35,14 +36,13 @@ from . import integrity, layout
 
 logger = logging.getLogger(__name__)
 
-KEY_ENV = "ELASTIC_TRAINER_CHECKPOINT_KEY"
 EPOCHS = "_epochs"
 _UNSET: Any = object()
 
 
 def checkpoint_key() -> bytes | None:
     """The manifest signing key from ``ELASTIC_TRAINER_CHECKPOINT_KEY`` (never logged)."""
-    raw = os.environ.get(KEY_ENV, "")
+    raw = os.environ.get(contract.CHECKPOINT_KEY_ENV, "")
     return raw.encode() if raw else None
 
 

@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import contract
+
 MANIFEST = "manifest.json"
 QUARANTINE = "quarantine.json"
 WRITER = ".writer.json"
@@ -100,7 +102,7 @@ def seal_problem(manifest: dict[str, Any], key: bytes | None) -> str | None:
     if key:
         mac = manifest.get("hmac")
         if not isinstance(mac, str) or not hmac.compare_digest(mac, hmac.new(key, data, hashlib.sha256).hexdigest()):
-            return "manifest signature does not verify with ELASTIC_TRAINER_CHECKPOINT_KEY (unsigned or tampered): refused"
+            return f"manifest signature does not verify with {contract.CHECKPOINT_KEY_ENV} (unsigned or tampered): refused"
     return None
 
 

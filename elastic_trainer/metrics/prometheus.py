@@ -28,14 +28,13 @@ import prometheus_client
 from prometheus_client import values
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from .. import contract
 from ..config import Config
 from . import catalog
 from .catalog import COUNTER, GAUGE, HISTOGRAM, Metric
 from .sink import MetricsSink, NullSink
 
 logger = logging.getLogger(__name__)
-
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def _use_multiprocess_values() -> None:
@@ -126,9 +125,9 @@ def _build(spec: Metric):
 def make_worker_sink(cfg: Config, rank: int) -> MetricsSink:
     """A worker's sink. Needs ``PROMETHEUS_MULTIPROC_DIR`` from the supervisor; without it
     (worker started outside ``elastic-trainer launch``) metrics are disabled with a warning."""
-    path = os.environ.get(MULTIPROC_ENV)
+    path = os.environ.get(contract.METRICS_DIR_ENV)
     if not path or not os.path.isdir(path):
-        logger.warning("%s is not set to a directory: metrics disabled in this worker", MULTIPROC_ENV)
+        logger.warning("%s is not set to a directory: metrics disabled in this worker", contract.METRICS_DIR_ENV)
         return NullSink()
     _use_multiprocess_values()
     scopes = frozenset({"global", "rank"} if rank == 0 else {"rank"})
@@ -242,7 +241,7 @@ def _torch_version() -> str:
 
 def multiproc_dir(cfg: Config, pid: int | None = None) -> str:
     """This supervisor's metrics directory: ``<run.dir>/.runtime/<pid>/prometheus``."""
-    return os.path.abspath(os.path.join(cfg.run.dir, ".runtime", str(pid or os.getpid()), "prometheus"))
+    return os.path.abspath(os.path.join(cfg.run.dir, contract.RUNTIME_DIR, str(pid or os.getpid()), "prometheus"))
 
 
 def start_supervisor_exporter(cfg: Config, *, serve: bool = True) -> SupervisorExporter:
@@ -253,7 +252,7 @@ def start_supervisor_exporter(cfg: Config, *, serve: bool = True) -> SupervisorE
     if os.path.isdir(path):
         shutil.rmtree(path)
     os.makedirs(path)
-    os.environ[MULTIPROC_ENV] = path
+    os.environ[contract.METRICS_DIR_ENV] = path
     _use_multiprocess_values()
     registry = prometheus_client.CollectorRegistry(auto_describe=False)
     collector = NodeCollector(path)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import exit_codes, faults
+from .. import contract, exit_codes, faults
 from ..checkpoint import cadence
 from ..checkpoint.manager import CheckpointManager, LoadResult, SaveStats
 from ..checkpoint.state import ModelState, NamedStates, OptimizerState, RNGState, SchedulerState, TrainState, check_state_name
@@ -37,10 +37,6 @@ from .loop import Accumulator, StepData
 from .session import Session
 
 logger = logging.getLogger(__name__)
-
-EPOCH_ENV = "ELASTIC_TRAINER_CHECKPOINT_EPOCH"  # set by the supervisor (fencing, see checkpoint/catalog.py) ...
-ROOT_ENV = "ELASTIC_TRAINER_CHECKPOINT_ROOT"  # ... for this checkpoint.dir
-PREEMPT_MARKER = "PREEMPTED"  # rank 0 writes it in run.dir when it exits non-zero; the supervisor reads it
 
 
 def shape_fingerprint(model: nn.Module) -> str:
@@ -125,8 +121,8 @@ class Checkpointer:
             control_group=None,  # the training group: main-thread agreements never share the checkpoint group
             # The supervisor's epoch is for its checkpoint root; a script that checkpoints
             # elsewhere takes its own (joined by every restart of this launch) at load.
-            epoch=(os.environ.get(EPOCH_ENV) or None) if os.environ.get(ROOT_ENV) == c.dir else None,
-            launch_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
+            epoch=(os.environ.get(contract.CHECKPOINT_EPOCH_ENV) or None) if os.environ.get(contract.CHECKPOINT_ROOT_ENV) == c.dir else None,
+            launch_id=os.environ.get(contract.RUN_ID_ENV, ""),
             run_identity=self._identity,
         )
         self.loaded: LoadResult | None = None
@@ -150,14 +146,14 @@ class Checkpointer:
         continue after (0 for a fresh start). ``after_load`` may add fields to the resume event."""
         s = self.session
         self._resumed = True
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        restart = int(os.environ.get(contract.RESTART_COUNT_ENV, "0"))
         s.events.emit("start", world_size=s.world_size, restart_count=restart, rank0_host=os.uname().nodename, pid=os.getpid(), checkpoint_dir=self.storage.describe())
         loaded = self.loaded = self.manager.load()
         if not self.rng.restored:  # a fresh start, or per-rank streams that do not map onto this world size
             self.rng.reseed(s.cfg.train.seed, self.state.step)
         rng_note = "restored" if self.rng.restored else ("seeded" if loaded is None else "reseeded from (train.seed, rank, step)")
         fields = after_load(loaded) if after_load else {}
-        self.cadence = cadence.from_run(s.cfg.checkpoint, os.path.join(s.cfg.run.dir, "events.jsonl"), rank=s.rank, start_step=self.state.step,
+        self.cadence = cadence.from_run(s.cfg.checkpoint, os.path.join(s.cfg.run.dir, contract.EVENTS_FILE), rank=s.rank, start_step=self.state.step,
                                         now=time.monotonic(), events=s.events, metrics=s.metrics)
         if loaded is None:
             return 0
@@ -421,7 +417,7 @@ class Checkpointer:
             s.events.emit("finished", step=self.state.step, tokens_seen=self.state.tokens_seen, last_committed_step=self.manager.last_committed_step)
         elif s.rank == 0:
             os.makedirs(s.cfg.run.dir, exist_ok=True)
-            with open(os.path.join(s.cfg.run.dir, PREEMPT_MARKER), "w") as f:
+            with open(os.path.join(s.cfg.run.dir, contract.PREEMPT_MARKER), "w") as f:
                 json.dump({"step": self.state.step, "exit_code": code, "committed_step": self.manager.last_committed_step}, f)
         self.manager.close(finished=code == exit_codes.OK)
 

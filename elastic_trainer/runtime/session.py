@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .. import exit_codes, log
+from .. import contract, exit_codes, log
 from ..config import Config, TrainConfig, apply_overrides, config_from_dict, load_config, read_toml, run_name
 from ..errors import CheckpointStopError, ConfigError, FencedError
 from ..events import EventLog
@@ -33,9 +33,6 @@ from ..metrics import factory as metrics_factory
 from ..metrics.sink import MetricsSink
 
 logger = logging.getLogger(__name__)
-
-CONFIG_ENV = "ELASTIC_TRAINER_CONFIG_JSON"
-
 
 class PreemptionFlag:
     """Set from a signal handler (SIGTERM, SIGUSR1, SIGINT); read at step boundaries. A first
@@ -103,12 +100,12 @@ def group_store(timeout: timedelta) -> dist.Store | None:
       rounds, keep one store for all restarts of the group without an attempt prefix, so a
       restarted group read the dead group's gloo addresses (connection refused, then a hang).
     """
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+    if contract.RANK_ENV not in os.environ and contract.WORLD_SIZE_ENV not in os.environ:
         return dist.HashStore()
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+    if os.environ.get(contract.USE_AGENT_STORE_ENV) != str(True):
         return None
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"elastic_trainer/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    base = dist.TCPStore(os.environ[contract.MASTER_ADDR_ENV], int(os.environ[contract.MASTER_PORT_ENV]), int(os.environ[contract.WORLD_SIZE_ENV]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"elastic_trainer/attempt_{os.environ.get(contract.RESTART_COUNT_ENV, '0')}", base)
 
 
 def init_distributed(train: TrainConfig, timeout_seconds: float, ckpt_timeout_seconds: float | None = None) -> Dist:
@@ -117,13 +114,13 @@ def init_distributed(train: TrainConfig, timeout_seconds: float, ckpt_timeout_se
     collective; ``ckpt_timeout_seconds`` (default: the same) the checkpoint group's, whose
     collectives wait for storage: slow storage must not time the group out and break every
     later save."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get(contract.LOCAL_RANK_ENV, "0"))
     device = pick_device(train, local_rank)
     timeout = timedelta(seconds=timeout_seconds)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         store = group_store(timeout)
-        kw = {"store": store, "rank": int(os.environ.get("RANK", "0")), "world_size": int(os.environ.get("WORLD_SIZE", "1"))} if store is not None else {}
+        kw = {"store": store, "rank": int(os.environ.get(contract.RANK_ENV, "0")), "world_size": int(os.environ.get(contract.WORLD_SIZE_ENV, "1"))} if store is not None else {}
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **kw)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
@@ -151,7 +148,7 @@ def resolve_config(config: str | os.PathLike | Config | dict | None = None, over
         return config
     if isinstance(config, dict):
         return config_from_dict(config)
-    raw = os.environ.get(CONFIG_ENV)
+    raw = os.environ.get(contract.CONFIG_ENV)
     if not raw:
         return load_config(config, overrides, name=run_name(config) or run_name(sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else None))
     base = json.loads(raw)
@@ -274,12 +271,12 @@ def init(config: str | os.PathLike | Config | dict | None = None, *, overrides: 
     # Storage time is bounded by checkpoint.save_timeout_seconds, never by the hang timeout.
     ckpt_timeout = max(cfg.elastic.hang_timeout_seconds, cfg.checkpoint.save_timeout_seconds)
     d = init_distributed(cfg.train, timeout_seconds=cfg.elastic.hang_timeout_seconds, ckpt_timeout_seconds=ckpt_timeout)
-    events = EventLog(os.path.join(cfg.run.dir, "events.jsonl"), enabled=d.rank == 0)
+    events = EventLog(os.path.join(cfg.run.dir, contract.EVENTS_FILE), enabled=d.rank == 0)
     metrics = metrics_factory.worker_sink(cfg, rank=d.rank)
     metrics.gauge("elastic_trainer_world_size", d.world_size)
     session = Session(cfg, d, events, metrics, preempt)
     sys.excepthook = functools.partial(session._uncaught, sys.excepthook)
-    timer_file = os.environ.get("TORCHELASTIC_TIMER_FILE")
+    timer_file = os.environ.get(contract.TIMER_FILE_ENV)
     if timer_file:
         from torch.distributed.elastic import timer
 

@@ -28,13 +28,13 @@ import re
 import threading
 import time
 
+from .. import contract
 from ..events import parse_record
 from ..goodput import CATEGORIES, Ledger
 from ..metrics.sink import MetricsSink, NullSink
 
 logger = logging.getLogger(__name__)
 
-EVENTS_PREFIX = "_events"
 SEGMENT_BYTES = 4 << 20
 READ_CHUNK_BYTES = 4 << 20
 _SEGMENT = re.compile(r"^(?P<log>.+?)(?:\.(?P<seq>\d{6}))?\.jsonl$")
@@ -141,7 +141,7 @@ class RunHistory:
                         end = data.rfind(b"\n") + 1
                         if end == 0:
                             return True
-                        name = self.storage.join(EVENTS_PREFIX, segment_name(self.log_name, self._segment_seq))
+                        name = self.storage.join(contract.EVENTS_MIRROR_DIR, segment_name(self.log_name, self._segment_seq))
                         try:
                             self.storage.write_bytes_atomic(name, data[:end])
                         except Exception as e:  # noqa: BLE001
@@ -182,7 +182,7 @@ def read_mirrored_events(storage) -> list[dict]:
     record once (a node relaunched on the same ``run.dir`` mirrors its older records again),
     merged by time; each log keeps its own order (one log gives back exactly its file)."""
     segments: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
-    for name in storage.list_files(storage.join(EVENTS_PREFIX)):
+    for name in storage.list_files(storage.join(contract.EVENTS_MIRROR_DIR)):
         m = _SEGMENT.match(name)
         if m and "/" not in name:
             segments[m["log"]].append((int(m["seq"] or 0), name))
@@ -191,7 +191,7 @@ def read_mirrored_events(storage) -> list[dict]:
     for log_name in sorted(segments):
         log = []
         for _, name in sorted(segments[log_name]):
-            for line in storage.read_bytes(storage.join(EVENTS_PREFIX, name)).decode("utf-8", "replace").splitlines():
+            for line in storage.read_bytes(storage.join(contract.EVENTS_MIRROR_DIR, name)).decode("utf-8", "replace").splitlines():
                 line = line.strip()
                 if line in seen:
                     continue

@@ -13,7 +13,7 @@ import os
 import signal
 import time
 
-from .. import exit_codes
+from .. import contract, exit_codes
 from ..config import Config
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def node_name() -> str:
     """This node's name in events: ``ELASTIC_TRAINER_NODE`` when set, else the host name."""
-    return os.environ.get("ELASTIC_TRAINER_NODE") or os.uname().nodename
+    return os.environ.get(contract.NODE_ENV) or os.uname().nodename
 
 
 def uses_external_store(config) -> bool:
@@ -318,7 +318,7 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
         **config.rdzv_configs,
     )
     master_addr, master_port = _get_addr_and_port(params)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    os.environ[contract.SIGNALS_TO_HANDLE_ENV] = config.signals_to_handle
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
@@ -382,16 +382,16 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, preload: tupl
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     os.makedirs(cfg.run.dir, exist_ok=True)
-    events = EventLog(os.path.join(cfg.run.dir, "events.jsonl"))
-    marker = os.path.join(cfg.run.dir, "PREEMPTED")
+    events = EventLog(os.path.join(cfg.run.dir, contract.EVENTS_FILE))
+    marker = os.path.join(cfg.run.dir, contract.PREEMPT_MARKER)
     if os.path.exists(marker):
         os.remove(marker)
-    os.environ["ELASTIC_TRAINER_CONFIG_JSON"] = cfg.to_json()
-    os.environ["ELASTIC_TRAINER_SUPERVISOR_PID"] = str(os.getpid())
+    os.environ[contract.CONFIG_ENV] = cfg.to_json()
+    os.environ[contract.SUPERVISOR_PID_ENV] = str(os.getpid())
     # Workers get a fresh store per rendezvous round instead of reusing keys of dead workers.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    os.environ.setdefault("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
-    os.environ.setdefault("TORCHELASTIC_TIMER_FILE", os.path.join(_runtime_dir(cfg), "watchdog.timer"))
+    os.environ.setdefault(contract.SHARE_RDZV_STORE_ENV, "1")
+    os.environ.setdefault(contract.ENABLE_FILE_TIMER_ENV, "1")
+    os.environ.setdefault(contract.TIMER_FILE_ENV, os.path.join(_runtime_dir(cfg), contract.TIMER_FILE))
     zygote = _start_zygote(cfg, cmd, cmd_args, zygote, preload)  # imports torch while this supervisor sets up
     from ..metrics import factory as metrics_factory
 
@@ -416,8 +416,8 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, preload: tupl
         pid=os.getpid(),
         mono=time.monotonic(),
     )
-    os.environ["ELASTIC_TRAINER_CHECKPOINT_EPOCH"] = take_epoch(cfg, config.run_id or "elastic-trainer", events)
-    os.environ["ELASTIC_TRAINER_CHECKPOINT_ROOT"] = cfg.checkpoint.dir
+    os.environ[contract.CHECKPOINT_EPOCH_ENV] = take_epoch(cfg, config.run_id or "elastic-trainer", events)
+    os.environ[contract.CHECKPOINT_ROOT_ENV] = cfg.checkpoint.dir
     failed = signalled = False
     worker_codes: list[int | None] = []
     try:
@@ -539,6 +539,6 @@ def _check_store(config, timeout_seconds: float = 60.0) -> None:
 
 
 def _runtime_dir(cfg: Config) -> str:
-    d = os.path.join(cfg.run.dir, ".runtime", str(os.getpid()))
+    d = os.path.join(cfg.run.dir, contract.RUNTIME_DIR, str(os.getpid()))
     os.makedirs(d, exist_ok=True)
     return d

@@ -14,6 +14,7 @@ import logging
 import os
 from typing import Any, Mapping
 
+from .. import contract
 from ..config import CheckpointConfig, Config, ElasticConfig, parse_nnodes, parse_rdzv_conf
 from ..errors import ConfigError
 
@@ -38,7 +39,7 @@ SCRIPT_ONLY = ("no_python", "run_path")
 STATIC_KEYS = ("master_addr", "master_port", "node_rank")
 # The agent forwards these to the workers (SIGUSR1: SLURM's time-limit warning); torchrun's
 # default lacks SIGUSR1.
-SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+SIGNALS_TO_HANDLE = ",".join(contract.FORWARDED_SIGNALS)
 # The agent's shutdown timeout is the preemption grace plus this margin (the workers commit first).
 SHUTDOWN_MARGIN_SECONDS = 15
 
@@ -53,7 +54,7 @@ UNSET: Any = _Unset()
 
 def env_var(dest: str) -> str:
     """The variable torchrun's parser reads for option ``dest`` (``torch.distributed.argparse_util``)."""
-    return f"PET_{dest.upper()}"
+    return f"{contract.TORCHRUN_ENV_PREFIX}{dest.upper()}"
 
 
 def torchrun_parser(prog: str) -> argparse.ArgumentParser:
@@ -233,7 +234,7 @@ class _DropOmpBanner(logging.Filter):
     dropped = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "OMP_NUM_THREADS" in str(record.msg):
+        if contract.OMP_THREADS_ENV in str(record.msg):
             self.dropped = True
             return False
         return True

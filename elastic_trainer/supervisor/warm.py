@@ -29,14 +29,13 @@ import sys
 import threading
 import time
 
+from .. import contract
 from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-ZYGOTE_MODULE = "elastic_trainer.worker.zygote"
 READY_TIMEOUT_SECONDS = 300.0
 REPLY_TIMEOUT_SECONDS = 30.0
-MAX_MESSAGE = 4 << 20
 
 
 class ZygoteError(RuntimeError):
@@ -66,9 +65,9 @@ class Zygote:
         """Start the zygote; returns at once (it imports torch in the background)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
-            [self.python, "-m", ZYGOTE_MODULE, str(theirs.fileno()), *self.preload],
+            [self.python, "-m", contract.ZYGOTE_MODULE, str(theirs.fileno()), *self.preload],
             pass_fds=[theirs.fileno()],
-            env=dict(os.environ, ELASTIC_TRAINER_SUPERVISOR_PID=str(os.getpid())),  # it checks its parent
+            env={**os.environ, contract.SUPERVISOR_PID_ENV: str(os.getpid())},  # it checks its parent
             start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor, which stops the workers itself
         )
         theirs.close()
@@ -124,7 +123,7 @@ class Zygote:
         """Fork one worker running ``argv`` (``python -u -m MODULE ...``) with exactly ``env``."""
         self.wait_ready()
         names, fds = [], []
-        for name, f in (("stdout", stdout), ("stderr", stderr)):
+        for name, f in zip(contract.ZYGOTE_STREAMS, (stdout, stderr)):
             if f is not None:
                 names.append(name)
                 fds.append(f.fileno())
@@ -179,7 +178,7 @@ class Zygote:
             if not ready:
                 return
             try:
-                data = self.sock.recv(MAX_MESSAGE)
+                data = self.sock.recv(contract.ZYGOTE_MAX_MESSAGE)
             except OSError:
                 data = b""
             if not data:
@@ -250,9 +249,9 @@ def preload_for(cmd, cmd_args, trainer_module: str, extra: tuple[str, ...] = ())
     if len(rest) >= 2 and rest[0] == "-m":
         if rest[1] == trainer_module and not extra:
             return ()
-        return _unique(("@script", *extra))
+        return _unique((contract.ZYGOTE_PRELOAD_SCRIPT, *extra))
     if rest and not rest[0].startswith("-") and rest[0].endswith(".py"):
-        return _unique(("@script", *script_imports(rest[0]), *extra))
+        return _unique((contract.ZYGOTE_PRELOAD_SCRIPT, *script_imports(rest[0]), *extra))
     return None
 
 

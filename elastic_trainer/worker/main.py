@@ -17,21 +17,20 @@ import traceback
 
 import torch
 
-from .. import exit_codes, log
+from .. import contract, exit_codes, log
 from ..config import Config, check_world_size, config_from_dict
 from ..events import EventLog
 
 logger = logging.getLogger("elastic_trainer.worker")
 
-CONFIG_ENV = "ELASTIC_TRAINER_CONFIG_JSON"
 EXIT_FAILURE = exit_codes.FAILED
 _ACTIVE: dict = {}  # the checkpointer, for the exception path
 
 
 def load_worker_config() -> Config:
-    raw = os.environ.get(CONFIG_ENV)
+    raw = os.environ.get(contract.CONFIG_ENV)
     if not raw:
-        raise SystemExit(f"{CONFIG_ENV} is not set: start workers with 'elastic-trainer launch'")
+        raise SystemExit(f"{contract.CONFIG_ENV} is not set: start workers with 'elastic-trainer launch'")
     return config_from_dict(json.loads(raw))
 
 
@@ -112,7 +111,7 @@ def build_and_train(cfg: Config, t_start: float) -> int:
 
 def _write_resolved_config(cfg: Config) -> str:
     """``run.dir/config.json``: the resolved config of this start (rank 0), for the record."""
-    path = os.path.join(cfg.run.dir, "config.json")
+    path = os.path.join(cfg.run.dir, contract.RESOLVED_CONFIG_FILE)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(cfg.to_dict(), f, indent=2, sort_keys=True)
@@ -133,7 +132,7 @@ def die_with_supervisor() -> None:
 
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    expected = os.environ.get("ELASTIC_TRAINER_PARENT_PID") or os.environ.get("ELASTIC_TRAINER_SUPERVISOR_PID")  # parent: warm-start zygote or supervisor
+    expected = os.environ.get(contract.PARENT_PID_ENV) or os.environ.get(contract.SUPERVISOR_PID_ENV)  # parent: warm-start zygote or supervisor
     if expected and os.getppid() != int(expected):
         os._exit(EXIT_FAILURE)
 
@@ -148,7 +147,7 @@ def main() -> None:
     try:
         code = build_and_train(cfg, t_start)
     except BaseException as e:  # noqa: BLE001 - every failure exits fast, without collectives
-        rank = int(os.environ.get("RANK", "0"))
+        rank = int(os.environ.get(contract.RANK_ENV, "0"))
         if isinstance(e, SystemExit) and e.code in (0, None):
             os._exit(0)
         from ..runtime.session import exit_code_for
@@ -157,14 +156,14 @@ def main() -> None:
         if code != EXIT_FAILURE:  # every rank got the same answer (config, checkpoint, fencing): terminal, no restart
             logger.error("rank %d: %s", rank, e)
             if code == exit_codes.FENCED and rank == 0:
-                EventLog(os.path.join(cfg.run.dir, "events.jsonl")).emit("fenced", step=None, error=str(e))
+                EventLog(os.path.join(cfg.run.dir, contract.EVENTS_FILE)).emit("fenced", step=None, error=str(e))
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
         logger.error("rank %d failed: %s", rank, "".join(traceback.format_exception(e)))
         try:
-            EventLog(os.path.join(cfg.run.dir, "events.jsonl")).emit(
-                "failure", rank=rank, error=f"{type(e).__name__}: {e}"[:2000], restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            EventLog(os.path.join(cfg.run.dir, contract.EVENTS_FILE)).emit(
+                "failure", rank=rank, error=f"{type(e).__name__}: {e}"[:2000], restart_count=int(os.environ.get(contract.RESTART_COUNT_ENV, "0"))
             )
             ckpt = _ACTIVE.get("ckpt")
             if ckpt is not None:  # no new checkpoint or collective: only an upload under way may land

@@ -14,7 +14,7 @@ initialised either or has more than one thread, and starts workers the cold way)
 on the critical path, and is still a fresh process of its own (new PID, no state of the group
 it replaces).
 
-Protocol (one JSON message per ``SOCK_SEQPACKET`` packet):
+Protocol (one JSON message per ``SOCK_SEQPACKET`` packet; its names and sizes are ``contract.ZYGOTE_*``):
 
 * zygote → supervisor at start: ``{"ready": pid, "threads": n, "preload_seconds": s, "missing": [...],
   "cuda": bool, "process_group": bool}``
@@ -39,6 +39,8 @@ import socket
 import sys
 import threading
 import time
+
+from .. import contract
 
 # What every worker needs, whatever it runs: torch, its distributed pieces and DCP.
 TORCH_PRELOAD = (
@@ -87,12 +89,6 @@ SCRIPT_PRELOAD = (
     "elastic_trainer.storage.fs",
     "elastic_trainer.metrics.factory",
 )
-MAX_MESSAGE = 4 << 20
-PARENT_ENV = "ELASTIC_TRAINER_PARENT_PID"
-# Signals the supervisor handles (it forwards them to the workers, which then checkpoint). A
-# scheduler that signals every process of the job (SLURM's scancel, a time limit) must not kill
-# the zygote with them: its death would SIGKILL the workers (PR_SET_PDEATHSIG) mid-checkpoint.
-IGNORED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 
@@ -119,7 +115,7 @@ def settle_threads() -> int:
     return thread_count()
 
 
-LISTS = {"@trainer": PRELOAD, "@script": SCRIPT_PRELOAD}
+LISTS = {contract.ZYGOTE_PRELOAD_TRAINER: PRELOAD, contract.ZYGOTE_PRELOAD_SCRIPT: SCRIPT_PRELOAD}
 
 
 def preload(modules=PRELOAD) -> list[str]:
@@ -166,23 +162,23 @@ def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int) -
             os._exit(1)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for name in IGNORED_SIGNALS:  # a fresh interpreter's dispositions
+        for name in contract.FORWARDED_SIGNALS:  # a fresh interpreter's dispositions
             signal.signal(getattr(signal, name), signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
         for fd in keep_closed:
             os.close(fd)
         for name, fd in zip(req.get("fds", []), fds):
-            os.dup2(fd, {"stdout": 1, "stderr": 2}[name])
+            os.dup2(fd, contract.ZYGOTE_STREAMS[name])
             os.close(fd)
         os.environ.clear()
         os.environ.update(req["env"])
-        os.environ[PARENT_ENV] = str(zygote_pid)  # die_with_supervisor checks its parent
+        os.environ[contract.PARENT_PID_ENV] = str(zygote_pid)  # die_with_supervisor checks its parent
         os.chdir(req["cwd"])
         # -u: unbuffered binary stdout/stderr, as the cold start has
         sys.stdout = _unbuffered(1, sys.stdout)
         sys.stderr = _unbuffered(2, sys.stderr)
         kind, target, args = _target_of(req["argv"])
-        _prctl(PR_SET_NAME, f"et-worker-{os.environ.get('LOCAL_RANK', '')}".encode()[:15])
-        threads = os.environ.get("OMP_NUM_THREADS")
+        _prctl(PR_SET_NAME, f"et-worker-{os.environ.get(contract.LOCAL_RANK_ENV, '')}".encode()[:15])
+        threads = os.environ.get(contract.OMP_THREADS_ENV)
         if threads and threads.isdigit():  # read by OpenMP at library load, i.e. in the zygote
             import torch
 
@@ -272,7 +268,7 @@ def serve(sock: socket.socket) -> int:
                 break
             _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
         if sock in ready:
-            msg, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+            msg, fds, _, _ = socket.recv_fds(sock, contract.ZYGOTE_MAX_MESSAGE, len(contract.ZYGOTE_STREAMS))
             if not msg:  # the supervisor closed its end
                 return 0
             req = json.loads(msg)
@@ -294,11 +290,13 @@ def serve(sock: socket.socket) -> int:
 
 
 def main() -> int:
-    for name in IGNORED_SIGNALS:
+    # A scheduler that signals every process of the job (SLURM's scancel, a time limit) must not
+    # kill the zygote: its death would SIGKILL the workers (PR_SET_PDEATHSIG) mid-checkpoint.
+    for name in contract.FORWARDED_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     fd = int(sys.argv[1])
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    expected = os.environ.get("ELASTIC_TRAINER_SUPERVISOR_PID")
+    expected = os.environ.get(contract.SUPERVISOR_PID_ENV)
     if expected and os.getppid() != int(expected):
         return 1
     sock = socket.socket(fileno=fd)

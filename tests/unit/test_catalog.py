@@ -21,7 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from elastic_trainer.checkpoint import integrity, layout
-from elastic_trainer.checkpoint.catalog import KEY_ENV, Catalog, checkpoint_key
+from elastic_trainer.checkpoint.catalog import Catalog, checkpoint_key
+from elastic_trainer.contract import CHECKPOINT_KEY_ENV
 from elastic_trainer.checkpoint.layout import Candidate
 from elastic_trainer.errors import CheckpointError, FencedError
 from elastic_trainer.events import EventLog
@@ -156,7 +157,7 @@ class _Boom:
 def test_with_a_key_a_forged_manifest_is_refused_before_unpickling(tmp_path, monkeypatch):
     """The attacker swaps ``.metadata`` for a pickle that runs code and rewrites the manifest
     to match (files, xxh3, self-checksum), but cannot compute the HMAC."""
-    monkeypatch.setenv(KEY_ENV, "s3cr3t-key")
+    monkeypatch.setenv(CHECKPOINT_KEY_ENV, "s3cr3t-key")
     assert checkpoint_key() == b"s3cr3t-key"
     cat = _catalog(tmp_path, "A", key=checkpoint_key())
     name = _save(cat, 5)

@@ -1,4 +1,5 @@
-"""The user-facing documents against the code: the event table of docs/operations.md, the
+"""The user-facing documents against the code: the event table of docs/operations.md (generated
+from the event catalogue, which tests/unit/test_contract.py checks against the code), the
 configuration table of the README, the tests the README's guarantees cite, and words about
 the machine a document was written on."""
 
@@ -11,47 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer import config
+from elastic_trainer import config, contract
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _emitted() -> dict[str, set[str]]:
-    """event name -> the fields the code passes to ``EventLog.emit`` (``**x`` is not a field)."""
-    found: dict[str, set[str]] = {}
-    for f in (REPO / "elastic_trainer").rglob("*.py"):
-        for n in ast.walk(ast.parse(f.read_text())):
-            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "emit" and n.args
-                    and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)):
-                found.setdefault(n.args[0].value, set()).update(k.arg for k in n.keywords if k.arg)
-    sbatch = (REPO / "deploy" / "slurm" / "elastic-trainer.sbatch").read_text()
-    for name, extra in re.findall(r'^event (\w+) "(.*)"$', sbatch, re.M):
-        found.setdefault(name, {"job_id", "restart_count"}).update(re.findall(r'\\"(\w+)\\": ', extra))
-    return found
-
-
-def _event_table() -> dict[str, str]:
-    """event name -> its row of the table in docs/operations.md."""
+def test_the_operations_event_table_is_the_catalogue():
     text = (REPO / "docs" / "operations.md").read_text()
-    rows = {}
-    for line in text.split("## The event log", 1)[1].split("\n## ", 1)[0].splitlines():
-        cells = line.split("|")
-        if len(cells) > 3 and "`" in cells[1]:
-            for name in re.findall(r"`(\w+)`", cells[1]):
-                rows[name] = cells[3]
-    return rows
-
-
-def test_every_event_the_code_writes_is_in_the_operations_table_with_its_fields():
-    emitted, table = _emitted(), _event_table()
-    assert len(emitted) > 30, sorted(emitted)
-    missing = sorted(set(emitted) - set(table))
-    assert not missing, f"events missing from docs/operations.md: {missing}"
-    undocumented = {e: sorted(f - set(re.findall(r"`(\w+)`", table[e]))) for e, f in emitted.items()}
-    undocumented = {e: f for e, f in undocumented.items() if f}
-    assert not undocumented, f"fields missing from docs/operations.md: {undocumented}"
-    stale = sorted(set(table) - set(emitted))
-    assert not stale, f"documented events nothing writes: {stale}"
+    begin, end = "<!-- generated from elastic_trainer/contract.py", "<!-- end of the generated event table -->"
+    assert text.count(begin) == 1 and text.count(end) == 1, "docs/operations.md lost the markers of its event table"
+    section = text.split("## The event log", 1)[1].split("\n## ", 1)[0]
+    assert begin in section, "the event table left the section 'The event log'"
+    table = text.split(begin, 1)[1].split("\n", 1)[1].split(end, 1)[0]
+    assert table == contract.events_table(), "docs/operations.md's event table is stale: regenerate it with `python -m elastic_trainer.contract`"
 
 
 def test_every_config_key_is_in_the_readme_table():

@@ -13,7 +13,8 @@ from elastic_trainer.config import load_config, run_name
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.runtime.loop import Accumulator, StepData, to_device
 from elastic_trainer.runtime.sampler import GlobalBatchSampler
-from elastic_trainer.runtime.session import CONFIG_ENV, PreemptionFlag, resolve_config
+from elastic_trainer.contract import CONFIG_ENV
+from elastic_trainer.runtime.session import PreemptionFlag, resolve_config
 from elastic_trainer.supervisor import policy
 
 

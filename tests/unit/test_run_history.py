@@ -13,7 +13,8 @@ import pytest
 
 from elastic_trainer.storage.fs import open_storage
 from elastic_trainer.supervisor import history
-from elastic_trainer.supervisor.history import EVENTS_PREFIX, RunHistory, read_mirrored_events
+from elastic_trainer.contract import EVENTS_MIRROR_DIR
+from elastic_trainer.supervisor.history import RunHistory, read_mirrored_events
 
 
 class Recording:
@@ -66,7 +67,7 @@ def test_segments_bound_each_upload_and_join_back_exactly(tmp_path, monkeypatch)
     per_mirror = max(len(json.dumps(r)) + 1 for r in written) * 11
     assert max(n for _, n in store.uploads) <= 2000 + per_mirror, store.uploads
     assert sum(n for _, n in store.uploads) < 3 * size, "not the whole file per mirror (that would be ~6x here)"
-    names = sorted(store.inner.list_files(store.inner.join(EVENTS_PREFIX)))
+    names = sorted(store.inner.list_files(store.inner.join(EVENTS_MIRROR_DIR)))
     assert len(names) >= 6 and all(n.startswith("node-a-1700000000-") and n.endswith(".jsonl") for n in names), names
     assert read_mirrored_events(store.inner) == written
 
@@ -121,7 +122,7 @@ def test_logs_of_several_nodes_and_an_unsegmented_older_mirror_merge_by_time(tmp
     store = open_storage(str(tmp_path / "ckpt"))
     # an object mirrored by an earlier version: one whole file, no segment number
     old = [{"event": "step", "time": 990.0 + i, "step": i} for i in range(3)]
-    store.write_bytes_atomic(store.join(EVENTS_PREFIX, "old-node-1690000000-7.jsonl"), "".join(json.dumps(r) + "\n" for r in old).encode())
+    store.write_bytes_atomic(store.join(EVENTS_MIRROR_DIR, "old-node-1690000000-7.jsonl"), "".join(json.dumps(r) + "\n" for r in old).encode())
     mine = {}
     for node, offset in (("a", 0.25), ("b", 0.75)):
         log = tmp_path / f"{node}.jsonl"
@@ -134,7 +135,7 @@ def test_logs_of_several_nodes_and_an_unsegmented_older_mirror_merge_by_time(tmp
     got = [e for e in read_mirrored_events(store) if e["event"] == "step"]
     assert got[:3] == old
     assert got[3:] == sorted(mine["a"] + mine["b"], key=lambda e: e["time"])
-    assert len(store.list_files(store.join(EVENTS_PREFIX))) > 4, "each node's log was several segments"
+    assert len(store.list_files(store.join(EVENTS_MIRROR_DIR))) > 4, "each node's log was several segments"
 
 
 @pytest.mark.parametrize("name,log,seq", [("n-1-2.000003.jsonl", "n-1-2", "000003"), ("n-1-2.jsonl", "n-1-2", None),
