@@ -13,7 +13,8 @@ import json
 import os
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
 class EventLog:

@@ -10,8 +10,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "elastic_trainer.cli"]
