@@ -66,9 +66,9 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     from elastic_trainer.config import config_from_dict
     from elastic_trainer.events import EventLog
     from elastic_trainer.metrics.sink import NullSink
+    from elastic_trainer.runtime.session import PreemptionFlag, Session, init_distributed
     from elastic_trainer.storage.fs import open_storage
     from elastic_trainer.worker import parallel
-    from elastic_trainer.runtime.session import PreemptionFlag, Session, init_distributed
     from elastic_trainer.worker.main import build_training
     from elastic_trainer.worker.train_loop import Trainer
 
@@ -141,7 +141,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
                 save = mgr._inflight
                 for name, f in (("staged", save.stagings[0] if save.stagings else None), ("uploaded", save.written)):
                     if f is not None:
-                        f.add_done_callback(lambda _f, name=name: marks.__setitem__(name, time.monotonic() - t0))
+                        f.add_done_callback(lambda _f, name=name, marks=marks: marks.__setitem__(name, time.monotonic() - t0))
             times.append(time.monotonic() - s0)
         t_fin = time.monotonic()
         if save:
@@ -163,7 +163,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         clone_s = time.monotonic() - t0
         dist.barrier()
         t0 = time.monotonic()
-        for c, x in zip(clones, tensors):
+        for c, x in zip(clones, tensors, strict=True):
             c.copy_(x)
         copy_s = time.monotonic() - t0
         del clones
@@ -230,7 +230,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         rd["full"] = full_save(r)
         res["rounds"].append(rd)
         if rank == 0:
-            print(f"round {r + 1}/{o['rounds']}: A {rd['A']['seconds']:.2f}s B {rd['B']['seconds']:.2f}s async stall {rd['B']['stall']:.3f}s "
+            print(f"round {r + 1}/{o['rounds']}: A {rd['A']['seconds']:.2f}s B " f"{rd['B']['seconds']:.2f}s async stall {rd['B']['stall']:.3f}s "
                   f"sync {rd['sync']:.2f}s sync-nocrc {rd['sync_nocrc']:.2f}s full {rd['full']:.2f}s", flush=True)
     for g in managers.values():
         g.close()
@@ -343,12 +343,12 @@ def summarise(ranks: list[dict], o: dict, info: dict) -> dict:
     }
     for mode in o["modes"]:
         k = "B:" + mode
-        s[f"block_{k}"] = worst(lambda r, i: r["rounds"][i][k]["seconds"])
-        s[f"stall_{k}"] = worst(lambda r, i: r["rounds"][i][k]["stall"])
+        s[f"block_{k}"] = worst(lambda r, i, k=k: r["rounds"][i][k]["seconds"])
+        s[f"stall_{k}"] = worst(lambda r, i, k=k: r["rounds"][i][k]["stall"])
         s[f"cpu_{k}"] = [sum(r["rounds"][i][k]["cpu_seconds"] for r in ranks) for i in range(n)]
         # the step right after the save (index 1; the save follows step index 0) vs the block's median step
-        s[f"after_{k}"] = worst(lambda r, i: r["rounds"][i][k]["step_times"][1])
-        s[f"step_{k}"] = worst(lambda r, i: median(r["rounds"][i][k]["step_times"][2:]))
+        s[f"after_{k}"] = worst(lambda r, i, k=k: r["rounds"][i][k]["step_times"][1])
+        s[f"step_{k}"] = worst(lambda r, i, k=k: median(r["rounds"][i][k]["step_times"][2:]))
     s["after_A"] = worst(lambda r, i: r["rounds"][i]["A"]["step_times"][1])
     s["step_A"] = worst(lambda r, i: median(r["rounds"][i]["A"]["step_times"][2:]))
     m = {k: median(v) for k, v in s.items()}
@@ -361,10 +361,10 @@ def summarise(ranks: list[dict], o: dict, info: dict) -> dict:
         "full_over_floor": m["full"] / m["floor_clone"],
         "throughput_ckpt_over_none": m["block_A"] / m["block_B"],
         "throughput_ckpt_over_none_totals": sum(s["block_A"]) / sum(s["block_B"]),
-        "per_round_throughput": [a / b for a, b in zip(s["block_A"], s["block_B"])],
+        "per_round_throughput": [a / b for a, b in zip(s["block_A"], s["block_B"], strict=True)],
         "cpu_A_over_B": m["cpu_A"] / m["cpu_B"],
         "modes": {mode: {"throughput": m["block_A"] / m[f"block_B:{mode}"],
-                         "per_round": [a / b for a, b in zip(s["block_A"], s[f"block_B:{mode}"])],
+                         "per_round": [a / b for a, b in zip(s["block_A"], s[f"block_B:{mode}"], strict=True)],
                          "cpu_A_over_B": m["cpu_A"] / m[f"cpu_B:{mode}"]} for mode in o["modes"]},
     }
     state_bytes = sum(r["floor"][0]["bytes"] for r in ranks)
@@ -396,7 +396,7 @@ def main() -> int:
     ap.add_argument("--data", default=str(REPO / "runs/data/demo.bin"))
     ap.add_argument("--workdir", default=None, help="parent of the temp checkpoint dir (default: the system temp dir)")
     ap.add_argument("--modes", default="thread",
-                    help="comma-separated upload variants measured side by side as B blocks: thread, process, thread-nice10, process-nice10")
+                    help="comma-separated upload variants measured side by side as B blocks: " "thread, process, thread-nice10, process-nice10")
     ap.add_argument("--peer", choices=sorted(PEER_MODES), help="also measure a peer's checkpoint manager modes side by side "
                     "(torchtitan: its async and pinned-memory paths; run with the bench venv's python, see BENCHMARKS.md)")
     ap.add_argument("--skip-sync", action="store_true", help="only the A/B blocks (no sync, full-state-dict or floor comparisons)")
@@ -440,12 +440,12 @@ def print_report(out: dict) -> None:
     s = out["samples"]
     fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
     print()
-    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), {info['mem_total_gib']} GiB, torch {info['torch']}, python {info['python']}")
-    print(f"load average start {info['loadavg_start'][0]:.2f}/{info['loadavg_start'][1]:.2f}/{info['loadavg_start'][2]:.2f}, "
-          f"end {info['loadavg_end'][0]:.2f}/{info['loadavg_end'][1]:.2f}/{info['loadavg_end'][2]:.2f}; wall {info['wall_seconds']}s")
-    print(f"model: {mod['params'] / 1e6:.1f}M params (dim {mod['dim']}, {mod['layers']} layers), seq {mod['seq_len']}, global batch {mod['global_batch']}; "
+    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), " f"{info['mem_total_gib']} GiB, torch {info['torch']}, python {info['python']}")
+    print("load average start " f"{info['loadavg_start'][0]:.2f}/{info['loadavg_start'][1]:.2f}/{info['loadavg_start'][2]:.2f}, "
+          f"end {info['loadavg_end'][0]:.2f}/{info['loadavg_end'][1]:.2f}/{info['loadavg_end'][2]:.2f}; " f"wall {info['wall_seconds']}s")
+    print(f"model: {mod['params'] / 1e6:.1f}M params (dim {mod['dim']}, " f"{mod['layers']} layers), seq {mod['seq_len']}, global batch {mod['global_batch']}; "
           f"state (params + exp_avg + exp_avg_sq) {mod['state_bytes_all_ranks'] / 1e9:.3f} GB across ranks "
-          f"({', '.join(f'{b / 1e6:.0f}' for b in mod['state_bytes_per_rank'])} MB per rank); median step {out['step_seconds_median']:.3f}s")
+          f"({', '.join(f'{b / 1e6:.0f}' for b in mod['state_bytes_per_rank'])} " f"MB per rank); median step {out['step_seconds_median']:.3f}s")
     print(f"command: {info['command']}")
     print()
     rows = [
@@ -461,7 +461,7 @@ def print_report(out: dict) -> None:
     print(table(["training thread blocked per checkpoint", "median s", "samples s", "÷ sync", "÷ copy floor"], rows))
     print()
     rows = [
-        [f"{out['model']['global_batch']}×{out['model']['seq_len']} tokens/step, block of steps without checkpoint (A)", f"{m['block_A']:.2f}", fmt(s["block_A"])],
+        [f"{out['model']['global_batch']}×{out['model']['seq_len']} " "tokens/step, block of steps without checkpoint (A)", f"{m['block_A']:.2f}", fmt(s["block_A"])],
         ["same block with one async checkpoint (B), incl. finish()", f"{m['block_B']:.2f}", fmt(s["block_B"])],
         ["  of which finish() at block end", f"{m['B_finish_wait']:.2f}", fmt(s["B_finish_wait"])],
         ["CPU seconds (both ranks, all threads) in A", f"{m['cpu_A']:.2f}", fmt(s["cpu_A"])],
@@ -487,19 +487,19 @@ def print_report(out: dict) -> None:
                      "extra vs A's median step", "other steps s", "CPU s"], rows))
         print()
     cs = out["cold_save"]
-    print(f"first (cold) async save, not in the medians: stall {cs['stall']:.3f}s (call {cs['call']:.3f}, staging wait {cs['staging_wait']:.3f})")
+    print(f"first (cold) async save, not in the medians: stall {cs['stall']:.3f}s " f"(call {cs['call']:.3f}, staging wait {cs['staging_wait']:.3f})")
     print()
-    print(f"targets (issue #3): async ≤ 0.05 × sync: {r['async_over_sync']:.3f} (÷ sync without CRC32s: {r['async_over_sync_nocrc']:.3f}) {'met' if r['async_over_sync'] <= 0.05 else 'MISSED'}; "
+    print(f"targets (issue #3): async ≤ 0.05 × sync: {r['async_over_sync']:.3f} (÷ sync without CRC32s: " f"{r['async_over_sync_nocrc']:.3f}) {'met' if r['async_over_sync'] <= 0.05 else 'MISSED'}; "
           f"async ≤ 2 × floor: {r['async_over_floor']:.2f} {'met' if r['async_over_floor'] <= 2 else 'MISSED'}; "
-          f"throughput ratio ≥ 0.97: {r['throughput_ckpt_over_none']:.3f} {'met' if r['throughput_ckpt_over_none'] >= 0.97 else 'MISSED'}")
+          f"throughput ratio ≥ 0.97: {r['throughput_ckpt_over_none']:.3f} " f"{'met' if r['throughput_ckpt_over_none'] >= 0.97 else 'MISSED'}")
     peers = {k: v for k, v in m.items() if k.startswith("stall_B:torchtitan")}
     if peers:
         best = min(peers.values())
         ours = m["stall_B:thread"] if "stall_B:thread" in m else m["async_stall"]
         extra = m.get("after_B:thread", float("nan")) - m["step_A"]
-        print(f"targets (issue #14): blocked ≤ 0.005 × sync: {ours / m['sync']:.4f} {'met' if ours / m['sync'] <= 0.005 else 'MISSED'}; "
+        print("targets (issue #14): blocked ≤ 0.005 × sync: " f"{ours / m['sync']:.4f} {'met' if ours / m['sync'] <= 0.005 else 'MISSED'}; "
               f"≤ 0.5 × best peer ({best:.3f}s): {ours / best:.2f} {'met' if ours / best <= 0.5 else 'MISSED'}; "
-              f"extra time of the overlapped step ≤ 0.25 × sync: {extra / m['sync']:.2f} {'met' if extra / m['sync'] <= 0.25 else 'MISSED'}")
+              "extra time of the overlapped step ≤ 0.25 × sync: " f"{extra / m['sync']:.2f} {'met' if extra / m['sync'] <= 0.25 else 'MISSED'}")
 
 
 if __name__ == "__main__":

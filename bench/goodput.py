@@ -99,7 +99,7 @@ def print_sweep(results: list[dict]) -> None:
             ratio = f"{r['goodput'] / best:.3f}" if best and r["goodput"] is not None else "-"
             g = f"{r['goodput']:.3f}" if r["goodput"] is not None else "-"
             chose = " → ".join(str(c) for c in r["chosen"]) if r["interval"] == "auto" else ""
-            print(f"| {rate:.0f} s | {r['interval']} | {r['kills']} | {r['steps']} | {r['commits']} | {r['recompute_seconds']:.1f} s "
+            print(f"| {rate:.0f} s | {r['interval']} | {r['kills']} | " f"{r['steps']} | {r['commits']} | {r['recompute_seconds']:.1f} s "
                   f"({r['recompute_steps']} steps) | {g} | {ratio} | {chose} |")
 
 

@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from elastic_trainer.checkpoint import integrity  # noqa: E402
+from elastic_trainer.checkpoint import integrity
 
 
 def make_state(mb: int) -> dict:

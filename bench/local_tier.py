@@ -115,8 +115,8 @@ def main() -> int:
     info["loadavg_end"] = loadavg()
     med = {k: median(v) for k, v in samples.items()}
     print()
-    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; load average start {info['loadavg_start'][0]:.2f}, end {info['loadavg_end'][0]:.2f}")
-    print(f"checkpoint: {nbytes / 1e6:.0f} MB in {a.tensors} tensors, one rank; local tier in {local_dir if a.local_dir else ('/dev/shm' if local_dir.startswith('/dev/shm') else 'the temp dir')}; medians of {a.rounds} rounds")
+    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; " f"load average start {info['loadavg_start'][0]:.2f}, end {info['loadavg_end'][0]:.2f}")
+    print(f"checkpoint: {nbytes / 1e6:.0f} MB in {a.tensors} tensors, " "one rank; local tier in " f"{local_dir if a.local_dir else ('/dev/shm' if local_dir.startswith('/dev/shm') else 'the temp dir')}; " f"medians of {a.rounds} rounds")
     print(table(["measure", "seconds", "MB/s"], [[k, f"{v:.3f}", f"{nbytes / 1e6 / v:.0f}"] for k, v in med.items()]))
     ratios = {
         "load local ÷ load remote": med["load: local"] / med["load: remote"],

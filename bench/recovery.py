@@ -97,15 +97,24 @@ def run_mode(a, warm: bool) -> dict:
             since = max(time.time(), last_restart + a.kill_gap - 15)
             while time.time() < since:
                 time.sleep(0.5)
-            c = runs.wait_event(run_dir, "checkpoint_committed", 600, proc, where=lambda r: r["time"] > since)
+            c = runs.wait_event(run_dir, "checkpoint_committed", 600, proc, where=lambda r, since=since: r["time"] > since)
             # Kill a few steps after a commit (the typical case is mid-interval; lost work is reported apart).
-            runs.wait_event(run_dir, "step", 300, proc, where=lambda r: r["step"] >= c["step"] + 3 and r["time"] >= last_restart + a.kill_gap)
+            min_step, not_before = c["step"] + 3, last_restart + a.kill_gap
+            runs.wait_event(
+                run_dir, "step", 300, proc,
+                where=lambda r, min_step=min_step, not_before=not_before: r["step"] >= min_step and r["time"] >= not_before,
+            )
             victim = runs.worker_pids(proc.pid)[-1]
             killed_at = time.time()
             os.kill(victim, signal.SIGKILL)
-            runs.wait_event(run_dir, "resume", 300, proc, where=lambda r: r["time"] > killed_at)
-            runs.wait_event(run_dir, "step", 300, proc, where=lambda r: r["time"] > killed_at and r["step"] > 0 and any(
-                e["event"] == "resume" and killed_at < e["time"] < r["time"] for e in runs.read_events(run_dir, "resume")))
+            runs.wait_event(run_dir, "resume", 300, proc, where=lambda r, killed_at=killed_at: r["time"] > killed_at)
+
+            def stepped_after_resume(r, killed_at=killed_at):
+                return r["time"] > killed_at and r["step"] > 0 and any(
+                    e["event"] == "resume" and killed_at < e["time"] < r["time"] for e in runs.read_events(run_dir, "resume")
+                )
+
+            runs.wait_event(run_dir, "step", 300, proc, where=stepped_after_resume)
             last_restart = time.time()
             res = breakdown(runs.read_events(run_dir), killed_at)
             res["ratio"] = res["total"] / cold_start

@@ -136,7 +136,7 @@ def main() -> int:
     for v in variants:
         rs = [r["recovery_s"] for r in results if r["variant"] == v]
         rows.append([v, f"{median(rs):.2f}", ", ".join(f"{x:.2f}" for x in rs), f"{median(rs) / ref:.2f}"])
-    print(f"\nmachine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; load {info['loadavg_start'][0]:.2f} → {info['loadavg_end'][0]:.2f}")
+    print(f"\nmachine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; " f"load {info['loadavg_start'][0]:.2f} → {info['loadavg_end'][0]:.2f}")
     print(f"command: {info['command']}\n")
     print(table(["variant", "recovery s (median)", "per run", "÷ torchrun"], rows))
     if a.json_out:

@@ -49,7 +49,7 @@ def start_seaweedfs(root: Path):
     config = root / "s3.json"
     fx._write_identity(config, ak, sk)
     names = ["master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc", "admin", "admin_grpc"]
-    ports = dict(zip(names, free_ports(len(names))))
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
     proc = start_process(fx._weed_argv(weed, root, config, ports), root / "weed.log", cwd=root)
     server = fx.S3Server(endpoint_url=f"http://{fx.LOOPBACK}:{ports['s3']}", access_key=ak, secret_key=sk, region=fx.REGION,
                          data_dir=root / "data", log_path=root / "weed.log", pid=proc.pid, ports=ports)
@@ -150,8 +150,8 @@ def main() -> int:
     info["loadavg_end"] = loadavg()
     mbps = {k: nbytes / 1e6 / median(v) for k, v in samples.items()}
     print()
-    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; load average start {info['loadavg_start'][0]:.2f}, end {info['loadavg_end'][0]:.2f}")
-    print(f"payload: {nbytes / 1e6:.0f} MB in {a.tensors} tensors; {a.rounds} rounds; command: python {' '.join(sys.argv)}")
+    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; " f"load average start {info['loadavg_start'][0]:.2f}, end {info['loadavg_end'][0]:.2f}")
+    print(f"payload: {nbytes / 1e6:.0f} MB in {a.tensors} tensors; " f"{a.rounds} rounds; command: python {' '.join(sys.argv)}")
     rows = [["raw s3fs pipe_file / cat_file", f"{mbps['raw:put']:.0f}", f"{mbps['raw:get']:.0f}", "1.000", "1.000"]]
     for v in a.variants.split(","):
         rows.append([f"ours ({v}): dcp.save / dcp.load, checksummed", f"{mbps[v + ':put']:.0f}", f"{mbps[v + ':get']:.0f}",

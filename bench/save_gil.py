@@ -1,7 +1,7 @@
 """Where a worker's threads hold the interpreter lock while checkpoints are written (py-spy).
 
-    python bench/save_gil.py [--variants 1:omp1,2,1:omp1:process] [--seconds 25] [--rate 250] [--config configs/demo-cpu.toml]
-                             [--set k=v ...] [--json-out F]
+    python bench/save_gil.py [--variants 1:omp1,2,1:omp1:process] [--seconds 25] [--rate 250]
+                             [--config configs/demo-cpu.toml] [--set k=v ...] [--json-out F]
 
 Needs ``py-spy`` (``pip install py-spy``) and permission to ptrace the workers. For each
 variant (``N[:ompK][:process]``, as in ``bench/throughput.py``) runs the user's command
@@ -150,7 +150,7 @@ def one_variant(config: str, variant: str, a) -> dict:
 
 def print_variant(r: dict) -> None:
     g, w = r["gil"], r["idle"]
-    print(f"\n### {r['variant']}: GIL samples {g['total']} in {g['seconds']}s ({g['saves_in_window']} saves); wall samples {w['total']} ({w['saves_in_window']} saves)")
+    print(f"\n### {r['variant']}: GIL samples {g['total']} in {g['seconds']}s ({g['saves_in_window']} saves); " f"wall samples {w['total']} ({w['saves_in_window']} saves)")
     rows = []
     for role in sorted(g["by_role"], key=lambda k: -g["by_role"][k]):
         cats = sorted(g["by_category"][role].items(), key=lambda kv: -kv[1])
@@ -179,7 +179,7 @@ def main() -> int:
     info["command"] = " ".join(["python", *sys.argv])
     results = [one_variant(a.config, v, a) for v in a.variants.split(",")]
     info["loadavg_end"] = loadavg()
-    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; load {info['loadavg_start'][0]:.2f} → {info['loadavg_end'][0]:.2f}")
+    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; " f"load {info['loadavg_start'][0]:.2f} → {info['loadavg_end'][0]:.2f}")
     print(f"command: {info['command']}")
     for r in results:
         print_variant(r)

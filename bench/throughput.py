@@ -230,8 +230,8 @@ def main() -> int:
             r = one_run(a.config, v, a.steps, a.skip, a.overrides, a.max_seconds)
             r["repeat"] = rep
             results.append(r)
-            print(f"repeat {rep + 1} {v} ({r['steps']} steps{', stopped' if r['stopped_early'] else ''}): {r['tokens_per_s_median']:,.0f} tok/s (step median), {r['wall_tokens_per_s']:,.0f} tok/s (wall), "
-                  f"peak RSS {', '.join(f'rank {k} {v / 2**20:.0f} MiB' for k, v in sorted(r['peak_rss_by_rank'].items()))}", flush=True)
+            print(f"repeat {rep + 1} {v} ({r['steps']} steps{', stopped' if r['stopped_early'] else ''}): " f"{r['tokens_per_s_median']:,.0f} tok/s (step median), {r['wall_tokens_per_s']:,.0f} tok/s (wall), "
+                  "peak RSS " f"{', '.join(f'rank {k} {v / 2**20:.0f} MiB' for k, v in sorted(r['peak_rss_by_rank'].items()))}", flush=True)
     info["loadavg_end"] = loadavg()
     info["wall_seconds"] = round(time.monotonic() - t0, 1)
     summary = {}
@@ -253,9 +253,9 @@ def main() -> int:
             "overlapped_step_ratio": median(r["overlapped_step_ratio"] for r in rs),
         }
     print()
-    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), {info['mem_total_gib']} GiB, torch {info['torch']}, python {info['python']}")
-    print(f"load average start {'/'.join(f'{x:.2f}' for x in info['loadavg_start'])}, end {'/'.join(f'{x:.2f}' for x in info['loadavg_end'])}; wall {info['wall_seconds']}s")
-    print(f"command: {info['command']}  ({a.repeats} runs per worker count, {a.steps} steps each, first {a.skip} left out)")
+    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), " f"{info['mem_total_gib']} GiB, torch {info['torch']}, python {info['python']}")
+    print(f"load average start {'/'.join(f'{x:.2f}' for x in info['loadavg_start'])}, " f"end {'/'.join(f'{x:.2f}' for x in info['loadavg_end'])}; wall {info['wall_seconds']}s")
+    print(f"command: {info['command']}  ({a.repeats} runs per worker count, " f"{a.steps} steps each, first {a.skip} left out)")
     print()
     rows = []
     base = summary[variants[0]]["tokens_per_s"]

@@ -121,8 +121,8 @@ def main() -> int:
     info["loadavg_end"] = loadavg()
     gb = nbytes / 1e9
     print()
-    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; load average start {info['loadavg_start'][0]:.2f}, end {info['loadavg_end'][0]:.2f}")
-    print(f"payload: {nbytes / 1e6:.0f} MB in {a.tensors} tensors, local disk; {a.rounds} rounds; command: python {' '.join(sys.argv)}")
+    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; " f"load average start {info['loadavg_start'][0]:.2f}, end {info['loadavg_end'][0]:.2f}")
+    print(f"payload: {nbytes / 1e6:.0f} MB in {a.tensors} tensors, " f"local disk; {a.rounds} rounds; command: python {' '.join(sys.argv)}")
     base = median(cpu["torch-default"]) / gb
     rows = [[v, f"{median(cpu[v]) / gb:.3f}", ", ".join(f"{x / gb:.3f}" for x in cpu[v]), f"{median(cpu[v]) / gb / base:.2f}", f"{median(wall[v]) / gb:.3f}"] for v in VARIANTS]
     print(table(["writer", "CPU-s per GB (median)", "samples", "÷ torch default", "wall s per GB"], rows))

@@ -34,8 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     # launch and run are parsed by their own parsers (every torchrun option): see main().
-    sub.add_parser("launch", help="run this node's supervisor (torchrun's elastic agent) for the built-in trainer: launch CONFIG [--set k=v] [torchrun options]", add_help=False)
-    sub.add_parser("run", help="run any script under the supervisor: run [--config F] [--set k=v] [torchrun options] SCRIPT.py|-m MODULE [args]", add_help=False)
+    sub.add_parser("launch", help="run this node's supervisor (torchrun's elastic agent) for the " "built-in trainer: launch CONFIG [--set k=v] [torchrun options]", add_help=False)
+    sub.add_parser("run", help="run any script under the supervisor: run [--config F] " "[--set k=v] [torchrun options] SCRIPT.py|-m MODULE [args]", add_help=False)
 
     p = sub.add_parser("store", help="host the c10d rendezvous store that the nodes' agents join (outlives any node)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     c = csub.add_parser("check", help="validate CONFIG and print the resolved values (exit 2 naming the key)")
     _add_config_args(c)
     c.add_argument("--deep", action="store_true", help="also run every check launch runs before workers start, with its exit codes: import and build "
-                   "the model factory, open the data source (a text source is packed into data.cache_dir), reach checkpoint.dir, read and verify "
+                   "the model factory, open the data source (a text source is packed " "into data.cache_dir), reach checkpoint.dir, read and verify "
                    "the newest commit's manifest against the model and the run's settings")
 
     p = sub.add_parser("data", help="data set tools")
@@ -74,15 +74,15 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--step", type=int, help=step_help)
     k.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the exported weights (default fp32)")
     k.add_argument("--endpoint-url", default="", help=endpoint_help)
-    k.add_argument("--hf", metavar="CONFIG", help="write a Hugging Face folder at --out (config.json + model.safetensors) for the model of training config CONFIG")
-    k = ksub.add_parser("release", help="re-verify a quarantined checkpoint (seal, sizes, every byte's checksum) and lift its quarantine; refused while its bytes are bad")
+    k.add_argument("--hf", metavar="CONFIG", help="write a Hugging Face folder at --out (config.json + " "model.safetensors) for the model of training config CONFIG")
+    k = ksub.add_parser("release", help="re-verify a quarantined checkpoint (seal, sizes, every byte's " "checksum) and lift its quarantine; refused while its bytes are bad")
     k.add_argument("uri", metavar="URI", help=uri_help)
     k.add_argument("--step", type=int, required=True, help="the quarantined checkpoint's step (its newest quarantined directory)")
     k.add_argument("--endpoint-url", default="", help=endpoint_help)
 
     p = sub.add_parser("report", help="summarise a run (goodput, restarts) from its run directory or its checkpoint root, and plot it")
-    p.add_argument("run_dir", metavar="RUN_DIR|CHECKPOINT_ROOT", help="run.dir (events.jsonl), or checkpoint.dir (local, file:// or s3://: the event logs mirrored under _events/)")
-    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png; ./report.png for a checkpoint root; with --json: no plot unless given)")
+    p.add_argument("run_dir", metavar="RUN_DIR|CHECKPOINT_ROOT", help="run.dir (events.jsonl), or checkpoint.dir (local, " "file:// or s3://: the event logs mirrored under _events/)")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png; ./report.png for " "a checkpoint root; with --json: no plot unless given)")
     p.add_argument("--endpoint-url", default="", help="S3 endpoint for an s3:// checkpoint root (default: FSSPEC_S3_ENDPOINT_URL / AWS settings)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (writes nothing unless --out is given)")
     return ap
@@ -145,7 +145,7 @@ def _launch(argv: list[str], zygote) -> int:
     a, explicit = options.parse_explicit(options.launch_parser(), argv)
     bad = [f"--{d.replace('_', '-')}" for d in options.SCRIPT_ONLY if getattr(a, d)]
     if bad:
-        raise ConfigError(bad[0], "launch runs the built-in trainer (python -m elastic_trainer.worker.main); use 'elastic-trainer run' for a script")
+        raise ConfigError(bad[0], "launch runs the built-in trainer (python -m elastic_trainer.worker.main); " "use 'elastic-trainer run' for a script")
     cfg = load_config(a.config, a.overrides)
     config, cmd, cmd_args = _trainer_launch_config(cfg, a, explicit)
     _check_before_start(cfg)
@@ -273,7 +273,7 @@ def _cmd_ckpt(a) -> int:
         rows = tools.list_checkpoints(a.uri, a.endpoint_url)
         print(f"{'step':>10} {'name':<18} {'status':<11} {'world':>5} {'bytes':>14}  problem")
         for r in rows:
-            print(f"{r['step']:>10} {r['name']:<18} {r['status']:<11} {str(r['world_size'] or '-'):>5} {r['bytes']:>14,}  {r['problem'] or ''}")
+            print(f"{r['step']:>10} {r['name']:<18} {r['status']:<11} " f"{str(r['world_size'] or '-'):>5} {r['bytes']:>14,}  {r['problem'] or ''}")
         return 0
     if a.ckpt_cmd == "inspect":
         json.dump(tools.inspect_checkpoint(a.uri, a.step, a.endpoint_url), sys.stdout, indent=2)

@@ -7,11 +7,18 @@ only repeat them, so the supervisor does not restart the group for them.
 
 OK = 0
 FAILED = 1
-CONFIG = 2  # bad input, named: configuration, storage, or a checkpoint the code cannot take (or none of its commits loads); nothing quarantined or written
-NONFINITE = 65  # EX_DATAERR: non-finite loss or gradient norm (train.on_nonfinite = "stop"), nothing after the last finite step committed
-FINAL_SAVE_FAILED = 74  # EX_IOERR: training reached its last step but the final checkpoint was not committed (failed or past checkpoint.save_timeout_seconds; event final_checkpoint_failed); a restart resumes from the previous commit
+# bad input, named: configuration, storage, or a checkpoint the code cannot take (or none of its commits loads); nothing
+# quarantined or written
+CONFIG = 2
+# EX_DATAERR: non-finite loss or gradient norm (train.on_nonfinite = "stop"), nothing after the last finite step
+# committed
+NONFINITE = 65
+# EX_IOERR: training reached its last step but the final checkpoint was not committed (failed or past
+# checkpoint.save_timeout_seconds; event final_checkpoint_failed); a restart resumes from the previous commit
+FINAL_SAVE_FAILED = 74
 FENCED = 73  # EX_CANTCREAT: a newer launch owns the checkpoint root; this one stopped without committing
 PREEMPTED = 75  # EX_TEMPFAIL: preemption checkpoint of the final step committed; requeue/restart resumes from it
-PREEMPTED_UNCOMMITTED = 76  # preempted, final checkpoint not committed (grace budget missed); resume uses the previous commit
+# preempted, final checkpoint not committed (grace budget missed); resume uses the previous commit
+PREEMPTED_UNCOMMITTED = 76
 
 TERMINAL = frozenset({CONFIG, NONFINITE, FENCED})

@@ -38,8 +38,9 @@ from __future__ import annotations
 import statistics
 from array import array
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 CATEGORIES = ("productive", "recompute", "restart", "rendezvous", "startup", "checkpoint_load", "checkpoint_stall", "preemption_save", "idle")
 

@@ -11,7 +11,13 @@ import tempfile
 from .checkpoint import layout
 from .checkpoint.catalog import Catalog, ResumePlan
 from .config import Config, check_run_identity
-from .errors import CheckpointIncompatibleError, CheckpointMismatchError, ConfigError, NoUsableCheckpointError, StorageError
+from .errors import (
+    CheckpointIncompatibleError,
+    CheckpointMismatchError,
+    ConfigError,
+    NoUsableCheckpointError,
+    StorageError,
+)
 from .storage.fs import open_storage
 
 logger = logging.getLogger(__name__)

@@ -26,8 +26,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict
-from typing import Any, Iterable
+from typing import Any
 
 from . import contract, exit_codes
 from .events import read_events
@@ -105,7 +106,7 @@ def render_text(s: dict[str, Any], run_dir: str = "") -> str:
         f"run {run_dir}: {s['status']} at step {s['steps']} ({s['tokens']:,} tokens){loss}",
         f"restarts {s['restarts']}" + (f" ({reasons})" if reasons else "")
         + f", reshards {s['reshards']}, world sizes {s['world_sizes'] or '-'}",
-        f"checkpoints {s['checkpoints_committed']} committed, {s['checkpoint_failures']} failed, last committed step {s['last_committed_step']}",
+        f"checkpoints {s['checkpoints_committed']} committed, " f"{s['checkpoint_failures']} failed, last committed step {s['last_committed_step']}",
         f"wall {wall:.1f} s = productive {g['productive_seconds']:.1f} s ({_pct(g['productive_seconds'], wall)})"
         f" + recomputed {g['recompute_seconds']:.1f} s ({g['recompute_steps']} steps)"
         f" + restart/rendezvous/load {g['interruption_seconds']:.1f} s (load {g['load_seconds']:.1f} s)"
@@ -169,7 +170,7 @@ def closing_summary(run_dir: str, checkpoint_dir: str, target_steps: int, exit_c
     launch = shlex.join([prog, "launch", *launch_args])
     if exit_code == exit_codes.OK:
         args = _without_override(launch_args, "train.steps")
-        again = f"  train longer: {shlex.join([prog, 'launch', *args, '--set', 'train.steps=N'])}   (continues from step {committed})"
+        again = f"  train longer: {shlex.join([prog, 'launch', *args, '--set', 'train.steps=N'])} " f"  (continues from step {committed})"
     else:
         again = f"  resume:      {launch}   (continues from the newest commit)"
     return "\n".join([
@@ -178,7 +179,7 @@ def closing_summary(run_dir: str, checkpoint_dir: str, target_steps: int, exit_c
         f"  checkpoints: {checkpoint_dir}"
         + (f" (newest commit: step {committed})" if committed is not None else " (none committed by this launch)")
         + f"; list them: {shlex.join([prog, 'ckpt', 'list', checkpoint_dir])}",
-        f"  report:      {shlex.join([prog, 'report', run_dir])}   (loss curve, restarts, goodput -> {os.path.join(run_dir, 'report.png')})",
+        f"  report:      {shlex.join([prog, 'report', run_dir])}   (loss curve, " f"restarts, goodput -> {os.path.join(run_dir, 'report.png')})",
         again,
     ])
 
@@ -231,7 +232,7 @@ def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
     g = summary["goodput"]
     gp = f"{100 * g['goodput']:.1f}%" if g["goodput"] is not None else "unknown"
     ax.set_title(
-        f"{summary['status']} at step {summary['steps']} | {summary['tokens']:,} tokens | restarts {summary['restarts']} | "
+        f"{summary['status']} at step {summary['steps']} | " f"{summary['tokens']:,} tokens | restarts {summary['restarts']} | "
         f"reshards {summary['reshards']} | checkpoints {summary['checkpoints_committed']} | goodput {gp}",
         fontsize=10,
     )

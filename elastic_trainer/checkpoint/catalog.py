@@ -70,8 +70,8 @@ class ResumePlan:
             listed = "; ".join(f"{n} ({r})" for n, r in self.unusable[:5]) + (f"; and {len(self.unusable) - 5} more" if len(self.unusable) > 5 else "")
             return (
                 f"{len(self.unusable)} committed checkpoint(s) of this run exist but none can be loaded: {listed}. "
-                "Not starting over from step 0. Ways forward: 'elastic-trainer ckpt release URI --step N' re-verifies a "
-                "quarantined checkpoint and lifts the quarantine if its bytes are good; a missing file may be storage that "
+                "Not starting over from step 0. Ways forward: " "'elastic-trainer ckpt release URI --step N' re-verifies a "
+                "quarantined checkpoint and lifts the quarantine if " "its bytes are good; a missing file may be storage that "
                 "has not caught up (start again later); or start a new run: another checkpoint.dir, or "
                 "checkpoint.resume = \"none\" for this launch"
             )
@@ -304,13 +304,13 @@ class Catalog:
                 table = json.loads(self.storage.read_bytes(self.storage.join(name, integrity.CHECKSUMS)))
                 written = table["files"]
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"cannot commit {name}: no readable {integrity.CHECKSUMS} from DCP's writer ({type(e).__name__}: {e})") from e
+                raise CheckpointError(f"cannot commit {name}: no readable {integrity.CHECKSUMS} " f"from DCP's writer ({type(e).__name__}: {e})") from e
             listed = self.storage.list_files(d)
             problem = layout.commit_problem(written, listed)
             if problem is None and self.epoch and layout.WRITER in listed:
                 writer = self._read_marker(name, layout.WRITER, listed) or {}
                 if writer.get("epoch") != self.epoch:  # two launches wrote one directory: mixed files
-                    problem = f"directory is being written by another launch (epoch {writer.get('epoch')!r}, ours {self.epoch})"
+                    problem = "directory is being written by another launch " f"(epoch {writer.get('epoch')!r}, ours {self.epoch})"
             if problem:
                 raise CheckpointError(f"cannot commit {name}: {problem}")
             manifest = layout.build_manifest(

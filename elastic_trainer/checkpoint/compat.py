@@ -39,7 +39,8 @@ class Report:
     problems: dict[str, list[str]] = field(default_factory=dict)
     added: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
-    absent: list[str] = field(default_factory=list)  # optional Statefuls the checkpoint has nothing of: not loaded at all
+    # optional Statefuls the checkpoint has nothing of: not loaded at all
+    absent: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -49,7 +50,7 @@ class Report:
         self.problems.setdefault(group, []).append(line)
 
     def message(self, name: str) -> str:
-        lines = [f"checkpoint {name} does not fit the state this code registers (the checkpoint is intact; nothing was quarantined or changed):"]
+        lines = [f"checkpoint {name} does not fit the state this code registers " "(the checkpoint is intact; nothing was quarantined or changed):"]
         for group in sorted(self.problems):
             items = self.problems[group]
             shown = items[:SHOWN_PER_GROUP]
@@ -104,7 +105,7 @@ def check(states: dict[str, Any], metadata, manifest: dict[str, Any], world_size
         if isinstance(was, dict) and isinstance(now, dict):
             for n in sorted(set(was) | set(now)):
                 if was.get(n) != now.get(n):
-                    report.add(key, f"{n}: the checkpoint holds {was.get(n) or 'nothing'}, the code registers {now.get(n) or 'nothing'}")
+                    report.add(key, f"{n}: the checkpoint holds {was.get(n) or 'nothing'}, " f"the code registers {now.get(n) or 'nothing'}")
         else:
             report.add(key, f"the checkpoint holds {_type_name(was)}, the code registers {_type_name(now)}")
     for key in sorted(saved_tops - set(states)):
@@ -120,7 +121,7 @@ def check(states: dict[str, Any], metadata, manifest: dict[str, Any], world_size
                 report.absent.append(key)
             else:
                 keys = ", ".join(sorted(expected)[:SHOWN_PER_GROUP]) or key
-                report.add(key, f"not in the checkpoint: {keys} (registered since it was written? set optional_on_load = True on it)")
+                report.add(key, f"not in the checkpoint: {keys} (registered since " "it was written? set optional_on_load = True on it)")
             continue
         mine = {k: v for k, v in saved.items() if k.partition(".")[0] == key}
         for k in sorted(set(expected) - set(mine)):
@@ -148,7 +149,7 @@ def _check_per_rank(report: Report, key: str, obj: Any, present: bool, saved_wor
     if saved_world != world_size and getattr(obj, "can_reshard", True) is False:
         report.add(
             key,
-            f"per-rank state saved by {saved_world} ranks cannot be loaded by {world_size}: a rank's copy has no owner at "
+            f"per-rank state saved by {saved_world} ranks cannot be " f"loaded by {world_size}: a rank's copy has no owner at "
             "another world size; give the object a reshard_state_dict(saved, rank, world_size) method, or resume at "
             f"world size {saved_world}",
         )

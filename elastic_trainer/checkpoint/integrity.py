@@ -1,12 +1,13 @@
 """Checksummed DCP writers and verifying readers: the one home of torch-private checkpoint APIs.
 
 Every byte DCP writes is hashed (XXH3-64, ~4.6 GB/s per core here, over the buffers DCP hands
-out, without a copy) *as it is written*, never re-read: the writer's file system is wrapped so each output stream hashes its bytes, cut into
-segments at every ``tell()``. DCP calls ``tell()`` exactly before and after each item it writes
-(``filesystem._write_item``), so each item's bytes are one segment. Each rank's write results
-carry their item checksums to the coordinator, which strips them before writing a plain DCP
-``.metadata`` (torch's own readers and ``format_utils`` read the checkpoint unchanged) and then
-writes ``.checksums.json``: per file its size, XXH3 and the (offset, length, xxh3) of every item.
+out, without a copy) *as it is written*, never re-read: the writer's file system is wrapped so
+each output stream hashes its bytes, cut into segments at every ``tell()``. DCP calls ``tell()``
+exactly before and after each item it writes (``filesystem._write_item``), so each item's bytes
+are one segment. Each rank's write results carry their item checksums to the coordinator, which
+strips them before writing a plain DCP ``.metadata`` (torch's own readers and ``format_utils`` read
+the checkpoint unchanged) and then writes ``.checksums.json``: per file its size, XXH3 and the
+(offset, length, xxh3) of every item.
 The commit (``catalog``) turns that table into the manifest.
 
 Reading verifies every byte it reads: ``.metadata`` is checked against the manifest *before* it
@@ -177,7 +178,7 @@ class _ChecksummedWrites:
                 seg = (0, 0)
             if rec is None or seg is None or seg[0] != info.length:
                 raise CheckpointIntegrityError(
-                    f"cannot checksum item {wr.index.fqn} in {info.relative_path}: DCP's write pattern changed (see checkpoint/integrity.py)"
+                    f"cannot checksum item {wr.index.fqn} in {info.relative_path}: " "DCP's write pattern changed (see checkpoint/integrity.py)"
                 )
             out.append(WriteResult(index=wr.index, size_in_bytes=wr.size_in_bytes, storage_data=_Checked(info, seg[1], rec.size, rec.digest)))
         fut: torch.futures.Future = torch.futures.Future()
@@ -245,7 +246,7 @@ class Checks:
     items: dict[tuple[str, int], tuple[int, int]]  # (file, offset) -> (length, xxh3)
 
     @classmethod
-    def from_manifest(cls, manifest: dict[str, Any]) -> "Checks":
+    def from_manifest(cls, manifest: dict[str, Any]) -> Checks:
         files = manifest.get("files") or {}
         meta = files.get(METADATA) or {}
         items = {}

@@ -280,9 +280,9 @@ def compare_shapes(saved: dict[str, tuple[int, ...]], ours: dict[str, tuple[int,
     """First difference between checkpoint and model tensors."""
     for k in sorted(ours):
         if k not in saved:
-            return k, f"the model has {k} {list(ours[k])} but the checkpoint of step {step} does not (different architecture)"
+            return k, f"the model has {k} {list(ours[k])} but the checkpoint " f"of step {step} does not (different architecture)"
         if saved[k] != ours[k]:
-            return k, f"shape {list(saved[k])} in the checkpoint of step {step}, {list(ours[k])} in the model (different architecture)"
+            return k, f"shape {list(saved[k])} in the checkpoint of step {step}, " f"{list(ours[k])} in the model (different architecture)"
     extra = sorted(k for k in saved if k.startswith("model.") and k not in ours)
     if extra:
         return extra[0], f"the checkpoint of step {step} has {extra[0]}, which the model does not (different architecture)"

@@ -87,7 +87,7 @@ class SchedulerState(Stateful):
             s.last_epoch = int(state_dict["last_epoch"])
             lrs = [float(x) for x in state_dict["last_lr"].tolist()]
             s._last_lr = lrs  # noqa: SLF001 - LRScheduler keeps it here
-        for group, lr in zip(s.optimizer.param_groups, lrs):
+        for group, lr in zip(s.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
 
 
@@ -331,11 +331,11 @@ class DataViewState(Stateful):
 def read_data_view(storage_reader) -> list[dict] | None:
     """The data view recorded in a checkpoint (None if it has none), read without a process
     group: for checks before any worker starts."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
     from .load_planner import load_planner
-
-    import warnings
 
     states = {"data": DataViewState()}
     with warnings.catch_warnings():  # torch warns that it loads in one process: that is the point here

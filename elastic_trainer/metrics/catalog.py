@@ -117,7 +117,7 @@ CATALOG: tuple[Metric, ...] = (
     _g(
         "elastic_trainer_wall_seconds",
         "Wall time of the run so far (its whole event log, across restarts and relaunches), split by category: "
-        "productive, recompute, restart, rendezvous, startup, checkpoint_load, checkpoint_stall, preemption_save, idle.",
+        "productive, recompute, restart, rendezvous, startup, " "checkpoint_load, checkpoint_stall, preemption_save, idle.",
         scope="supervisor",
         labels=("category",),
     ),

@@ -184,7 +184,7 @@ class NodeCollector:
             for hook in self.before_collect:
                 try:
                     hook()
-                except Exception:  # noqa: BLE001 - a side channel never breaks the scrape
+                except Exception:  # a side channel never breaks the scrape (logged with its traceback)
                     logger.exception("metrics hook %r failed", hook)
             reap_exited_processes(self.path)
             return list(self._inner.collect())
@@ -231,11 +231,11 @@ def _version() -> str:
 
 
 def _torch_version() -> str:
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
         return version("torch")
-    except Exception:  # noqa: BLE001 - build info is best effort
+    except PackageNotFoundError:  # build info is best effort: a torch without package metadata
         return "unknown"
 
 

@@ -90,7 +90,7 @@ def causal_lm(cfg: ModelConfig) -> ModelSpec:
     transformers = _require_transformers()
     hf = load_hf_config(cfg.hf_config)
     if getattr(hf, "vocab_size", None) != cfg.vocab_size:
-        raise ConfigError("model.vocab_size", f"is {cfg.vocab_size} but {config_json_path(cfg.hf_config)} has vocab_size={getattr(hf, 'vocab_size', None)}: set them equal")
+        raise ConfigError("model.vocab_size", f"is {cfg.vocab_size} but {config_json_path(cfg.hf_config)} has " f"vocab_size={getattr(hf, 'vocab_size', None)}: set them equal")
     max_pos = getattr(hf, "max_position_embeddings", None)
     if max_pos is not None and cfg.seq_len > max_pos:
         raise ConfigError("model.seq_len", f"{cfg.seq_len} is longer than max_position_embeddings={max_pos} in {cfg.hf_config}")

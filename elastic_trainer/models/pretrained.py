@@ -18,7 +18,7 @@ import glob
 import logging
 import os
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import nn
 
@@ -50,7 +50,7 @@ def file_shapes(files: list[str], key: str = KEY) -> dict[str, tuple[int, ...]]:
     try:
         from safetensors import safe_open
     except ImportError:
-        raise ConfigError(key, "reading safetensors needs the safetensors package: install the hf extra: pip install -e '.[hf]' in the elastic-trainer clone") from None
+        raise ConfigError(key, "reading safetensors needs the safetensors package: " "install the hf extra: pip install -e '.[hf]' in the elastic-trainer clone") from None
     out: dict[str, tuple[int, ...]] = {}
     for f in files:
         try:
@@ -81,7 +81,7 @@ def plan(params: Mapping[str, tuple[int, ...]], tied: list[list[str]], buffers: 
             names.append(name)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ConfigError(key, f"the pretrained weights have no {', '.join(missing[:5])}{more}: they are not for this model (names must match the model's state_dict)")
+        raise ConfigError(key, f"the pretrained weights have no {', '.join(missing[:5])}{more}: " "they are not for this model (names must match the model's state_dict)")
     if wrong:
         raise ConfigError(key, f"shape mismatch: {'; '.join(wrong[:5])}")
     names += [n for n, shape in buffers.items() if n in available and tuple(available[n]) == tuple(shape)]

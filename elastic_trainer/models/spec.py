@@ -20,8 +20,8 @@ with floating-point buffers is refused (nothing would initialise them).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 from torch import nn

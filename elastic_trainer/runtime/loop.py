@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 import signal
 from collections import deque
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -17,9 +17,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -158,7 +159,7 @@ def resolve_config(config: str | os.PathLike | Config | dict | None = None, over
         have = base[section][key]
         if want is not None and _same_place(str(want)) != _same_place(str(have)):
             raise ConfigError(f"{section}.{key}", f"the script asks for {want!r}, its supervisor (elastic-trainer run/launch) uses {have!r}: "
-                                                  f"set it on the supervisor's command line (--set {section}.{key}={want}) or in its --config, not in the script")
+                                                  "set it on the supervisor's command line (--set " f"{section}.{key}={want}) or in its --config, not in the script")
     for section, values in mine.items():
         base.setdefault(section, {}).update(values if isinstance(values, dict) else {})
     return config_from_dict(base)
@@ -197,7 +198,7 @@ class Session:
         ck = self.checkpointer
         if ck is None or issubclass(exc_type, KeyboardInterrupt) or ck.manager.drain_after_failure():
             return
-        logger.error("rank %d: a save is still uploading after the failure; exiting without it (the previous commit stays the latest)", self.rank)
+        logger.error("rank %d: a save is still uploading after the failure; " "exiting without it (the previous commit stays the latest)", self.rank)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -231,7 +232,7 @@ class Session:
         with timer.expires(after=self.cfg.elastic.hang_timeout_seconds, scope=scope):
             yield
 
-    def shard(self, model: "torch.nn.Module", block_types: tuple[type, ...] | list[type]) -> "torch.nn.Module":
+    def shard(self, model: torch.nn.Module, block_types: tuple[type, ...] | list[type]) -> torch.nn.Module:
         """``fully_shard`` every module of ``block_types`` (bottom-up), then the root, over this
         session's mesh with the configured mixed precision, reducing gradients as a SUM: normalise
         the loss by the *global* batch and the gradient is the same at any world size."""

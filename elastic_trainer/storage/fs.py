@@ -18,8 +18,9 @@ import random
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 
@@ -88,7 +89,7 @@ def retry(fn: Callable[[], T], *, what: str, retries: int, base_delay: float = 0
             return fn()
         except FileNotFoundError:
             raise
-        except Exception as exc:  # noqa: BLE001 - classified below
+        except Exception as exc:  # classified below: re-raised as StorageError or TransientStorageError
             if not _is_transient(exc) or attempt >= retries:
                 cls = TransientStorageError if _is_transient(exc) else StorageError
                 raise cls(f"{what} failed after {attempt + 1} attempt(s): {type(exc).__name__}: {exc}") from exc

@@ -29,6 +29,7 @@ import threading
 import time
 
 from .. import contract
+from ..errors import StorageError
 from ..events import parse_record
 from ..goodput import CATEGORIES, Ledger
 from ..metrics.sink import MetricsSink, NullSink
@@ -144,7 +145,7 @@ class RunHistory:
                         name = self.storage.join(contract.EVENTS_MIRROR_DIR, segment_name(self.log_name, self._segment_seq))
                         try:
                             self.storage.write_bytes_atomic(name, data[:end])
-                        except Exception as e:  # noqa: BLE001
+                        except (StorageError, OSError) as e:  # the storage layer raises only these
                             logger.warning("could not mirror the event log to %s: %s", name, e)
                             return False
                         if not full:
@@ -155,12 +156,12 @@ class RunHistory:
                 return False
 
     # -- background ---------------------------------------------------------------------------
-    def start(self, interval: float = 1.0) -> "RunHistory":
+    def start(self, interval: float = 1.0) -> RunHistory:
         def loop():
             while not self._stop.wait(interval):
                 try:
                     self.poll()
-                except Exception:  # noqa: BLE001
+                except Exception:  # the poller outlives a failed poll (logged with its traceback)
                     logger.exception("run history poll failed")
 
         self._thread = threading.Thread(target=loop, name="run-history", daemon=True)

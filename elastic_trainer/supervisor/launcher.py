@@ -167,7 +167,8 @@ def _make_agent_class():
             from torch.distributed.elastic.agent.server.api import WorkerState
 
             if self._node_lost is not None:  # blocked in a collective with a silent peer: no grace helps
-                self._shutdown(death_sig=signal.SIGKILL, timeout=policy.FAILED_STOP_GRACE_SECONDS)  # returns once they are gone
+                # returns once they are gone
+                self._shutdown(death_sig=signal.SIGKILL, timeout=policy.FAILED_STOP_GRACE_SECONDS)
                 return
             result = self._last_result
             failed = result is not None and result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
@@ -301,9 +302,9 @@ def _world_size(worker_group) -> int | None:
 def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | None = None, preempt_marker: str | None = None, zygote=None,
               commits=None):
     """The essential part of torch's ``launch_agent`` with our agent class."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-    from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
     from torch.distributed.launcher.api import _get_addr_and_port
 
     if not config.run_id:

@@ -29,8 +29,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class ContactWatch:
         self._fired = False
         self._thread = threading.Thread(target=self._run, name="liveness-contact", daemon=True)
 
-    def start(self) -> "ContactWatch":
+    def start(self) -> ContactWatch:
         if self._bound is not None:
             self._thread.start()
         return self
@@ -138,5 +138,5 @@ class ContactWatch:
                 self._fired = True
                 try:
                     self._on_isolated(now - last)
-                except Exception:  # noqa: BLE001 - the watch must outlive one failed stop
+                except Exception:  # the watch must outlive one failed stop (logged with its traceback)
                     logger.exception("liveness: stopping the isolated node's workers failed")

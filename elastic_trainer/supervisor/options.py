@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .. import contract
 from ..config import CheckpointConfig, Config, ElasticConfig, parse_nnodes, parse_rdzv_conf
@@ -84,15 +85,15 @@ def _defaults_help() -> dict[str, str]:
         return f"default: {env_var(dest)}, else elastic.{key} of the config (default {getattr(e, key)!r})"
 
     return {
-        "nnodes": f"Number of nodes, or MIN:MAX ({cfg('nnodes')}). More than one node needs --rdzv-endpoint or --master-addr/--master-port/--node-rank.",
+        "nnodes": f"Number of nodes, or MIN:MAX ({cfg('nnodes')}). More than one node " "needs --rdzv-endpoint or --master-addr/--master-port/--node-rank.",
         "nproc_per_node": f"Workers per node: an integer, gpu, cpu or auto ({cfg('nproc_per_node')}).",
-        "max_restarts": f"Worker-group restarts after failures; node joins and losses do not count ({cfg('max_restarts')}).",
+        "max_restarts": "Worker-group restarts after failures; " f"node joins and losses do not count ({cfg('max_restarts')}).",
         "monitor_interval": f"Seconds between checks of the workers ({cfg('monitor_interval')}).",
         "rdzv_backend": f"Rendezvous backend ({cfg('rdzv_backend')}).",
-        "rdzv_endpoint": f"Rendezvous endpoint HOST:PORT, e.g. an 'elastic-trainer store' ({cfg('rdzv_endpoint')}; none on one node = --standalone).",
+        "rdzv_endpoint": "Rendezvous endpoint HOST:PORT, e.g. an 'elastic-trainer store' " f"({cfg('rdzv_endpoint')}; none on one node = --standalone).",
         "rdzv_id": f"Job id shared by the nodes of one job ({cfg('rdzv_id')}).",
-        "rdzv_conf": f"K=V,... rendezvous settings; items replace same-named items of elastic.rdzv_conf ({cfg('rdzv_conf')}).",
-        "signals_to_handle": f"Signals the agent forwards to the workers (default: PET_SIGNALS_TO_HANDLE, else {SIGNALS_TO_HANDLE}).",
+        "rdzv_conf": "K=V,... rendezvous settings; items replace same-named " f"items of elastic.rdzv_conf ({cfg('rdzv_conf')}).",
+        "signals_to_handle": "Signals the agent forwards to the workers (default: " f"PET_SIGNALS_TO_HANDLE, else {SIGNALS_TO_HANDLE}).",
         "shutdown_timeout": "Seconds the workers get to stop before SIGKILL (default: PET_SHUTDOWN_TIMEOUT, else "
                             f"checkpoint.preempt_grace_seconds + {SHUTDOWN_MARGIN_SECONDS}: {grace + SHUTDOWN_MARGIN_SECONDS:g}).",
     }
@@ -147,11 +148,11 @@ def run_parser(prog: str = "elastic-trainer run") -> argparse.ArgumentParser:
     _document_defaults(p._actions)  # noqa: SLF001 - stdlib argparse
     d = Config()
     p.add_argument("--config", default=None, help="TOML config: its run, elastic, metrics and checkpoint sections apply. Without it: the built-in defaults "
-                   f"(run.dir {d.run.dir}, checkpoint.dir {d.checkpoint.dir}, metrics port {d.metrics.port}, the elastic.* defaults shown above), "
+                   f"(run.dir {d.run.dir}, checkpoint.dir {d.checkpoint.dir}, " f"metrics port {d.metrics.port}, the elastic.* defaults shown above), "
                    "changed only by --set")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
     p.add_argument("--preload", action="append", default=[], metavar="MODULE",
-                   help="warm start: a module the zygote imports once for every worker (repeatable; besides torch, elastic_trainer and the script's top-level imports of installed packages)")
+                   help="warm start: a module the zygote imports once for every worker (repeatable; " "besides torch, elastic_trainer and the script's top-level imports of installed packages)")
     p.add_argument("--no-warm-start", dest="no_warm_start", action="store_true", help="start every worker as torchrun does (same as --set elastic.warm_start=false)")
     return p
 
@@ -206,8 +207,8 @@ def merge(parsed: Mapping[str, Any], explicit: set[str] | frozenset[str], env: M
         # Each node would wait on a store of its own: say what is missing instead.
         raise ConfigError(
             nnodes_key,
-            f"{out['nnodes']} nodes need a rendezvous endpoint: --rdzv-endpoint HOST:PORT (e.g. an 'elastic-trainer store'), "
-            "PET_RDZV_ENDPOINT or elastic.rdzv_endpoint; or --master-addr/--master-port/--node-rank for a fixed set of nodes",
+            f"{out['nnodes']} nodes need a rendezvous endpoint: " "--rdzv-endpoint HOST:PORT (e.g. an 'elastic-trainer store'), "
+            "PET_RDZV_ENDPOINT or elastic.rdzv_endpoint; " "or --master-addr/--master-port/--node-rank for a fixed set of nodes",
         )
     return out
 

@@ -30,7 +30,7 @@ class StoreAddress:
     port: int
 
     @classmethod
-    def parse(cls, endpoint: str, default_port: int = 29400) -> "StoreAddress":
+    def parse(cls, endpoint: str, default_port: int = 29400) -> StoreAddress:
         """``HOST[:PORT]`` → address. Raises ValueError naming the endpoint."""
         host, sep, port = endpoint.rpartition(":")
         if not sep:

@@ -61,7 +61,7 @@ class Zygote:
         self._unusable = ""  # set once it timed out: later workers do not wait again
 
     # -- lifecycle ---------------------------------------------------------------------
-    def start(self) -> "Zygote":
+    def start(self) -> Zygote:
         """Start the zygote; returns at once (it imports torch in the background)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
@@ -89,7 +89,7 @@ class Zygote:
                     raise ZygoteError(self._unusable)
                 self._pump(max(0.0, deadline - time.monotonic()))
                 if self._dead:
-                    raise ZygoteError(f"the warm-start zygote exited (code {self.proc.poll() if self.proc else None}) before it was ready")
+                    raise ZygoteError("the warm-start zygote exited (code " f"{self.proc.poll() if self.proc else None}) before it was ready")
                 if self.info is None and time.monotonic() >= deadline:
                     self._unusable = f"the warm-start zygote was not ready after {self.ready_timeout:.0f}s"
                     raise ZygoteError(self._unusable)
@@ -119,7 +119,7 @@ class Zygote:
                 self.proc.wait()
 
     # -- workers -----------------------------------------------------------------------
-    def spawn(self, argv: list[str], env: dict[str, str], stdout=None, stderr=None) -> "ZygoteProcess":
+    def spawn(self, argv: list[str], env: dict[str, str], stdout=None, stderr=None) -> ZygoteProcess:
         """Fork one worker running ``argv`` (``python -u -m MODULE ...``) with exactly ``env``."""
         self.wait_ready()
         names, fds = [], []

@@ -102,7 +102,7 @@ class StepBatches:
         for m in range(self.n_micro):
             chunk = ids[m * self.micro_batch : (m + 1) * self.micro_batch]
             if chunk:
-                xs, ys = zip(*(self.source.sample(i) for i in chunk))
+                xs, ys = zip(*(self.source.sample(i) for i in chunk), strict=True)
                 out.append(MicroBatch(torch.stack(xs), torch.stack(ys), len(chunk)))
             else:
                 x, _ = self.source.sample(self.order[cursor])

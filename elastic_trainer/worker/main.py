@@ -40,9 +40,9 @@ def build_training(cfg: Config, d, open_data: bool = True):
     ``open_data=False``: the batches get their source later (``batches.open``), once the
     run's data view is known from the checkpoint."""
     from ..checkpoint.state import TrainState
+    from ..models.spec import on_meta
     from . import parallel
     from .data import StepBatches
-    from ..models.spec import on_meta
     from .model_factory import build_model_spec, initialise_buffers
     from .sources import open_source
     from .train_loop import lr_lambda
@@ -132,7 +132,8 @@ def die_with_supervisor() -> None:
 
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    expected = os.environ.get(contract.PARENT_PID_ENV) or os.environ.get(contract.SUPERVISOR_PID_ENV)  # parent: warm-start zygote or supervisor
+    # parent: warm-start zygote or supervisor
+    expected = os.environ.get(contract.PARENT_PID_ENV) or os.environ.get(contract.SUPERVISOR_PID_ENV)
     if expected and os.getppid() != int(expected):
         os._exit(EXIT_FAILURE)
 

@@ -11,7 +11,7 @@ in :mod:`elastic_trainer.models.spec` and ``docs/own-model.md``.
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -84,7 +84,7 @@ def build_model_spec(cfg: ModelConfig) -> ModelSpec:
             if buffers:
                 raise ConfigError(
                     "model.factory",
-                    f"{cfg.factory} built a model with buffers ({', '.join(buffers[:3])}) but provides no init_buffers: "
+                    f"{cfg.factory} built a model with buffers " f"({', '.join(buffers[:3])}) but provides no init_buffers: "
                     "the model is moved off the meta device with to_empty, which leaves buffers uninitialised "
                     "(return a ModelSpec with init_buffers, or give the module an init_buffers() method)",
                 )
@@ -100,7 +100,7 @@ def check_shard_modules(model: nn.Module, names: list[str], key: str = "model.sh
     present = {type(m).__name__ for m in model.modules() if m is not model}
     missing = [n for n in names if n not in present]
     if missing:
-        raise ConfigError(key, f"no module of class {', '.join(map(repr, missing))} in the model (classes present: {', '.join(sorted(present))})")
+        raise ConfigError(key, f"no module of class {', '.join(map(repr, missing))} in " f"the model (classes present: {', '.join(sorted(present))})")
 
 
 def build_model(cfg: ModelConfig) -> tuple[nn.Module, InitFn, list[str]]:

@@ -31,7 +31,7 @@ import hashlib
 import json
 import logging
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -73,7 +73,7 @@ def _pyarrow():
     try:
         import pyarrow  # noqa: F401
     except ImportError:
-        raise ConfigError("data.format", "text/tokens sources need pyarrow: install the hf extra: pip install -e '.[hf]' in the elastic-trainer clone") from None
+        raise ConfigError("data.format", "text/tokens sources need pyarrow: install the hf extra: " "pip install -e '.[hf]' in the elastic-trainer clone") from None
     import pyarrow as pa
 
     return pa
@@ -107,8 +107,7 @@ def iter_column(files: list[str], column: str, batch_rows: int = 4096) -> Iterat
 
                 table = pj.read_json(f)
                 _check_column(f, column, table.column_names)
-                for chunk in table.column(column).chunks:
-                    yield chunk
+                yield from table.column(column).chunks
         except ConfigError:
             raise
         except (pa.ArrowException, OSError) as e:
@@ -190,7 +189,7 @@ def check_tokenizer(cfg: Config):
     tok = load_tokenizer(d.tokenizer)
     n = tok.get_vocab_size(with_added_tokens=True)
     if n > vocab:
-        raise ConfigError("data.tokenizer", f"{tokenizer_file(d.tokenizer)} has {n} tokens but model.vocab_size is {vocab}: the tokenizer does not fit the model")
+        raise ConfigError("data.tokenizer", f"{tokenizer_file(d.tokenizer)} has {n} tokens but " f"model.vocab_size is {vocab}: the tokenizer does not fit the model")
     return tok
 
 

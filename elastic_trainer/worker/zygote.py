@@ -10,9 +10,9 @@ worker the agent starts it forks one child, which becomes exactly what ``python 
 ``sys.argv`` of the module, then ``runpy`` runs the module (the script) as ``__main__``. Nothing
 else carries over: the zygote never trains, never initialises a process group or CUDA (it
 reports whether its imports did, and its thread count; the supervisor refuses a zygote that
-initialised either or has more than one thread, and starts workers the cold way). So a replacement worker pays neither the interpreter start nor the torch import
-on the critical path, and is still a fresh process of its own (new PID, no state of the group
-it replaces).
+initialised either or has more than one thread, and starts workers the cold way). So a
+replacement worker pays neither the interpreter start nor the torch import on the critical path,
+and is still a fresh process of its own (new PID, no state of the group it replaces).
 
 Protocol (one JSON message per ``SOCK_SEQPACKET`` packet; its names and sizes are ``contract.ZYGOTE_*``):
 
@@ -166,7 +166,7 @@ def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int) -
             signal.signal(getattr(signal, name), signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
         for fd in keep_closed:
             os.close(fd)
-        for name, fd in zip(req.get("fds", []), fds):
+        for name, fd in zip(req.get("fds", []), fds, strict=True):
             os.dup2(fd, contract.ZYGOTE_STREAMS[name])
             os.close(fd)
         os.environ.clear()

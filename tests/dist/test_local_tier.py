@@ -121,7 +121,8 @@ def _copy(saved, tmp_path):
 
     root, local, states, committed = saved
     shutil.copytree(root, tmp_path / "remote")
-    shutil.copytree(os.path.join(local, job_key(root)), tmp_path / "local" / job_key(str(tmp_path / "remote")))  # a job is named by its root
+    # a job is named by its root
+    shutil.copytree(os.path.join(local, job_key(root)), tmp_path / "local" / job_key(str(tmp_path / "remote")))
     return str(tmp_path / "remote"), str(tmp_path / "local"), states
 
 
@@ -142,7 +143,8 @@ def test_restart_loads_the_newest_local_step_bit_for_bit(saved, tmp_path):
     out = run_ranks(_resume, 2, root, local, [], True)
     assert [(o["step"], o["tier"], o["train_step"]) for o in out] == [(6, "local", 6)] * 2
     assert _same(out[0]["state"], states[6])
-    assert not out[0]["committed_now"]  # a local load is not a commit in checkpoint.dir: a preemption save writes it there
+    # a local load is not a commit in checkpoint.dir: a preemption save writes it there
+    assert not out[0]["committed_now"]
     assert [o["preempt_commit"] for o in out] == [True, True]
     assert "step-00000006" in os.listdir(root) and os.path.exists(os.path.join(root, "step-00000006", "manifest.json"))
 

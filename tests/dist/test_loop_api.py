@@ -8,9 +8,11 @@ from .workloads import loop_api_losses
 
 
 def test_the_same_losses_at_one_two_and_three_ranks_with_accumulation_and_padding(tmp_path):
-    one = run_ranks(loop_api_losses, 1, str(tmp_path), 2, 1, daemon=False)[0]  # 8 samples a rank: 4 micro-batches of 2 (accumulation)
+    # 8 samples a rank: 4 micro-batches of 2 (accumulation)
+    one = run_ranks(loop_api_losses, 1, str(tmp_path), 2, 1, daemon=False)[0]
     two = run_ranks(loop_api_losses, 2, str(tmp_path), 4, 1, daemon=False)  # 4 a rank: one micro-batch
-    three = run_ranks(loop_api_losses, 3, str(tmp_path), 2, 0)  # 3/3/2 a rank: 2 micro-batches, one of them padding on rank 2
+    # 3/3/2 a rank: 2 micro-batches, one of them padding on rank 2
+    three = run_ranks(loop_api_losses, 3, str(tmp_path), 2, 0)
     assert one["code"] == 0 and one["sizes"][0] == [2, 2, 2, 2]
     assert two[0]["sizes"][0] == [4] and three[2]["sizes"][0] == [2, 1], three[2]["sizes"][0]
     assert two[1]["losses"] == two[0]["losses"] and three[0]["losses"] == three[1]["losses"] == three[2]["losses"], "every rank sees the global loss"

@@ -106,7 +106,8 @@ def save_after_training(rank, world, ckpt_dir, mode):
     mgr.wait_for_staging()
     state = full_state(model, opt)
     lr_at_save = sched.get_last_lr()
-    next_losses = _train_steps(model, opt, sched, cfg, 4, rank, world, start=3)  # mutates params while the save may still upload
+    # mutates params while the save may still upload
+    next_losses = _train_steps(model, opt, sched, cfg, 4, rank, world, start=3)
     ok = mgr.finish()
     again = mgr.save(3).skipped  # a committed step is never rewritten
     mgr.close()

@@ -20,7 +20,8 @@ def test_auto_interval_is_announced_and_every_rank_saves_at_its_steps(tmp_path, 
     assert (first["step"], first["interval_steps"], first["previous"], first["reason"]) == (1, 10, None, "initial")
     assert first["failure_rate_per_h"] > 3600
     measured = [c for c in changes if c["reason"] == "measured"]
-    assert measured and measured[0]["previous"] == 10 and 3 <= measured[0]["interval_steps"] < 10, changes  # a high failure prior shortens it (toward auto_min_steps)
+    # a high failure prior shortens it (toward auto_min_steps)
+    assert measured and measured[0]["previous"] == 10 and 3 <= measured[0]["interval_steps"] < 10, changes
     assert measured[0]["save_cost_s"] >= 0 and measured[0]["step_seconds"] > 0 and measured[0]["step"] > 10
     # The steps the announced intervals imply (a change agreed at step s applies from the end of s).
     in_force, last, expect = None, 0, []

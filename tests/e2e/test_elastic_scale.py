@@ -122,6 +122,6 @@ def test_lose_a_node_then_grow_back(store, token_file, tmp_path):
 
     shrink_s, grow_s = shrunk["time"] - killed_at, grown["time"] - joined_at
     record("node_loss_and_return", events, shrink_s=round(shrink_s, 2), grow_s=round(grow_s, 2))
-    print(f"\nscale: node lost → first step at world 1 after {shrink_s:.1f}s; newcomer started → first step at world 2 after {grow_s:.1f}s")
+    print(f"\nscale: node lost → first step at world 1 after {shrink_s:.1f}s; " f"newcomer started → first step at world 2 after {grow_s:.1f}s")
     # ~7 s and ~9 s on an idle 2-core machine; generous bounds for a loaded CI box.
     assert shrink_s < 30 and grow_s < 40

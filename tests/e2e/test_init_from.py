@@ -17,9 +17,9 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-import torch  # noqa: E402
+import torch
 
-from tests.runs import REPO, close_rel, read_events, run_launch, step_losses, write_config  # noqa: E402
+from tests.runs import REPO, close_rel, read_events, run_launch, step_losses, write_config
 
 HF_CONFIG = REPO / "tests" / "data" / "hf" / "tiny-llama"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

@@ -89,7 +89,7 @@ def test_link_cut_mid_step_then_back(netcluster, token_file, tmp_path):
 
     events = runs.read_events(run_dir)
     shrink_s = shrunk["time"] - cut
-    print(f"\nnetcluster: link cut → first step at world 1 after {shrink_s:.1f}s; link back → world 2 after {grown['time'] - restored:.1f}s")
+    print(f"\nnetcluster: link cut → first step at world 1 after {shrink_s:.1f}s; " f"link back → world 2 after {grown['time'] - restored:.1f}s")
     assert shrink_s <= SHRINK_BOUND_S, f"first step at world 1 {shrink_s:.1f}s after the cut (bound {SHRINK_BOUND_S}s)"
 
     # Detected by liveness on both sides, as membership changes (no restart used up).
@@ -224,11 +224,11 @@ def test_slow_lossy_object_store(netcluster, token_file, tmp_path):
     endpoint = f"http://{addr}:{ports['s3']}"
     env = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": s3fix.REGION}
     make_bucket = (
-        "import sys,time; sys.path.insert(0, %r); from tests.fixtures.s3 import make_fs\n"
+        f"import sys,time; sys.path.insert(0, {str(runs.REPO)!r}); from tests.fixtures.s3 import make_fs\n"
         "for _ in range(150):\n"
-        "    try: make_fs(%r, %r, %r).mkdir('ckpt'); sys.exit(0)\n"
+        f"    try: make_fs({endpoint!r}, {key!r}, {secret!r}).mkdir('ckpt'); sys.exit(0)\n"
         "    except Exception: time.sleep(0.2)\n"
-        "sys.exit(1)\n" % (str(runs.REPO), endpoint, key, secret)
+        "sys.exit(1)\n"
     )
     assert cluster.exec("a", sys.executable, "-c", make_bucket, check=False).returncode == 0, (tmp_path / "weed.log").read_text()[-2000:]
     cluster.rate_limit("s3", 24)

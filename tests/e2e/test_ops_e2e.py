@@ -67,7 +67,8 @@ def test_goodput_straggler_and_history_through_prometheus(tmp_path, token_file, 
         assert prom.value('max(elastic_trainer_world_size_expected{run="ops-a"})') == 2
 
         # 2. A failure after the commit: rank 0 SIGKILLed; the job resumes and finishes.
-        runs.wait_event(run_dir, "step", 60, sup, where=lambda e: e["step"] >= 13)  # steps after the commit of 10 will be redone
+        # steps after the commit of 10 will be redone
+        runs.wait_event(run_dir, "step", 60, sup, where=lambda e: e["step"] >= 13)
         first = runs.read_events(run_dir, "start")[0]
         os.kill(first["pid"], signal.SIGKILL)
         runs.wait_event(run_dir, "resume", 60, sup)
@@ -142,7 +143,7 @@ def test_two_concurrent_runs_stay_separate_in_every_dashboard_query(tmp_path, pr
     ports = [free_port(), free_port()]
     nodes = []
     try:
-        for name, port in zip(("run-a", "run-b"), ports):
+        for name, port in zip(("run-a", "run-b"), ports, strict=True):
             p = subprocess.Popen([sys.executable, "-c", NODE, name, str(port), str(tmp_path / name)], stdout=subprocess.PIPE,
                                  env=runs.env_for_tests(), text=True)
             nodes.append(p)

@@ -125,7 +125,7 @@ def test_plain_torchrun_restart_resumes_exactly(tmp_path, reference):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import os, time\nif os.environ.get('RANK') == '0' and os.environ.get('TORCHELASTIC_RESTART_COUNT') == '1':\n    time.sleep(8)\n")
+        "import os, time\nif os.environ.get('RANK') == '0' and " "os.environ.get('TORCHELASTIC_RESTART_COUNT') == '1':\n    time.sleep(8)\n")
     env = runs.env_for_tests({"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8"})
     env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),

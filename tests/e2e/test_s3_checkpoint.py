@@ -259,7 +259,7 @@ def test_permanent_outage_fails_saves_visibly_while_training_goes_on(tmp_path, t
         fault_proxy.outage(False)
     log = cfg.with_suffix(".log").read_text()
     failed = {r["step"]: r for r in runs.read_events(run, "checkpoint_failed")}
-    print(f"outage on after commit 10: save 15 failed after {failed15['seconds']:.1f}s (event {latency:.1f}s after the outage began); "
+    print("outage on after commit 10: save 15 failed after " f"{failed15['seconds']:.1f}s (event {latency:.1f}s after the outage began); "
           f"failed saves {sorted(failed)} in " + ", ".join(f"{r['seconds']:.1f}s" for r in failed.values()) + f"; job exited {t_exit:.1f}s after the outage began")
     assert code == 74, log[-4000:]  # trained to the end, but the final checkpoint is not committed: not a success
     assert sorted(failed) == [15, 20]
@@ -268,7 +268,7 @@ def test_permanent_outage_fails_saves_visibly_while_training_goes_on(tmp_path, t
     assert t_exit < 2 * OUTAGE_FAILURE_BOUND_S + 10, "two failing saves, then the job must end"
     assert "checkpoint step 15 failed, not committed" in log  # rank 0, with the error
     assert "checkpoint step 15 failed on this rank" in log  # rank 1 got the failure too: nobody hangs
-    assert _failures_metric(metrics) >= 1, [l for l in metrics.splitlines() if "save_failures" in l]
+    assert _failures_metric(metrics) >= 1, [line for line in metrics.splitlines() if "save_failures" in line]
 
     # Training went on: every step ran, with the reference losses, and steps were logged after
     # the first failure was reported.

@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("pyarrow")
 pytest.importorskip("tokenizers")
 
-from tests.runs import (  # noqa: E402
+from tests.runs import (
     REPO,
     close_rel,
     env_for_tests,
@@ -148,7 +148,7 @@ def test_world_size_invariance(runs, source):
     ref = losses(runs.baseline(source, 1))
     for world in (2, 3):
         got = losses(runs.baseline(source, world))
-        bad = [(s + 1, a, b) for s, (a, b) in enumerate(zip(ref, got)) if not close_rel(a, b, 1e-5)]
+        bad = [(s + 1, a, b) for s, (a, b) in enumerate(zip(ref, got, strict=True)) if not close_rel(a, b, 1e-5)]
         assert not bad, f"world {world} differs from world 1 at (step, w1, w{world}): {bad}"
     assert ref[-1] < ref[0], "the model does not learn"
     starts = read_events(runs.baseline(source, 2), "start")
@@ -273,18 +273,17 @@ def _sharded_logits(config: str, inputs_path: str, out_path: str) -> None:
     to_empty, init), load the latest checkpoint through DCP, and save the logits (rank 0)."""
     import torch
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
-    from elastic_trainer.checkpoint.state import ModelState
-    from elastic_trainer.config import load_config
-    from elastic_trainer.storage.fs import open_storage
-    from elastic_trainer.checkpoint.tools import list_checkpoints
     from elastic_trainer.checkpoint import layout
-    from elastic_trainer.worker import parallel
+    from elastic_trainer.checkpoint.state import ModelState
+    from elastic_trainer.checkpoint.tools import list_checkpoints
+    from elastic_trainer.config import load_config
     from elastic_trainer.runtime.session import init_distributed
+    from elastic_trainer.storage.fs import open_storage
+    from elastic_trainer.worker import parallel
     from elastic_trainer.worker.model import logits_of
     from elastic_trainer.worker.model_factory import build_model_spec, initialise_buffers
-
-    import torch.distributed.checkpoint as dcp
 
     cfg = load_config(config)
     d = init_distributed(cfg.train, 60)

@@ -39,7 +39,7 @@ def test_sigkilled_group_is_replaced_by_fresh_processes_forked_from_the_zygote(t
     first, second = set(started[0]["pids"]), set(started[1]["pids"])
     assert first == set(workers) and len(second) == 2 and not first & second and zygote not in second
     starts = runs.read_events(run, "start")  # rank 0 writes the event log
-    assert [s["pid"] in g for s, g in zip(starts, (first, second))] == [True, True] and len(starts) == 2
+    assert len(starts) == 2 and [s["pid"] in g for s, g in zip(starts, (first, second), strict=True)] == [True, True]
     (restart,) = runs.read_events(run, "restart")
     assert restart["reason"] == "worker_failure" and any(f["exit_code"] == -signal.SIGKILL for f in restart["failures"])
     (resume,) = runs.read_events(run, "resume")

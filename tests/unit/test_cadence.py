@@ -109,8 +109,20 @@ def test_next_interval_keeps_a_near_optimal_interval(current, expect):
     assert got == (best if expect == "best" else expect)
 
 
-def _auto(rank=0, lineage=cadence.Lineage(), **kw):
-    args = dict(rank=rank, start_step=0, lineage=lineage, prior_mtbf_seconds=3600.0, prior_weight_seconds=60.0, min_steps=1, max_steps=1000, now=0.0)
+NO_HISTORY = cadence.Lineage()  # a fresh job: no failures, nothing measured yet
+
+
+def _auto(rank=0, lineage=NO_HISTORY, **kw):
+    args = dict(
+        rank=rank,
+        start_step=0,
+        lineage=lineage,
+        prior_mtbf_seconds=3600.0,
+        prior_weight_seconds=60.0,
+        min_steps=1,
+        max_steps=1000,
+        now=0.0,
+    )
     args.update(kw)
     return cadence.AutoCadence(**args)
 
@@ -316,7 +328,7 @@ def test_a_restart_reads_only_the_recent_lineage(tmp_path, monkeypatch):
         with open(log.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
-    for i in range(5):  # an early crash loop
+    for _ in range(5):  # an early crash loop
         at("restart", reason="worker_failure")
         t[0] += 1
     for i in range(2000):

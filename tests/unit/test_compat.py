@@ -14,7 +14,14 @@ from torch import nn
 from elastic_trainer.checkpoint import compat, layout
 from elastic_trainer.checkpoint.catalog import Catalog
 from elastic_trainer.checkpoint.load_planner import load_planner
-from elastic_trainer.checkpoint.state import ModelState, NamedStates, OptimizerState, PerRank, SchedulerState, state_types
+from elastic_trainer.checkpoint.state import (
+    ModelState,
+    NamedStates,
+    OptimizerState,
+    PerRank,
+    SchedulerState,
+    state_types,
+)
 from elastic_trainer.errors import CheckpointIntegrityError
 from elastic_trainer.storage.fs import open_storage
 
@@ -240,7 +247,7 @@ def test_a_dict_of_optimizers_and_schedulers_round_trips(tmp_path):
     model, opts, scheds, states = build()
     for _ in range(3):
         model(torch.ones(2, 4)).sum().backward()
-        for o, s in zip(opts, scheds):
+        for o, s in zip(opts, scheds, strict=True):
             o.step()
             s.step()
             o.zero_grad()
@@ -250,6 +257,6 @@ def test_a_dict_of_optimizers_and_schedulers_round_trips(tmp_path):
     md = dcp.FileSystemReader(path).read_metadata()
     assert compat.check(states2, md, {"world_size": 1, "state_types": state_types(states)}, 1).ok
     dcp.load(states2, checkpoint_id=path, planner=load_planner(states2), no_dist=True)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters(), strict=True))
     assert [s.get_last_lr() for s in scheds] == [s.get_last_lr() for s in scheds2] and scheds2[1].last_epoch == 3
     assert torch.equal(opts[1].state[model[1].weight]["momentum_buffer"], opts2[1].state[model2[1].weight]["momentum_buffer"])

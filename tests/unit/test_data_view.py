@@ -32,7 +32,7 @@ B = {"path": "/d/b.bin", "size": 20, "id": "x2"}
 def test_check_data_view(current, problems):
     got = data_view.check_data_view([A, B], current)
     assert len(got) == len(problems)
-    for line, expected in zip(got, problems):
+    for line, expected in zip(got, problems, strict=True):
         assert line.startswith(expected), (line, expected)
 
 

@@ -326,7 +326,7 @@ def admission_errors(obj: dict[str, Any]) -> list[str]:
                 errs.append(f'{path}: Unsupported value: "{rtype}": supported values: "Master", "Worker"')
             containers = (((replica or {}).get("template") or {}).get("spec") or {}).get("containers") or []
             if not any(c.get("name") == "pytorch" for c in containers):
-                errs.append(f"{path}.template.spec.containers: Required value: must have at least one container with name pytorch")
+                errs.append(f"{path}.template.spec.containers: Required value: " "must have at least one container with name pytorch")
             if any(not c.get("image") for c in containers):
                 errs.append(f"{path}.template.spec.containers: image: Required value")
     elif obj["kind"] == "TrainJob":
@@ -682,7 +682,8 @@ STRUCTURAL_CASES = [
     ({"type": "integer", "format": "int32", "minimum": 1}, 0, False),
     ({"type": "string", "nullable": True}, None, True),
     ({"type": "string"}, None, False),
-    ({"type": "object", "required": ["a"], "properties": {"a": {"type": "string", "default": "x"}}}, {}, True),  # defaulted
+    # defaulted
+    ({"type": "object", "required": ["a"], "properties": {"a": {"type": "string", "default": "x"}}}, {}, True),
     ({"type": "object", "required": ["a"], "properties": {"a": {"type": "string"}}}, {}, False),
     ({"type": "array", "x-kubernetes-list-type": "set", "items": {"type": "string"}}, ["a", "a"], False),
     (

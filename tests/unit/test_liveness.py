@@ -7,7 +7,7 @@ here, loudly, instead of silently disabling the detection."""
 from __future__ import annotations
 
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -27,7 +27,8 @@ M = Membership
         (M(1, frozenset("abc"), "a"), M(1, frozenset("a"), "a"), Verdict(PEER_LOST, ("b", "c"))),
         # b left to re-rendezvous (its own failure restart): it waits for the next round, not lost
         (M(1, frozenset("ab"), "a"), M(1, frozenset("a"), "a", waiting=frozenset("b")), None),
-        (M(1, frozenset("ab"), "a"), M(1, frozenset("ab"), "a", waiting=frozenset("c")), None),  # a newcomer: torch's own path
+        # a newcomer: torch's own path
+        (M(1, frozenset("ab"), "a"), M(1, frozenset("ab"), "a", waiting=frozenset("c")), None),
         (M(1, frozenset("ab"), "a"), M(1, frozenset("b"), "a"), Verdict(ISOLATED)),  # the others dropped this node
         (M(1, frozenset("ab"), "a"), M(2, frozenset("ab"), "a"), Verdict(ISOLATED)),  # a round formed without it
     ],
@@ -52,8 +53,7 @@ def test_not_a_dynamic_handler():
 
 
 def _handler(store_port: int, run_id: str, interval: int = 1, attempts: int = 3):
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
 
     params = RendezvousParameters(
         backend="c10d", endpoint=f"127.0.0.1:{store_port}", run_id=run_id, min_nodes=1, max_nodes=2, local_addr="127.0.0.1",
@@ -86,7 +86,7 @@ def test_torch_private_rendezvous_state():
         state = holder.state
         ghost = type(h._this_node)("198.51.100.9", 1, 0)  # noqa: SLF001
         state.participants[ghost] = 1
-        state.last_heartbeats[ghost] = datetime.now(timezone.utc) - timedelta(seconds=10)
+        state.last_heartbeats[ghost] = datetime.now(UTC) - timedelta(seconds=10)
         assert isinstance(state.wait_list, set) and isinstance(state.redundancy_list, set)
         holder.mark_dirty()
         holder.sync()  # writes; torch's sanitize on the state it got back drops the stale ghost

@@ -62,7 +62,8 @@ def test_a_failed_final_save_is_reported_as_74():
 
 
 def test_the_sampler_as_a_batch_sampler_yields_micro_batches_ahead_without_moving_the_cursor():
-    s = GlobalBatchSampler(50, 7, 2, seed=1, rank=2, world_size=3)  # shares 3/2/2: rank 2 has 2 samples, 2 micro-batches
+    # shares 3/2/2: rank 2 has 2 samples, 2 micro-batches
+    s = GlobalBatchSampler(50, 7, 2, seed=1, rank=2, world_size=3)
     it = iter(s)
     first = [next(it) for _ in range(4)]  # two steps, prefetched
     assert s.cursor == 0 and [s.pop_weight() for _ in range(4)] == [2, 0, 2, 0], "padding weighs 0"

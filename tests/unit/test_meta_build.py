@@ -12,7 +12,6 @@ import sys
 import torch
 
 from elastic_trainer.models.spec import on_meta
-
 from tests import runs
 
 

@@ -130,7 +130,7 @@ def test_user_factory_default_init_is_deterministic_and_world_size_free():
         spec.model.to_empty(device="cpu")
         deterministic_init(spec.model, 3, spec.init_param)
         initialise_buffers(spec.model, spec.init_buffers)
-    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
         assert torch.equal(p, q), n
     assert torch.all(a.model.layers[0].lin.bias == 0)
     assert build_model(cfg)[2] == ["Layer"]
@@ -190,7 +190,7 @@ def test_hf_factory_builds_offline_and_matches_transformers(monkeypatch):
     model = materialise(spec)
     ref = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(HF_CONFIG, local_files_only=True), attn_implementation="sdpa")
     ref.load_state_dict(model.state_dict())
-    for (n, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers()):
+    for (n, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers(), strict=True):
         assert torch.equal(b, rb), n  # rotary inv_freq recomputed after to_empty
     x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model(x).logits, ref(x).logits, rtol=0, atol=0)
@@ -198,7 +198,7 @@ def test_hf_factory_builds_offline_and_matches_transformers(monkeypatch):
     assert torch.equal(w["model.norm.weight"], torch.ones(32))
     assert abs(float(w["model.layers.0.mlp.up_proj.weight"].detach().std()) - 0.02) < 0.004
     other = materialise(meta_spec(hf_cfg()))
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters(), strict=True))
 
 
 @pytest.mark.parametrize(

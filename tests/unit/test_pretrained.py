@@ -11,7 +11,7 @@ from elastic_trainer.config import ConfigError, load_config
 from elastic_trainer.models import pretrained
 
 pytest.importorskip("safetensors")
-from safetensors.torch import save_file  # noqa: E402
+from safetensors.torch import save_file
 
 P = {"emb.weight": (8, 4), "head.weight": (8, 4), "norm.weight": (4,)}
 TIED = [["emb.weight", "head.weight"]]
@@ -23,7 +23,8 @@ TIED = [["emb.weight", "head.weight"]]
         ({"emb.weight": (8, 4), "norm.weight": (4,)}, {}, ["emb.weight", "norm.weight"]),
         ({"head.weight": (8, 4), "norm.weight": (4,)}, {}, ["head.weight", "norm.weight"]),  # either tied name
         ({"emb.weight": (8, 4), "head.weight": (8, 4), "norm.weight": (4,)}, {}, ["emb.weight", "norm.weight"]),
-        ({"emb.weight": (8, 4), "norm.weight": (4,), "extra": (1,)}, {}, ["emb.weight", "norm.weight"]),  # extra tensors ignored
+        # extra tensors ignored
+        ({"emb.weight": (8, 4), "norm.weight": (4,), "extra": (1,)}, {}, ["emb.weight", "norm.weight"]),
         ({"emb.weight": (8, 4), "norm.weight": (4,), "buf": (2,)}, {"buf": (2,)}, ["emb.weight", "norm.weight", "buf"]),
         ({"emb.weight": (8, 4), "norm.weight": (4,)}, {"buf": (2,)}, ["emb.weight", "norm.weight"]),  # buffers optional
     ],

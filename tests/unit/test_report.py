@@ -16,12 +16,12 @@ class Log:
         self.t = t0
         self.events: list[dict] = []
 
-    def at(self, dt: float, event: str, **fields) -> "Log":
+    def at(self, dt: float, event: str, **fields) -> Log:
         self.t += dt
         self.events.append({"event": event, "time": self.t, **fields})
         return self
 
-    def steps(self, first: int, last: int, seconds: float = 1.0, gap: float = 0.0, world: int = 2, loss0: float = 5.0) -> "Log":
+    def steps(self, first: int, last: int, seconds: float = 1.0, gap: float = 0.0, world: int = 2, loss0: float = 5.0) -> Log:
         for s in range(first, last + 1):
             self.at(seconds + gap, "step", step=s, loss=loss0 - 0.01 * s, lr=1e-3, grad_norm=1.0, world_size=world, step_time_s=seconds, tokens_per_s=100.0 / seconds)
         return self
@@ -119,7 +119,8 @@ def test_summary_of_an_unfinished_run_estimates_tokens():
 def _write(tmp_path, events):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "step", "ti')  # torn last line
+    # torn last line
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "step", "ti')
     return run
 
 
@@ -150,12 +151,12 @@ def test_plot_draws_the_kept_curve_and_markers(tmp_path):
     s = report.summarize(log.events)
     fig = report.plot(log.events, s, str(tmp_path / "p.png"))
     ax = fig.axes[0]
-    [loss] = [l for l in ax.lines if l.get_gid() == "loss"]
+    [loss] = [line for line in ax.lines if line.get_gid() == "loss"]
     assert list(loss.get_xdata()) == list(range(1, 9))
-    [commits] = [l for l in ax.lines if l.get_gid() == "commits"]
+    [commits] = [line for line in ax.lines if line.get_gid() == "commits"]
     assert list(commits.get_xdata()) == [5]
     labels = ax.get_legend_handles_labels()[1]
-    assert "restart (worker_failure)" in labels and any("rolled back" in l for l in labels)
+    assert "restart (worker_failure)" in labels and any("rolled back" in label for label in labels)
 
 
 def test_missing_event_log(tmp_path, capsys):
@@ -186,7 +187,8 @@ def test_categories_partition_the_wall_time_of_a_failure_and_preemption():
     assert c["startup"] == pytest.approx(0.6 + 2.0 + 0.7)  # launch->rdzv, rdzv->step 1, rdzv->resume minus its load
     assert c["checkpoint_load"] == pytest.approx(0.6)
     assert c["checkpoint_stall"] == pytest.approx(0.3 + 0.1)  # the gap after step 4 holds the save
-    assert c["restart"] == pytest.approx(0.2 + 0.5 + 1.0 + 0.2)  # step 6 -> failure -> restart -> rdzv start; preempted -> exit
+    # step 6 -> failure -> restart -> rdzv start; preempted -> exit
+    assert c["restart"] == pytest.approx(0.2 + 0.5 + 1.0 + 0.2)
     assert c["preemption_save"] == pytest.approx(0.7)
     assert c["idle"] == pytest.approx(0.1 + 0.1)  # before step 6, and step 8 -> preempt_requested
 
@@ -238,7 +240,8 @@ def test_a_week_long_log_keeps_the_ledger_bounded_and_exact():
         gap = 0.05 if saved else 0.02
         if saved:
             pending.append(step)
-        commits = [pending.pop(0) for _ in list(pending) if pending[0] <= step - late]  # each arrives `late` steps after its step
+        # each arrives `late` steps after its step
+        commits = [pending.pop(0) for _ in list(pending) if pending[0] <= step - late]
         for k, c in enumerate(commits):
             ledger.feed({"event": "checkpoint_committed", "time": t + 0.001 * (k + 1), "step": c})
             kept[c + 1] -= slow  # its write slowed step c + 1, which started before this record
@@ -265,7 +268,8 @@ def test_a_commit_recorded_mid_step_charges_only_the_steps_slowdown():
     log.steps(8, 9, seconds=1.0, gap=0.1)
     c = _cats(report.account(log.events))
     assert c["checkpoint_stall"] == pytest.approx(0.1 + 0.5)  # the gap after step 6 + step 7's slowdown
-    assert c["productive"] == pytest.approx(8 * 1.0 + 1.0)  # steps 2-6, 8, 9 (step 1 starts the wall clock) + step 7 less its slowdown
+    # steps 2-6, 8, 9 (step 1 starts the wall clock) + step 7 less its slowdown
+    assert c["productive"] == pytest.approx(8 * 1.0 + 1.0)
     assert c["idle"] == pytest.approx(7 * 0.1)
     # the same record landing after step 7 instead: nothing overlapped the write, no slowdown charged
     log2 = Log().at(0, "launch").at(0.5, "rendezvous", seconds=0.2).steps(1, 7, seconds=1.0, gap=0.1)

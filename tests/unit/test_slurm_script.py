@@ -107,7 +107,8 @@ def test_documents_its_settings():
         (75, "PREEMPTED", 0, "", "1", "requeue"),
         (0, "RUNNING", 0, "", "1", "keep: launcher exited 0"),
         (1, "RUNNING", 0, "", "1", "keep: launcher exited 1"),
-        (76, "RUNNING", 0, "", "1", "requeue"),  # preempted, final save missed its grace: resume from the previous commit
+        # preempted, final save missed its grace: resume from the previous commit
+        (76, "RUNNING", 0, "", "1", "requeue"),
         (76, "TIMEOUT", 0, "", "1", "keep: the job is ending"),
         (76, "RUNNING", 3, "3", "1", "keep: SLURM_RESTART_COUNT=3 reached ET_MAX_REQUEUES=3"),
         (65, "RUNNING", 0, "", "1", "keep: launcher exited 65"),

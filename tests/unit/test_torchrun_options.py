@@ -120,7 +120,8 @@ def test_launch_help_lists_each_option_once_with_launch_defaults():
     text = options.launch_parser().format_help()
     flags = [f for a in torchrun_actions() for f in a.option_strings if "_" not in f]
     for flag in flags:
-        n = len(re.findall(rf"^  (?:-\S+(?: [A-Z_]+)?, )?{re.escape(flag)}(?=[ ,\n])", text, re.M))  # as an option, not in help text
+        # as an option, not in help text
+        n = len(re.findall(rf"^  (?:-\S+(?: [A-Z_]+)?, )?{re.escape(flag)}(?=[ ,\n])", text, re.M))
         assert n == (0 if flag in ("--no-python", "--run-path", "-m", "--module") else 1), (flag, n)
     assert "--no-python" not in text and "--run-path" not in text and "--nproc_per_node" not in text
     helps = {a.dest: " ".join(a.help.split()) for a in options.launch_parser()._actions if a.help}

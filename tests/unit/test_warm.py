@@ -17,7 +17,8 @@ from elastic_trainer.supervisor.options import WORKER_MODULE
 
 CHILD = """
 import os, sys, time
-line = " ".join(map(str, ("argv", sys.argv[1:], "env", os.environ.get("WARM_TEST"), "pid", os.getpid(), "ppid", os.getppid(), "sid", os.getsid(0))))
+ids = ("pid", os.getpid(), "ppid", os.getppid(), "sid", os.getsid(0))
+line = " ".join(map(str, ("argv", sys.argv[1:], "env", os.environ.get("WARM_TEST"), *ids)))
 os.write(1, (line + "\\n").encode())  # one write: the two children share one output file
 print("to stderr", file=sys.stderr)
 if "sleep" in sys.argv:
@@ -32,7 +33,8 @@ sys.exit(int(sys.argv[1]))
         (sys.executable, ["-u", "-m", WORKER_MODULE], ()),  # launch's trainer: the zygote's own list
         (sys.executable, ["-m", WORKER_MODULE, "--x"], ()),
         (sys.executable, ["-u", "-m", "other.module"], ("@script",)),  # run -m MODULE
-        (sys.executable, ["-u", "missing_train.py", "--steps", "3"], ("@script",)),  # run SCRIPT: unreadable -> no imports of its own
+        # run SCRIPT: unreadable -> no imports of its own
+        (sys.executable, ["-u", "missing_train.py", "--steps", "3"], ("@script",)),
         ("/usr/bin/env", ["-u", "-m", WORKER_MODULE], None),  # --no-python: cold
         (sys.executable, ["-u", "-c", "pass"], None),
         (lambda: None, [], None),  # --run-path
@@ -46,7 +48,7 @@ def test_a_script_preloads_its_installed_imports_and_the_preload_list_but_not_it
     (tmp_path / "mymodel.py").write_text("import os\nRANK = os.environ['RANK']\n")
     (tmp_path / "mypkg").mkdir()
     script = tmp_path / "train.py"
-    script.write_text("from __future__ import annotations\nimport argparse, sys\nimport torch.nn.functional as F\nfrom torch import nn\n"
+    script.write_text("from __future__ import annotations\nimport argparse, sys\n" "import torch.nn.functional as F\nfrom torch import nn\n"
                       "import mymodel\nfrom mypkg.sub import x\nfrom . import rel\ndef f():\n    import numpy\n")
     got = warm.preload_for(sys.executable, ["-u", str(script)], WORKER_MODULE, ("transformers", "torch"))
     assert got == ("@script", "argparse", "sys", "torch.nn.functional", "torch", "transformers")

@@ -75,7 +75,7 @@ def main() -> int:
             model.train()
             loss_sum = torch.zeros(())
             for mb in sampler.micro_batches():
-                x, y = (torch.stack(t) for t in zip(*(data[i] for i in mb.indices)))
+                x, y = (torch.stack(t) for t in zip(*(data[i] for i in mb.indices), strict=True))
                 # sum over the global batch / global batch size: the same loss at every world size
                 loss = F.mse_loss(model(x), y, reduction="sum") * (mb.weight > 0) / cfg.global_batch_size
                 loss.backward()

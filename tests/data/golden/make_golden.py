@@ -5,8 +5,8 @@ version whose format they pin; tests/e2e/test_golden.py loads them with every la
 
 * ``demo/``: the built-in trainer (tiny demo model, 2 workers) committed at step 5 of a 10-step
   run; ``demo/losses.json`` holds that uninterrupted run's loss per step.
-* ``example/``: example_script.py (examples/train_fsdp.py as it was then: its sampler, LambdaLR scheduler, per-rank RNG with
-  dropout; 2 workers) committed at step 5 of 12; ``example/losses.json`` likewise.
+* ``example/``: example_script.py (examples/train_fsdp.py as it was then: its sampler, LambdaLR
+  scheduler, per-rank RNG with dropout; 2 workers) committed at step 5 of 12; ``example/losses.json`` likewise.
 
 The demo's data view records absolute paths (by design: a resume reads exactly the files of
 the first start), so its token file lives at :data:`DEMO_DATA`, rebuilt from ``demo-tokens.bin``
