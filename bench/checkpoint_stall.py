@@ -59,8 +59,8 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from elastic_trainer.checkpoint import integrity
-    from elastic_trainer.checkpoint.manager import CheckpointManager
     from elastic_trainer.checkpoint.cadence import Cadence
+    from elastic_trainer.checkpoint.manager import CheckpointManager
     from elastic_trainer.checkpoint.savers import RemoteSaver
     from elastic_trainer.checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState
     from elastic_trainer.config import config_from_dict
@@ -76,10 +76,31 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     cfg = config_from_dict(
         {
             "run": {"dir": os.path.join(work, "run")},
-            "model": {"vocab_size": 256, "seq_len": o["seq_len"], "dim": o["dim"], "n_layers": o["layers"], "n_heads": o["heads"], "mlp_ratio": 4},
+            "model": {
+                "vocab_size": 256,
+                "seq_len": o["seq_len"],
+                "dim": o["dim"],
+                "n_layers": o["layers"],
+                "n_heads": o["heads"],
+                "mlp_ratio": 4,
+            },
             "data": {"path": o["data"], "dtype": "uint16"},
-            "train": {"steps": 1_000_000, "global_batch_size": o["global_batch"], "micro_batch_size": o["micro_batch"], "seed": 1234, "lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 10, "log_every": 1_000_000},
-            "checkpoint": {"dir": os.path.join(work, "ckpt"), "interval_steps": o["every"], "keep_last": 1, "mode": "async"},
+            "train": {
+                "steps": 1_000_000,
+                "global_batch_size": o["global_batch"],
+                "micro_batch_size": o["micro_batch"],
+                "seed": 1234,
+                "lr": 3e-4,
+                "min_lr": 3e-5,
+                "warmup_steps": 10,
+                "log_every": 1_000_000,
+            },
+            "checkpoint": {
+                "dir": os.path.join(work, "ckpt"),
+                "interval_steps": o["every"],
+                "keep_last": 1,
+                "mode": "async",
+            },
         }
     )
     # --- exactly the worker's build (elastic_trainer/worker/main.py: build_and_train) -----------
@@ -87,10 +108,24 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     model, optimizer, scheduler, batches, state = build_training(cfg, d)
     storage = open_storage(cfg.checkpoint.dir)
     events = EventLog(os.path.join(work, "events.jsonl"), enabled=rank == 0)
-    states = {"model": ModelState(model), "optim": OptimizerState(model, optimizer), "lr_scheduler": SchedulerState(scheduler), "train": state, "rng": RNGState()}
+    states = {
+        "model": ModelState(model),
+        "optim": OptimizerState(model, optimizer),
+        "lr_scheduler": SchedulerState(scheduler),
+        "train": state,
+        "rng": RNGState(),
+    }
     ckpt = CheckpointManager(
-        cfg.checkpoint, storage, states, rank=d.rank, world_size=d.world_size, mesh_shape=list(d.mesh.shape),
-        group=d.ckpt_group, fingerprint=cfg.model_fingerprint(), events=events, metrics=NullSink(),
+        cfg.checkpoint,
+        storage,
+        states,
+        rank=d.rank,
+        world_size=d.world_size,
+        mesh_shape=list(d.mesh.shape),
+        group=d.ckpt_group,
+        fingerprint=cfg.model_fingerprint(),
+        events=events,
+        metrics=NullSink(),
     )
     # --modes: one manager per upload variant, each in its own directory ("thread" is ``ckpt``).
     managers = {}
@@ -105,16 +140,26 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         mcfg = dataclasses.replace(cfg.checkpoint, dir=os.path.join(work, f"ckpt-{mode}"), writer=writer)
         storage = open_storage(mcfg.dir)
         managers[mode] = CheckpointManager(
-            mcfg, storage, states, rank=d.rank, world_size=d.world_size, mesh_shape=list(d.mesh.shape),
-            group=d.ckpt_group, fingerprint=cfg.model_fingerprint(), events=events, metrics=NullSink(),
+            mcfg,
+            storage,
+            states,
+            rank=d.rank,
+            world_size=d.world_size,
+            mesh_shape=list(d.mesh.shape),
+            group=d.ckpt_group,
+            fingerprint=cfg.model_fingerprint(),
+            events=events,
+            metrics=NullSink(),
             remote=RemoteSaver(storage, d.ckpt_group, mode=mcfg.mode, writer=writer, upload_nice=int(nice or 0)),
         )
+
     class _Shim:
         """What Trainer.train_step needs of a Checkpointer, over one of the managers compared here."""
 
         def __init__(self, mgr):
             self.manager, self.state = mgr, state
-            self.cadence = Cadence(cfg.checkpoint, rank=d.rank, start_step=0, now=time.monotonic())  # the bench decides when to save
+            # the bench decides when to save
+            self.cadence = Cadence(cfg.checkpoint, rank=d.rank, start_step=0, now=time.monotonic())
 
     session = Session(cfg, d, EventLog(None), NullSink(), PreemptionFlag())
     trainer = Trainer(cfg, model, optimizer, scheduler, batches, session, _Shim(ckpt))
@@ -141,15 +186,29 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
                 save = mgr._inflight
                 for name, f in (("staged", save.stagings[0] if save.stagings else None), ("uploaded", save.written)):
                     if f is not None:
-                        f.add_done_callback(lambda _f, name=name, marks=marks: marks.__setitem__(name, time.monotonic() - t0))
+                        f.add_done_callback(
+                            lambda _f, name=name, marks=marks: marks.__setitem__(name, time.monotonic() - t0)
+                        )
             times.append(time.monotonic() - s0)
         t_fin = time.monotonic()
         if save:
             mgr.finish()
         end = time.monotonic()
-        out = {"seconds": end - t0, "cpu_seconds": time.process_time() - c0, "step_times": times, "finish_wait": end - t_fin, "marks": marks}
+        out = {
+            "seconds": end - t0,
+            "cpu_seconds": time.process_time() - c0,
+            "step_times": times,
+            "finish_wait": end - t_fin,
+            "marks": marks,
+        }
         if stats is not None:
-            out.update(step=stats.step, wait_previous=stats.wait_previous, call=stats.call, staging_wait=stats.staging_wait, stall=stats.stall)
+            out.update(
+                step=stats.step,
+                wait_previous=stats.wait_previous,
+                call=stats.call,
+                staging_wait=stats.staging_wait,
+                stall=stats.stall,
+            )
         return out
 
     def copy_floor() -> dict:
@@ -215,7 +274,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     for r in range(o["rounds"]):
         rd = {}
         kinds = ["A"] + [f"B:{m}" for m in o["modes"]]
-        kinds = kinds[r % len(kinds):] + kinds[:r % len(kinds)]  # rotate: slow drift in load hits all
+        kinds = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]  # rotate: slow drift in load hits all
         for kind in kinds:
             rd[kind] = run_block(o["every"], save=kind != "A", mgr=managers.get(kind[2:]))
         rd["B"] = rd["B:" + o["modes"][0]]
@@ -223,15 +282,22 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
             rd["sync"] = rd["sync_nocrc"] = rd["full"] = float("nan")
             res["rounds"].append(rd)
             if rank == 0:
-                print(f"round {r + 1}/{o['rounds']}: " + " ".join(f"{k} {rd[k]['seconds']:.2f}s" for k in kinds), flush=True)
+                print(
+                    f"round {r + 1}/{o['rounds']}: " + " ".join(f"{k} {rd[k]['seconds']:.2f}s" for k in kinds),
+                    flush=True,
+                )
             continue
-        for crc in ((True, False) if r % 2 == 0 else (False, True)):
+        for crc in (True, False) if r % 2 == 0 else (False, True):
             rd["sync" if crc else "sync_nocrc"] = sync_save(r, crc)
         rd["full"] = full_save(r)
         res["rounds"].append(rd)
         if rank == 0:
-            print(f"round {r + 1}/{o['rounds']}: A {rd['A']['seconds']:.2f}s B " f"{rd['B']['seconds']:.2f}s async stall {rd['B']['stall']:.3f}s "
-                  f"sync {rd['sync']:.2f}s sync-nocrc {rd['sync_nocrc']:.2f}s full {rd['full']:.2f}s", flush=True)
+            print(
+                f"round {r + 1}/{o['rounds']}: A {rd['A']['seconds']:.2f}s B "
+                f"{rd['B']['seconds']:.2f}s async stall {rd['B']['stall']:.3f}s "
+                f"sync {rd['sync']:.2f}s sync-nocrc {rd['sync_nocrc']:.2f}s full {rd['full']:.2f}s",
+                flush=True,
+            )
     for g in managers.values():
         g.close()
     ckpt.close()
@@ -314,11 +380,21 @@ def _torchtitan_manager(mode: str, work: str, model, states: dict):
     async_mode = {"torchtitan-async": "async", "torchtitan-pinned-cpu": "async_with_pinned_mem"}[mode]
     cfg = TitanCheckpointManager.Config(enable=True, folder=mode, interval=1, keep_latest_k=2, async_mode=async_mode)
     mgr = TitanCheckpointManager(
-        cfg, dataloader=states["train"], model_parts=[model], optimizers=states["optim"], lr_schedulers=states["lr_scheduler"],
-        states={"rng": states["rng"]}, sd_adapter=None, base_folder=work,
+        cfg,
+        dataloader=states["train"],
+        model_parts=[model],
+        optimizers=states["optim"],
+        lr_schedulers=states["lr_scheduler"],
+        states={"rng": states["rng"]},
+        sd_adapter=None,
+        base_folder=work,
     )
     if async_mode == "async_with_pinned_mem":
-        mgr.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=False))
+        mgr.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=False
+            )
+        )
     return _PeerManager(mgr)
 
 
@@ -363,9 +439,14 @@ def summarise(ranks: list[dict], o: dict, info: dict) -> dict:
         "throughput_ckpt_over_none_totals": sum(s["block_A"]) / sum(s["block_B"]),
         "per_round_throughput": [a / b for a, b in zip(s["block_A"], s["block_B"], strict=True)],
         "cpu_A_over_B": m["cpu_A"] / m["cpu_B"],
-        "modes": {mode: {"throughput": m["block_A"] / m[f"block_B:{mode}"],
-                         "per_round": [a / b for a, b in zip(s["block_A"], s[f"block_B:{mode}"], strict=True)],
-                         "cpu_A_over_B": m["cpu_A"] / m[f"cpu_B:{mode}"]} for mode in o["modes"]},
+        "modes": {
+            mode: {
+                "throughput": m["block_A"] / m[f"block_B:{mode}"],
+                "per_round": [a / b for a, b in zip(s["block_A"], s[f"block_B:{mode}"], strict=True)],
+                "cpu_A_over_B": m["cpu_A"] / m[f"cpu_B:{mode}"],
+            }
+            for mode in o["modes"]
+        },
     }
     state_bytes = sum(r["floor"][0]["bytes"] for r in ranks)
     steps_A = [x for r in ranks for rd in r["rounds"] for x in rd["A"]["step_times"]]
@@ -373,10 +454,21 @@ def summarise(ranks: list[dict], o: dict, info: dict) -> dict:
         "samples": s,
         "median": m,
         "ratios": ratios,
-        "model": {"params": ranks[0]["params"], "state_bytes_all_ranks": state_bytes, "state_bytes_per_rank": [r["floor"][0]["bytes"] for r in ranks],
-                  "dim": o["dim"], "layers": o["layers"], "seq_len": o["seq_len"], "global_batch": o["global_batch"], "micro_batch": o["micro_batch"]},
+        "model": {
+            "params": ranks[0]["params"],
+            "state_bytes_all_ranks": state_bytes,
+            "state_bytes_per_rank": [r["floor"][0]["bytes"] for r in ranks],
+            "dim": o["dim"],
+            "layers": o["layers"],
+            "seq_len": o["seq_len"],
+            "global_batch": o["global_batch"],
+            "micro_batch": o["micro_batch"],
+        },
         "step_seconds_median": median(steps_A),
-        "cold_save": {k: max(r["cold_save"].get(k, 0.0) for r in ranks) for k in ("call", "staging_wait", "stall", "seconds", "finish_wait")},
+        "cold_save": {
+            k: max(r["cold_save"].get(k, 0.0) for r in ranks)
+            for k in ("call", "staging_wait", "stall", "seconds", "finish_wait")
+        },
         "info": info,
     }
 
@@ -395,11 +487,21 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--data", default=str(REPO / "runs/data/demo.bin"))
     ap.add_argument("--workdir", default=None, help="parent of the temp checkpoint dir (default: the system temp dir)")
-    ap.add_argument("--modes", default="thread",
-                    help="comma-separated upload variants measured side by side as B blocks: " "thread, process, thread-nice10, process-nice10")
-    ap.add_argument("--peer", choices=sorted(PEER_MODES), help="also measure a peer's checkpoint manager modes side by side "
-                    "(torchtitan: its async and pinned-memory paths; run with the bench venv's python, see BENCHMARKS.md)")
-    ap.add_argument("--skip-sync", action="store_true", help="only the A/B blocks (no sync, full-state-dict or floor comparisons)")
+    ap.add_argument(
+        "--modes",
+        default="thread",
+        help="comma-separated upload variants measured side by side as B blocks: "
+        "thread, process, thread-nice10, process-nice10",
+    )
+    ap.add_argument(
+        "--peer",
+        choices=sorted(PEER_MODES),
+        help="also measure a peer's checkpoint manager modes side by side "
+        "(torchtitan: its async and pinned-memory paths; run with the bench venv's python, see BENCHMARKS.md)",
+    )
+    ap.add_argument(
+        "--skip-sync", action="store_true", help="only the A/B blocks (no sync, full-state-dict or floor comparisons)"
+    )
     ap.add_argument("--json-out")
     a = ap.parse_args()
 
@@ -408,13 +510,27 @@ def main() -> int:
     if not os.path.exists(a.data):
         import subprocess
 
-        subprocess.run([sys.executable, "-m", "elastic_trainer.cli", "data", "build", "--out", a.data], check=True, cwd=REPO)
+        subprocess.run(
+            [sys.executable, "-m", "elastic_trainer.cli", "data", "build", "--out", a.data], check=True, cwd=REPO
+        )
     info = machine_info()
     info["loadavg_start"] = loadavg()
     work = tempfile.mkdtemp(prefix="bench-ckpt-stall-", dir=a.workdir)
-    o = {"work": work, "data": a.data, "rounds": a.rounds, "every": a.every, "dim": a.dim, "layers": a.layers, "heads": a.heads,
-         "seq_len": a.seq_len, "global_batch": a.global_batch, "micro_batch": a.micro_batch, "warmup_steps": a.warmup_steps,
-         "modes": a.modes.split(",") + PEER_MODES.get(a.peer, []), "skip_sync": a.skip_sync}
+    o = {
+        "work": work,
+        "data": a.data,
+        "rounds": a.rounds,
+        "every": a.every,
+        "dim": a.dim,
+        "layers": a.layers,
+        "heads": a.heads,
+        "seq_len": a.seq_len,
+        "global_batch": a.global_batch,
+        "micro_batch": a.micro_batch,
+        "warmup_steps": a.warmup_steps,
+        "modes": a.modes.split(",") + PEER_MODES.get(a.peer, []),
+        "skip_sync": a.skip_sync,
+    }
     t0 = time.monotonic()
     try:
         ranks = run_ranks(_rank_main, a.world, o, timeout=1800, daemon=False)  # PROCESS mode spawns a saver
@@ -426,7 +542,9 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     info["loadavg_end"] = loadavg()
     info["wall_seconds"] = round(time.monotonic() - t0, 1)
-    info["command"] = " ".join([os.path.relpath(sys.executable, REPO) if sys.executable.startswith(str(REPO)) else "python", *sys.argv])
+    info["command"] = " ".join(
+        [os.path.relpath(sys.executable, REPO) if sys.executable.startswith(str(REPO)) else "python", *sys.argv]
+    )
     out = summarise(ranks, o, info)
     out["async_save_seconds_to_commit"] = [c.get("seconds") for c in committed]
     print_report(out)
@@ -440,28 +558,80 @@ def print_report(out: dict) -> None:
     s = out["samples"]
     fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
     print()
-    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), " f"{info['mem_total_gib']} GiB, torch {info['torch']}, python {info['python']}")
-    print("load average start " f"{info['loadavg_start'][0]:.2f}/{info['loadavg_start'][1]:.2f}/{info['loadavg_start'][2]:.2f}, "
-          f"end {info['loadavg_end'][0]:.2f}/{info['loadavg_end'][1]:.2f}/{info['loadavg_end'][2]:.2f}; " f"wall {info['wall_seconds']}s")
-    print(f"model: {mod['params'] / 1e6:.1f}M params (dim {mod['dim']}, " f"{mod['layers']} layers), seq {mod['seq_len']}, global batch {mod['global_batch']}; "
-          f"state (params + exp_avg + exp_avg_sq) {mod['state_bytes_all_ranks'] / 1e9:.3f} GB across ranks "
-          f"({', '.join(f'{b / 1e6:.0f}' for b in mod['state_bytes_per_rank'])} " f"MB per rank); median step {out['step_seconds_median']:.3f}s")
+    print(
+        f"machine: {info['nproc']} CPUs ({info['cpu']}), "
+        f"{info['mem_total_gib']} GiB, torch {info['torch']}, python {info['python']}"
+    )
+    print(
+        "load average start "
+        f"{info['loadavg_start'][0]:.2f}/{info['loadavg_start'][1]:.2f}/{info['loadavg_start'][2]:.2f}, "
+        f"end {info['loadavg_end'][0]:.2f}/{info['loadavg_end'][1]:.2f}/{info['loadavg_end'][2]:.2f}; "
+        f"wall {info['wall_seconds']}s"
+    )
+    print(
+        f"model: {mod['params'] / 1e6:.1f}M params (dim {mod['dim']}, "
+        f"{mod['layers']} layers), seq {mod['seq_len']}, global batch {mod['global_batch']}; "
+        f"state (params + exp_avg + exp_avg_sq) {mod['state_bytes_all_ranks'] / 1e9:.3f} GB across ranks "
+        f"({', '.join(f'{b / 1e6:.0f}' for b in mod['state_bytes_per_rank'])} "
+        f"MB per rank); median step {out['step_seconds_median']:.3f}s"
+    )
     print(f"command: {info['command']}")
     print()
     rows = [
-        ["(a) async save (ours): save() + wait_for_staging()", f"{m['async_stall']:.3f}", fmt(s["async_stall"]), f"{r['async_over_sync']:.3f}", f"{r['async_over_floor']:.2f}"],
+        [
+            "(a) async save (ours): save() + wait_for_staging()",
+            f"{m['async_stall']:.3f}",
+            fmt(s["async_stall"]),
+            f"{r['async_over_sync']:.3f}",
+            f"{r['async_over_floor']:.2f}",
+        ],
         ["  of which save() call", f"{m['async_call']:.3f}", fmt(s["async_call"]), "", ""],
         ["  of which wait_for_staging()", f"{m['async_staging_wait']:.3f}", fmt(s["async_staging_wait"]), "", ""],
-        ["(b) synchronous dcp.save (torch default: zip CRC32s)", f"{m['sync']:.3f}", fmt(s["sync"]), "1.000", f"{r['sync_over_floor']:.2f}"],
-        ["(b') synchronous dcp.save, manager's writer (no CRC32)", f"{m['sync_nocrc']:.3f}", fmt(s["sync_nocrc"]), f"{m['sync_nocrc'] / m['sync']:.3f}", f"{m['sync_nocrc'] / m['floor_clone']:.2f}"],
-        ["(c) full state dict + torch.save on rank 0", f"{m['full']:.3f}", fmt(s["full"]), f"{r['full_over_sync']:.3f}", f"{r['full_over_floor']:.2f}"],
-        ["floor: clone() of a rank's state", f"{m['floor_clone']:.3f}", fmt(s["floor_clone"]), f"{m['floor_clone'] / m['sync']:.3f}", "1.00"],
-        ["  copy_() into preallocated buffers", f"{m['floor_copy']:.3f}", fmt(s["floor_copy"]), "", f"{m['floor_copy'] / m['floor_clone']:.2f}"],
+        [
+            "(b) synchronous dcp.save (torch default: zip CRC32s)",
+            f"{m['sync']:.3f}",
+            fmt(s["sync"]),
+            "1.000",
+            f"{r['sync_over_floor']:.2f}",
+        ],
+        [
+            "(b') synchronous dcp.save, manager's writer (no CRC32)",
+            f"{m['sync_nocrc']:.3f}",
+            fmt(s["sync_nocrc"]),
+            f"{m['sync_nocrc'] / m['sync']:.3f}",
+            f"{m['sync_nocrc'] / m['floor_clone']:.2f}",
+        ],
+        [
+            "(c) full state dict + torch.save on rank 0",
+            f"{m['full']:.3f}",
+            fmt(s["full"]),
+            f"{r['full_over_sync']:.3f}",
+            f"{r['full_over_floor']:.2f}",
+        ],
+        [
+            "floor: clone() of a rank's state",
+            f"{m['floor_clone']:.3f}",
+            fmt(s["floor_clone"]),
+            f"{m['floor_clone'] / m['sync']:.3f}",
+            "1.00",
+        ],
+        [
+            "  copy_() into preallocated buffers",
+            f"{m['floor_copy']:.3f}",
+            fmt(s["floor_copy"]),
+            "",
+            f"{m['floor_copy'] / m['floor_clone']:.2f}",
+        ],
     ]
     print(table(["training thread blocked per checkpoint", "median s", "samples s", "÷ sync", "÷ copy floor"], rows))
     print()
     rows = [
-        [f"{out['model']['global_batch']}×{out['model']['seq_len']} " "tokens/step, block of steps without checkpoint (A)", f"{m['block_A']:.2f}", fmt(s["block_A"])],
+        [
+            f"{out['model']['global_batch']}×{out['model']['seq_len']} "
+            "tokens/step, block of steps without checkpoint (A)",
+            f"{m['block_A']:.2f}",
+            fmt(s["block_A"]),
+        ],
         ["same block with one async checkpoint (B), incl. finish()", f"{m['block_B']:.2f}", fmt(s["block_B"])],
         ["  of which finish() at block end", f"{m['B_finish_wait']:.2f}", fmt(s["B_finish_wait"])],
         ["CPU seconds (both ranks, all threads) in A", f"{m['cpu_A']:.2f}", fmt(s["cpu_A"])],
@@ -469,37 +639,91 @@ def print_report(out: dict) -> None:
     ]
     print(table(["throughput", "median s", "samples s"], rows))
     print()
-    print(f"throughput with a checkpoint every block ÷ without: {r['throughput_ckpt_over_none']:.3f} (medians), "
-          f"{r['throughput_ckpt_over_none_totals']:.3f} (totals), per round {fmt(r['per_round_throughput'])}")
+    print(
+        f"throughput with a checkpoint every block ÷ without: {r['throughput_ckpt_over_none']:.3f} (medians), "
+        f"{r['throughput_ckpt_over_none_totals']:.3f} (totals), per round {fmt(r['per_round_throughput'])}"
+    )
     print(f"CPU time without ÷ with a checkpoint (load-independent view of the same ratio): {r['cpu_A_over_B']:.3f}")
-    print(f"effective cost per checkpoint (B − A, medians): {m['block_B'] - m['block_A']:.2f}s; "
-          f"async save to commit (s): {fmt([x for x in out['async_save_seconds_to_commit'] if x is not None])}")
+    print(
+        f"effective cost per checkpoint (B − A, medians): {m['block_B'] - m['block_A']:.2f}s; "
+        f"async save to commit (s): {fmt([x for x in out['async_save_seconds_to_commit'] if x is not None])}"
+    )
     if len(out["ratios"]["modes"]) > 1 or out["samples"].get("after_A"):
         sync = m["sync"]
-        rows = [["A (no checkpoint)", f"{m['block_A']:.2f}", "1.000", "", "", "", f"{m['after_A']:.2f}", "", f"{m['step_A']:.2f}", f"{m['cpu_A']:.1f}"]]
+        rows = [
+            [
+                "A (no checkpoint)",
+                f"{m['block_A']:.2f}",
+                "1.000",
+                "",
+                "",
+                "",
+                f"{m['after_A']:.2f}",
+                "",
+                f"{m['step_A']:.2f}",
+                f"{m['cpu_A']:.1f}",
+            ]
+        ]
         for mode, x in out["ratios"]["modes"].items():
             k = "B:" + mode
             extra = m["after_" + k] - m["step_A"]
-            rows.append([mode, f"{m['block_' + k]:.2f}", f"{x['throughput']:.3f}", fmt(x["per_round"]), f"{m['stall_' + k]:.3f}",
-                         f"{m['stall_' + k] / sync:.4f}", f"{m['after_' + k]:.2f}", f"{extra:+.2f} ({extra / sync:+.2f} × sync)",
-                         f"{m['step_' + k]:.2f}", f"{m['cpu_' + k]:.1f}"])
-        print(table(["save path", "block s", "throughput ÷ A", "per round", "blocked s", "blocked ÷ sync", "step after save s",
-                     "extra vs A's median step", "other steps s", "CPU s"], rows))
+            rows.append(
+                [
+                    mode,
+                    f"{m['block_' + k]:.2f}",
+                    f"{x['throughput']:.3f}",
+                    fmt(x["per_round"]),
+                    f"{m['stall_' + k]:.3f}",
+                    f"{m['stall_' + k] / sync:.4f}",
+                    f"{m['after_' + k]:.2f}",
+                    f"{extra:+.2f} ({extra / sync:+.2f} × sync)",
+                    f"{m['step_' + k]:.2f}",
+                    f"{m['cpu_' + k]:.1f}",
+                ]
+            )
+        print(
+            table(
+                [
+                    "save path",
+                    "block s",
+                    "throughput ÷ A",
+                    "per round",
+                    "blocked s",
+                    "blocked ÷ sync",
+                    "step after save s",
+                    "extra vs A's median step",
+                    "other steps s",
+                    "CPU s",
+                ],
+                rows,
+            )
+        )
         print()
     cs = out["cold_save"]
-    print(f"first (cold) async save, not in the medians: stall {cs['stall']:.3f}s " f"(call {cs['call']:.3f}, staging wait {cs['staging_wait']:.3f})")
+    print(
+        f"first (cold) async save, not in the medians: stall {cs['stall']:.3f}s "
+        f"(call {cs['call']:.3f}, staging wait {cs['staging_wait']:.3f})"
+    )
     print()
-    print(f"targets (issue #3): async ≤ 0.05 × sync: {r['async_over_sync']:.3f} (÷ sync without CRC32s: " f"{r['async_over_sync_nocrc']:.3f}) {'met' if r['async_over_sync'] <= 0.05 else 'MISSED'}; "
-          f"async ≤ 2 × floor: {r['async_over_floor']:.2f} {'met' if r['async_over_floor'] <= 2 else 'MISSED'}; "
-          f"throughput ratio ≥ 0.97: {r['throughput_ckpt_over_none']:.3f} " f"{'met' if r['throughput_ckpt_over_none'] >= 0.97 else 'MISSED'}")
+    print(
+        f"targets (issue #3): async ≤ 0.05 × sync: {r['async_over_sync']:.3f} (÷ sync without CRC32s: "
+        f"{r['async_over_sync_nocrc']:.3f}) {'met' if r['async_over_sync'] <= 0.05 else 'MISSED'}; "
+        f"async ≤ 2 × floor: {r['async_over_floor']:.2f} {'met' if r['async_over_floor'] <= 2 else 'MISSED'}; "
+        f"throughput ratio ≥ 0.97: {r['throughput_ckpt_over_none']:.3f} "
+        f"{'met' if r['throughput_ckpt_over_none'] >= 0.97 else 'MISSED'}"
+    )
     peers = {k: v for k, v in m.items() if k.startswith("stall_B:torchtitan")}
     if peers:
         best = min(peers.values())
         ours = m["stall_B:thread"] if "stall_B:thread" in m else m["async_stall"]
         extra = m.get("after_B:thread", float("nan")) - m["step_A"]
-        print("targets (issue #14): blocked ≤ 0.005 × sync: " f"{ours / m['sync']:.4f} {'met' if ours / m['sync'] <= 0.005 else 'MISSED'}; "
-              f"≤ 0.5 × best peer ({best:.3f}s): {ours / best:.2f} {'met' if ours / best <= 0.5 else 'MISSED'}; "
-              "extra time of the overlapped step ≤ 0.25 × sync: " f"{extra / m['sync']:.2f} {'met' if extra / m['sync'] <= 0.25 else 'MISSED'}")
+        print(
+            "targets (issue #14): blocked ≤ 0.005 × sync: "
+            f"{ours / m['sync']:.4f} {'met' if ours / m['sync'] <= 0.005 else 'MISSED'}; "
+            f"≤ 0.5 × best peer ({best:.3f}s): {ours / best:.2f} {'met' if ours / best <= 0.5 else 'MISSED'}; "
+            "extra time of the overlapped step ≤ 0.25 × sync: "
+            f"{extra / m['sync']:.2f} {'met' if extra / m['sync'] <= 0.25 else 'MISSED'}"
+        )
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ import time
 LOADS = {
     "idle": None,
     "python busy loop (no memory traffic)": "while True: pass",
-    "copy_ of 64 MB in a loop": "import torch; torch.set_num_threads(1); a=torch.empty(16<<20); " "b=torch.empty(16<<20)\nwhile True: a.copy_(b)",
+    "copy_ of 64 MB in a loop": "import torch; torch.set_num_threads(1); a=torch.empty(16<<20); "
+    "b=torch.empty(16<<20)\nwhile True: a.copy_(b)",
     "torch.save to memory + XXH3": "import io,torch,xxhash; torch.set_num_threads(1); t=torch.randn(2<<20)\n"
-                                   "while True:\n  buf=io.BytesIO(); torch.save(t, buf); xxhash.xxh3_64(buf.getbuffer()).intdigest()",
+    "while True:\n  buf=io.BytesIO(); torch.save(t, buf); xxhash.xxh3_64(buf.getbuffer()).intdigest()",
 }
 
 
@@ -64,7 +65,10 @@ def main() -> int:
     print(f"command: python {' '.join(sys.argv)}; load average {os.getloadavg()[0]:.2f}")
     print("| load on CPU 1 | loop ms (median) | ÷ idle | samples ms |\n|---|---|---|---|")
     for name, v in res.items():
-        print(f"| {name} | {statistics.median(v) * 1000:.1f} | " f"{statistics.median(v) / base:.3f} | {', '.join(f'{s * 1000:.0f}' for s in v)} |")
+        print(
+            f"| {name} | {statistics.median(v) * 1000:.1f} | "
+            f"{statistics.median(v) / base:.3f} | {', '.join(f'{s * 1000:.0f}' for s in v)} |"
+        )
     return 0
 
 

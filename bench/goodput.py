@@ -44,12 +44,26 @@ def run_once(config: str, minutes: float, kill_every: float, seed: int, override
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
     run_dir = work / "run"
     kills = int(minutes * 60 // kill_every)
-    args = ["--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={run_dir / 'ckpt'}", "--set", "train.steps=1000000",
-            "--max-restarts", str(kills + 3)]
+    args = [
+        "--set",
+        f"run.dir={run_dir}",
+        "--set",
+        f"checkpoint.dir={run_dir / 'ckpt'}",
+        "--set",
+        "train.steps=1000000",
+        "--max-restarts",
+        str(kills + 3),
+    ]
     for o in overrides:
         args += ["--set", o]
-    proc = subprocess.Popen([*runs.CLI, "launch", config, *args], stdout=open(work / "launch.log", "ab"), stderr=subprocess.STDOUT,
-                            cwd=REPO, env=runs.env_for_tests(), start_new_session=True)
+    proc = subprocess.Popen(
+        [*runs.CLI, "launch", config, *args],
+        stdout=open(work / "launch.log", "ab"),
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=runs.env_for_tests(),
+        start_new_session=True,
+    )
     t0 = time.monotonic()
     end = t0 + minutes * 60
     killed = []
@@ -72,10 +86,17 @@ def run_once(config: str, minutes: float, kill_every: float, seed: int, override
     events = runs.read_events(run_dir)
     g = account(events)
     out = asdict(g)
-    out.update(kills=len(killed), restarts=sum(1 for e in events if e["event"] == "restart"), minutes=minutes, kill_every=kill_every,
-               steps=max((e["step"] for e in events if e["event"] == "step"), default=0), exit_code=proc.returncode, logs=str(work),
-               commits=sum(1 for e in events if e["event"] == "checkpoint_committed"),
-               chosen=[e["interval_steps"] for e in events if e["event"] == "checkpoint_interval_changed"])
+    out.update(
+        kills=len(killed),
+        restarts=sum(1 for e in events if e["event"] == "restart"),
+        minutes=minutes,
+        kill_every=kill_every,
+        steps=max((e["step"] for e in events if e["event"] == "step"), default=0),
+        exit_code=proc.returncode,
+        logs=str(work),
+        commits=sum(1 for e in events if e["event"] == "checkpoint_committed"),
+        chosen=[e["interval_steps"] for e in events if e["event"] == "checkpoint_interval_changed"],
+    )
     return out
 
 
@@ -99,8 +120,11 @@ def print_sweep(results: list[dict]) -> None:
             ratio = f"{r['goodput'] / best:.3f}" if best and r["goodput"] is not None else "-"
             g = f"{r['goodput']:.3f}" if r["goodput"] is not None else "-"
             chose = " → ".join(str(c) for c in r["chosen"]) if r["interval"] == "auto" else ""
-            print(f"| {rate:.0f} s | {r['interval']} | {r['kills']} | " f"{r['steps']} | {r['commits']} | {r['recompute_seconds']:.1f} s "
-                  f"({r['recompute_steps']} steps) | {g} | {ratio} | {chose} |")
+            print(
+                f"| {rate:.0f} s | {r['interval']} | {r['kills']} | "
+                f"{r['steps']} | {r['commits']} | {r['recompute_seconds']:.1f} s "
+                f"({r['recompute_steps']} steps) | {g} | {ratio} | {chose} |"
+            )
 
 
 def reaccount(results: list[dict]) -> list[dict]:
@@ -111,7 +135,12 @@ def reaccount(results: list[dict]) -> list[dict]:
         if not events:
             raise SystemExit(f"no event log left in {r['logs']} to re-account")
         g = asdict(account(events))
-        out.append({**r, **{k: g[k] for k in ("goodput", "recompute_seconds", "recompute_steps", "wall_seconds", "categories")}})
+        out.append(
+            {
+                **r,
+                **{k: g[k] for k in ("goodput", "recompute_seconds", "recompute_steps", "wall_seconds", "categories")},
+            }
+        )
     return out
 
 
@@ -138,12 +167,22 @@ def main() -> int:
     ap.add_argument("--config", default=str(REPO / "configs/demo-cpu.toml"))
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--kill-every", default="120", help="seconds between SIGKILLs; a comma-separated list sweeps")
-    ap.add_argument("--interval", default="", help="checkpoint.interval_steps: auto or N; a comma-separated list sweeps (default: the config's)")
+    ap.add_argument(
+        "--interval",
+        default="",
+        help="checkpoint.interval_steps: auto or N; a comma-separated list sweeps (default: the config's)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--json-out")
-    ap.add_argument("--table-from", nargs="+", help="only print the table of --json-out files (several: also the mean per cell)")
-    ap.add_argument("--reaccount", action="store_true", help="with --table-from: goodput from each run's event log with the current ledger")
+    ap.add_argument(
+        "--table-from", nargs="+", help="only print the table of --json-out files (several: also the mean per cell)"
+    )
+    ap.add_argument(
+        "--reaccount",
+        action="store_true",
+        help="with --table-from: goodput from each run's event log with the current ledger",
+    )
     a = ap.parse_args()
     if a.table_from:
         results = []
@@ -157,7 +196,12 @@ def main() -> int:
             print_repeats(results)
         return 0
     if not (REPO / "runs/data/demo.bin").exists():
-        subprocess.run([*runs.CLI, "data", "build", "--out", str(REPO / "runs/data/demo.bin")], check=True, cwd=REPO, env=runs.env_for_tests())
+        subprocess.run(
+            [*runs.CLI, "data", "build", "--out", str(REPO / "runs/data/demo.bin")],
+            check=True,
+            cwd=REPO,
+            env=runs.env_for_tests(),
+        )
     rates = [float(x) for x in a.kill_every.split(",")]
     intervals = [x.strip() for x in a.interval.split(",") if x.strip()] or [""]
     results = []
@@ -170,7 +214,9 @@ def main() -> int:
             results.append(out)
             print_one(out)
             if a.json_out:  # after every run: a cut-short sweep keeps what ran
-                Path(a.json_out).write_text(json.dumps(results if len(rates) * len(intervals) > 1 else out, indent=2, default=str))
+                Path(a.json_out).write_text(
+                    json.dumps(results if len(rates) * len(intervals) > 1 else out, indent=2, default=str)
+                )
     if len(results) > 1:
         print_sweep(results)
     return 0

@@ -65,7 +65,11 @@ def save_cpu(state, path, checked) -> float:
 def async_stall(state, path, checked) -> float:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False))
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False
+        )
+    )
     t = time.perf_counter()
     resp = dcp.async_save(state, storage_writer=writer(path, checked), async_stager=stager)
     blocked = time.perf_counter() - t
@@ -75,10 +79,14 @@ def async_stall(state, path, checked) -> float:
 
 
 def load_time(state, path, checked) -> float:
-    target = {k: ({kk: torch.empty_like(vv) for kk, vv in v.items()} if isinstance(v, dict) else v) for k, v in state.items()}
+    target = {
+        k: ({kk: torch.empty_like(vv) for kk, vv in v.items()} if isinstance(v, dict) else v) for k, v in state.items()
+    }
     reader = FileSystemReader(path)
     if checked:
-        checks = integrity.Checks.from_manifest({"files": json.load(open(os.path.join(path, integrity.CHECKSUMS)))["files"]})
+        checks = integrity.Checks.from_manifest(
+            {"files": json.load(open(os.path.join(path, integrity.CHECKSUMS)))["files"]}
+        )
         reader = integrity.verifying(reader, checks)
     t = time.perf_counter()
     dcp.load(target, storage_reader=reader)
@@ -101,7 +109,7 @@ def main() -> int:
     try:
         for r in range(a.rounds):
             row = {"round": r}
-            for checked in ((False, True) if r % 2 == 0 else (True, False)):  # alternate the order
+            for checked in (False, True) if r % 2 == 0 else (True, False):  # alternate the order
                 tag = "checked" if checked else "plain"
                 p = os.path.join(root, f"{tag}-{r}")
                 row[f"save_cpu_{tag}"] = save_cpu(state, p, checked)

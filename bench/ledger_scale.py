@@ -64,9 +64,18 @@ def main() -> int:
     tracemalloc.stop()
     per_step_mem = mem / (a.steps - early_at)
     print(f"steps {a.steps}, a commit every {a.save_every}: feed {cpu / a.steps * 1e6:.1f} us CPU per step")
-    print(f"result() at step {early_at}: {early * 1e3:.3f} ms; " f"at step {a.steps}: {late * 1e3:.3f} ms; ratio {late / early:.2f}")
-    print(f"ledger memory kept after step {early_at}: {per_step_mem:.1f} bytes " f"per step ({per_step_mem * a.steps / 1e6:.0f} MB at {a.steps} steps)")
-    print(f"goodput {g.goodput:.4f}, checkpoint stall " f"{g.categories['checkpoint_stall']:.1f} s, wall {g.wall_seconds:.0f} s")
+    print(
+        f"result() at step {early_at}: {early * 1e3:.3f} ms; "
+        f"at step {a.steps}: {late * 1e3:.3f} ms; ratio {late / early:.2f}"
+    )
+    print(
+        f"ledger memory kept after step {early_at}: {per_step_mem:.1f} bytes "
+        f"per step ({per_step_mem * a.steps / 1e6:.0f} MB at {a.steps} steps)"
+    )
+    print(
+        f"goodput {g.goodput:.4f}, checkpoint stall "
+        f"{g.categories['checkpoint_stall']:.1f} s, wall {g.wall_seconds:.0f} s"
+    )
     return 0
 
 

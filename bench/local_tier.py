@@ -66,18 +66,31 @@ def main() -> int:
     from tests.fixtures.procs import stop_process
 
     shm = Path("/dev/shm")
-    local_dir = a.local_dir or tempfile.mkdtemp(prefix="bench-lt-local-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None)
+    local_dir = a.local_dir or tempfile.mkdtemp(
+        prefix="bench-lt-local-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+    )
     info, root, server, proc, state, nbytes = setup("bench-lt-", a.mb, a.tensors)
     samples: dict[str, list[float]] = {}
     try:
         bucket = server.make_bucket("bench")
         uri = f"s3://{bucket}/run"
-        base = config_from_dict({"checkpoint": {"dir": uri, "local_dir": local_dir, "remote_every": 1000, "mode": "sync"}}).checkpoint
+        base = config_from_dict(
+            {"checkpoint": {"dir": uri, "local_dir": local_dir, "remote_every": 1000, "mode": "sync"}}
+        ).checkpoint
 
         def manager(target, local: bool) -> CheckpointManager:
             cfg = base if local else dataclasses.replace(base, local_dir="", remote_every=1)
-            return CheckpointManager(cfg, open_storage(uri), {"m": _Tensors(target)}, rank=0, world_size=1, mesh_shape=[1], group=None,
-                                     fingerprint="bench", launch_id="bench-local-tier")
+            return CheckpointManager(
+                cfg,
+                open_storage(uri),
+                {"m": _Tensors(target)},
+                rank=0,
+                world_size=1,
+                mesh_shape=[1],
+                group=None,
+                fingerprint="bench",
+                launch_id="bench-local-tier",
+            )
 
         m = manager(state, local=True)
         m.load()
@@ -96,7 +109,7 @@ def main() -> int:
         m.close()
         step = 200 + a.rounds - 1
         for r in range(a.rounds):
-            for tier in (("local", "remote") if r % 2 == 0 else ("remote", "local")):
+            for tier in ("local", "remote") if r % 2 == 0 else ("remote", "local"):
                 target = {k: torch.empty_like(t) for k, t in state.items()}
                 mm = manager(target, local=tier == "local")
                 t0 = time.monotonic()
@@ -106,7 +119,9 @@ def main() -> int:
                 assert all(torch.equal(target[k], state[k]) for k in state)
                 mm.close()
                 del target
-            print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {x[-1]:.2f}s" for k, x in samples.items()), flush=True)
+            print(
+                f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {x[-1]:.2f}s" for k, x in samples.items()), flush=True
+            )
     finally:
         stop_process(proc, 10)
         shutil.rmtree(root, ignore_errors=True)
@@ -115,8 +130,16 @@ def main() -> int:
     info["loadavg_end"] = loadavg()
     med = {k: median(v) for k, v in samples.items()}
     print()
-    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; " f"load average start {info['loadavg_start'][0]:.2f}, end {info['loadavg_end'][0]:.2f}")
-    print(f"checkpoint: {nbytes / 1e6:.0f} MB in {a.tensors} tensors, " "one rank; local tier in " f"{local_dir if a.local_dir else ('/dev/shm' if local_dir.startswith('/dev/shm') else 'the temp dir')}; " f"medians of {a.rounds} rounds")
+    print(
+        f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; "
+        f"load average start {info['loadavg_start'][0]:.2f}, end {info['loadavg_end'][0]:.2f}"
+    )
+    print(
+        f"checkpoint: {nbytes / 1e6:.0f} MB in {a.tensors} tensors, "
+        "one rank; local tier in "
+        f"{local_dir if a.local_dir else ('/dev/shm' if local_dir.startswith('/dev/shm') else 'the temp dir')}; "
+        f"medians of {a.rounds} rounds"
+    )
     print(table(["measure", "seconds", "MB/s"], [[k, f"{v:.3f}", f"{nbytes / 1e6 / v:.0f}"] for k, v in med.items()]))
     ratios = {
         "load local ÷ load remote": med["load: local"] / med["load: remote"],
@@ -125,7 +148,9 @@ def main() -> int:
     for k, v in ratios.items():
         print(f"{k}: {v:.3f}")
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"machine": info, "bytes": nbytes, "samples": samples, "ratios": ratios}, indent=2))
+        Path(a.json_out).write_text(
+            json.dumps({"machine": info, "bytes": nbytes, "samples": samples, "ratios": ratios}, indent=2)
+        )
     return 0
 
 

@@ -45,7 +45,9 @@ MEASURES = ("silent", "rejoin", "shrink", "grow", "grow_from_ready")
 
 
 def first_step(run_dir: Path, node_proc, after: float, world: int, timeout: float = 180) -> float:
-    rec = runs.wait_event(run_dir, "step", timeout, node_proc, where=lambda r: r["world_size"] == world and r["time"] > after)
+    rec = runs.wait_event(
+        run_dir, "step", timeout, node_proc, where=lambda r: r["world_size"] == world and r["time"] > after
+    )
     return rec["time"] - after
 
 
@@ -77,14 +79,24 @@ def steady(args, cluster, run_dir: Path) -> dict:
             cluster.unlimit(n)
 
     out, false = {}, 0
-    for name, setup in (("clean", clear), ("loss", loss), ("rate", lambda: (clear(), rate())), ("loss_rate", loss), ("clean2", clear)):
+    for name, setup in (
+        ("clean", clear),
+        ("loss", loss),
+        ("rate", lambda: (clear(), rate())),
+        ("loss_rate", loss),
+        ("clean2", clear),
+    ):
         setup()
         out[name], n = _window(run_dir, args.steady)
         false += n
     if args.loss:
         cluster.packet_loss(args.loss)
     clean = (out.pop("clean") + out.pop("clean2")) / 2
-    return {"steps_per_s_clean": round(clean, 3), **{f"ratio_{k}": round(v / clean, 3) for k, v in out.items()}, "false_losses": false}
+    return {
+        "steps_per_s_clean": round(clean, 3),
+        **{f"ratio_{k}": round(v / clean, 3) for k, v in out.items()},
+        "false_losses": false,
+    }
 
 
 def phases(events: list[dict], after: float, node: str = "b") -> dict:
@@ -98,12 +110,20 @@ def phases(events: list[dict], after: float, node: str = "b") -> dict:
 
 def one_round(args, work: Path, data: str, first: bool) -> dict:
     run_dir = work / "run"
-    sets = [f"run.dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}", f"data.path={data}", f"train.steps={args.steps}", *args.set]
+    sets = [
+        f"run.dir={run_dir}",
+        f"checkpoint.dir={run_dir / 'ckpt'}",
+        f"data.path={data}",
+        f"train.steps={args.steps}",
+        *args.set,
+    ]
     cfg = work / "job.toml"
     cfg.write_text(Path(args.config).read_text())
     extra = [a for s in sets for a in ("--set", s)]
     with netcluster.NetCluster(["store", "a", "b", "c"], tag=f"etb{os.getpid() % 100000}") as cluster:
-        job = netcluster.ClusterJob(cluster, runs.CLI, cfg, work, runs.env_for_tests(), runs.REPO, rdzv_conf=args.rdzv_conf)
+        job = netcluster.ClusterJob(
+            cluster, runs.CLI, cfg, work, runs.env_for_tests(), runs.REPO, rdzv_conf=args.rdzv_conf
+        )
         if args.loss:
             cluster.packet_loss(args.loss)
         job.start_store()
@@ -149,12 +169,19 @@ def one_round(args, work: Path, data: str, first: bool) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(REPO / "configs" / "demo-cpu.toml"))
-    p.add_argument("--rdzv-conf", default=None, help="--rdzv-conf for every node (default: the config's elastic.rdzv_conf)")
+    p.add_argument(
+        "--rdzv-conf", default=None, help="--rdzv-conf for every node (default: the config's elastic.rdzv_conf)"
+    )
     p.add_argument("--loss", type=int, default=0, help="percent of packets every host drops, whole run")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--steps", type=int, default=2000, help="train.steps (the job is stopped after the measurements)")
     p.add_argument("--set", action="append", default=[])
-    p.add_argument("--steady", type=float, default=0, help="seconds per window of the fault-free throughput check (clean, lossy, clean), first round only")
+    p.add_argument(
+        "--steady",
+        type=float,
+        default=0,
+        help="seconds per window of the fault-free throughput check (clean, lossy, clean), first round only",
+    )
     p.add_argument("--steady-loss", type=int, default=2, help="percent loss of the lossy window")
     p.add_argument("--steady-rate", type=float, default=300, help="Mbit/s rate limit of the lossy window (0: none)")
     p.add_argument("--workdir", default=None, help="where the scratch directory goes (kept with --keep)")
@@ -165,7 +192,11 @@ def main() -> int:
     if reason:
         print(f"virtual cluster unavailable: {reason}", file=sys.stderr)
         return 2
-    print(json.dumps({"machine": machine_info(), "loadavg": loadavg(), "rdzv_conf": args.rdzv_conf, "loss_pct": args.loss}))
+    print(
+        json.dumps(
+            {"machine": machine_info(), "loadavg": loadavg(), "rdzv_conf": args.rdzv_conf, "loss_pct": args.loss}
+        )
+    )
     rows = []
     for i in range(args.rounds):
         d = tempfile.mkdtemp(prefix="netbench", dir=args.workdir)

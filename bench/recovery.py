@@ -79,14 +79,30 @@ def run_mode(a, warm: bool) -> dict:
     """One launch with ``elastic.warm_start = warm``: its cold start and ``a.kills`` recoveries."""
     work = Path(tempfile.mkdtemp(prefix=f"bench-recovery-{'warm' if warm else 'cold'}-"))
     run_dir = work / "run"
-    args = ["--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={run_dir / 'ckpt'}", "--set", "train.steps=100000",
-            "--set", f"elastic.warm_start={'true' if warm else 'false'}", "--max-restarts", str(a.kills + 2)]
+    args = [
+        "--set",
+        f"run.dir={run_dir}",
+        "--set",
+        f"checkpoint.dir={run_dir / 'ckpt'}",
+        "--set",
+        "train.steps=100000",
+        "--set",
+        f"elastic.warm_start={'true' if warm else 'false'}",
+        "--max-restarts",
+        str(a.kills + 2),
+    ]
     for o in a.overrides:
         args += ["--set", o]
     log = open(work / "launch.log", "ab")
     launched_at = time.time()
-    proc = subprocess.Popen([*runs.CLI, "launch", a.config, *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                            env=runs.env_for_tests(), start_new_session=True)
+    proc = subprocess.Popen(
+        [*runs.CLI, "launch", a.config, *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=runs.env_for_tests(),
+        start_new_session=True,
+    )
     results = []
     try:
         first_step = runs.wait_event(run_dir, "step", 600, proc)
@@ -97,12 +113,19 @@ def run_mode(a, warm: bool) -> dict:
             since = max(time.time(), last_restart + a.kill_gap - 15)
             while time.time() < since:
                 time.sleep(0.5)
-            c = runs.wait_event(run_dir, "checkpoint_committed", 600, proc, where=lambda r, since=since: r["time"] > since)
+            c = runs.wait_event(
+                run_dir, "checkpoint_committed", 600, proc, where=lambda r, since=since: r["time"] > since
+            )
             # Kill a few steps after a commit (the typical case is mid-interval; lost work is reported apart).
             min_step, not_before = c["step"] + 3, last_restart + a.kill_gap
             runs.wait_event(
-                run_dir, "step", 300, proc,
-                where=lambda r, min_step=min_step, not_before=not_before: r["step"] >= min_step and r["time"] >= not_before,
+                run_dir,
+                "step",
+                300,
+                proc,
+                where=lambda r, min_step=min_step, not_before=not_before: (
+                    r["step"] >= min_step and r["time"] >= not_before
+                ),
             )
             victim = runs.worker_pids(proc.pid)[-1]
             killed_at = time.time()
@@ -110,8 +133,13 @@ def run_mode(a, warm: bool) -> dict:
             runs.wait_event(run_dir, "resume", 300, proc, where=lambda r, killed_at=killed_at: r["time"] > killed_at)
 
             def stepped_after_resume(r, killed_at=killed_at):
-                return r["time"] > killed_at and r["step"] > 0 and any(
-                    e["event"] == "resume" and killed_at < e["time"] < r["time"] for e in runs.read_events(run_dir, "resume")
+                return (
+                    r["time"] > killed_at
+                    and r["step"] > 0
+                    and any(
+                        e["event"] == "resume" and killed_at < e["time"] < r["time"]
+                        for e in runs.read_events(run_dir, "resume")
+                    )
                 )
 
             runs.wait_event(run_dir, "step", 300, proc, where=stepped_after_resume)
@@ -119,13 +147,28 @@ def run_mode(a, warm: bool) -> dict:
             res = breakdown(runs.read_events(run_dir), killed_at)
             res["ratio"] = res["total"] / cold_start
             results.append(res)
-            print(json.dumps({"mode": "warm" if warm else "cold", "kill": i + 1, **{k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "mode": "warm" if warm else "cold",
+                        "kill": i + 1,
+                        **{k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()},
+                    }
+                ),
+                flush=True,
+            )
     finally:
         runs.stop_gracefully(proc)
     steady = [e["step_time_s"] for e in runs.read_events(run_dir, "step")[5:]]
     med = {k: statistics.median(r[k] for r in results) for k in ("total", *PHASES, "dcp_load", "backoff")}
-    return {"cold_start": cold_start, "kills": results, "median": med, "ratio": med["total"] / cold_start,
-            "step_time_s": statistics.median(steady), "logs": str(work)}
+    return {
+        "cold_start": cold_start,
+        "kills": results,
+        "median": med,
+        "ratio": med["total"] / cold_start,
+        "step_time_s": statistics.median(steady),
+        "logs": str(work),
+    }
 
 
 def main() -> int:

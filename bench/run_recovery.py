@@ -46,7 +46,19 @@ def command(variant: str, script: str, nproc: int, run_dir: Path, ckpt: Path) ->
     if variant == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *opts, *script_args]
     cold = ["--no-warm-start"] if variant == "run-cold" else []
-    return [*runs.CLI, "run", *cold, "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={ckpt}", "--set", "metrics.port=0", *opts, *script_args]
+    return [
+        *runs.CLI,
+        "run",
+        *cold,
+        "--set",
+        f"run.dir={run_dir}",
+        "--set",
+        f"checkpoint.dir={ckpt}",
+        "--set",
+        "metrics.port=0",
+        *opts,
+        *script_args,
+    ]
 
 
 def descendants(pid: int) -> list[int]:
@@ -67,7 +79,11 @@ def workers(launcher: int, script: str) -> list[int]:
             cmd = open(f"/proc/{p}/cmdline", "rb").read()
         except OSError:
             continue
-        if comm.startswith("et-worker") or (os.path.basename(script).encode() in cmd and b"torch.distributed.run" not in cmd and b"elastic_trainer.cli" not in cmd):
+        if comm.startswith("et-worker") or (
+            os.path.basename(script).encode() in cmd
+            and b"torch.distributed.run" not in cmd
+            and b"elastic_trainer.cli" not in cmd
+        ):
             found.append(p)
     return sorted(found)
 
@@ -76,8 +92,14 @@ def one_run(variant: str, a) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"bench-runrec-{variant}-"))
     run_dir, ckpt = work / "run", work / "ckpt"
     run_dir.mkdir()
-    proc = subprocess.Popen(command(variant, a.script, a.nproc, run_dir, ckpt), stdout=open(work / "log", "ab"), stderr=subprocess.STDOUT,
-                            cwd=REPO, env=runs.env_for_tests(), start_new_session=True)
+    proc = subprocess.Popen(
+        command(variant, a.script, a.nproc, run_dir, ckpt),
+        stdout=open(work / "log", "ab"),
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=runs.env_for_tests(),
+        start_new_session=True,
+    )
     try:
         runs.wait_event(run_dir, "checkpoint_committed", 300, proc, where=lambda r: r["step"] >= 5)
         committed = max(e["step"] for e in runs.read_events(run_dir, "checkpoint_committed"))
@@ -90,8 +112,13 @@ def one_run(variant: str, a) -> dict:
         resume = runs.wait_event(run_dir, "resume", 300, proc, where=lambda r: r["time"] > killed_at)
         step = runs.wait_event(run_dir, "step", 120, proc, where=lambda r: r["time"] > resume["time"])
         started = [e for e in runs.read_events(run_dir, "workers_started") if e["time"] > killed_at]
-        out = {"variant": variant, "recovery_s": step["time"] - killed_at, "resume_s": resume["time"] - killed_at, "resumed_step": resume["step"],
-               "warm": started[0]["warm"] if started else None}
+        out = {
+            "variant": variant,
+            "recovery_s": step["time"] - killed_at,
+            "resume_s": resume["time"] - killed_at,
+            "resumed_step": resume["step"],
+            "warm": started[0]["warm"] if started else None,
+        }
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -119,7 +146,9 @@ def main() -> int:
     variants = a.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
     if bad or "torchrun" not in variants:
-        raise SystemExit(f"--variants: choose from {', '.join(VARIANTS)}, torchrun included (the reference); got {a.variants!r}")
+        raise SystemExit(
+            f"--variants: choose from {', '.join(VARIANTS)}, torchrun included (the reference); got {a.variants!r}"
+        )
     info = machine_info()
     info["loadavg_start"] = loadavg()
     info["command"] = " ".join(["python", *sys.argv])
@@ -136,7 +165,10 @@ def main() -> int:
     for v in variants:
         rs = [r["recovery_s"] for r in results if r["variant"] == v]
         rows.append([v, f"{median(rs):.2f}", ", ".join(f"{x:.2f}" for x in rs), f"{median(rs) / ref:.2f}"])
-    print(f"\nmachine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; " f"load {info['loadavg_start'][0]:.2f} → {info['loadavg_end'][0]:.2f}")
+    print(
+        f"\nmachine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; "
+        f"load {info['loadavg_start'][0]:.2f} → {info['loadavg_end'][0]:.2f}"
+    )
     print(f"command: {info['command']}\n")
     print(table(["variant", "recovery s (median)", "per run", "÷ torchrun"], rows))
     if a.json_out:

@@ -48,11 +48,30 @@ def start_seaweedfs(root: Path):
     ak, sk = "AK" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30)
     config = root / "s3.json"
     fx._write_identity(config, ak, sk)
-    names = ["master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc", "admin", "admin_grpc"]
+    names = [
+        "master",
+        "master_grpc",
+        "volume",
+        "volume_grpc",
+        "filer",
+        "filer_grpc",
+        "s3",
+        "s3_grpc",
+        "admin",
+        "admin_grpc",
+    ]
     ports = dict(zip(names, free_ports(len(names)), strict=True))
     proc = start_process(fx._weed_argv(weed, root, config, ports), root / "weed.log", cwd=root)
-    server = fx.S3Server(endpoint_url=f"http://{fx.LOOPBACK}:{ports['s3']}", access_key=ak, secret_key=sk, region=fx.REGION,
-                         data_dir=root / "data", log_path=root / "weed.log", pid=proc.pid, ports=ports)
+    server = fx.S3Server(
+        endpoint_url=f"http://{fx.LOOPBACK}:{ports['s3']}",
+        access_key=ak,
+        secret_key=sk,
+        region=fx.REGION,
+        data_dir=root / "data",
+        log_path=root / "weed.log",
+        pid=proc.pid,
+        ports=ports,
+    )
     deadline = time.monotonic() + fx.STARTUP_TIMEOUT_S
     wait_http_ready(server.endpoint_url + "/", fx.STARTUP_TIMEOUT_S, proc=proc)
     fx._wait_s3_usable(server, proc, deadline)
@@ -84,8 +103,12 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=512, help="checkpoint size (MB of float32 tensors)")
     ap.add_argument("--tensors", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="default", help="comma-separated storage settings to compare: default (storage/fs.py as is) or "
-                    "NAME=VALUE+... of the S3_* constants in storage/fs.py, e.g. S3_WRITE_THREADS=4")
+    ap.add_argument(
+        "--variants",
+        default="default",
+        help="comma-separated storage settings to compare: default (storage/fs.py as is) or "
+        "NAME=VALUE+... of the S3_* constants in storage/fs.py, e.g. S3_WRITE_THREADS=4",
+    )
     ap.add_argument("--json-out")
     a = ap.parse_args()
 
@@ -104,7 +127,7 @@ def main() -> int:
         variants = a.variants.split(",")
         for r in range(a.rounds):
             order = ["raw"] + variants
-            order = order[r % len(order):] + order[:r % len(order)]
+            order = order[r % len(order) :] + order[: r % len(order)]
             for v in order:
                 if v == "raw":
                     payload = os.urandom(nbytes)
@@ -132,7 +155,9 @@ def main() -> int:
                 t0 = time.monotonic()
                 dcp.save(state, storage_writer=writer, no_dist=True)
                 samples.setdefault(f"{v}:put", []).append(time.monotonic() - t0)
-                checks = integrity.Checks.from_manifest(json.loads(storage.read_bytes(storage.join("ckpt", integrity.CHECKSUMS))))
+                checks = integrity.Checks.from_manifest(
+                    json.loads(storage.read_bytes(storage.join("ckpt", integrity.CHECKSUMS)))
+                )
                 target = {k: torch.empty_like(t) for k, t in state.items()}
                 reader = integrity.verifying(storage.dcp_reader(path), checks)
                 t0 = time.monotonic()
@@ -143,22 +168,39 @@ def main() -> int:
                 storage.delete_tree(storage.root)
                 for k, x in saved.items():
                     setattr(storage_fs, k, x)
-            print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {x[-1]:.2f}s" for k, x in samples.items()), flush=True)
+            print(
+                f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {x[-1]:.2f}s" for k, x in samples.items()), flush=True
+            )
     finally:
         stop_process(proc, 10)
         shutil.rmtree(root, ignore_errors=True)
     info["loadavg_end"] = loadavg()
     mbps = {k: nbytes / 1e6 / median(v) for k, v in samples.items()}
     print()
-    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; " f"load average start {info['loadavg_start'][0]:.2f}, end {info['loadavg_end'][0]:.2f}")
-    print(f"payload: {nbytes / 1e6:.0f} MB in {a.tensors} tensors; " f"{a.rounds} rounds; command: python {' '.join(sys.argv)}")
+    print(
+        f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; "
+        f"load average start {info['loadavg_start'][0]:.2f}, end {info['loadavg_end'][0]:.2f}"
+    )
+    print(
+        f"payload: {nbytes / 1e6:.0f} MB in {a.tensors} tensors; "
+        f"{a.rounds} rounds; command: python {' '.join(sys.argv)}"
+    )
     rows = [["raw s3fs pipe_file / cat_file", f"{mbps['raw:put']:.0f}", f"{mbps['raw:get']:.0f}", "1.000", "1.000"]]
     for v in a.variants.split(","):
-        rows.append([f"ours ({v}): dcp.save / dcp.load, checksummed", f"{mbps[v + ':put']:.0f}", f"{mbps[v + ':get']:.0f}",
-                     f"{mbps[v + ':put'] / mbps['raw:put']:.3f}", f"{mbps[v + ':get'] / mbps['raw:get']:.3f}"])
+        rows.append(
+            [
+                f"ours ({v}): dcp.save / dcp.load, checksummed",
+                f"{mbps[v + ':put']:.0f}",
+                f"{mbps[v + ':get']:.0f}",
+                f"{mbps[v + ':put'] / mbps['raw:put']:.3f}",
+                f"{mbps[v + ':get'] / mbps['raw:get']:.3f}",
+            ]
+        )
     print(table(["path", "upload MB/s", "download MB/s", "upload ÷ raw", "download ÷ raw"], rows))
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"samples": samples, "mbps": mbps, "bytes": nbytes, "info": info}, indent=1))
+        Path(a.json_out).write_text(
+            json.dumps({"samples": samples, "mbps": mbps, "bytes": nbytes, "info": info}, indent=1)
+        )
     return 0
 
 

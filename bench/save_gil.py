@@ -48,7 +48,10 @@ CATEGORIES = (
     ("fsspec", ("fsspec/",)),
     ("serialisation (torch.save)", ("torch/serialization.py", "_write_item", "_serialize")),
     ("metadata (.metadata pickle, finish)", ("finish (", "_write_metadata", "pickle")),
-    ("planning", ("planner", "_dedup", "create_local_plan", "create_global_plan", "reduce_scatter", "_save_state_dict")),
+    (
+        "planning",
+        ("planner", "_dedup", "create_local_plan", "create_global_plan", "reduce_scatter", "_save_state_dict"),
+    ),
     ("staging copy", ("staging.py", "_copy_state_dict", "_create_cpu_state_dict", "_offload_state_dict")),
     ("state-dict traversal", ("state_dict.py", "get_state_dict", "state_dict (")),
     ("collectives", ("distributed_c10d.py", "all_gather", "broadcast", "barrier")),
@@ -70,7 +73,12 @@ def thread_role(frames: list[str]) -> str:
     tname = frames[0] if frames else ""
     if "ckpt-commit" in tname or "_commit (" in joined:
         return "commit"
-    if "AsyncCheckpointExecutor" in tname or "_execute_save_impl" in joined or "save_wrapper" in joined or "_async_save" in joined:
+    if (
+        "AsyncCheckpointExecutor" in tname
+        or "_execute_save_impl" in joined
+        or "save_wrapper" in joined
+        or "_async_save" in joined
+    ):
         return "writer"
     if "staging" in joined or "stager" in tname.lower():
         return "stager"
@@ -98,15 +106,39 @@ def summarise(samples: list[tuple[list[str], int]]) -> dict:
         by_role[role] += n
         by_cat[role][categorise(frames)] += n
         leaves[role][" < ".join(f.split(" (")[0] for f in reversed(frames[-3:]))] += n
-    return {"total": sum(by_role.values()), "by_role": dict(by_role), "by_category": {r: dict(c) for r, c in by_cat.items()},
-            "top_leaves": {r: c.most_common(8) for r, c in leaves.items()}}
+    return {
+        "total": sum(by_role.values()),
+        "by_role": dict(by_role),
+        "by_category": {r: dict(c) for r, c in by_cat.items()},
+        "top_leaves": {r: c.most_common(8) for r, c in leaves.items()},
+    }
 
 
 def record(pid: int, seconds: float, rate: int, out: Path, mode: str) -> None:
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     flag = "--gil" if mode == "gil" else "--idle"
-    subprocess.run([spy, "record", flag, "--threads", "--nonblocking", "--format", "raw", "-r", str(rate), "-d", str(int(seconds)),
-                    "-p", str(pid), "-o", str(out)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            spy,
+            "record",
+            flag,
+            "--threads",
+            "--nonblocking",
+            "--format",
+            "raw",
+            "-r",
+            str(rate),
+            "-d",
+            str(int(seconds)),
+            "-p",
+            str(pid),
+            "-o",
+            str(out),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def one_variant(config: str, variant: str, a) -> dict:
@@ -114,8 +146,21 @@ def one_variant(config: str, variant: str, a) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-gil-"))
     run_dir = work / "run"
     steps = a.warmup + int(2 * a.seconds * 10) + 200  # never runs out before the samples are taken
-    cmd = [*runs.CLI, "launch", config, "--nproc-per-node", str(nproc), "--set", f"train.steps={steps}", "--set", f"run.dir={run_dir}",
-           "--set", f"checkpoint.dir={run_dir / 'ckpt'}", "--set", f"checkpoint.interval_steps={a.every}"]
+    cmd = [
+        *runs.CLI,
+        "launch",
+        config,
+        "--nproc-per-node",
+        str(nproc),
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        f"run.dir={run_dir}",
+        "--set",
+        f"checkpoint.dir={run_dir / 'ckpt'}",
+        "--set",
+        f"checkpoint.interval_steps={a.every}",
+    ]
     for o in [*a.overrides, *extra]:
         cmd += ["--set", o]
     env = runs.env_for_tests()
@@ -123,10 +168,16 @@ def one_variant(config: str, variant: str, a) -> dict:
         env["OMP_NUM_THREADS"] = omp
     else:
         env.pop("OMP_NUM_THREADS", None)
-    proc = subprocess.Popen(cmd, stdout=open(work / "launch.log", "ab"), stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=open(work / "launch.log", "ab"), stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+    )
     result: dict = {"variant": variant}
     try:
-        runs.wait_for(lambda: any(e["step"] >= a.warmup for e in runs.read_events(run_dir, "step")), 300, f"{variant}: {a.warmup} steps")
+        runs.wait_for(
+            lambda: any(e["step"] >= a.warmup for e in runs.read_events(run_dir, "step")),
+            300,
+            f"{variant}: {a.warmup} steps",
+        )
         pids = sorted(runs.worker_pids(proc.pid))
         rank0 = pids[0]  # the first forked worker (rank 0 under this launcher)
         for mode in ("gil", "idle"):
@@ -150,11 +201,20 @@ def one_variant(config: str, variant: str, a) -> dict:
 
 def print_variant(r: dict) -> None:
     g, w = r["gil"], r["idle"]
-    print(f"\n### {r['variant']}: GIL samples {g['total']} in {g['seconds']}s ({g['saves_in_window']} saves); " f"wall samples {w['total']} ({w['saves_in_window']} saves)")
+    print(
+        f"\n### {r['variant']}: GIL samples {g['total']} in {g['seconds']}s ({g['saves_in_window']} saves); "
+        f"wall samples {w['total']} ({w['saves_in_window']} saves)"
+    )
     rows = []
     for role in sorted(g["by_role"], key=lambda k: -g["by_role"][k]):
         cats = sorted(g["by_category"][role].items(), key=lambda kv: -kv[1])
-        rows.append([role, f"{g['by_role'][role]} ({g['by_role'][role] / g['total']:.1%})", "; ".join(f"{c} {n}" for c, n in cats[:6])])
+        rows.append(
+            [
+                role,
+                f"{g['by_role'][role]} ({g['by_role'][role] / g['total']:.1%})",
+                "; ".join(f"{c} {n}" for c, n in cats[:6]),
+            ]
+        )
     print(table(["thread", "GIL samples (share)", "by category"], rows))
     rows = []
     for role in sorted(w["by_role"], key=lambda k: -w["by_role"][k]):
@@ -179,7 +239,10 @@ def main() -> int:
     info["command"] = " ".join(["python", *sys.argv])
     results = [one_variant(a.config, v, a) for v in a.variants.split(",")]
     info["loadavg_end"] = loadavg()
-    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; " f"load {info['loadavg_start'][0]:.2f} → {info['loadavg_end'][0]:.2f}")
+    print(
+        f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; "
+        f"load {info['loadavg_start'][0]:.2f} → {info['loadavg_end'][0]:.2f}"
+    )
     print(f"command: {info['command']}")
     for r in results:
         print_variant(r)

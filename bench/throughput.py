@@ -110,15 +110,29 @@ def save_overlap(by_step: dict[int, dict], saved: set[int], skip: int) -> dict:
         (after if s in saved else other).append(nxt["step_time_s"])
     if not gap[True] or not gap[False]:
         return {"blocked_per_save": float("nan"), "overlapped_step_ratio": float("nan")}
-    return {"blocked_per_save": median(gap[True]) - median(gap[False]), "overlapped_step_ratio": median(after) / median(other)}
+    return {
+        "blocked_per_save": median(gap[True]) - median(gap[False]),
+        "overlapped_step_ratio": median(after) / median(other),
+    }
 
 
 def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[str], max_seconds: float) -> dict:
     nproc, omp, every, extra = parse_variant(variant)
     work = Path(tempfile.mkdtemp(prefix=f"bench-tput-{nproc}w-"))
     run_dir = work / "run"
-    cmd = [*runs.CLI, "launch", config, "--nproc-per-node", str(nproc), "--set", f"train.steps={steps}",
-           "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={run_dir / 'ckpt'}"]
+    cmd = [
+        *runs.CLI,
+        "launch",
+        config,
+        "--nproc-per-node",
+        str(nproc),
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        f"run.dir={run_dir}",
+        "--set",
+        f"checkpoint.dir={run_dir / 'ckpt'}",
+    ]
     for o in [*overrides, *extra]:
         cmd += ["--set", o]
     if every is not None:
@@ -173,7 +187,9 @@ def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[st
     by_step = {e["step"]: e for e in ev}
     kept = [by_step[s] for s in sorted(by_step) if s > skip]
     if len(kept) < 3:
-        raise RuntimeError(f"{variant}: only {len(by_step)} steps done in {max_seconds}s; raise --max-seconds or lower --skip")
+        raise RuntimeError(
+            f"{variant}: only {len(by_step)} steps done in {max_seconds}s; raise --max-seconds or lower --skip"
+        )
     tps = [e["tokens_per_s"] for e in kept]
     saved = {e["step"] for e in runs.read_events(run_dir, "checkpoint_committed")}
     overlap = save_overlap(by_step, saved, skip)
@@ -210,7 +226,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", default="1,2,1:omp1", help="worker counts, N or N:ompK (OMP_NUM_THREADS=K)")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--max-seconds", type=float, default=90, help="stop a run (SIGTERM) after this long; measured on the steps done")
+    ap.add_argument(
+        "--max-seconds", type=float, default=90, help="stop a run (SIGTERM) after this long; measured on the steps done"
+    )
     ap.add_argument("--json-out")
     a = ap.parse_args()
     data = REPO / "runs/data/demo.bin"
@@ -230,8 +248,13 @@ def main() -> int:
             r = one_run(a.config, v, a.steps, a.skip, a.overrides, a.max_seconds)
             r["repeat"] = rep
             results.append(r)
-            print(f"repeat {rep + 1} {v} ({r['steps']} steps{', stopped' if r['stopped_early'] else ''}): " f"{r['tokens_per_s_median']:,.0f} tok/s (step median), {r['wall_tokens_per_s']:,.0f} tok/s (wall), "
-                  "peak RSS " f"{', '.join(f'rank {k} {v / 2**20:.0f} MiB' for k, v in sorted(r['peak_rss_by_rank'].items()))}", flush=True)
+            print(
+                f"repeat {rep + 1} {v} ({r['steps']} steps{', stopped' if r['stopped_early'] else ''}): "
+                f"{r['tokens_per_s_median']:,.0f} tok/s (step median), {r['wall_tokens_per_s']:,.0f} tok/s (wall), "
+                "peak RSS "
+                f"{', '.join(f'rank {k} {v / 2**20:.0f} MiB' for k, v in sorted(r['peak_rss_by_rank'].items()))}",
+                flush=True,
+            )
     info["loadavg_end"] = loadavg()
     info["wall_seconds"] = round(time.monotonic() - t0, 1)
     summary = {}
@@ -253,9 +276,18 @@ def main() -> int:
             "overlapped_step_ratio": median(r["overlapped_step_ratio"] for r in rs),
         }
     print()
-    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), " f"{info['mem_total_gib']} GiB, torch {info['torch']}, python {info['python']}")
-    print(f"load average start {'/'.join(f'{x:.2f}' for x in info['loadavg_start'])}, " f"end {'/'.join(f'{x:.2f}' for x in info['loadavg_end'])}; wall {info['wall_seconds']}s")
-    print(f"command: {info['command']}  ({a.repeats} runs per worker count, " f"{a.steps} steps each, first {a.skip} left out)")
+    print(
+        f"machine: {info['nproc']} CPUs ({info['cpu']}), "
+        f"{info['mem_total_gib']} GiB, torch {info['torch']}, python {info['python']}"
+    )
+    print(
+        f"load average start {'/'.join(f'{x:.2f}' for x in info['loadavg_start'])}, "
+        f"end {'/'.join(f'{x:.2f}' for x in info['loadavg_end'])}; wall {info['wall_seconds']}s"
+    )
+    print(
+        f"command: {info['command']}  ({a.repeats} runs per worker count, "
+        f"{a.steps} steps each, first {a.skip} left out)"
+    )
     print()
     rows = []
     base = summary[variants[0]]["tokens_per_s"]
@@ -264,13 +296,43 @@ def main() -> int:
         s = summary[v]
         n = s["nproc"]
         rss = ", ".join(f"{s['peak_rss_by_rank_max'][k] / 2**20:.0f}" for k in range(n))
-        rows.append([v, f"{s['tokens_per_s']:,.0f}", ", ".join(f"{x:,.0f}" for x in s["tokens_per_s_runs"]), f"{s['tokens_per_s'] / base:.2f}",
-                     f"{s['wall_tokens_per_s']:,.0f}", f"{s['wall_tokens_per_s'] / wall_base:.3f}", ", ".join(f"{r['wall_tokens_per_s'] / wall_base:.3f}" for r in results if r["variant"] == v),
-                     f"{s['blocked_per_save'] * 1000:.1f}", f"{s['overlapped_step_ratio']:.2f}", f"{s['step_time'] * 1000:.0f}", rss, f"{s['supervisor_peak_rss'] / 2**20:.0f}",
-                     s["worker_env"].get("OMP_NUM_THREADS") or "unset"])
-    print(table(["workers", "tokens/s (median)", "per run", f"÷ {variants[0]}", "wall tokens/s", f"wall ÷ {variants[0]}", f"wall per run ÷ {variants[0]}",
-                 "blocked ms per save", "overlapped step ÷ median step", "step ms", "peak RSS per rank MiB (max of runs)",
-                 "supervisor peak RSS MiB", "OMP_NUM_THREADS in worker"], rows))
+        rows.append(
+            [
+                v,
+                f"{s['tokens_per_s']:,.0f}",
+                ", ".join(f"{x:,.0f}" for x in s["tokens_per_s_runs"]),
+                f"{s['tokens_per_s'] / base:.2f}",
+                f"{s['wall_tokens_per_s']:,.0f}",
+                f"{s['wall_tokens_per_s'] / wall_base:.3f}",
+                ", ".join(f"{r['wall_tokens_per_s'] / wall_base:.3f}" for r in results if r["variant"] == v),
+                f"{s['blocked_per_save'] * 1000:.1f}",
+                f"{s['overlapped_step_ratio']:.2f}",
+                f"{s['step_time'] * 1000:.0f}",
+                rss,
+                f"{s['supervisor_peak_rss'] / 2**20:.0f}",
+                s["worker_env"].get("OMP_NUM_THREADS") or "unset",
+            ]
+        )
+    print(
+        table(
+            [
+                "workers",
+                "tokens/s (median)",
+                "per run",
+                f"÷ {variants[0]}",
+                "wall tokens/s",
+                f"wall ÷ {variants[0]}",
+                f"wall per run ÷ {variants[0]}",
+                "blocked ms per save",
+                "overlapped step ÷ median step",
+                "step ms",
+                "peak RSS per rank MiB (max of runs)",
+                "supervisor peak RSS MiB",
+                "OMP_NUM_THREADS in worker",
+            ],
+            rows,
+        )
+    )
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"info": info, "summary": summary, "runs": results}, indent=1))
     return 0

@@ -98,7 +98,7 @@ def main() -> int:
     checked = set()
     try:
         for r in range(a.rounds):
-            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+            order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
             for v in order:
                 path = storage.join(f"{v}-{r}")
                 storage.makedirs(path)
@@ -121,10 +121,25 @@ def main() -> int:
     info["loadavg_end"] = loadavg()
     gb = nbytes / 1e9
     print()
-    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; " f"load average start {info['loadavg_start'][0]:.2f}, end {info['loadavg_end'][0]:.2f}")
-    print(f"payload: {nbytes / 1e6:.0f} MB in {a.tensors} tensors, " f"local disk; {a.rounds} rounds; command: python {' '.join(sys.argv)}")
+    print(
+        f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; "
+        f"load average start {info['loadavg_start'][0]:.2f}, end {info['loadavg_end'][0]:.2f}"
+    )
+    print(
+        f"payload: {nbytes / 1e6:.0f} MB in {a.tensors} tensors, "
+        f"local disk; {a.rounds} rounds; command: python {' '.join(sys.argv)}"
+    )
     base = median(cpu["torch-default"]) / gb
-    rows = [[v, f"{median(cpu[v]) / gb:.3f}", ", ".join(f"{x / gb:.3f}" for x in cpu[v]), f"{median(cpu[v]) / gb / base:.2f}", f"{median(wall[v]) / gb:.3f}"] for v in VARIANTS]
+    rows = [
+        [
+            v,
+            f"{median(cpu[v]) / gb:.3f}",
+            ", ".join(f"{x / gb:.3f}" for x in cpu[v]),
+            f"{median(cpu[v]) / gb / base:.2f}",
+            f"{median(wall[v]) / gb:.3f}",
+        ]
+        for v in VARIANTS
+    ]
     print(table(["writer", "CPU-s per GB (median)", "samples", "÷ torch default", "wall s per GB"], rows))
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"cpu": cpu, "wall": wall, "bytes": nbytes, "info": info}, indent=1))

@@ -1,13 +1,13 @@
 """``elastic-trainer`` command line.
 
-    elastic-trainer --version
-    elastic-trainer launch CONFIG [--set k=v ...] [torchrun options]
-    elastic-trainer run [--config F] [--set k=v ...] [torchrun options] SCRIPT.py|-m MODULE [script args]
-    elastic-trainer store [--host H] [--port P]
-    elastic-trainer config check CONFIG [--set k=v ...] [--deep]
-    elastic-trainer data build [--out PATH] [--text FILE ...]
-    elastic-trainer ckpt list URI | ckpt inspect URI [--step N] | ckpt export URI --out F [--dtype bf16|fp32] [--hf CONFIG]
-    elastic-trainer report RUN_DIR|CHECKPOINT_ROOT [--out PNG]
+elastic-trainer --version
+elastic-trainer launch CONFIG [--set k=v ...] [torchrun options]
+elastic-trainer run [--config F] [--set k=v ...] [torchrun options] SCRIPT.py|-m MODULE [script args]
+elastic-trainer store [--host H] [--port P]
+elastic-trainer config check CONFIG [--set k=v ...] [--deep]
+elastic-trainer data build [--out PATH] [--text FILE ...]
+elastic-trainer ckpt list URI | ckpt inspect URI [--step N] | ckpt export URI --out F [--dtype bf16|fp32] [--hf CONFIG]
+elastic-trainer report RUN_DIR|CHECKPOINT_ROOT [--out PNG]
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ logger = logging.getLogger("elastic_trainer.cli")
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="TOML config file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,27 +41,50 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     # launch and run are parsed by their own parsers (every torchrun option): see main().
-    sub.add_parser("launch", help="run this node's supervisor (torchrun's elastic agent) for the " "built-in trainer: launch CONFIG [--set k=v] [torchrun options]", add_help=False)
-    sub.add_parser("run", help="run any script under the supervisor: run [--config F] " "[--set k=v] [torchrun options] SCRIPT.py|-m MODULE [args]", add_help=False)
+    sub.add_parser(
+        "launch",
+        help="run this node's supervisor (torchrun's elastic agent) for the "
+        "built-in trainer: launch CONFIG [--set k=v] [torchrun options]",
+        add_help=False,
+    )
+    sub.add_parser(
+        "run",
+        help="run any script under the supervisor: run [--config F] "
+        "[--set k=v] [torchrun options] SCRIPT.py|-m MODULE [args]",
+        add_help=False,
+    )
 
     p = sub.add_parser("store", help="host the c10d rendezvous store that the nodes' agents join (outlives any node)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=29400, help="port (default 29400; 0 picks a free one, printed on stdout)")
+    p.add_argument(
+        "--port", type=int, default=29400, help="port (default 29400; 0 picks a free one, printed on stdout)"
+    )
 
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_cmd", required=True)
     c = csub.add_parser("check", help="validate CONFIG and print the resolved values (exit 2 naming the key)")
     _add_config_args(c)
-    c.add_argument("--deep", action="store_true", help="also run every check launch runs before workers start, with its exit codes: import and build "
-                   "the model factory, open the data source (a text source is packed " "into data.cache_dir), reach checkpoint.dir, read and verify "
-                   "the newest commit's manifest against the model and the run's settings")
+    c.add_argument(
+        "--deep",
+        action="store_true",
+        help="also run every check launch runs before workers start, with its exit codes: import and build "
+        "the model factory, open the data source (a text source is packed "
+        "into data.cache_dir), reach checkpoint.dir, read and verify "
+        "the newest commit's manifest against the model and the run's settings",
+    )
 
     p = sub.add_parser("data", help="data set tools")
     dsub = p.add_subparsers(dest="data_cmd", required=True)
     b = dsub.add_parser("build", help="byte-level tokenise text files into a uint16 token file")
-    b.add_argument("--out", default="runs/data/demo.bin", help="token file to write (default runs/data/demo.bin, the demo's data.path)")
+    b.add_argument(
+        "--out",
+        default="runs/data/demo.bin",
+        help="token file to write (default runs/data/demo.bin, the demo's data.path)",
+    )
     b.add_argument("--text", nargs="*", default=None, help="text files (default: Python's standard library sources)")
-    b.add_argument("--limit-mb", type=float, default=8.0, help="read at most this many MiB of the default texts (default 8)")
+    b.add_argument(
+        "--limit-mb", type=float, default=8.0, help="read at most this many MiB of the default texts (default 8)"
+    )
 
     p = sub.add_parser("ckpt", help="checkpoint tools (read-only)")
     ksub = p.add_subparsers(dest="ckpt_cmd", required=True)
@@ -72,19 +102,49 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("uri", metavar="URI", help=uri_help)
     k.add_argument("--out", required=True, help="safetensors file to write (with --hf: the folder)")
     k.add_argument("--step", type=int, help=step_help)
-    k.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the exported weights (default fp32)")
+    k.add_argument(
+        "--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the exported weights (default fp32)"
+    )
     k.add_argument("--endpoint-url", default="", help=endpoint_help)
-    k.add_argument("--hf", metavar="CONFIG", help="write a Hugging Face folder at --out (config.json + " "model.safetensors) for the model of training config CONFIG")
-    k = ksub.add_parser("release", help="re-verify a quarantined checkpoint (seal, sizes, every byte's " "checksum) and lift its quarantine; refused while its bytes are bad")
+    k.add_argument(
+        "--hf",
+        metavar="CONFIG",
+        help="write a Hugging Face folder at --out (config.json + "
+        "model.safetensors) for the model of training config CONFIG",
+    )
+    k = ksub.add_parser(
+        "release",
+        help="re-verify a quarantined checkpoint (seal, sizes, every byte's "
+        "checksum) and lift its quarantine; refused while its bytes are bad",
+    )
     k.add_argument("uri", metavar="URI", help=uri_help)
-    k.add_argument("--step", type=int, required=True, help="the quarantined checkpoint's step (its newest quarantined directory)")
+    k.add_argument(
+        "--step", type=int, required=True, help="the quarantined checkpoint's step (its newest quarantined directory)"
+    )
     k.add_argument("--endpoint-url", default="", help=endpoint_help)
 
-    p = sub.add_parser("report", help="summarise a run (goodput, restarts) from its run directory or its checkpoint root, and plot it")
-    p.add_argument("run_dir", metavar="RUN_DIR|CHECKPOINT_ROOT", help="run.dir (events.jsonl), or checkpoint.dir (local, " "file:// or s3://: the event logs mirrored under _events/)")
-    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png; ./report.png for " "a checkpoint root; with --json: no plot unless given)")
-    p.add_argument("--endpoint-url", default="", help="S3 endpoint for an s3:// checkpoint root (default: FSSPEC_S3_ENDPOINT_URL / AWS settings)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON (writes nothing unless --out is given)")
+    p = sub.add_parser(
+        "report", help="summarise a run (goodput, restarts) from its run directory or its checkpoint root, and plot it"
+    )
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR|CHECKPOINT_ROOT",
+        help="run.dir (events.jsonl), or checkpoint.dir (local, "
+        "file:// or s3://: the event logs mirrored under _events/)",
+    )
+    p.add_argument(
+        "--out",
+        help="PNG path (default RUN_DIR/report.png; ./report.png for "
+        "a checkpoint root; with --json: no plot unless given)",
+    )
+    p.add_argument(
+        "--endpoint-url",
+        default="",
+        help="S3 endpoint for an s3:// checkpoint root (default: FSSPEC_S3_ENDPOINT_URL / AWS settings)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the summary as JSON (writes nothing unless --out is given)"
+    )
     return ap
 
 
@@ -145,7 +205,11 @@ def _launch(argv: list[str], zygote) -> int:
     a, explicit = options.parse_explicit(options.launch_parser(), argv)
     bad = [f"--{d.replace('_', '-')}" for d in options.SCRIPT_ONLY if getattr(a, d)]
     if bad:
-        raise ConfigError(bad[0], "launch runs the built-in trainer (python -m elastic_trainer.worker.main); " "use 'elastic-trainer run' for a script")
+        raise ConfigError(
+            bad[0],
+            "launch runs the built-in trainer (python -m elastic_trainer.worker.main); "
+            "use 'elastic-trainer run' for a script",
+        )
     cfg = load_config(a.config, a.overrides)
     config, cmd, cmd_args = _trainer_launch_config(cfg, a, explicit)
     _check_before_start(cfg)
@@ -197,7 +261,12 @@ def _check_before_start(cfg) -> int | None:
     from .preflight import preflight
 
     step = preflight(cfg)
-    logger.info("checks passed: %s", f"resuming from step {step} of {cfg.checkpoint.dir}" if step is not None else f"fresh start ({cfg.checkpoint.dir})")
+    logger.info(
+        "checks passed: %s",
+        f"resuming from step {step} of {cfg.checkpoint.dir}"
+        if step is not None
+        else f"fresh start ({cfg.checkpoint.dir})",
+    )
     return step
 
 
@@ -228,7 +297,12 @@ def _cmd_run(argv: list[str]) -> int:
     from .preflight import check_storage
 
     _, plan = check_storage(cfg)
-    logger.info("preflight ok: %s", f"newest commit step {plan.chosen.step}" if plan is not None and plan.chosen is not None else "no commit to resume")
+    logger.info(
+        "preflight ok: %s",
+        f"newest commit step {plan.chosen.step}"
+        if plan is not None and plan.chosen is not None
+        else "no commit to resume",
+    )
     return launch(cfg, config, cmd, cmd_args, preload=tuple(a.preload))
 
 
@@ -266,6 +340,7 @@ def _cmd_data(a) -> int:
     print(json.dumps(stats))
     return 0
 
+
 def _cmd_ckpt(a) -> int:
     from .checkpoint import tools
 
@@ -273,7 +348,10 @@ def _cmd_ckpt(a) -> int:
         rows = tools.list_checkpoints(a.uri, a.endpoint_url)
         print(f"{'step':>10} {'name':<18} {'status':<11} {'world':>5} {'bytes':>14}  problem")
         for r in rows:
-            print(f"{r['step']:>10} {r['name']:<18} {r['status']:<11} " f"{str(r['world_size'] or '-'):>5} {r['bytes']:>14,}  {r['problem'] or ''}")
+            print(
+                f"{r['step']:>10} {r['name']:<18} {r['status']:<11} "
+                f"{str(r['world_size'] or '-'):>5} {r['bytes']:>14,}  {r['problem'] or ''}"
+            )
         return 0
     if a.ckpt_cmd == "inspect":
         json.dump(tools.inspect_checkpoint(a.uri, a.step, a.endpoint_url), sys.stdout, indent=2)

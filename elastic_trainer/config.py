@@ -207,7 +207,9 @@ def _file_identity(path: str, default_name: str) -> str:
         return path
 
 
-def run_changes(recorded: dict[str, Any], current: dict[str, Any], allowed: list[str]) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
+def run_changes(
+    recorded: dict[str, Any], current: dict[str, Any], allowed: list[str]
+) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
     """(refused, allowed) changes between a checkpoint's run identity and the config's, each
     ``(key, checkpoint value, config value)``. Keys absent from ``recorded`` are not compared. Pure."""
     refused, ok = [], []
@@ -265,7 +267,9 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             return value
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(key, f"expected an integer or {' or '.join(repr(w) for w in words)}, got {type(value).__name__} {value!r}")
+        raise ConfigError(
+            key, f"expected an integer or {' or '.join(repr(w) for w in words)}, got {type(value).__name__} {value!r}"
+        )
     if typ is bool:
         if not isinstance(value, bool):
             raise ConfigError(key, f"expected true or false, got {value!r}")
@@ -350,7 +354,9 @@ def config_from_dict(data: dict[str, Any], name: str | None = None) -> Config:
     return cfg
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = (), name: str | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = (), name: str | None = None
+) -> Config:
     """Load TOML ``path`` (or defaults when None), apply overrides, derive the paths it does not
     set from ``name`` (default: the config file's stem), validate."""
     return config_from_dict(apply_overrides(read_toml(path), overrides), name if name is not None else run_name(path))
@@ -394,12 +400,35 @@ def parse_nnodes(value: str, key: str = "elastic.nnodes") -> tuple[int, int]:
         raise ConfigError(key, f"expected N or MIN:MAX, got {value!r}") from None
     if len(nums) == 1:
         nums = nums * 2
-    _require(len(nums) == 2 and 1 <= nums[0] <= nums[1], key, f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {value!r}")
+    _require(
+        len(nums) == 2 and 1 <= nums[0] <= nums[1], key, f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {value!r}"
+    )
     return nums[0], nums[1]
 
 
-_RDZV_INT_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval", "keep_alive_max_attempt", "read_timeout", "timeout")
-_RDZV_OTHER_KEYS = ("is_host", "store_type", "local_addr", "protocol", "cacert", "cert", "key", "etcd_prefix", "ca_cert", "ssl_cert", "ssl_cert_key")
+_RDZV_INT_KEYS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "read_timeout",
+    "timeout",
+)
+_RDZV_OTHER_KEYS = (
+    "is_host",
+    "store_type",
+    "local_addr",
+    "protocol",
+    "cacert",
+    "cert",
+    "key",
+    "etcd_prefix",
+    "ca_cert",
+    "ssl_cert",
+    "ssl_cert_key",
+)
 
 
 def parse_rdzv_conf(value: str, key: str = "elastic.rdzv_conf") -> dict[str, str]:
@@ -409,11 +438,17 @@ def parse_rdzv_conf(value: str, key: str = "elastic.rdzv_conf") -> dict[str, str
         k, sep, v = item.partition("=")
         k, v = k.strip(), v.strip()
         _require(bool(sep and k), key, f"expected key=value items separated by commas, got {item!r}")
-        _require(k in _RDZV_INT_KEYS or k in _RDZV_OTHER_KEYS, key, f"unknown rendezvous setting {k!r} (known: {', '.join(_RDZV_INT_KEYS + _RDZV_OTHER_KEYS)})")
+        _require(
+            k in _RDZV_INT_KEYS or k in _RDZV_OTHER_KEYS,
+            key,
+            f"unknown rendezvous setting {k!r} (known: {', '.join(_RDZV_INT_KEYS + _RDZV_OTHER_KEYS)})",
+        )
         if k in _RDZV_INT_KEYS:
             _require(v.isdigit() and int(v) > 0, key, f"{k} must be a positive integer (seconds or count), got {v!r}")
         if k == "is_host":
-            _require(v.lower() in ("true", "false", "1", "0", "yes", "no"), key, f"is_host must be true or false, got {v!r}")
+            _require(
+                v.lower() in ("true", "false", "1", "0", "yes", "no"), key, f"is_host must be true or false, got {v!r}"
+            )
         out[k] = v
     return out
 
@@ -437,14 +472,20 @@ def validate(cfg: Config) -> None:
     _require(
         not m.hf_config or bool(m.factory),
         "model.hf_config",
-        "is set but model.factory is empty: use factory = \"elastic_trainer.models.hf:causal_lm\"",
+        'is set but model.factory is empty: use factory = "elastic_trainer.models.hf:causal_lm"',
     )
-    _require(d.format in ("memmap", "text", "tokens"), "data.format", f"expected memmap, text or tokens, got {d.format!r}")
+    _require(
+        d.format in ("memmap", "text", "tokens"), "data.format", f"expected memmap, text or tokens, got {d.format!r}"
+    )
     if d.format == "text":
-        _require(bool(d.tokenizer), "data.tokenizer", "data.format = \"text\" needs a local tokenizer (tokenizer.json or its directory)")
+        _require(
+            bool(d.tokenizer),
+            "data.tokenizer",
+            'data.format = "text" needs a local tokenizer (tokenizer.json or its directory)',
+        )
     else:
-        _require(not d.tokenizer, "data.tokenizer", f"is only used with data.format = \"text\" (format is {d.format!r})")
-        _require(not d.eos_token, "data.eos_token", f"is only used with data.format = \"text\" (format is {d.format!r})")
+        _require(not d.tokenizer, "data.tokenizer", f'is only used with data.format = "text" (format is {d.format!r})')
+        _require(not d.eos_token, "data.eos_token", f'is only used with data.format = "text" (format is {d.format!r})')
     _require(d.dtype in ("uint16", "uint32"), "data.dtype", f"expected uint16 or uint32, got {d.dtype!r}")
     _require(bool(d.path), "data.path", "must not be empty")
     if d.format == "memmap" and d.dtype == "uint16":
@@ -463,23 +504,49 @@ def validate(cfg: Config) -> None:
     _require(0 <= t.beta1 < 1, "train.beta1", "must be in [0, 1)")
     _require(0 <= t.beta2 < 1, "train.beta2", "must be in [0, 1)")
     _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
-    _require(t.mixed_precision in ("auto", "fp32", "bf16"), "train.mixed_precision", f"expected auto, fp32 or bf16, got {t.mixed_precision!r}")
+    _require(
+        t.mixed_precision in ("auto", "fp32", "bf16"),
+        "train.mixed_precision",
+        f"expected auto, fp32 or bf16, got {t.mixed_precision!r}",
+    )
     _require(t.device in ("auto", "cpu", "cuda"), "train.device", f"expected auto, cpu or cuda, got {t.device!r}")
     _require(t.log_every > 0, "train.log_every", "must be > 0")
-    _require(t.on_nonfinite in ("stop", "rollback"), "train.on_nonfinite", f"expected stop or rollback, got {t.on_nonfinite!r}")
+    _require(
+        t.on_nonfinite in ("stop", "rollback"),
+        "train.on_nonfinite",
+        f"expected stop or rollback, got {t.on_nonfinite!r}",
+    )
     _require(bool(c.dir), "checkpoint.dir", "must not be empty")
     if c.interval_steps != "auto":
-        _require(c.interval_steps >= 0, "checkpoint.interval_steps", "must be >= 0 (0 disables step-based saves), or \"auto\"")
-    _require(c.auto_prior_mtbf_seconds > 0, "checkpoint.auto_prior_mtbf_seconds", f"must be > 0, got {c.auto_prior_mtbf_seconds}")
-    _require(c.auto_prior_weight_seconds > 0, "checkpoint.auto_prior_weight_seconds", f"must be > 0, got {c.auto_prior_weight_seconds}")
+        _require(
+            c.interval_steps >= 0, "checkpoint.interval_steps", 'must be >= 0 (0 disables step-based saves), or "auto"'
+        )
+    _require(
+        c.auto_prior_mtbf_seconds > 0,
+        "checkpoint.auto_prior_mtbf_seconds",
+        f"must be > 0, got {c.auto_prior_mtbf_seconds}",
+    )
+    _require(
+        c.auto_prior_weight_seconds > 0,
+        "checkpoint.auto_prior_weight_seconds",
+        f"must be > 0, got {c.auto_prior_weight_seconds}",
+    )
     _require(c.auto_min_steps >= 1, "checkpoint.auto_min_steps", f"must be >= 1, got {c.auto_min_steps}")
-    _require(c.auto_max_steps >= c.auto_min_steps, "checkpoint.auto_max_steps", f"must be >= checkpoint.auto_min_steps ({c.auto_min_steps}), got {c.auto_max_steps}")
+    _require(
+        c.auto_max_steps >= c.auto_min_steps,
+        "checkpoint.auto_max_steps",
+        f"must be >= checkpoint.auto_min_steps ({c.auto_min_steps}), got {c.auto_max_steps}",
+    )
     _require(c.interval_seconds >= 0, "checkpoint.interval_seconds", "must be >= 0 (0 disables time-based saves)")
     _require(c.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1, got {c.keep_last}")
     _require(c.keep_every >= 0, "checkpoint.keep_every", "must be >= 0")
     _require(c.mode in ("async", "sync"), "checkpoint.mode", f"expected async or sync, got {c.mode!r}")
     _require(c.writer in ("thread", "process"), "checkpoint.writer", f"expected thread or process, got {c.writer!r}")
-    _require(c.writer == "thread" or not c.dir.startswith("memory://"), "checkpoint.writer", "process needs storage another process can reach; memory:// lives in one process")
+    _require(
+        c.writer == "thread" or not c.dir.startswith("memory://"),
+        "checkpoint.writer",
+        "process needs storage another process can reach; memory:// lives in one process",
+    )
     _require(c.preempt_grace_seconds > 0, "checkpoint.preempt_grace_seconds", "must be > 0")
     _require(c.storage_timeout_seconds > 0, "checkpoint.storage_timeout_seconds", "must be > 0")
     _require(c.storage_retries >= 0, "checkpoint.storage_retries", "must be >= 0")
@@ -489,10 +556,16 @@ def validate(cfg: Config) -> None:
         fields = {f.name for f in dataclasses.fields(_SECTION_TYPES[section])} if section in _SECTION_TYPES else set()
         _require(name in fields, "checkpoint.allow_changes", f"{key!r} is not a config key (section.key)")
     if c.resume not in ("latest", "none"):
-        _require(c.resume.isdigit(), "checkpoint.resume", f"expected 'latest', 'none' or a step number, got {c.resume!r}")
+        _require(
+            c.resume.isdigit(), "checkpoint.resume", f"expected 'latest', 'none' or a step number, got {c.resume!r}"
+        )
     check_uri(c.dir, "checkpoint.dir")
     _require(c.remote_every >= 1, "checkpoint.remote_every", f"must be >= 1, got {c.remote_every}")
-    _require(c.remote_every == 1 or bool(c.local_dir), "checkpoint.remote_every", "needs checkpoint.local_dir (without a local tier every save goes to checkpoint.dir)")
+    _require(
+        c.remote_every == 1 or bool(c.local_dir),
+        "checkpoint.remote_every",
+        "needs checkpoint.local_dir (without a local tier every save goes to checkpoint.dir)",
+    )
     if c.local_dir:
         check_local_dir(c.local_dir, c.dir)
     if c.s3_endpoint_url:
@@ -507,7 +580,9 @@ def validate(cfg: Config) -> None:
     parse_rdzv_conf(e.rdzv_conf)
     _require(e.hang_timeout_seconds >= 5, "elastic.hang_timeout_seconds", "must be >= 5")
     _require(e.monitor_interval_seconds > 0, "elastic.monitor_interval_seconds", "must be > 0")
-    _require(0 <= cfg.metrics.port <= 65535, "metrics.port", f"must be in 0..65535 (0 disables), got {cfg.metrics.port}")
+    _require(
+        0 <= cfg.metrics.port <= 65535, "metrics.port", f"must be in 0..65535 (0 disables), got {cfg.metrics.port}"
+    )
 
 
 _SUPPORTED_SCHEMES = ("file", "s3", "memory")
@@ -532,7 +607,9 @@ def check_uri(uri: str, key: str = "checkpoint.dir") -> str:
         return "file"
     proto, rest = uri.split("://", 1)
     if proto not in _SUPPORTED_SCHEMES:
-        raise ConfigError(key, f"unsupported scheme {proto!r} in {uri!r} (supported: local path, file://, s3://, memory://)")
+        raise ConfigError(
+            key, f"unsupported scheme {proto!r} in {uri!r} (supported: local path, file://, s3://, memory://)"
+        )
     if proto == "s3":
         bucket = rest.split("/", 1)[0]
         if not bucket or bucket != bucket.lower() or not (3 <= len(bucket) <= 63) or "_" in bucket:

@@ -72,8 +72,11 @@ class RunChangedError(ConfigError):
         self.changes = changes
         key, old, new = changes[0]
         super().__init__(key, f"checkpoint has {old!r}, config has {new!r}")
-        self.args = ("\n".join(f"config error at '{k}': checkpoint has {o!r}, config has {n!r}" for k, o, n in changes)
-                     + "\n(to continue this checkpoint with these changes on purpose, " "set checkpoint.allow_changes = [...] naming them)",)
+        self.args = (
+            "\n".join(f"config error at '{k}': checkpoint has {o!r}, config has {n!r}" for k, o, n in changes)
+            + "\n(to continue this checkpoint with these changes on purpose, "
+            "set checkpoint.allow_changes = [...] naming them)",
+        )
 
     def __str__(self) -> str:
         return self.args[0]

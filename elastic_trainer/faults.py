@@ -33,7 +33,18 @@ from dataclasses import dataclass
 
 from . import contract
 
-KINDS = ("raise", "kill", "hang", "kill_in_save", "kill_before_commit", "kill_in_load", "nan", "slow", "lose_local", "corrupt_local")
+KINDS = (
+    "raise",
+    "kill",
+    "hang",
+    "kill_in_save",
+    "kill_before_commit",
+    "kill_in_load",
+    "nan",
+    "slow",
+    "lose_local",
+    "corrupt_local",
+)
 
 
 @dataclass(frozen=True)
@@ -52,7 +63,15 @@ def parse(spec: str) -> list[Fault]:
         if kind not in KINDS:
             raise ValueError(f"{contract.INJECT_FAULT_ENV}: unknown fault kind {kind!r} (known: {', '.join(KINDS)})")
         kv = dict(p.split("=", 1) for p in rest.split(",") if p)
-        faults.append(Fault(kind, int(kv.get("rank", 0)), int(kv.get("step", 0)), int(kv.get("restart", 0)), float(kv.get("seconds", 0.2))))
+        faults.append(
+            Fault(
+                kind,
+                int(kv.get("rank", 0)),
+                int(kv.get("step", 0)),
+                int(kv.get("restart", 0)),
+                float(kv.get("seconds", 0.2)),
+            )
+        )
     return faults
 
 

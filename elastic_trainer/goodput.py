@@ -42,7 +42,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-CATEGORIES = ("productive", "recompute", "restart", "rendezvous", "startup", "checkpoint_load", "checkpoint_stall", "preemption_save", "idle")
+CATEGORIES = (
+    "productive",
+    "recompute",
+    "restart",
+    "rendezvous",
+    "startup",
+    "checkpoint_load",
+    "checkpoint_stall",
+    "preemption_save",
+    "idle",
+)
 
 
 @dataclass
@@ -326,7 +336,9 @@ class Ledger:
             g.startup_seconds = max(0.0, self._first_step_start - self._t_first)
         else:
             g.startup_seconds = g.wall_seconds
-        g.other_seconds = g.wall_seconds - g.productive_seconds - g.recompute_seconds - g.interruption_seconds - g.startup_seconds
+        g.other_seconds = (
+            g.wall_seconds - g.productive_seconds - g.recompute_seconds - g.interruption_seconds - g.startup_seconds
+        )
         g.goodput = g.productive_seconds / g.wall_seconds if g.wall_seconds > 0 else None
         return g
 

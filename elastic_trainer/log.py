@@ -37,7 +37,9 @@ def setup_logging(level: str | int | None = None) -> None:
     handler._et = True  # type: ignore[attr-defined]
     handler.addFilter(_PrefixFilter())
     handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s [%(et_node)s/%(et_rank)s - step %(et_step)s] %(name)s: %(message)s")
+        logging.Formatter(
+            "%(asctime)s %(levelname)s [%(et_node)s/%(et_rank)s - step %(et_step)s] %(name)s: %(message)s"
+        )
     )
     logger.addHandler(handler)
     logger.setLevel(level)

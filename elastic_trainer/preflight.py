@@ -112,4 +112,9 @@ def _check_data_view(cfg: Config, catalog: Catalog, chosen) -> None:
         return
     ignored = [] if recorded is None else check_recorded_view(cfg, recorded)
     if ignored:
-        logger.warning("the resume reads the %d file(s) recorded at the run's first start; ignoring %d added since, e.g. %s", len(recorded or []), len(ignored), ignored[0])
+        logger.warning(
+            "the resume reads the %d file(s) recorded at the run's first start; ignoring %d added since, e.g. %s",
+            len(recorded or []),
+            len(ignored),
+            ignored[0],
+        )

@@ -104,9 +104,11 @@ def render_text(s: dict[str, Any], run_dir: str = "") -> str:
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["restart_reasons"].items()))
     lines = [
         f"run {run_dir}: {s['status']} at step {s['steps']} ({s['tokens']:,} tokens){loss}",
-        f"restarts {s['restarts']}" + (f" ({reasons})" if reasons else "")
+        f"restarts {s['restarts']}"
+        + (f" ({reasons})" if reasons else "")
         + f", reshards {s['reshards']}, world sizes {s['world_sizes'] or '-'}",
-        f"checkpoints {s['checkpoints_committed']} committed, " f"{s['checkpoint_failures']} failed, last committed step {s['last_committed_step']}",
+        f"checkpoints {s['checkpoints_committed']} committed, "
+        f"{s['checkpoint_failures']} failed, last committed step {s['last_committed_step']}",
         f"wall {wall:.1f} s = productive {g['productive_seconds']:.1f} s ({_pct(g['productive_seconds'], wall)})"
         f" + recomputed {g['recompute_seconds']:.1f} s ({g['recompute_steps']} steps)"
         f" + restart/rendezvous/load {g['interruption_seconds']:.1f} s (load {g['load_seconds']:.1f} s)"
@@ -128,7 +130,10 @@ def render_text(s: dict[str, Any], run_dir: str = "") -> str:
 _ENDINGS = {  # exit code -> (how the launch ended, detail after "at step N/T")
     exit_codes.OK: ("finished", ""),
     exit_codes.PREEMPTED: ("preempted", ", final step committed"),
-    exit_codes.PREEMPTED_UNCOMMITTED: ("preempted", ", final step not committed (a resume redoes the steps since the newest commit)"),
+    exit_codes.PREEMPTED_UNCOMMITTED: (
+        "preempted",
+        ", final step not committed (a resume redoes the steps since the newest commit)",
+    ),
     exit_codes.NONFINITE: ("stopped", " on a non-finite loss or gradient norm"),
     exit_codes.FENCED: ("stopped", ": a newer launch owns the checkpoint root"),
     exit_codes.FAILED: ("failed", ", restarts exhausted (the restart events in events.jsonl name the failing ranks)"),
@@ -149,8 +154,15 @@ def _without_override(argv: list[str], key: str) -> list[str]:
     return out
 
 
-def closing_summary(run_dir: str, checkpoint_dir: str, target_steps: int, exit_code: int, prog: str, launch_args: list[str],
-                    pid: int | None = None) -> str | None:
+def closing_summary(
+    run_dir: str,
+    checkpoint_dir: str,
+    target_steps: int,
+    exit_code: int,
+    prog: str,
+    launch_args: list[str],
+    pid: int | None = None,
+) -> str | None:
     """What ``launch`` prints when it ends: how this launch ended, its steps, wall time and
     goodput (from its own records in ``run_dir/events.jsonl``), where the checkpoints are, and
     the commands to resume and to draw the report (``prog``: how the user ran elastic-trainer).
@@ -162,7 +174,7 @@ def closing_summary(run_dir: str, checkpoint_dir: str, target_steps: int, exit_c
         return None
     events = list(read_events(path))
     starts = [i for i, e in enumerate(events) if e.get("event") == "launch" and (pid is None or e.get("pid") == pid)]
-    s = summarize(events[starts[-1]:] if starts else events)
+    s = summarize(events[starts[-1] :] if starts else events)
     g = s["goodput"]
     goodput = f"goodput {100 * g['goodput']:.0f}%" if g["goodput"] is not None else "no steps"
     ending, detail = _ENDINGS.get(exit_code, (f"ended with exit code {exit_code}", ""))
@@ -170,18 +182,24 @@ def closing_summary(run_dir: str, checkpoint_dir: str, target_steps: int, exit_c
     launch = shlex.join([prog, "launch", *launch_args])
     if exit_code == exit_codes.OK:
         args = _without_override(launch_args, "train.steps")
-        again = f"  train longer: {shlex.join([prog, 'launch', *args, '--set', 'train.steps=N'])} " f"  (continues from step {committed})"
+        again = (
+            f"  train longer: {shlex.join([prog, 'launch', *args, '--set', 'train.steps=N'])} "
+            f"  (continues from step {committed})"
+        )
     else:
         again = f"  resume:      {launch}   (continues from the newest commit)"
-    return "\n".join([
-        f"{ending} at step {s['steps']}/{target_steps}{detail}: {g['wall_seconds']:.1f} s wall, {goodput}, "
-        f"{s['restarts']} restart(s), {s['checkpoints_committed']} checkpoint(s) committed",
-        f"  checkpoints: {checkpoint_dir}"
-        + (f" (newest commit: step {committed})" if committed is not None else " (none committed by this launch)")
-        + f"; list them: {shlex.join([prog, 'ckpt', 'list', checkpoint_dir])}",
-        f"  report:      {shlex.join([prog, 'report', run_dir])}   (loss curve, " f"restarts, goodput -> {os.path.join(run_dir, 'report.png')})",
-        again,
-    ])
+    return "\n".join(
+        [
+            f"{ending} at step {s['steps']}/{target_steps}{detail}: {g['wall_seconds']:.1f} s wall, {goodput}, "
+            f"{s['restarts']} restart(s), {s['checkpoints_committed']} checkpoint(s) committed",
+            f"  checkpoints: {checkpoint_dir}"
+            + (f" (newest commit: step {committed})" if committed is not None else " (none committed by this launch)")
+            + f"; list them: {shlex.join([prog, 'ckpt', 'list', checkpoint_dir])}",
+            f"  report:      {shlex.join([prog, 'report', run_dir])}   (loss curve, "
+            f"restarts, goodput -> {os.path.join(run_dir, 'report.png')})",
+            again,
+        ]
+    )
 
 
 def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
@@ -207,13 +225,31 @@ def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
     for run in runs:
         lost = [e for e in run if id(e) not in kept_ids]
         if lost:
-            ax.plot([e["step"] for e in lost], [e["loss"] for e in lost], color="0.6", lw=1, ls="--", marker="x", ms=3, label=label)
+            ax.plot(
+                [e["step"] for e in lost],
+                [e["loss"] for e in lost],
+                color="0.6",
+                lw=1,
+                ls="--",
+                marker="x",
+                ms=3,
+                label=label,
+            )
             label = None
     ax.plot([e["step"] for e in kept], [e["loss"] for e in kept], color="tab:blue", lw=1.5, label="loss", gid="loss")
     commits = [e["step"] for e in events if e.get("event") == "checkpoint_committed"]
     cs = [s for s in commits if s in loss_at]
     if cs:
-        ax.plot(cs, [loss_at[s] for s in cs], ls="none", marker="v", color="tab:green", ms=7, label="checkpoint committed", gid="commits")
+        ax.plot(
+            cs,
+            [loss_at[s] for s in cs],
+            ls="none",
+            marker="v",
+            color="tab:green",
+            ms=7,
+            label="checkpoint committed",
+            gid="commits",
+        )
     labelled = set()
     for it in summary["goodput"]["interruptions"]:
         lbl = f"restart ({it['reason']})"
@@ -224,24 +260,41 @@ def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
     for r in (e for e in events if e.get("event") == "reshard"):
         ax.axvline(r["step"], color="tab:purple", lw=1.5, ls=":", label=None if "reshard" in labelled else "reshard")
         labelled.add("reshard")
-        ax.annotate(f"world {r.get('from_world_size')}\u2192{r.get('to_world_size')}", (r["step"], 1), xycoords=("data", "axes fraction"),
-                    xytext=(3, -12), textcoords="offset points", color="tab:purple", fontsize=8)
+        ax.annotate(
+            f"world {r.get('from_world_size')}\u2192{r.get('to_world_size')}",
+            (r["step"], 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -12),
+            textcoords="offset points",
+            color="tab:purple",
+            fontsize=8,
+        )
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)
     g = summary["goodput"]
     gp = f"{100 * g['goodput']:.1f}%" if g["goodput"] is not None else "unknown"
     ax.set_title(
-        f"{summary['status']} at step {summary['steps']} | " f"{summary['tokens']:,} tokens | restarts {summary['restarts']} | "
+        f"{summary['status']} at step {summary['steps']} | "
+        f"{summary['tokens']:,} tokens | restarts {summary['restarts']} | "
         f"reshards {summary['reshards']} | checkpoints {summary['checkpoints_committed']} | goodput {gp}",
         fontsize=10,
     )
-    ax2.plot([e["step"] for e in kept], [e.get("tokens_per_s", 0) for e in kept], color="tab:orange", lw=1, label="tokens/s")
+    ax2.plot(
+        [e["step"] for e in kept], [e.get("tokens_per_s", 0) for e in kept], color="tab:orange", lw=1, label="tokens/s"
+    )
     ax2.set_ylabel("tokens/s")
     ax2.set_xlabel("step")
     ax2.grid(alpha=0.3)
     ax3 = ax2.twinx()
-    ax3.step([e["step"] for e in kept], [e.get("world_size", 0) for e in kept], where="post", color="tab:gray", lw=1.2, label="world size")
+    ax3.step(
+        [e["step"] for e in kept],
+        [e.get("world_size", 0) for e in kept],
+        where="post",
+        color="tab:gray",
+        lw=1.2,
+        label="world size",
+    )
     ax3.set_ylabel("world size")
     ax3.set_ylim(bottom=0)
     ax3.yaxis.get_major_locator().set_params(integer=True)
@@ -275,12 +328,17 @@ def main(args) -> int:
     ``args.json``, ``args.endpoint_url``."""
     loaded = load_events(args.run_dir, getattr(args, "endpoint_url", "") or "")
     if loaded is None:
-        print(f"elastic-trainer: no event log at {args.run_dir} (neither events.jsonl nor _events/ of a checkpoint root)", file=sys.stderr)
+        print(
+            f"elastic-trainer: no event log at {args.run_dir} (neither events.jsonl nor _events/ of a checkpoint root)",
+            file=sys.stderr,
+        )
         return 2
     events, where = loaded
     summary = summarize(events)
     local_run_dir = "://" not in args.run_dir and os.path.exists(os.path.join(args.run_dir, contract.EVENTS_FILE))
-    out = args.out or (None if args.json else os.path.join(args.run_dir, "report.png") if local_run_dir else "report.png")
+    out = args.out or (
+        None if args.json else os.path.join(args.run_dir, "report.png") if local_run_dir else "report.png"
+    )
     if out is not None:  # --json alone only reads: it draws nothing unless --out asks for it
         plot(events, summary, out)
     summary["run_dir"] = args.run_dir

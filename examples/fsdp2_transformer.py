@@ -82,8 +82,15 @@ def main() -> None:
     ap.add_argument("--mixed-precision", action="store_true", help="bf16 parameters for compute, fp32 reduction")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = ap.parse_args()
-    session = et.init(overrides=["checkpoint.interval_steps=5", "train.global_batch_size=8", "train.micro_batch_size=8",
-                                 f"train.mixed_precision={'bf16' if args.mixed_precision else 'fp32'}", *args.overrides])
+    session = et.init(
+        overrides=[
+            "checkpoint.interval_steps=5",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=8",
+            f"train.mixed_precision={'bf16' if args.mixed_precision else 'fp32'}",
+            *args.overrides,
+        ]
+    )
     model_args = ModelArgs()
     torch.manual_seed(0)
     model = session.shard(Transformer(model_args), [Block])

@@ -31,7 +31,10 @@ def grouped_blocks(paths: list[str], vocab_size: int, block_size: int) -> list[d
         with open(p, "rb") as f:
             ids += [b % vocab_size for b in f.read()]
     n = len(ids) // block_size * block_size
-    return [{"input_ids": torch.tensor(ids[i : i + block_size]), "labels": torch.tensor(ids[i : i + block_size])} for i in range(0, n, block_size)]
+    return [
+        {"input_ids": torch.tensor(ids[i : i + block_size]), "labels": torch.tensor(ids[i : i + block_size])}
+        for i in range(0, n, block_size)
+    ]
 
 
 def main() -> None:
@@ -44,18 +47,30 @@ def main() -> None:
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = ap.parse_args()
-    session = et.init(overrides=["checkpoint.interval_steps=5", "train.global_batch_size=8", "train.micro_batch_size=8", *args.overrides])
+    session = et.init(
+        overrides=[
+            "checkpoint.interval_steps=5",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=8",
+            *args.overrides,
+        ]
+    )
     config = AutoConfig.from_pretrained(args.config_dir)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model = session.shard(model, [type(model.model.layers[0])])
     no_decay = ("bias", "norm")
     groups = [
-        {"params": [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)], "weight_decay": args.weight_decay},
+        {
+            "params": [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)],
+            "weight_decay": args.weight_decay,
+        },
         {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=3e-3)
-    scheduler = get_scheduler("linear", optimizer=optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=args.steps)
+    scheduler = get_scheduler(
+        "linear", optimizer=optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=args.steps
+    )
     train = grouped_blocks(glob.glob(args.train_files), config.vocab_size, args.block_size)
     loader = DataLoader(train, batch_size=8, collate_fn=default_data_collator)
     ckpt = et.Checkpointer(session, model=model, optimizer=optimizer, scheduler=scheduler, data=loader)

@@ -47,7 +47,11 @@ class Block(nn.Sequential):
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Regression, rank: int, step: int) -> None:
     model.eval()  # every rank runs the forward pass (FSDP gathers the weights); rank 0 prints
-    mse = float(F.mse_loss(model(data.x[:64].to(next(model.parameters()).device)), data.y[:64].to(next(model.parameters()).device)))
+    mse = float(
+        F.mse_loss(
+            model(data.x[:64].to(next(model.parameters()).device)), data.y[:64].to(next(model.parameters()).device)
+        )
+    )
     model.train()
     if rank == 0:
         print(f"step {step}: eval mse {mse:.5f}", flush=True)
@@ -57,10 +61,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--dropout", type=float, default=0.1)
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config overrides (without 'run')")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="config overrides (without 'run')",
+    )
     a = ap.parse_args()
     # 1. process groups, events, metrics, preemption (under `run`: the supervisor's config, these on top)
-    session = et.init(overrides=["checkpoint.interval_steps=5", "train.global_batch_size=12", "train.micro_batch_size=12", *a.overrides])
+    session = et.init(
+        overrides=[
+            "checkpoint.interval_steps=5",
+            "train.global_batch_size=12",
+            "train.micro_batch_size=12",
+            *a.overrides,
+        ]
+    )
     torch.manual_seed(0)  # the same initial weights at every world size
     # 2. fully_shard each Block, then the root; gradients are reduced as a SUM of per-rank shares
     model = session.shard(nn.Sequential(*(Block(32, a.dropout) for _ in range(3)), nn.Linear(32, 1)), [Block])

@@ -4,6 +4,7 @@ Fixture modules live in ``tests/fixtures/`` and are registered here so every
 test directory can use them. Each fixture starts only the processes it needs on
 127.0.0.1 and stops exactly those (by PID) when it is done.
 """
+
 import importlib.util
 
 _FIXTURE_MODULES = [

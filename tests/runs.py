@@ -20,7 +20,16 @@ CLI = [sys.executable, "-m", "elastic_trainer.cli"]
 
 TINY = {
     "model": {"vocab_size": 256, "seq_len": 32, "dim": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 2},
-    "train": {"steps": 10, "global_batch_size": 10, "micro_batch_size": 2, "seed": 7, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 3, "log_every": 5},
+    "train": {
+        "steps": 10,
+        "global_batch_size": 10,
+        "micro_batch_size": 2,
+        "seed": 7,
+        "lr": 3e-3,
+        "min_lr": 3e-4,
+        "warmup_steps": 3,
+        "log_every": 5,
+    },
     "checkpoint": {"interval_steps": 5, "keep_last": 5, "mode": "async", "preempt_grace_seconds": 30.0},
     "elastic": {"nproc_per_node": 2, "max_restarts": 0, "hang_timeout_seconds": 60.0, "monitor_interval_seconds": 0.2},
     "metrics": {"port": 0},
@@ -73,11 +82,20 @@ def launch_args(config: Path, *args: str) -> list[str]:
     return [*CLI, "launch", str(config), *args]
 
 
-def run_launch(config: Path, *args: str, timeout: float = 240, env: dict | None = None, log: Path | None = None) -> subprocess.CompletedProcess:
+def run_launch(
+    config: Path, *args: str, timeout: float = 240, env: dict | None = None, log: Path | None = None
+) -> subprocess.CompletedProcess:
     """Run ``elastic-trainer launch`` to completion."""
     log = log or config.with_suffix(".log")
     with open(log, "ab") as out:
-        proc = subprocess.run(launch_args(config, *args), stdout=out, stderr=subprocess.STDOUT, env=env_for_tests(env), timeout=timeout, cwd=REPO)
+        proc = subprocess.run(
+            launch_args(config, *args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env_for_tests(env),
+            timeout=timeout,
+            cwd=REPO,
+        )
     return proc
 
 
@@ -85,7 +103,14 @@ def start_launch(config: Path, *args: str, env: dict | None = None, log: Path | 
     """Start ``elastic-trainer launch`` in its own session; returns the supervisor process."""
     log = log or config.with_suffix(".log")
     out = open(log, "ab")
-    return subprocess.Popen(launch_args(config, *args), stdout=out, stderr=subprocess.STDOUT, env=env_for_tests(env), cwd=REPO, start_new_session=True)
+    return subprocess.Popen(
+        launch_args(config, *args),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env_for_tests(env),
+        cwd=REPO,
+        start_new_session=True,
+    )
 
 
 def read_events(run_dir: Path, name: str | None = None) -> list[dict]:
@@ -113,7 +138,13 @@ def step_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_events(run_dir, "step")}
 
 
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, proc: subprocess.Popen | None = None, interval: float = 0.05):
+def wait_for(
+    predicate: Callable[[], object],
+    timeout: float,
+    what: str,
+    proc: subprocess.Popen | None = None,
+    interval: float = 0.05,
+):
     """Poll ``predicate`` until truthy; fail after ``timeout`` or if ``proc`` exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -129,7 +160,9 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, proc: s
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def wait_event(run_dir: Path, name: str, timeout: float, proc=None, where: Callable[[dict], bool] = lambda r: True) -> dict:
+def wait_event(
+    run_dir: Path, name: str, timeout: float, proc=None, where: Callable[[dict], bool] = lambda r: True
+) -> dict:
     def find():
         for r in read_events(run_dir, name):
             if where(r):
@@ -215,11 +248,20 @@ def close_rel(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
-def signal_at_step(args: list[str], run_dir: Path, at_step: int, sig: int = signal.SIGTERM, env: dict | None = None, timeout: float = 120) -> int:
+def signal_at_step(
+    args: list[str],
+    run_dir: Path,
+    at_step: int,
+    sig: int = signal.SIGTERM,
+    env: dict | None = None,
+    timeout: float = 120,
+) -> int:
     """Run ``args`` (a supervisor) in its own session, logging to ``run_dir/run.log``; send ``sig``
     once ``run_dir``'s event log has a step ``>= at_step``; return its exit code."""
     with open(Path(run_dir) / "run.log", "ab") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env_for_tests(env), cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env=env_for_tests(env), cwd=REPO, start_new_session=True
+        )
     try:
         wait_event(run_dir, "step", timeout + 60, proc, where=lambda r: r["step"] >= at_step)
         proc.send_signal(sig)

@@ -20,7 +20,9 @@ class Agreement:
     """``group``: the checkpoint group (broadcast/gather of load decisions); ``control_group``:
     the training group, which a background upload never uses (None: the default group)."""
 
-    def __init__(self, world_size: int, group: dist.ProcessGroup | None = None, control_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self, world_size: int, group: dist.ProcessGroup | None = None, control_group: dist.ProcessGroup | None = None
+    ):
         self.world_size = world_size
         self.group = group
         self.control_group = control_group

@@ -30,8 +30,9 @@ import logging
 import math
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from ..config import CheckpointConfig
 from ..events import EventLog, read_events
@@ -41,14 +42,23 @@ from ..metrics.sink import MetricsSink, NullSink
 logger = logging.getLogger(__name__)
 
 
-def expected_waste(n: int, step_seconds: float, save_cost: float, restart_cost: float, failure_rate: float, commit_lag: float = 0.0) -> float:
+def expected_waste(
+    n: int, step_seconds: float, save_cost: float, restart_cost: float, failure_rate: float, commit_lag: float = 0.0
+) -> float:
     """Expected fraction of wall time lost with a save every ``n`` steps (see the module docstring)."""
     period = n * step_seconds + save_cost
     return save_cost / period + failure_rate * (restart_cost + period / 2 + commit_lag)
 
 
-def optimal_interval(step_seconds: float, save_cost: float, restart_cost: float, failure_rate: float,
-                     commit_lag: float = 0.0, min_steps: int = 1, max_steps: int = 100_000) -> int:
+def optimal_interval(
+    step_seconds: float,
+    save_cost: float,
+    restart_cost: float,
+    failure_rate: float,
+    commit_lag: float = 0.0,
+    min_steps: int = 1,
+    max_steps: int = 100_000,
+) -> int:
     """The interval in steps with the least expected waste. Deterministic: equal inputs give
     equal outputs on every rank."""
     if min_steps < 1 or max_steps < min_steps:
@@ -61,14 +71,21 @@ def optimal_interval(step_seconds: float, save_cost: float, restart_cost: float,
     young = math.sqrt(2 * max(save_cost, 1e-9) / failure_rate) / step_seconds
     lo = max(min_steps, int(young / 4))
     hi = min(max_steps, max(lo, int(young * 4) + 2))
-    best = min(range(lo, hi + 1), key=lambda n: (expected_waste(n, step_seconds, save_cost, restart_cost, failure_rate, commit_lag), n))
+    best = min(
+        range(lo, hi + 1),
+        key=lambda n: (expected_waste(n, step_seconds, save_cost, restart_cost, failure_rate, commit_lag), n),
+    )
     for edge in (min_steps, max_steps):  # the clamp can beat the window's ends
-        if expected_waste(edge, step_seconds, save_cost, restart_cost, failure_rate, commit_lag) < expected_waste(best, step_seconds, save_cost, restart_cost, failure_rate, commit_lag):
+        if expected_waste(edge, step_seconds, save_cost, restart_cost, failure_rate, commit_lag) < expected_waste(
+            best, step_seconds, save_cost, restart_cost, failure_rate, commit_lag
+        ):
             best = edge
     return best
 
 
-def failure_rate(failures: int, observed_seconds: float, prior_mtbf_seconds: float, prior_weight_seconds: float | None = None) -> float:
+def failure_rate(
+    failures: int, observed_seconds: float, prior_mtbf_seconds: float, prior_weight_seconds: float | None = None
+) -> float:
     """Failures per second from a lineage's history and a prior of one failure per
     ``prior_mtbf_seconds``: a Gamma prior worth ``prior_weight_seconds`` of observed time
     (default: ``prior_mtbf_seconds``, i.e. one pseudo-failure). A lighter prior follows what the
@@ -79,7 +96,6 @@ def failure_rate(failures: int, observed_seconds: float, prior_mtbf_seconds: flo
     if weight <= 0:
         raise ValueError("prior_weight_seconds must be > 0")
     return (weight / prior_mtbf_seconds + max(0, failures)) / (weight + max(0.0, observed_seconds))
-
 
 
 # --- interval_steps = "auto": lineage, re-evaluation and agreement -----------------------------
@@ -121,7 +137,11 @@ def lineage_from_events(events: Iterable[dict[str, Any]]) -> Lineage:
         ev = e.get("event")
         if ev == "restart" and e.get("reason") in INTERRUPTED_BY_FAILURE:
             failures += 1
-        elif ev == "checkpoint_interval_changed" and e.get("save_cost_s") is not None and e.get("step_seconds") is not None:
+        elif (
+            ev == "checkpoint_interval_changed"
+            and e.get("save_cost_s") is not None
+            and e.get("step_seconds") is not None
+        ):
             last = e
     costs = [i.seconds for i in ledger.result().interruptions if i.reason in INTERRUPTED_BY_FAILURE]
     return Lineage(
@@ -134,8 +154,16 @@ def lineage_from_events(events: Iterable[dict[str, Any]]) -> Lineage:
     )
 
 
-def next_interval(current: int | None, step_seconds: float, save_cost: float, restart_cost: float, failure_rate: float,
-                  commit_lag: float, min_steps: int, max_steps: int) -> int:
+def next_interval(
+    current: int | None,
+    step_seconds: float,
+    save_cost: float,
+    restart_cost: float,
+    failure_rate: float,
+    commit_lag: float,
+    min_steps: int,
+    max_steps: int,
+) -> int:
     """The interval to use from now: the optimum, unless ``current`` (clamped) wastes at most
     :data:`CHANGE_MARGIN` more (so noise in the measurements does not flip it every save). Pure."""
     best = optimal_interval(step_seconds, save_cost, restart_cost, failure_rate, commit_lag, min_steps, max_steps)
@@ -156,7 +184,7 @@ class IntervalChange:
 
 
 class AutoCadence:
-    """"Save at this step?" for ``checkpoint.interval_steps = "auto"``.
+    """ "Save at this step?" for ``checkpoint.interval_steps = "auto"``.
 
     Rank 0 measures (:meth:`observe`: the wall time of each loop iteration, and which of them
     overlap a save) and proposes an interval (:meth:`vote`); the proposal rides on the step's
@@ -171,8 +199,18 @@ class AutoCadence:
     the estimate to zero); commit lag = that window's length. One measurement shortens the
     interval at most :data:`MAX_STEP_DOWN` times."""
 
-    def __init__(self, *, rank: int, start_step: int, lineage: Lineage, prior_mtbf_seconds: float, prior_weight_seconds: float,
-                 min_steps: int, max_steps: int, now: float) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        start_step: int,
+        lineage: Lineage,
+        prior_mtbf_seconds: float,
+        prior_weight_seconds: float,
+        min_steps: int,
+        max_steps: int,
+        now: float,
+    ) -> None:
         self.rank = rank
         self.lineage = lineage
         self.prior_mtbf, self.prior_weight = prior_mtbf_seconds, prior_weight_seconds
@@ -186,8 +224,12 @@ class AutoCadence:
         self._window: list[float] | None = None
         self._iterations = 0
         self._proposal = min(max(INITIAL_STEPS, min_steps), max_steps)
-        self.basis: dict[str, Any] = {"reason": "initial", "restart_cost_s": _round(lineage.restart_cost, 3),
-                                      "failure_rate_per_h": round(self.rate(now) * 3600, 4), "failures": lineage.failures}
+        self.basis: dict[str, Any] = {
+            "reason": "initial",
+            "restart_cost_s": _round(lineage.restart_cost, 3),
+            "failure_rate_per_h": round(self.rate(now) * 3600, 4),
+            "failures": lineage.failures,
+        }
         if lineage.step_seconds is not None and lineage.save_cost is not None:
             self._steps.append(lineage.step_seconds)
             self._costs.append(lineage.save_cost)
@@ -285,8 +327,17 @@ class Cadence:
     ``elastic_trainer_checkpoint_interval_steps`` and the event ``checkpoint_interval_changed``
     follow the interval in force."""
 
-    def __init__(self, cfg: CheckpointConfig, *, rank: int, start_step: int, now: float, events: EventLog | None = None,
-                 metrics: MetricsSink | None = None, lineage: Lineage | None = None):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        rank: int,
+        start_step: int,
+        now: float,
+        events: EventLog | None = None,
+        metrics: MetricsSink | None = None,
+        lineage: Lineage | None = None,
+    ):
         self.rank = rank
         self.every_seconds = cfg.interval_seconds
         self.fixed = 0 if cfg.interval_steps == "auto" else int(cfg.interval_steps)
@@ -296,9 +347,16 @@ class Cadence:
         self._tick: tuple[float, bool] | None = None  # (start of the loop iteration, it started a save)
         self.auto: AutoCadence | None = None
         if cfg.interval_steps == "auto":
-            self.auto = AutoCadence(rank=rank, start_step=start_step, lineage=lineage or Lineage(), prior_mtbf_seconds=cfg.auto_prior_mtbf_seconds,
-                                    prior_weight_seconds=cfg.auto_prior_weight_seconds, min_steps=cfg.auto_min_steps,
-                                    max_steps=cfg.auto_max_steps, now=now)
+            self.auto = AutoCadence(
+                rank=rank,
+                start_step=start_step,
+                lineage=lineage or Lineage(),
+                prior_mtbf_seconds=cfg.auto_prior_mtbf_seconds,
+                prior_weight_seconds=cfg.auto_prior_weight_seconds,
+                min_steps=cfg.auto_min_steps,
+                max_steps=cfg.auto_max_steps,
+                now=now,
+            )
         else:
             self._metrics.gauge("elastic_trainer_checkpoint_interval_steps", self.fixed)
 
@@ -330,9 +388,17 @@ class Cadence:
         b = change.basis
         self._metrics.gauge("elastic_trainer_checkpoint_interval_steps", change.interval_steps)
         self._events.emit(
-            "checkpoint_interval_changed", step=step, interval_steps=change.interval_steps, previous=change.previous,
-            save_cost_s=b.get("save_cost_s"), restart_cost_s=b.get("restart_cost_s"), failure_rate_per_h=b.get("failure_rate_per_h"),
-            reason=b.get("reason"), step_seconds=b.get("step_seconds"), commit_lag_s=b.get("commit_lag_s"), failures=b.get("failures"),
+            "checkpoint_interval_changed",
+            step=step,
+            interval_steps=change.interval_steps,
+            previous=change.previous,
+            save_cost_s=b.get("save_cost_s"),
+            restart_cost_s=b.get("restart_cost_s"),
+            failure_rate_per_h=b.get("failure_rate_per_h"),
+            reason=b.get("reason"),
+            step_seconds=b.get("step_seconds"),
+            commit_lag_s=b.get("commit_lag_s"),
+            failures=b.get("failures"),
         )
 
     def due(self, step: int, total_steps: int, *, stop: bool = False) -> bool:
@@ -354,8 +420,16 @@ class Cadence:
             self._tick = (self._tick[0], True)
 
 
-def from_run(cfg: CheckpointConfig, events_path: str, *, rank: int, start_step: int, now: float, events: EventLog | None = None,
-             metrics: MetricsSink | None = None) -> Cadence:
+def from_run(
+    cfg: CheckpointConfig,
+    events_path: str,
+    *,
+    rank: int,
+    start_step: int,
+    now: float,
+    events: EventLog | None = None,
+    metrics: MetricsSink | None = None,
+) -> Cadence:
     """The cadence of a (re)start: for ``auto``, rank 0 reads this job's lineage from the tail of
     its event log (failures, observed time, restart cost, last measurement); a damaged log
     starts from the prior."""

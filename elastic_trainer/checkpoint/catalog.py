@@ -67,19 +67,25 @@ class ResumePlan:
             name, reason = self.incompatible
             return f"checkpoint {name}: {reason}; nothing was quarantined or changed"
         if self.chosen is None and self.unusable:
-            listed = "; ".join(f"{n} ({r})" for n, r in self.unusable[:5]) + (f"; and {len(self.unusable) - 5} more" if len(self.unusable) > 5 else "")
+            listed = "; ".join(f"{n} ({r})" for n, r in self.unusable[:5]) + (
+                f"; and {len(self.unusable) - 5} more" if len(self.unusable) > 5 else ""
+            )
             return (
                 f"{len(self.unusable)} committed checkpoint(s) of this run exist but none can be loaded: {listed}. "
-                "Not starting over from step 0. Ways forward: " "'elastic-trainer ckpt release URI --step N' re-verifies a "
-                "quarantined checkpoint and lifts the quarantine if " "its bytes are good; a missing file may be storage that "
+                "Not starting over from step 0. Ways forward: "
+                "'elastic-trainer ckpt release URI --step N' re-verifies a "
+                "quarantined checkpoint and lifts the quarantine if "
+                "its bytes are good; a missing file may be storage that "
                 "has not caught up (start again later); or start a new run: another checkpoint.dir, or "
-                "checkpoint.resume = \"none\" for this launch"
+                'checkpoint.resume = "none" for this launch'
             )
         return None
 
 
 class Catalog:
-    def __init__(self, storage: Storage, *, epoch: str | None = None, key: bytes | None = _UNSET, events: EventLog | None = None):
+    def __init__(
+        self, storage: Storage, *, epoch: str | None = None, key: bytes | None = _UNSET, events: EventLog | None = None
+    ):
         self.storage = storage
         self.epoch = epoch
         self.key = checkpoint_key() if key is _UNSET else key
@@ -107,11 +113,17 @@ class Catalog:
             manifest = self._read_marker(name, layout.MANIFEST, files, unreadable_ok=True)
             quarantine = self._read_marker(name, layout.QUARANTINE, files)
             writer = self._read_marker(name, layout.WRITER, files) if manifest is None else None
-            plain = {k: v for k, v in files.items() if k not in (layout.MANIFEST, layout.QUARANTINE, layout.WRITER, integrity.CHECKSUMS)}
+            plain = {
+                k: v
+                for k, v in files.items()
+                if k not in (layout.MANIFEST, layout.QUARANTINE, layout.WRITER, integrity.CHECKSUMS)
+            }
             out.append(layout.Candidate(step, name, manifest, plain, quarantine, writer))
         return out
 
-    def _read_marker(self, name: str, marker: str, files: dict[str, int], unreadable_ok: bool = False) -> dict[str, Any] | None:
+    def _read_marker(
+        self, name: str, marker: str, files: dict[str, int], unreadable_ok: bool = False
+    ) -> dict[str, Any] | None:
         if marker not in files:
             return None
         try:
@@ -135,7 +147,9 @@ class Catalog:
         problem = self.problem(c)
         if problem:
             raise CheckpointError(f"checkpoint {c.name} is unusable: {problem}")
-        return integrity.verifying(self.storage.dcp_reader(self.storage.join(c.name)), integrity.Checks.from_manifest(c.manifest))
+        return integrity.verifying(
+            self.storage.dcp_reader(self.storage.join(c.name)), integrity.Checks.from_manifest(c.manifest)
+        )
 
     def read_metadata(self, c: layout.Candidate):
         """DCP metadata of a verified candidate (checked against the manifest before unpickling)."""
@@ -145,7 +159,9 @@ class Catalog:
     def epochs(self) -> dict[str, dict[str, Any]]:
         """Epoch name (``NNNNNNNN-<launch>``) -> its record, oldest first."""
         out = {}
-        for rel in sorted(self.storage.list_files(self.storage.join(EPOCHS)), key=lambda r: layout.epoch_key(r.removesuffix(".json"))):
+        for rel in sorted(
+            self.storage.list_files(self.storage.join(EPOCHS)), key=lambda r: layout.epoch_key(r.removesuffix(".json"))
+        ):
             if not rel.endswith(".json") or "/" in rel:
                 continue
             try:
@@ -221,7 +237,11 @@ class Catalog:
             order = self._lineage_order(candidates, epochs)
         plan = ResumePlan(None, [], not restart)
         # Leftovers of crashed saves are reported (and cleaned at start-up), never loaded.
-        plan.skipped += [(c.step, "uncommitted (no manifest)") for c in sorted(candidates, key=lambda c: c.step, reverse=True) if c.manifest is None and c.name not in exclude]
+        plan.skipped += [
+            (c.step, "uncommitted (no manifest)")
+            for c in sorted(candidates, key=lambda c: c.step, reverse=True)
+            if c.manifest is None and c.name not in exclude
+        ]
         for c in order:
             if c.manifest is None:
                 continue
@@ -240,7 +260,9 @@ class Catalog:
                 plan.corrupt.append((c.name, reason))
         return plan
 
-    def _lineage_order(self, candidates: list[layout.Candidate], epochs: dict[str, dict[str, Any]], only: str | None = None) -> list[layout.Candidate]:
+    def _lineage_order(
+        self, candidates: list[layout.Candidate], epochs: dict[str, dict[str, Any]], only: str | None = None
+    ) -> list[layout.Candidate]:
         """Candidates in the order ``latest`` tries them: per epoch (newest first) its commits
         newest first, then the base it started from (with that base's ancestors); then every
         other directory by step. With ``only``: that epoch's commits and base chain only."""
@@ -291,7 +313,17 @@ class Catalog:
         """Record which epoch writes the (uncommitted) directory ``name``."""
         self.storage.write_json_atomic(self.storage.join(name, layout.WRITER), {"epoch": self.epoch or ""})
 
-    def commit(self, name: str, *, step: int, world_size: int, mesh_shape: list[int], fingerprint: str, torch_version: str, extra: dict[str, Any]) -> dict[str, Any]:
+    def commit(
+        self,
+        name: str,
+        *,
+        step: int,
+        world_size: int,
+        mesh_shape: list[int],
+        fingerprint: str,
+        torch_version: str,
+        extra: dict[str, Any],
+    ) -> dict[str, Any]:
         """Prove the save complete and write its manifest (the commit marker).
 
         The file list comes from what DCP wrote (``.checksums.json``, built from every rank's
@@ -304,13 +336,19 @@ class Catalog:
                 table = json.loads(self.storage.read_bytes(self.storage.join(name, integrity.CHECKSUMS)))
                 written = table["files"]
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"cannot commit {name}: no readable {integrity.CHECKSUMS} " f"from DCP's writer ({type(e).__name__}: {e})") from e
+                raise CheckpointError(
+                    f"cannot commit {name}: no readable {integrity.CHECKSUMS} "
+                    f"from DCP's writer ({type(e).__name__}: {e})"
+                ) from e
             listed = self.storage.list_files(d)
             problem = layout.commit_problem(written, listed)
             if problem is None and self.epoch and layout.WRITER in listed:
                 writer = self._read_marker(name, layout.WRITER, listed) or {}
                 if writer.get("epoch") != self.epoch:  # two launches wrote one directory: mixed files
-                    problem = "directory is being written by another launch " f"(epoch {writer.get('epoch')!r}, ours {self.epoch})"
+                    problem = (
+                        "directory is being written by another launch "
+                        f"(epoch {writer.get('epoch')!r}, ours {self.epoch})"
+                    )
             if problem:
                 raise CheckpointError(f"cannot commit {name}: {problem}")
             manifest = layout.build_manifest(
@@ -331,7 +369,10 @@ class Catalog:
     def quarantine(self, name: str, reason: str) -> None:
         """Mark a committed checkpoint bad (a marker next to its manifest; nothing is deleted)."""
         with self._lock:
-            self.storage.write_json_atomic(self.storage.join(name, layout.QUARANTINE), {"reason": reason[:2000], "time": time.time(), "epoch": self.epoch or ""})
+            self.storage.write_json_atomic(
+                self.storage.join(name, layout.QUARANTINE),
+                {"reason": reason[:2000], "time": time.time(), "epoch": self.epoch or ""},
+            )
         self.events.emit("checkpoint_quarantined", step=layout.parse_step_dir(name), name=name, reason=reason[:2000])
 
     def release(self, name: str) -> dict[str, Any]:

@@ -50,7 +50,10 @@ class Report:
         self.problems.setdefault(group, []).append(line)
 
     def message(self, name: str) -> str:
-        lines = [f"checkpoint {name} does not fit the state this code registers " "(the checkpoint is intact; nothing was quarantined or changed):"]
+        lines = [
+            f"checkpoint {name} does not fit the state this code registers "
+            "(the checkpoint is intact; nothing was quarantined or changed):"
+        ]
         for group in sorted(self.problems):
             items = self.problems[group]
             shown = items[:SHOWN_PER_GROUP]
@@ -59,7 +62,7 @@ class Report:
         lines.append(
             "ways forward: register the same state as the run that wrote it; for state added on purpose set "
             "optional_on_load = True on that Stateful (it starts as initialised, event state_added); or start a new "
-            "run: another checkpoint.dir, or checkpoint.resume = \"none\" for this launch"
+            'run: another checkpoint.dir, or checkpoint.resume = "none" for this launch'
         )
         return "\n".join(lines)
 
@@ -105,7 +108,11 @@ def check(states: dict[str, Any], metadata, manifest: dict[str, Any], world_size
         if isinstance(was, dict) and isinstance(now, dict):
             for n in sorted(set(was) | set(now)):
                 if was.get(n) != now.get(n):
-                    report.add(key, f"{n}: the checkpoint holds {was.get(n) or 'nothing'}, " f"the code registers {now.get(n) or 'nothing'}")
+                    report.add(
+                        key,
+                        f"{n}: the checkpoint holds {was.get(n) or 'nothing'}, "
+                        f"the code registers {now.get(n) or 'nothing'}",
+                    )
         else:
             report.add(key, f"the checkpoint holds {_type_name(was)}, the code registers {_type_name(now)}")
     for key in sorted(saved_tops - set(states)):
@@ -121,7 +128,11 @@ def check(states: dict[str, Any], metadata, manifest: dict[str, Any], world_size
                 report.absent.append(key)
             else:
                 keys = ", ".join(sorted(expected)[:SHOWN_PER_GROUP]) or key
-                report.add(key, f"not in the checkpoint: {keys} (registered since " "it was written? set optional_on_load = True on it)")
+                report.add(
+                    key,
+                    f"not in the checkpoint: {keys} (registered since "
+                    "it was written? set optional_on_load = True on it)",
+                )
             continue
         mine = {k: v for k, v in saved.items() if k.partition(".")[0] == key}
         for k in sorted(set(expected) - set(mine)):
@@ -137,7 +148,9 @@ def check(states: dict[str, Any], metadata, manifest: dict[str, Any], world_size
     return report
 
 
-def _check_per_rank(report: Report, key: str, obj: Any, present: bool, saved_world: Any, world_size: int, optional) -> None:
+def _check_per_rank(
+    report: Report, key: str, obj: Any, present: bool, saved_world: Any, world_size: int, optional
+) -> None:
     """Per-rank state: its copies map onto ranks only at the world size that wrote them."""
     if not present:
         if optional.get(key) is True:
@@ -149,7 +162,8 @@ def _check_per_rank(report: Report, key: str, obj: Any, present: bool, saved_wor
     if saved_world != world_size and getattr(obj, "can_reshard", True) is False:
         report.add(
             key,
-            f"per-rank state saved by {saved_world} ranks cannot be " f"loaded by {world_size}: a rank's copy has no owner at "
+            f"per-rank state saved by {saved_world} ranks cannot be "
+            f"loaded by {world_size}: a rank's copy has no owner at "
             "another world size; give the object a reshard_state_dict(saved, rank, world_size) method, or resume at "
             f"world size {saved_world}",
         )
@@ -183,7 +197,9 @@ def is_integrity(exc: BaseException) -> bool:
     unpickler counts too."""
     for e in root_causes(exc):
         chain = [e] + ([e.__cause__] if e.__cause__ is not None else [])
-        if any(isinstance(x, INTEGRITY_TYPES) or "unpickl" in str(x).lower() or "checksum" in str(x).lower() for x in chain):
+        if any(
+            isinstance(x, INTEGRITY_TYPES) or "unpickl" in str(x).lower() or "checksum" in str(x).lower() for x in chain
+        ):
             return True
     return False
 

@@ -178,9 +178,16 @@ class _ChecksummedWrites:
                 seg = (0, 0)
             if rec is None or seg is None or seg[0] != info.length:
                 raise CheckpointIntegrityError(
-                    f"cannot checksum item {wr.index.fqn} in {info.relative_path}: " "DCP's write pattern changed (see checkpoint/integrity.py)"
+                    f"cannot checksum item {wr.index.fqn} in {info.relative_path}: "
+                    "DCP's write pattern changed (see checkpoint/integrity.py)"
                 )
-            out.append(WriteResult(index=wr.index, size_in_bytes=wr.size_in_bytes, storage_data=_Checked(info, seg[1], rec.size, rec.digest)))
+            out.append(
+                WriteResult(
+                    index=wr.index,
+                    size_in_bytes=wr.size_in_bytes,
+                    storage_data=_Checked(info, seg[1], rec.size, rec.digest),
+                )
+            )
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(out)
         return fut
@@ -201,7 +208,9 @@ class _ChecksummedWrites:
         super().finish(metadata, plain)
         meta = self.fs.record(f"{METADATA}.tmp")
         if meta is None:
-            raise CheckpointIntegrityError("cannot checksum .metadata: DCP's write pattern changed (see checkpoint/integrity.py)")
+            raise CheckpointIntegrityError(
+                "cannot checksum .metadata: DCP's write pattern changed (see checkpoint/integrity.py)"
+            )
         files[METADATA] = {"size": meta.size, "xxh3": meta.digest}
         for f in files.values():
             if "items" in f:
@@ -287,7 +296,9 @@ class _VerifyingReads:
         file.seek(sinfo.offset)
         data = file.read(sinfo.length)
         if len(data) != sinfo.length:
-            raise CheckpointIntegrityError(f"{sinfo.relative_path}@{sinfo.offset}: short read, {len(data)} of {sinfo.length} bytes")
+            raise CheckpointIntegrityError(
+                f"{sinfo.relative_path}@{sinfo.offset}: short read, {len(data)} of {sinfo.length} bytes"
+            )
         if want is not None and (want[0] != sinfo.length or digest(data) != want[1]):
             raise CheckpointIntegrityError(f"{sinfo.relative_path}@{sinfo.offset}: checksum mismatch (corrupted shard)")
         return io.BytesIO(data)

@@ -102,7 +102,9 @@ def seal_problem(manifest: dict[str, Any], key: bytes | None) -> str | None:
     if key:
         mac = manifest.get("hmac")
         if not isinstance(mac, str) or not hmac.compare_digest(mac, hmac.new(key, data, hashlib.sha256).hexdigest()):
-            return f"manifest signature does not verify with {contract.CHECKPOINT_KEY_ENV} (unsigned or tampered): refused"
+            return (
+                f"manifest signature does not verify with {contract.CHECKPOINT_KEY_ENV} (unsigned or tampered): refused"
+            )
     return None
 
 
@@ -122,8 +124,14 @@ def format_problem(manifest: dict[str, Any]) -> str | None:
     if version in READABLE_VERSIONS:
         return None
     newer = isinstance(version, int) and version > max(READABLE_VERSIONS)
-    return (f"{FORMAT_PROBLEM} {version!r}: this elastic_trainer reads format {', '.join(map(str, READABLE_VERSIONS))}"
-            + (" (written by a newer elastic_trainer: upgrade to resume it)" if newer else " (written by an older elastic_trainer that this one no longer reads)"))
+    return (
+        f"{FORMAT_PROBLEM} {version!r}: this elastic_trainer reads format {', '.join(map(str, READABLE_VERSIONS))}"
+        + (
+            " (written by a newer elastic_trainer: upgrade to resume it)"
+            if newer
+            else " (written by an older elastic_trainer that this one no longer reads)"
+        )
+    )
 
 
 def is_format_problem(reason: str) -> bool:
@@ -217,7 +225,9 @@ def _order(c: Candidate) -> tuple[int, int]:
     return (c.step, c.gen)
 
 
-def select_for_resume(candidates: list[Candidate], resume: str, key: bytes | None = None, exclude: frozenset[str] = frozenset()) -> Selection:
+def select_for_resume(
+    candidates: list[Candidate], resume: str, key: bytes | None = None, exclude: frozenset[str] = frozenset()
+) -> Selection:
     """Pick the checkpoint to resume from.
 
     ``resume == "none"`` → nothing. ``"latest"`` → the newest valid one, falling back past
@@ -244,7 +254,9 @@ def select_for_resume(candidates: list[Candidate], resume: str, key: bytes | Non
     return sel
 
 
-def retention_victims(committed_steps: list[int], keep_last: int, keep_every: int, protected: set[int] = frozenset()) -> list[int]:
+def retention_victims(
+    committed_steps: list[int], keep_last: int, keep_every: int, protected: set[int] = frozenset()
+) -> list[int]:
     """Committed steps to delete: all but the newest ``keep_last``, except multiples of
     ``keep_every`` (when > 0) and ``protected`` steps (e.g. the one resumed from)."""
     ordered = sorted(set(committed_steps), reverse=True)
@@ -276,14 +288,26 @@ def cleanable_uncommitted(candidates: list[Candidate], epoch: str) -> list[Candi
     return out
 
 
-def compare_shapes(saved: dict[str, tuple[int, ...]], ours: dict[str, tuple[int, ...]], step: int) -> tuple[str, str] | None:
+def compare_shapes(
+    saved: dict[str, tuple[int, ...]], ours: dict[str, tuple[int, ...]], step: int
+) -> tuple[str, str] | None:
     """First difference between checkpoint and model tensors."""
     for k in sorted(ours):
         if k not in saved:
-            return k, f"the model has {k} {list(ours[k])} but the checkpoint " f"of step {step} does not (different architecture)"
+            return (
+                k,
+                f"the model has {k} {list(ours[k])} but the checkpoint "
+                f"of step {step} does not (different architecture)",
+            )
         if saved[k] != ours[k]:
-            return k, f"shape {list(saved[k])} in the checkpoint of step {step}, " f"{list(ours[k])} in the model (different architecture)"
+            return (
+                k,
+                f"shape {list(saved[k])} in the checkpoint of step {step}, "
+                f"{list(ours[k])} in the model (different architecture)",
+            )
     extra = sorted(k for k in saved if k.startswith("model.") and k not in ours)
     if extra:
-        return extra[0], f"the checkpoint of step {step} has {extra[0]}, which the model does not (different architecture)"
+        return extra[
+            0
+        ], f"the checkpoint of step {step} has {extra[0]}, which the model does not (different architecture)"
     return None

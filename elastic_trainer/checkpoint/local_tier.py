@@ -76,7 +76,9 @@ class LocalTier:
         return os.path.join(self.root, _slug(epoch))
 
     def rank_dir(self, epoch: str, step: int) -> str:
-        return os.path.join(self._epoch_dir(epoch), layout.step_dir_name(step), f"rank-{self.rank}-of-{self.world_size}")
+        return os.path.join(
+            self._epoch_dir(epoch), layout.step_dir_name(step), f"rank-{self.rank}-of-{self.world_size}"
+        )
 
     # ------------------------------------------------------------------ saving
     def writer(self, epoch: str, step: int):
@@ -87,7 +89,16 @@ class LocalTier:
         os.makedirs(d, exist_ok=True)
         return integrity.checksummed(self.storage.dcp_writer(d))
 
-    def commit(self, epoch: str, step: int, *, mesh_shape: list[int], fingerprint: str, torch_version: str, extra: dict[str, Any]) -> dict[str, Any]:
+    def commit(
+        self,
+        epoch: str,
+        step: int,
+        *,
+        mesh_shape: list[int],
+        fingerprint: str,
+        torch_version: str,
+        extra: dict[str, Any],
+    ) -> dict[str, Any]:
         """This rank's proof for its copy of ``step``: every file DCP reported writing is there
         with that size; the sealed manifest is written last. Then retention. Raises on a problem."""
         d = self.rank_dir(epoch, step)
@@ -98,8 +109,15 @@ class LocalTier:
         if problem:
             raise OSError(f"local copy of step {step} incomplete: {problem}")
         manifest = layout.build_manifest(
-            step=step, world_size=self.world_size, mesh_shape=mesh_shape, files=written, created=time.time(),
-            torch_version=torch_version, fingerprint=fingerprint, epoch=epoch, extra={**extra, "rank": self.rank, "tier": "local"},
+            step=step,
+            world_size=self.world_size,
+            mesh_shape=mesh_shape,
+            files=written,
+            created=time.time(),
+            torch_version=torch_version,
+            fingerprint=fingerprint,
+            epoch=epoch,
+            extra={**extra, "rank": self.rank, "tier": "local"},
         )
         manifest = layout.seal(manifest, self.key)
         self.storage.write_json_atomic(os.path.join(d, layout.MANIFEST), manifest)
@@ -128,7 +146,9 @@ class LocalTier:
             _remove(d)
 
     # ------------------------------------------------------------------ loading
-    def usable(self, epoch: str, *, min_step: int, remote: str | None, mesh_shape: list[int], fingerprint: str) -> tuple[list[Copy], str]:
+    def usable(
+        self, epoch: str, *, min_step: int, remote: str | None, mesh_shape: list[int], fingerprint: str
+    ) -> tuple[list[Copy], str]:
         """This rank's usable copies, newest first, and why none when the list is empty."""
         copies: list[Copy] = []
         why = f"no local copy at or after step {min_step}"
@@ -163,7 +183,9 @@ class LocalTier:
         if problem:
             return problem
         if m.get("rank") != self.rank or m.get("world_size") != self.world_size or m.get("mesh_shape") != mesh_shape:
-            return f"written by rank {m.get('rank')} of {m.get('world_size')} (mesh {m.get('mesh_shape')}), not this rank"
+            return (
+                f"written by rank {m.get('rank')} of {m.get('world_size')} (mesh {m.get('mesh_shape')}), not this rank"
+            )
         if m.get("config_fingerprint") != fingerprint:
             return "written for another model"
         if (remote or "") not in (m.get("remote_chain") or []):

@@ -89,8 +89,6 @@ class SaveStats:
         return self.wait_previous + self.call + self.staging_wait
 
 
-
-
 class CheckpointManager:
     """Checkpointing of named ``Stateful`` objects on every rank.
 
@@ -133,7 +131,9 @@ class CheckpointManager:
         self.events = events or EventLog(None)
         self.metrics = metrics or NullSink()
         self.agreement = agreement or Agreement(world_size, group, control_group)
-        self.remote = remote or RemoteSaver(storage, group, mode=cfg.mode, writer=cfg.writer, cuda_staging=use_cuda_staging)
+        self.remote = remote or RemoteSaver(
+            storage, group, mode=cfg.mode, writer=cfg.writer, cuda_staging=use_cuda_staging
+        )
         if local is None and cfg.local_dir:
             tier = LocalTier(cfg.local_dir, storage.root, rank=rank, world_size=world_size, key=checkpoint_key())
             local = LocalSaver(tier, mode=cfg.mode, cuda_staging=use_cuda_staging)
@@ -209,8 +209,20 @@ class CheckpointManager:
         skipped_all: list[tuple[int, str]] = []
         try_local = self.local is not None and resume == "latest"
         while True:
-            decision = resume_plan.decide(self.catalog, self.states, self.world_size, resume, frozenset(failed), clean=not failed and self._generation == 0,
-                                          launch_id=self._launch_id, events=self.events) if self.rank == 0 else None
+            decision = (
+                resume_plan.decide(
+                    self.catalog,
+                    self.states,
+                    self.world_size,
+                    resume,
+                    frozenset(failed),
+                    clean=not failed and self._generation == 0,
+                    launch_id=self._launch_id,
+                    events=self.events,
+                )
+                if self.rank == 0
+                else None
+            )
             decision = self.agreement.broadcast(decision)
             if decision.refused is not None:
                 raise decision.refused(decision.message)
@@ -224,13 +236,17 @@ class CheckpointManager:
                 if isinstance(local, LoadResult):
                     return local
                 if local is LocalLoad.FAILED and decision.chosen is None:
-                    raise CheckpointError("the local copies failed to load and checkpoint.dir has no commit; restarting from a clean state")
+                    raise CheckpointError(
+                        "the local copies failed to load and checkpoint.dir has no commit; "
+                        "restarting from a clean state"
+                    )
             if decision.chosen is None:
                 if failed:  # every candidate failed its load in this start: never train from step 0 over them
                     raise NoUsableCheckpointError(
-                        f"every committed checkpoint failed to load ({', '.join(sorted(failed))}: quarantined); not starting over from step 0. "
-                        "'elastic-trainer ckpt release URI --step N' re-verifies one and lifts its quarantine if its bytes are good; "
-                        "or start a new run: another checkpoint.dir, or checkpoint.resume = \"none\" for this launch"
+                        f"every committed checkpoint failed to load ({', '.join(sorted(failed))}: quarantined); "
+                        "not starting over from step 0. 'elastic-trainer ckpt release URI --step N' re-verifies one "
+                        "and lifts its quarantine if its bytes are good; or start a new run: another checkpoint.dir, "
+                        'or checkpoint.resume = "none" for this launch'
                     )
                 self._loaded(None, None, committed=None)
                 self._parent, self._seq = None, 0
@@ -295,7 +311,9 @@ class CheckpointManager:
         epoch = self._epoch_name
         try:
             self.local.purge_other_epochs(epoch)
-            copies, why = self.local.usable(epoch, min_step=remote_step, remote=chosen, mesh_shape=self.mesh_shape, fingerprint=self.fingerprint)
+            copies, why = self.local.usable(
+                epoch, min_step=remote_step, remote=chosen, mesh_shape=self.mesh_shape, fingerprint=self.fingerprint
+            )
         except OSError as e:
             copies, why = [], f"local tier unreadable: {type(e).__name__}: {e}"
         # A copy is named by (step, the start that wrote it): after a rollback or a restart a step
@@ -304,8 +322,16 @@ class CheckpointManager:
         common = set.intersection(*(set(map(tuple, keys)) for keys, _ in views))
         if not common:
             if self.rank == 0 and any(steps for steps, _ in views):
-                reasons = "; ".join(f"rank {r}: {w}" for r, (steps, w) in enumerate(views) if not steps) or "no step every rank has"
-                self.events.emit("checkpoint_local_skipped", step=max(k[0] for keys, _ in views for k in keys), reason=f"not on every rank ({reasons})", remote_step=remote_step)
+                reasons = (
+                    "; ".join(f"rank {r}: {w}" for r, (steps, w) in enumerate(views) if not steps)
+                    or "no step every rank has"
+                )
+                self.events.emit(
+                    "checkpoint_local_skipped",
+                    step=max(k[0] for keys, _ in views for k in keys),
+                    reason=f"not on every rank ({reasons})",
+                    remote_step=remote_step,
+                )
             return LocalLoad.NONE
         best = max(common)
         copy = next(c for c in copies if (c.step, c.manifest.get("lineage")) == best)
@@ -313,7 +339,9 @@ class CheckpointManager:
         faults.maybe_inject("kill_in_load", copy.step)
         error = ""
         try:
-            dcp.load(self.states, storage_reader=self.local.reader(copy), planner=load_planner(self.states), no_dist=True)
+            dcp.load(
+                self.states, storage_reader=self.local.reader(copy), planner=load_planner(self.states), no_dist=True
+            )
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
             error = f"{type(e).__name__}: {e}"[:2000]
         if not self.agreement.all_true(not error, control=False):
@@ -321,7 +349,12 @@ class CheckpointManager:
                 logger.error("local copy of step %d failed to load: %s", copy.step, error)
                 self.local.discard(copy)
             if self.rank == 0:
-                self.events.emit("checkpoint_local_skipped", step=copy.step, reason=f"load failed: {error or 'on another rank'}", remote_step=remote_step)
+                self.events.emit(
+                    "checkpoint_local_skipped",
+                    step=copy.step,
+                    reason=f"load failed: {error or 'on another rank'}",
+                    remote_step=remote_step,
+                )
             skipped.append((copy.step, f"local copy: load failed: {error or 'on another rank'}"))
             return LocalLoad.FAILED
         seconds = time.monotonic() - t0
@@ -331,7 +364,15 @@ class CheckpointManager:
         self._local_saved = {copy.step}
         self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
         self.metrics.counter("elastic_trainer_checkpoint_local_resumes_total")
-        return LoadResult(copy.step, os.path.relpath(copy.path, self.local.root), copy.manifest, seconds, skipped, decision.first_start, tier="local")
+        return LoadResult(
+            copy.step,
+            os.path.relpath(copy.path, self.local.root),
+            copy.manifest,
+            seconds,
+            skipped,
+            decision.first_start,
+            tier="local",
+        )
 
     # ------------------------------------------------------------------ save
     @property
@@ -350,7 +391,15 @@ class CheckpointManager:
         saved there by this incarnation and agreed committed. A save of such a step is a no-op."""
         return (step == self.loaded_step and self.loaded_tier == "remote") or step in self._committed
 
-    def save(self, step: int, *, blocking: bool = False, meta: dict[str, Any] | None = None, force: bool = False, durable: bool = False) -> SaveStats:
+    def save(
+        self,
+        step: int,
+        *,
+        blocking: bool = False,
+        meta: dict[str, Any] | None = None,
+        force: bool = False,
+        durable: bool = False,
+    ) -> SaveStats:
         """Start saving ``step``. All ranks. ``meta`` goes into the manifest (e.g. the loss).
 
         Waits for the previous save first, at most until that save's deadline (measured); when
@@ -364,13 +413,17 @@ class CheckpointManager:
         stats = SaveStats(step)
         t0 = time.monotonic()
         settled = self.settle(self._inflight.deadline if self._inflight else None)
-        remote = self.local is None or force or blocking or durable or self._saves_since_remote + 1 >= self.cfg.remote_every
+        remote = (
+            self.local is None or force or blocking or durable or self._saves_since_remote + 1 >= self.cfg.remote_every
+        )
         if self.remote.uses_writer_process and remote:
             settled = self._check_writers()
         stats.wait_previous = time.monotonic() - t0
         self.metrics.histogram("elastic_trainer_checkpoint_wait_previous_seconds", stats.wait_previous)
         if not settled:
-            stats.skipped = f"previous save of step {self._inflight.step} still writing after {self.cfg.save_timeout_seconds:.0f}s"
+            stats.skipped = (
+                f"previous save of step {self._inflight.step} still writing after {self.cfg.save_timeout_seconds:.0f}s"
+            )
             logger.error("checkpoint step %d skipped: %s", step, stats.skipped)
             if self.rank == 0:
                 self.events.emit("checkpoint_failed", step=step, error=stats.skipped, seconds=0.0)
@@ -386,8 +439,15 @@ class CheckpointManager:
             return stats
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 1)
         t1 = time.monotonic()
-        extra = {"parent": self._parent, "seq": self._seq, "launch": self._launch_id, "finite": True, "run_identity": self._run_identity,
-                 "state_types": self._state_types, **(meta or {})}
+        extra = {
+            "parent": self._parent,
+            "seq": self._seq,
+            "launch": self._launch_id,
+            "finite": True,
+            "run_identity": self._run_identity,
+            "state_types": self._state_types,
+            **(meta or {}),
+        }
         name = None
         if remote:
             name = layout.next_dir_name(step, self._taken)
@@ -407,11 +467,19 @@ class CheckpointManager:
             save.stagings.append(staging)
             save.written = written
             extra["seq"] = self._seq
-            written.add_done_callback(lambda f, generation=self._generation: self._on_written(save, f, {**extra}, generation))
+            written.add_done_callback(
+                lambda f, generation=self._generation: self._on_written(save, f, {**extra}, generation)
+            )
         if local:
             self._local_saved.add(step)
             # the remote save this state descends from (started above when there is one)
-            local_extra = {**extra, "parent": self._parent, "seq": self._seq, "remote_chain": list(self._chain), "lineage": self._lineage}
+            local_extra = {
+                **extra,
+                "parent": self._parent,
+                "seq": self._seq,
+                "remote_chain": list(self._chain),
+                "lineage": self._lineage,
+            }
             staging, committed = self._start_local(step, local_extra, t1)
             save.stagings.append(staging)
             if remote:
@@ -443,7 +511,9 @@ class CheckpointManager:
     @staticmethod
     def _on_local_only(save: Save, committed: bool) -> None:
         save.staged()
-        save.advance(SaveState.COMMITTED if committed else SaveState.FAILED, error="" if committed else "local copy failed")
+        save.advance(
+            SaveState.COMMITTED if committed else SaveState.FAILED, error="" if committed else "local copy failed"
+        )
 
     def _check_writers(self) -> bool:
         """Process writer, every rank, before a save: agree that every rank's writer process is
@@ -457,7 +527,9 @@ class CheckpointManager:
         why = "still writing past its deadline" if stuck else "a writer process died or failed a save"
         logger.warning("restarting the checkpoint writer processes: %s", why)
         if self.rank == 0:
-            self.events.emit("checkpoint_writer_restarted", reason=why, step=self._inflight.step if self._inflight else None)
+            self.events.emit(
+                "checkpoint_writer_restarted", reason=why, step=self._inflight.step if self._inflight else None
+            )
         self.remote.stop_writers()
         self._writer_failed = False
         # the stopped writer failed that save: wait for it to say so
@@ -474,7 +546,14 @@ class CheckpointManager:
                 exc = f.exception()
                 if exc is not None:
                     raise exc
-                manifest = self.local.commit(epoch, step, mesh_shape=self.mesh_shape, fingerprint=self.fingerprint, torch_version=torch.__version__, extra=extra)
+                manifest = self.local.commit(
+                    epoch,
+                    step,
+                    mesh_shape=self.mesh_shape,
+                    fingerprint=self.fingerprint,
+                    torch_version=torch.__version__,
+                    extra=extra,
+                )
             except BaseException as e:  # noqa: BLE001 - the local tier is best effort; checkpoint.dir is the record
                 logger.warning("local copy of step %d failed on this rank: %s: %s", step, type(e).__name__, e)
                 self.metrics.counter("elastic_trainer_checkpoint_local_save_failures_total")
@@ -482,7 +561,12 @@ class CheckpointManager:
                 return
             self.metrics.counter("elastic_trainer_checkpoint_local_saves_total")
             if self.rank == 0:
-                self.events.emit("checkpoint_local_saved", step=step, bytes=manifest["total_bytes"], seconds=round(time.monotonic() - started, 4))
+                self.events.emit(
+                    "checkpoint_local_saved",
+                    step=step,
+                    bytes=manifest["total_bytes"],
+                    seconds=round(time.monotonic() - started, 4),
+                )
             done.set_result(True)
 
         staging, written = self.local_saver.start(self.states, epoch, step)
@@ -518,8 +602,15 @@ class CheckpointManager:
         """Rank 0, commit thread: prove the save complete and commit it, then retention."""
         faults.maybe_inject("kill_before_commit", save.step)
         try:
-            manifest = self.catalog.commit(save.name, step=save.step, world_size=self.world_size, mesh_shape=self.mesh_shape,
-                                           fingerprint=self.fingerprint, torch_version=torch.__version__, extra=extra)
+            manifest = self.catalog.commit(
+                save.name,
+                step=save.step,
+                world_size=self.world_size,
+                mesh_shape=self.mesh_shape,
+                fingerprint=self.fingerprint,
+                torch_version=torch.__version__,
+                extra=extra,
+            )
         except FencedError as e:
             self._set_fenced(str(e), save.step)
             save.advance(SaveState.FENCED, error=str(e))
@@ -533,8 +624,21 @@ class CheckpointManager:
         with self._lock:
             if generation == self._generation:  # else a load replaced the state since this save began
                 self._last_committed = save.step
-        logger.debug("checkpoint step %d committed: %d bytes in %.2fs (%s)", save.step, manifest["total_bytes"], duration, save.name)
-        self.events.emit("checkpoint_committed", step=save.step, name=save.name, bytes=manifest["total_bytes"], seconds=round(duration, 4), world_size=self.world_size)
+        logger.debug(
+            "checkpoint step %d committed: %d bytes in %.2fs (%s)",
+            save.step,
+            manifest["total_bytes"],
+            duration,
+            save.name,
+        )
+        self.events.emit(
+            "checkpoint_committed",
+            step=save.step,
+            name=save.name,
+            bytes=manifest["total_bytes"],
+            seconds=round(duration, 4),
+            world_size=self.world_size,
+        )
         self.metrics.histogram("elastic_trainer_checkpoint_save_duration_seconds", duration)
         self.metrics.counter("elastic_trainer_checkpoint_written_bytes_total", manifest["total_bytes"])
         self.metrics.gauge("elastic_trainer_checkpoint_last_committed_step", save.step)
@@ -549,7 +653,9 @@ class CheckpointManager:
 
     def _report_failure(self, save: Save, error: str) -> None:
         logger.error("checkpoint step %d failed, not committed: %s", save.step, error)
-        self.events.emit("checkpoint_failed", step=save.step, error=error[:2000], seconds=round(time.monotonic() - save.started, 4))
+        self.events.emit(
+            "checkpoint_failed", step=save.step, error=error[:2000], seconds=round(time.monotonic() - save.started, 4)
+        )
         self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
 
     # ------------------------------------------------------------------ waiting

@@ -70,8 +70,17 @@ class LocalLoad(enum.Enum):
     FAILED = "a copy failed to load"
 
 
-def decide(cat: Catalog, states: dict[str, Stateful], world_size: int, resume: str, exclude: frozenset[str], *, clean: bool,
-           launch_id: str, events: EventLog) -> Decision:
+def decide(
+    cat: Catalog,
+    states: dict[str, Stateful],
+    world_size: int,
+    resume: str,
+    exclude: frozenset[str],
+    *,
+    clean: bool,
+    launch_id: str,
+    events: EventLog,
+) -> Decision:
     """Rank 0: plan the load for ``resume`` (``latest``, ``none`` or a step), past the names in
     ``exclude`` (failed in this start). Never raises (the answer is broadcast to every rank).
     ``clean``: remove uncommitted directories (at a process's first load only: a later one, a
@@ -92,7 +101,9 @@ def decide(cat: Catalog, states: dict[str, Stateful], world_size: int, resume: s
                 logger.warning("could not quarantine %s: %s", name, e)
         if resume not in ("latest", "none") and plan.first_start and plan.chosen is None:
             reason = plan.skipped[0][1] if plan.skipped else "not found"
-            return Decision(CheckpointError, f"checkpoint.resume={resume}: checkpoint step {resume} is unusable: {reason}")
+            return Decision(
+                CheckpointError, f"checkpoint.resume={resume}: checkpoint step {resume} is unusable: {reason}"
+            )
         stop = plan.stop_reason()
         if plan.incompatible is not None:
             events.emit("checkpoint_incompatible", name=plan.incompatible[0], reason=plan.incompatible[1])
@@ -104,8 +115,14 @@ def decide(cat: Catalog, states: dict[str, Stateful], world_size: int, resume: s
             cat.clean_uncommitted(frozenset({plan.chosen.name}) if plan.chosen else frozenset())
             if plan.first_start:
                 cat.record_base(plan.chosen.name if plan.chosen else None)
-        out = Decision(skipped=plan.skipped, taken=sorted(c.name for c in cat.scan()), first_start=plan.first_start,
-                       epoch=cat.epoch or "", lineage=uuid.uuid4().hex[:12])  # lineage: names the local copies this start writes
+        out = Decision(
+            skipped=plan.skipped,
+            taken=sorted(c.name for c in cat.scan()),
+            first_start=plan.first_start,
+            # lineage: names the local copies this start writes
+            epoch=cat.epoch or "",
+            lineage=uuid.uuid4().hex[:12],
+        )
         if plan.chosen is None:
             return out
         out.chosen, out.manifest = plan.chosen.name, plan.chosen.manifest
@@ -116,7 +133,9 @@ def decide(cat: Catalog, states: dict[str, Stateful], world_size: int, resume: s
             return out
         report = compat.check(states, metadata, out.manifest, world_size)
         if not report.ok:
-            events.emit("checkpoint_incompatible", step=plan.chosen.step, name=plan.chosen.name, problems=report.problems)
+            events.emit(
+                "checkpoint_incompatible", step=plan.chosen.step, name=plan.chosen.name, problems=report.problems
+            )
             return Decision(CheckpointIncompatibleError, report.message(plan.chosen.name))
         out.added, out.ignored, out.absent = report.added, report.ignored, list(report.absent)
         return out
@@ -130,13 +149,23 @@ def report_evolution(events: EventLog, name: str, step: int, decision: Decision)
     """Rank 0: events for state the load left as initialised or did not load (on purpose)."""
     if decision.added:
         events.emit("state_added", step=step, name=name, keys=decision.added[:100])
-        logger.warning("checkpoint %s has no %s: left as initialised (optional_on_load)", name, ", ".join(decision.added[:10]))
+        logger.warning(
+            "checkpoint %s has no %s: left as initialised (optional_on_load)", name, ", ".join(decision.added[:10])
+        )
     if decision.ignored:
         events.emit("state_ignored", step=step, name=name, keys=decision.ignored)
-        logger.warning("checkpoint %s holds %s, which this code does not register: not loaded", name, ", ".join(decision.ignored))
+        logger.warning(
+            "checkpoint %s holds %s, which this code does not register: not loaded", name, ", ".join(decision.ignored)
+        )
 
 
-def load_remote(states: dict[str, Stateful], storage: Storage, group: dist.ProcessGroup | None, agreement: Agreement, decision: Decision) -> str | None:
+def load_remote(
+    states: dict[str, Stateful],
+    storage: Storage,
+    group: dist.ProcessGroup | None,
+    agreement: Agreement,
+    decision: Decision,
+) -> str | None:
     """Every rank: load the chosen checkpoint from checkpoint.dir, except the optional Statefuls
     it holds nothing of (left as initialised). None when every rank loaded it; else the
     integrity problem (agreed: quarantine it). Raises CheckpointIncompatibleError (agreed) when
@@ -160,6 +189,7 @@ def load_remote(states: dict[str, Stateful], storage: Storage, group: dist.Proce
     if bad:
         return bad[0][1]
     raise CheckpointIncompatibleError(
-        f"checkpoint {name} is intact but this code could not load it: {views[0][1]} (nothing was quarantined or changed; "
-        "register the same state as the run that wrote it, or start a new run: another checkpoint.dir, or checkpoint.resume = \"none\")"
+        f"checkpoint {name} is intact but this code could not load it: {views[0][1]} "
+        "(nothing was quarantined or changed; register the same state as the run that wrote it, "
+        'or start a new run: another checkpoint.dir, or checkpoint.resume = "none")'
     )

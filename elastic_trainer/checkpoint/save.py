@@ -52,7 +52,9 @@ class SaveState(enum.Enum):
 _TERMINAL = frozenset({SaveState.COMMITTED, SaveState.WRITTEN, SaveState.FAILED, SaveState.FENCED, SaveState.ABANDONED})
 _MOVES: dict[SaveState, frozenset[SaveState]] = {
     SaveState.STAGING: frozenset({SaveState.WRITING, SaveState.FAILED, SaveState.ABANDONED}),
-    SaveState.WRITING: frozenset({SaveState.COMMITTING, SaveState.WRITTEN, SaveState.COMMITTED, SaveState.FAILED, SaveState.ABANDONED}),
+    SaveState.WRITING: frozenset(
+        {SaveState.COMMITTING, SaveState.WRITTEN, SaveState.COMMITTED, SaveState.FAILED, SaveState.ABANDONED}
+    ),
     SaveState.COMMITTING: frozenset({SaveState.COMMITTED, SaveState.FAILED, SaveState.FENCED}),
 }
 
@@ -92,7 +94,9 @@ class Save:
     def writing(self) -> bool:
         """This rank's bytes are still being staged or written (rank-local)."""
         with self._cond:
-            return self._state in (SaveState.STAGING, SaveState.WRITING) or (self.local is not None and not self.local.done())
+            return self._state in (SaveState.STAGING, SaveState.WRITING) or (
+                self.local is not None and not self.local.done()
+            )
 
     def _settled(self) -> bool:
         return self._state.terminal and (self.local is None or self.local.done())

@@ -15,6 +15,7 @@ raises: a save that cannot start is a ``written`` future that failed.
 from __future__ import annotations
 
 from concurrent.futures import Future
+
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -33,7 +34,9 @@ def staging_options(*, cuda: bool, shared_memory: bool):
     the writer process as handles instead of being copied on every save (on CUDA: pinned too)."""
     from torch.distributed.checkpoint.staging import StagingOptions
 
-    return StagingOptions(use_pinned_memory=cuda, use_shared_memory=shared_memory, use_async_staging=True, use_non_blocking_copy=cuda)
+    return StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=shared_memory, use_async_staging=True, use_non_blocking_copy=cuda
+    )
 
 
 def _failed(e: BaseException) -> tuple[None, Future]:
@@ -67,8 +70,16 @@ class RemoteSaver:
     (sync / async); ``writer``: ``checkpoint.writer`` (thread / process); ``upload_nice``: the
     CPU niceness of the writing thread (never the training thread)."""
 
-    def __init__(self, storage: Storage, group: dist.ProcessGroup | None, *, mode: str = "async", writer: str = "thread",
-                 cuda_staging: bool = False, upload_nice: int = 0):
+    def __init__(
+        self,
+        storage: Storage,
+        group: dist.ProcessGroup | None,
+        *,
+        mode: str = "async",
+        writer: str = "thread",
+        cuda_staging: bool = False,
+        upload_nice: int = 0,
+    ):
         if writer not in ("thread", "process"):
             raise ValueError(f"checkpoint.writer: expected thread or process, got {writer!r}")
         self.storage = storage
@@ -93,8 +104,14 @@ class RemoteSaver:
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
             kind = AsyncCheckpointerType.PROCESS if self.uses_writer_process else AsyncCheckpointerType.THREAD
-            resp = dcp.async_save(states, storage_writer=writer, process_group=self.group, async_stager=self._stager.get(),
-                                  async_checkpointer_type=kind, planner=planner)
+            resp = dcp.async_save(
+                states,
+                storage_writer=writer,
+                process_group=self.group,
+                async_stager=self._stager.get(),
+                async_checkpointer_type=kind,
+                planner=planner,
+            )
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a save that cannot start is a failed save
             return _failed(e)
         return getattr(resp, "staging_completion", None), getattr(resp, "upload_completion", resp)

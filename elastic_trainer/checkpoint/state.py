@@ -126,7 +126,9 @@ class NamedStates(Stateful):
 def check_state_name(name: str) -> None:
     """A checkpoint key of the user's: DCP joins nested keys with dots, so a name must not hold one."""
     if not isinstance(name, str) or not name or "." in name:
-        raise ValueError(f"state name {name!r}: a non-empty string without '.' is required (DCP joins nested keys with dots)")
+        raise ValueError(
+            f"state name {name!r}: a non-empty string without '.' is required (DCP joins nested keys with dots)"
+        )
 
 
 def per_rank_key(rank: int, world_size: int) -> str:
@@ -243,7 +245,9 @@ class TrainState(Stateful):
     skipped: list[list[int]] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {k: torch.tensor(getattr(self, k), dtype=torch.int64) for k in ("step", "tokens_seen", "cursor")}
+        out: dict[str, Any] = {
+            k: torch.tensor(getattr(self, k), dtype=torch.int64) for k in ("step", "tokens_seen", "cursor")
+        }
         out["skipped"] = json.dumps(self.skipped)
         return out
 
@@ -305,7 +309,9 @@ class RNGState(Stateful):
 
     def reseed(self, seed: int, step: int) -> int:
         """Seed the CPU and every CUDA generator of this rank from (seed, rank, step). Returns the seed."""
-        derived = int.from_bytes(hashlib.sha256(f"{seed}:{self.rank}:{step}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+        derived = int.from_bytes(hashlib.sha256(f"{seed}:{self.rank}:{step}".encode()).digest()[:8], "little") & (
+            (1 << 63) - 1
+        )
         torch.manual_seed(derived)  # also seeds every CUDA device
         return derived
 

@@ -68,7 +68,9 @@ def release(uri: str, step: int, endpoint_url: str = "") -> tuple[str, dict[str,
     """Lift the quarantine of the newest quarantined directory of ``step`` after re-verifying
     every byte of it (:meth:`Catalog.release`). Returns (name, the lifted marker)."""
     catalog = Catalog(open_storage(uri, endpoint_url))
-    mine = sorted((c for c in catalog.scan() if c.step == step and c.quarantine is not None), key=lambda c: c.gen, reverse=True)
+    mine = sorted(
+        (c for c in catalog.scan() if c.step == step and c.quarantine is not None), key=lambda c: c.gen, reverse=True
+    )
     if not mine:
         raise CheckpointError(f"no quarantined checkpoint of step {step} under {uri}")
     return mine[0].name, catalog.release(mine[0].name)
@@ -92,7 +94,9 @@ def _pick(uri: str, step: int | None, endpoint_url: str):
         if problem is None:
             return catalog, c
         problems.append(f"{c.name}: {problem}")
-    raise CheckpointError(f"checkpoint of step {step} under {uri} is unusable ({'; '.join(problems)}): refused before reading it")
+    raise CheckpointError(
+        f"checkpoint of step {step} under {uri} is unusable ({'; '.join(problems)}): refused before reading it"
+    )
 
 
 def inspect_checkpoint(uri: str, step: int | None = None, endpoint_url: str = "") -> dict[str, Any]:
@@ -103,13 +107,19 @@ def inspect_checkpoint(uri: str, step: int | None = None, endpoint_url: str = ""
     tensors = {}
     for key, m in sorted(meta.state_dict_metadata.items()):
         if isinstance(m, TensorStorageMetadata):
-            tensors[key] = {"shape": list(m.size), "dtype": str(m.properties.dtype).replace("torch.", ""), "chunks": len(m.chunks)}
+            tensors[key] = {
+                "shape": list(m.size),
+                "dtype": str(m.properties.dtype).replace("torch.", ""),
+                "chunks": len(m.chunks),
+            }
         elif isinstance(m, BytesStorageMetadata):
             tensors[key] = {"bytes_object": True}
     return {"step": c.step, "name": c.name, "manifest": c.manifest, "files": c.files, "entries": tensors}
 
 
-def load_model_weights(uri: str, step: int | None = None, endpoint_url: str = "") -> tuple[int, dict[str, torch.Tensor]]:
+def load_model_weights(
+    uri: str, step: int | None = None, endpoint_url: str = ""
+) -> tuple[int, dict[str, torch.Tensor]]:
     """Consolidated (unsharded) model weights of a checkpoint, in this process, no process group."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -122,11 +132,19 @@ def load_model_weights(uri: str, step: int | None = None, endpoint_url: str = ""
     return step, {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
 
 
-def export_safetensors(uri: str, out: str, step: int | None = None, dtype: str = "fp32", endpoint_url: str = "") -> dict[str, Any]:
+def export_safetensors(
+    uri: str, out: str, step: int | None = None, dtype: str = "fp32", endpoint_url: str = ""
+) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     step, weights = load_model_weights(uri, step, endpoint_url)
     target = torch.bfloat16 if dtype == "bf16" else torch.float32
     tensors = {k: (v.to(target) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
     save_file(tensors, out, metadata={"step": str(step), "source": uri, "format": "pt"})
-    return {"step": step, "out": out, "tensors": len(tensors), "dtype": dtype, "parameters": sum(v.numel() for v in tensors.values())}
+    return {
+        "step": step,
+        "out": out,
+        "tensors": len(tensors),
+        "dtype": dtype,
+        "parameters": sum(v.numel() for v in tensors.values()),
+    }

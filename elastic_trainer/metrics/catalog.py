@@ -76,24 +76,62 @@ CATALOG: tuple[Metric, ...] = (
     _g("elastic_trainer_train_loss", "Training loss of the last step (mean over the global batch)."),
     _g("elastic_trainer_train_learning_rate", "Learning rate used by the last step."),
     _g("elastic_trainer_train_grad_norm", "Global gradient norm of the last step, before clipping."),
-    _c("elastic_trainer_train_nonfinite_events_total", "Steps whose loss or global gradient norm was non-finite (the optimizer step was not taken)."),
+    _c(
+        "elastic_trainer_train_nonfinite_events_total",
+        "Steps whose loss or global gradient norm was non-finite (the optimizer step was not taken).",
+    ),
     _g("elastic_trainer_train_tokens_per_second", "Tokens per second of the last step (whole job)."),
     _h("elastic_trainer_train_step_duration_seconds", "Wall time of one training step.", _FAST),
-    _c("elastic_trainer_train_samples_total", "Samples (sequences) trained on, including steps redone after a restart."),
+    _c(
+        "elastic_trainer_train_samples_total", "Samples (sequences) trained on, including steps redone after a restart."
+    ),
     _c("elastic_trainer_train_tokens_total", "Target tokens trained on, including steps redone after a restart."),
     # checkpoint
-    _h("elastic_trainer_checkpoint_stall_seconds", "Time a checkpoint save blocked training (waiting for the previous save, the save call and staging).", _STALL),
-    _h("elastic_trainer_checkpoint_wait_previous_seconds", "Time a save waited for the previous save to finish.", _STALL),
-    _h("elastic_trainer_checkpoint_save_duration_seconds", "Time from starting an (asynchronous) save to its commit.", _SLOW),
-    _h("elastic_trainer_checkpoint_resume_load_seconds", "Time to load the checkpoint a worker group resumed from.", _SLOW),
+    _h(
+        "elastic_trainer_checkpoint_stall_seconds",
+        "Time a checkpoint save blocked training (waiting for the previous save, the save call and staging).",
+        _STALL,
+    ),
+    _h(
+        "elastic_trainer_checkpoint_wait_previous_seconds",
+        "Time a save waited for the previous save to finish.",
+        _STALL,
+    ),
+    _h(
+        "elastic_trainer_checkpoint_save_duration_seconds",
+        "Time from starting an (asynchronous) save to its commit.",
+        _SLOW,
+    ),
+    _h(
+        "elastic_trainer_checkpoint_resume_load_seconds",
+        "Time to load the checkpoint a worker group resumed from.",
+        _SLOW,
+    ),
     _c("elastic_trainer_checkpoint_written_bytes_total", "Bytes of committed checkpoints."),
     _c("elastic_trainer_checkpoint_save_failures_total", "Checkpoint saves that failed and were not committed."),
     _g("elastic_trainer_checkpoint_last_committed_step", "Step of the last committed checkpoint.", mode="mostrecent"),
-    _g("elastic_trainer_checkpoint_last_commit_timestamp_seconds", "Unix time of the last checkpoint commit.", mode="mostrecent"),
+    _g(
+        "elastic_trainer_checkpoint_last_commit_timestamp_seconds",
+        "Unix time of the last checkpoint commit.",
+        mode="mostrecent",
+    ),
     _g("elastic_trainer_checkpoint_saves_in_flight", "Checkpoint saves started and not yet finished (0 or 1)."),
-    _c("elastic_trainer_checkpoint_local_saves_total", "Local-tier copies (checkpoint.local_dir) a rank wrote and committed.", scope="rank", labels=("rank",)),
-    _c("elastic_trainer_checkpoint_local_save_failures_total", "Local-tier copies that failed on a rank (checkpoint.dir is unaffected).", scope="rank", labels=("rank",)),
-    _c("elastic_trainer_checkpoint_local_resumes_total", "Resumes that loaded every rank's local-tier copy instead of checkpoint.dir."),
+    _c(
+        "elastic_trainer_checkpoint_local_saves_total",
+        "Local-tier copies (checkpoint.local_dir) a rank wrote and committed.",
+        scope="rank",
+        labels=("rank",),
+    ),
+    _c(
+        "elastic_trainer_checkpoint_local_save_failures_total",
+        "Local-tier copies that failed on a rank (checkpoint.dir is unaffected).",
+        scope="rank",
+        labels=("rank",),
+    ),
+    _c(
+        "elastic_trainer_checkpoint_local_resumes_total",
+        "Resumes that loaded every rank's local-tier copy instead of checkpoint.dir.",
+    ),
     # elasticity
     _g("elastic_trainer_world_size", "Number of worker processes in the current worker group."),
     _g(
@@ -103,8 +141,16 @@ CATALOG: tuple[Metric, ...] = (
         scope="supervisor",
     ),
     _c("elastic_trainer_reshard_events_total", "Resumes from a checkpoint saved at a different world size."),
-    _c("elastic_trainer_restarts_total", "Worker-group restarts by this node's supervisor (failures and membership changes).", scope="supervisor"),
-    _c("elastic_trainer_rendezvous_rounds_total", "Completed rendezvous rounds on this node (the first one included).", scope="supervisor"),
+    _c(
+        "elastic_trainer_restarts_total",
+        "Worker-group restarts by this node's supervisor (failures and membership changes).",
+        scope="supervisor",
+    ),
+    _c(
+        "elastic_trainer_rendezvous_rounds_total",
+        "Completed rendezvous rounds on this node (the first one included).",
+        scope="supervisor",
+    ),
     _h(
         "elastic_trainer_recovery_seconds",
         "Time from detecting a failure or membership change to the new worker group being started "
@@ -112,17 +158,30 @@ CATALOG: tuple[Metric, ...] = (
         _RECOVERY,
         scope="supervisor",
     ),
-    _c("elastic_trainer_hang_detections_total", "Workers killed by the hang watchdog (elastic.hang_timeout_seconds).", scope="supervisor"),
+    _c(
+        "elastic_trainer_hang_detections_total",
+        "Workers killed by the hang watchdog (elastic.hang_timeout_seconds).",
+        scope="supervisor",
+    ),
     # goodput (the supervisor's live ledger of events.jsonl; same accounting as `elastic-trainer report`)
     _g(
         "elastic_trainer_wall_seconds",
         "Wall time of the run so far (its whole event log, across restarts and relaunches), split by category: "
-        "productive, recompute, restart, rendezvous, startup, " "checkpoint_load, checkpoint_stall, preemption_save, idle.",
+        "productive, recompute, restart, rendezvous, startup, "
+        "checkpoint_load, checkpoint_stall, preemption_save, idle.",
         scope="supervisor",
         labels=("category",),
     ),
-    _g("elastic_trainer_goodput_ratio", "Productive step time / wall time over the whole run so far.", scope="supervisor"),
-    _g("elastic_trainer_goodput_recent_ratio", "Productive step time / wall time over the last 10 minutes.", scope="supervisor"),
+    _g(
+        "elastic_trainer_goodput_ratio",
+        "Productive step time / wall time over the whole run so far.",
+        scope="supervisor",
+    ),
+    _g(
+        "elastic_trainer_goodput_recent_ratio",
+        "Productive step time / wall time over the last 10 minutes.",
+        scope="supervisor",
+    ),
     # stragglers
     _c(
         "elastic_trainer_rank_compute_seconds_total",
@@ -137,17 +196,42 @@ CATALOG: tuple[Metric, ...] = (
         scope="rank",
         labels=("rank",),
     ),
-    _c("elastic_trainer_rank_steps_total", "Training steps run by a rank (divides the two above into per-step times).", scope="rank", labels=("rank",)),
+    _c(
+        "elastic_trainer_rank_steps_total",
+        "Training steps run by a rank (divides the two above into per-step times).",
+        scope="rank",
+        labels=("rank",),
+    ),
     # build and configuration
-    _g("elastic_trainer_build_info", "Always 1; labels name the elastic_trainer and torch versions.", scope="supervisor", labels=("version", "torch_version")),
+    _g(
+        "elastic_trainer_build_info",
+        "Always 1; labels name the elastic_trainer and torch versions.",
+        scope="supervisor",
+        labels=("version", "torch_version"),
+    ),
     _g(
         "elastic_trainer_checkpoint_interval_steps",
-        "Checkpoint interval in steps in force (fixed, or chosen by checkpoint.interval_steps = \"auto\").",
+        'Checkpoint interval in steps in force (fixed, or chosen by checkpoint.interval_steps = "auto").',
     ),
     # process
-    _g("elastic_trainer_process_resident_memory_bytes", "Resident memory of a worker process.", scope="rank", labels=("rank",)),
-    _g("elastic_trainer_process_cuda_memory_allocated_bytes", "CUDA memory allocated by tensors of a worker process.", scope="rank", labels=("rank",)),
-    _g("elastic_trainer_process_cuda_memory_reserved_bytes", "CUDA memory reserved by the caching allocator of a worker process.", scope="rank", labels=("rank",)),
+    _g(
+        "elastic_trainer_process_resident_memory_bytes",
+        "Resident memory of a worker process.",
+        scope="rank",
+        labels=("rank",),
+    ),
+    _g(
+        "elastic_trainer_process_cuda_memory_allocated_bytes",
+        "CUDA memory allocated by tensors of a worker process.",
+        scope="rank",
+        labels=("rank",),
+    ),
+    _g(
+        "elastic_trainer_process_cuda_memory_reserved_bytes",
+        "CUDA memory reserved by the caching allocator of a worker process.",
+        scope="rank",
+        labels=("rank",),
+    ),
 )
 
 METRICS: dict[str, Metric] = {m.name: m for m in CATALOG}

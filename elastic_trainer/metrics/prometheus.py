@@ -52,7 +52,9 @@ class PrometheusSink:
     silently: e.g. job-wide metrics on ranks other than 0); fills the ``rank`` label itself.
     Thread-safe (the checkpoint commit thread records from the background)."""
 
-    def __init__(self, scopes: frozenset[str], rank: int | None = None, metrics: dict[str, Metric] | None = None, run: str = ""):
+    def __init__(
+        self, scopes: frozenset[str], rank: int | None = None, metrics: dict[str, Metric] | None = None, run: str = ""
+    ):
         self._scopes = scopes
         self._labels = {"rank": str(rank)} if rank is not None else {}
         self._run = run
@@ -108,7 +110,11 @@ class PrometheusSink:
         """Create every in-scope counter and histogram at zero, so that their series exist
         (``increase()``/alerts see 0, not "no data") before the first event."""
         for spec in self._catalog.values():
-            if spec.scope in self._scopes and spec.type in (COUNTER, HISTOGRAM) and set(spec.labels) <= set(self._labels):
+            if (
+                spec.scope in self._scopes
+                and spec.type in (COUNTER, HISTOGRAM)
+                and set(spec.labels) <= set(self._labels)
+            ):
                 self._child(spec.name, spec.type)
 
 
@@ -193,7 +199,9 @@ class NodeCollector:
 class SupervisorExporter:
     """The node's HTTP endpoint plus the supervisor's own sink. ``stop()`` is idempotent."""
 
-    def __init__(self, path: str, sink: MetricsSink, registry, httpd=None, thread=None, collector: NodeCollector | None = None):
+    def __init__(
+        self, path: str, sink: MetricsSink, registry, httpd=None, thread=None, collector: NodeCollector | None = None
+    ):
         self.path = path
         self.sink = sink
         self.registry = registry

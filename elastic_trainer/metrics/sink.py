@@ -10,8 +10,6 @@ class MetricsSink(Protocol):
     def gauge(self, name: str, value: float, labels: dict[str, str] | None = None) -> None:
         """``labels``: the catalogue labels of ``name`` other than ``rank`` (which the sink fills)."""
 
-
-
     def counter(self, name: str, amount: float = 1.0) -> None: ...
 
     def histogram(self, name: str, value: float) -> None: ...

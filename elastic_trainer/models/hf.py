@@ -48,7 +48,10 @@ def _require_transformers(key: str = "model.factory"):
     try:
         import transformers
     except ImportError:
-        raise ConfigError(key, f"{FACTORY} needs transformers: install the hf extra: pip install -e '.[hf]' in the elastic-trainer clone") from None
+        raise ConfigError(
+            key,
+            f"{FACTORY} needs transformers: install the hf extra: pip install -e '.[hf]' in the elastic-trainer clone",
+        ) from None
     return transformers
 
 
@@ -90,10 +93,16 @@ def causal_lm(cfg: ModelConfig) -> ModelSpec:
     transformers = _require_transformers()
     hf = load_hf_config(cfg.hf_config)
     if getattr(hf, "vocab_size", None) != cfg.vocab_size:
-        raise ConfigError("model.vocab_size", f"is {cfg.vocab_size} but {config_json_path(cfg.hf_config)} has " f"vocab_size={getattr(hf, 'vocab_size', None)}: set them equal")
+        raise ConfigError(
+            "model.vocab_size",
+            f"is {cfg.vocab_size} but {config_json_path(cfg.hf_config)} has "
+            f"vocab_size={getattr(hf, 'vocab_size', None)}: set them equal",
+        )
     max_pos = getattr(hf, "max_position_embeddings", None)
     if max_pos is not None and cfg.seq_len > max_pos:
-        raise ConfigError("model.seq_len", f"{cfg.seq_len} is longer than max_position_embeddings={max_pos} in {cfg.hf_config}")
+        raise ConfigError(
+            "model.seq_len", f"{cfg.seq_len} is longer than max_position_embeddings={max_pos} in {cfg.hf_config}"
+        )
     hf.use_cache = False
     kwargs = _dtype_kwargs(transformers)
     try:
@@ -119,7 +128,12 @@ def _std(config) -> float:
 
 def _is_norm(module: nn.Module) -> bool:
     name = type(module).__name__
-    return isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "LayerNorm" in name or "RMSNorm" in name or name.endswith("Norm")
+    return (
+        isinstance(module, (nn.LayerNorm, nn.GroupNorm))
+        or "LayerNorm" in name
+        or "RMSNorm" in name
+        or name.endswith("Norm")
+    )
 
 
 def hf_init_param(model: nn.Module) -> InitFn:

@@ -81,7 +81,9 @@ def hf_config_and_weights(weights: dict[str, torch.Tensor], model: ModelConfig) 
     if not model.factory:
         return gpt2_config(model), demo_to_gpt2(weights)
     if model.factory != FACTORY:
-        raise ConfigError("model.factory", f"HF export supports {FACTORY!r} models and the demo GPT, not {model.factory!r}")
+        raise ConfigError(
+            "model.factory", f"HF export supports {FACTORY!r} models and the demo GPT, not {model.factory!r}"
+        )
     config = load_hf_config(model.hf_config)
     transformers = _require_transformers()
     if not getattr(config, "architectures", None):
@@ -92,7 +94,13 @@ def hf_config_and_weights(weights: dict[str, torch.Tensor], model: ModelConfig) 
     return config, weights
 
 
-def write_hf_folder(weights: dict[str, torch.Tensor], model: ModelConfig, out_dir: str, dtype: str = "fp32", metadata: dict[str, str] | None = None) -> dict[str, Any]:
+def write_hf_folder(
+    weights: dict[str, torch.Tensor],
+    model: ModelConfig,
+    out_dir: str,
+    dtype: str = "fp32",
+    metadata: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Write ``out_dir/config.json`` and ``out_dir/model.safetensors``."""
     from safetensors.torch import save_file
 
@@ -103,10 +111,18 @@ def write_hf_folder(weights: dict[str, torch.Tensor], model: ModelConfig, out_di
     os.makedirs(out_dir, exist_ok=True)
     config.save_pretrained(out_dir)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt", **(metadata or {})})
-    return {"out": out_dir, "architecture": config.architectures[0], "tensors": len(tensors), "dtype": dtype, "parameters": sum(v.numel() for v in tensors.values())}
+    return {
+        "out": out_dir,
+        "architecture": config.architectures[0],
+        "tensors": len(tensors),
+        "dtype": dtype,
+        "parameters": sum(v.numel() for v in tensors.values()),
+    }
 
 
-def export_hf(uri: str, out_dir: str, model: ModelConfig, step: int | None = None, dtype: str = "fp32", endpoint_url: str = "") -> dict[str, Any]:
+def export_hf(
+    uri: str, out_dir: str, model: ModelConfig, step: int | None = None, dtype: str = "fp32", endpoint_url: str = ""
+) -> dict[str, Any]:
     """Consolidate the checkpoint of ``step`` (default: latest committed) under ``uri`` into an HF folder."""
     from ..checkpoint.tools import load_model_weights
 

@@ -35,12 +35,16 @@ def safetensors_files(path: str, key: str = KEY) -> list[str]:
     """The ``.safetensors`` files ``path`` names (the file, or every one in the folder)."""
     if os.path.isfile(path):
         if not path.endswith(SUFFIX):
-            raise ConfigError(key, f"{path} is not a {SUFFIX} file (give the file or a Hugging Face folder holding {SUFFIX} files)")
+            raise ConfigError(
+                key, f"{path} is not a {SUFFIX} file (give the file or a Hugging Face folder holding {SUFFIX} files)"
+            )
         return [os.path.abspath(path)]
     if os.path.isdir(path):
         files = sorted(glob.glob(os.path.join(os.path.abspath(path), f"*{SUFFIX}")))
         if not files:
-            raise ConfigError(key, f"no {SUFFIX} files in {path} (only safetensors weights are read; convert pytorch_model.bin first)")
+            raise ConfigError(
+                key, f"no {SUFFIX} files in {path} (only safetensors weights are read; convert pytorch_model.bin first)"
+            )
         return files
     raise ConfigError(key, f"no such file or directory: {path} (nothing is downloaded: give a local folder or file)")
 
@@ -50,7 +54,11 @@ def file_shapes(files: list[str], key: str = KEY) -> dict[str, tuple[int, ...]]:
     try:
         from safetensors import safe_open
     except ImportError:
-        raise ConfigError(key, "reading safetensors needs the safetensors package: " "install the hf extra: pip install -e '.[hf]' in the elastic-trainer clone") from None
+        raise ConfigError(
+            key,
+            "reading safetensors needs the safetensors package: "
+            "install the hf extra: pip install -e '.[hf]' in the elastic-trainer clone",
+        ) from None
     out: dict[str, tuple[int, ...]] = {}
     for f in files:
         try:
@@ -62,7 +70,13 @@ def file_shapes(files: list[str], key: str = KEY) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def plan(params: Mapping[str, tuple[int, ...]], tied: list[list[str]], buffers: Mapping[str, tuple[int, ...]], available: Mapping[str, tuple[int, ...]], key: str = KEY) -> list[str]:
+def plan(
+    params: Mapping[str, tuple[int, ...]],
+    tied: list[list[str]],
+    buffers: Mapping[str, tuple[int, ...]],
+    available: Mapping[str, tuple[int, ...]],
+    key: str = KEY,
+) -> list[str]:
     """Names to load (pure). ``params``: every parameter name (tied ones under each name) ->
     full shape; ``tied``: groups of names sharing one parameter; ``buffers``: persistent
     buffers (loaded when present); ``available``: what the files hold. Every parameter must be
@@ -81,7 +95,11 @@ def plan(params: Mapping[str, tuple[int, ...]], tied: list[list[str]], buffers: 
             names.append(name)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ConfigError(key, f"the pretrained weights have no {', '.join(missing[:5])}{more}: " "they are not for this model (names must match the model's state_dict)")
+        raise ConfigError(
+            key,
+            f"the pretrained weights have no {', '.join(missing[:5])}{more}: "
+            "they are not for this model (names must match the model's state_dict)",
+        )
     if wrong:
         raise ConfigError(key, f"shape mismatch: {'; '.join(wrong[:5])}")
     names += [n for n, shape in buffers.items() if n in available and tuple(available[n]) == tuple(shape)]
@@ -142,5 +160,11 @@ def init_from_pretrained(cfg: ModelConfig, model: nn.Module, events, rank: int) 
     stats = load_pretrained(model, cfg.init_from)
     events.emit("init_from", **stats)
     if rank == 0:
-        logger.info("initialised from %s: %d tensors from %d file(s) in %.2fs", cfg.init_from, stats["tensors"], stats["files"], stats["seconds"])
+        logger.info(
+            "initialised from %s: %d tensors from %d file(s) in %.2fs",
+            cfg.init_from,
+            stats["tensors"],
+            stats["files"],
+            stats["seconds"],
+        )
     return stats

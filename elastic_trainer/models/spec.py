@@ -46,11 +46,32 @@ class ModelSpec:
 
 # Value-filling in-place ops: ``torch.nn.init.*`` and the ``Tensor`` methods they and model
 # ``_init_weights`` hooks call. None changes a tensor's shape, dtype or device.
-_FILL_OPS = frozenset({
-    "normal_", "uniform_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
-    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
-    "fill_", "zero_", "random_", "exponential_", "bernoulli_", "cauchy_", "log_normal_", "geometric_",
-})
+_FILL_OPS = frozenset(
+    {
+        "normal_",
+        "uniform_",
+        "trunc_normal_",
+        "constant_",
+        "ones_",
+        "zeros_",
+        "eye_",
+        "dirac_",
+        "xavier_uniform_",
+        "xavier_normal_",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "orthogonal_",
+        "sparse_",
+        "fill_",
+        "zero_",
+        "random_",
+        "exponential_",
+        "bernoulli_",
+        "cauchy_",
+        "log_normal_",
+        "geometric_",
+    }
+)
 
 
 class _SkipFillOnMeta(torch.overrides.TorchFunctionMode):

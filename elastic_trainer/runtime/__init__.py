@@ -10,4 +10,12 @@ from .sampler import GlobalBatchSampler, MicroBatchIndices
 from .session import PreemptionFlag, Session, init
 from .step import StepContext
 
-__all__ = ["Checkpointer", "GlobalBatchSampler", "MicroBatchIndices", "PreemptionFlag", "Session", "StepContext", "init"]
+__all__ = [
+    "Checkpointer",
+    "GlobalBatchSampler",
+    "MicroBatchIndices",
+    "PreemptionFlag",
+    "Session",
+    "StepContext",
+    "init",
+]

@@ -21,7 +21,8 @@ import logging
 import os
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +31,15 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .. import contract, exit_codes, faults
 from ..checkpoint import cadence
 from ..checkpoint.manager import CheckpointManager, LoadResult, SaveStats
-from ..checkpoint.state import ModelState, NamedStates, OptimizerState, RNGState, SchedulerState, TrainState, check_state_name
+from ..checkpoint.state import (
+    ModelState,
+    NamedStates,
+    OptimizerState,
+    RNGState,
+    SchedulerState,
+    TrainState,
+    check_state_name,
+)
 from ..config import check_run_identity
 from ..storage.fs import open_storage
 from .loop import Accumulator, StepData
@@ -91,11 +100,26 @@ class Checkpointer:
         states["train"] = self.state
         states["rng"] = self.rng
         self.model = model
-        self.optimizers = list(optimizer.values()) if isinstance(optimizer, dict) else [optimizer] if optimizer is not None else []
-        self.schedulers = list(scheduler.values()) if isinstance(scheduler, dict) else [scheduler] if scheduler is not None else []
+        self.optimizers = (
+            list(optimizer.values()) if isinstance(optimizer, dict) else [optimizer] if optimizer is not None else []
+        )
+        self.schedulers = (
+            list(scheduler.values()) if isinstance(scheduler, dict) else [scheduler] if scheduler is not None else []
+        )
         t = cfg.train
-        self.data = None if data is None else StepData(data, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size, seed=t.seed,
-                                                       rank=session.rank, world_size=session.world_size, device=session.device)
+        self.data = (
+            None
+            if data is None
+            else StepData(
+                data,
+                global_batch=t.global_batch_size,
+                micro_batch=t.micro_batch_size,
+                seed=t.seed,
+                rank=session.rank,
+                world_size=session.world_size,
+                device=session.device,
+            )
+        )
         if self.data is not None and self.data.state is not None:
             states["sampler"] = self.data.state
         for name, obj in (extra or {}).items():
@@ -121,7 +145,9 @@ class Checkpointer:
             control_group=None,  # the training group: main-thread agreements never share the checkpoint group
             # The supervisor's epoch is for its checkpoint root; a script that checkpoints
             # elsewhere takes its own (joined by every restart of this launch) at load.
-            epoch=(os.environ.get(contract.CHECKPOINT_EPOCH_ENV) or None) if os.environ.get(contract.CHECKPOINT_ROOT_ENV) == c.dir else None,
+            epoch=(os.environ.get(contract.CHECKPOINT_EPOCH_ENV) or None)
+            if os.environ.get(contract.CHECKPOINT_ROOT_ENV) == c.dir
+            else None,
             launch_id=os.environ.get(contract.RUN_ID_ENV, ""),
             run_identity=self._identity,
         )
@@ -147,19 +173,41 @@ class Checkpointer:
         s = self.session
         self._resumed = True
         restart = int(os.environ.get(contract.RESTART_COUNT_ENV, "0"))
-        s.events.emit("start", world_size=s.world_size, restart_count=restart, rank0_host=os.uname().nodename, pid=os.getpid(), checkpoint_dir=self.storage.describe())
+        s.events.emit(
+            "start",
+            world_size=s.world_size,
+            restart_count=restart,
+            rank0_host=os.uname().nodename,
+            pid=os.getpid(),
+            checkpoint_dir=self.storage.describe(),
+        )
         loaded = self.loaded = self.manager.load()
         if not self.rng.restored:  # a fresh start, or per-rank streams that do not map onto this world size
             self.rng.reseed(s.cfg.train.seed, self.state.step)
-        rng_note = "restored" if self.rng.restored else ("seeded" if loaded is None else "reseeded from (train.seed, rank, step)")
+        rng_note = (
+            "restored"
+            if self.rng.restored
+            else ("seeded" if loaded is None else "reseeded from (train.seed, rank, step)")
+        )
         fields = after_load(loaded) if after_load else {}
-        self.cadence = cadence.from_run(s.cfg.checkpoint, os.path.join(s.cfg.run.dir, contract.EVENTS_FILE), rank=s.rank, start_step=self.state.step,
-                                        now=time.monotonic(), events=s.events, metrics=s.metrics)
+        self.cadence = cadence.from_run(
+            s.cfg.checkpoint,
+            os.path.join(s.cfg.run.dir, contract.EVENTS_FILE),
+            rank=s.rank,
+            start_step=self.state.step,
+            now=time.monotonic(),
+            events=s.events,
+            metrics=s.metrics,
+        )
         if loaded is None:
             return 0
         allowed = check_run_identity(s.cfg, loaded.manifest.get("run_identity") or {}) if self._identity else []
         if allowed and loaded.first_start:
-            s.events.emit("config_changed", step=loaded.step, changes=[{"key": k, "checkpoint": o, "config": n} for k, o, n in allowed])
+            s.events.emit(
+                "config_changed",
+                step=loaded.step,
+                changes=[{"key": k, "checkpoint": o, "config": n} for k, o, n in allowed],
+            )
         saved_world = loaded.manifest.get("world_size")
         s.events.emit(
             "resume",
@@ -175,10 +223,24 @@ class Checkpointer:
             **fields,
         )
         if saved_world != s.world_size:
-            s.events.emit("reshard", step=loaded.step, from_world_size=saved_world, to_world_size=s.world_size, from_mesh=loaded.manifest.get("mesh_shape"), to_mesh=list(s.mesh.shape), rng=rng_note)
+            s.events.emit(
+                "reshard",
+                step=loaded.step,
+                from_world_size=saved_world,
+                to_world_size=s.world_size,
+                from_mesh=loaded.manifest.get("mesh_shape"),
+                to_mesh=list(s.mesh.shape),
+                rng=rng_note,
+            )
             s.metrics.counter("elastic_trainer_reshard_events_total")
         if s.rank == 0:
-            logger.info("resumed from step %d (saved at world %s, now %d) in %.2fs", loaded.step, saved_world, s.world_size, loaded.seconds)
+            logger.info(
+                "resumed from step %d (saved at world %s, now %d) in %.2fs",
+                loaded.step,
+                saved_world,
+                s.world_size,
+                loaded.seconds,
+            )
         return loaded.step
 
     # ------------------------------------------------------------------ the loop
@@ -237,11 +299,16 @@ class Checkpointer:
         global loss."""
         s, acc = self._ctx, self._acc
         if s is None or acc is None:
-            raise RuntimeError("ckpt.optimizer_step() belongs inside 'for step, batch in ckpt.steps(...)', once per step")
+            raise RuntimeError(
+                "ckpt.optimizer_step() belongs inside 'for step, batch in ckpt.steps(...)', once per step"
+            )
         if loss is not None:
             acc.backward(loss)
         if not acc.complete:
-            raise RuntimeError(f"step {s.step}: {len(acc.weights)} micro-batch(es) without a backward pass: call ckpt.backward(loss) for each")
+            raise RuntimeError(
+                f"step {s.step}: {len(acc.weights)} micro-batch(es) without a backward pass: "
+                "call ckpt.backward(loss) for each"
+            )
         clip = self.session.cfg.train.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         if s.check(acc.loss, grad_norm):
@@ -265,7 +332,9 @@ class Checkpointer:
     def record(self, **fields: Any) -> None:
         """Extra fields of the current step's ``step`` event (under :meth:`steps`)."""
         if self._ctx is None:
-            raise RuntimeError("ckpt.record() belongs inside 'for step, batch in ckpt.steps(...)', before optimizer_step()")
+            raise RuntimeError(
+                "ckpt.record() belongs inside 'for step, batch in ckpt.steps(...)', before optimizer_step()"
+            )
         self._ctx.record(**fields)
 
     def request_stop(self) -> None:
@@ -330,7 +399,9 @@ class Checkpointer:
         if final is None or (settled and m.committed_everywhere(final)):
             return exit_codes.OK
         reason = "the save or its commit failed" if settled else "still writing after checkpoint.save_timeout_seconds"
-        logger.error("final checkpoint of step %d not committed (%s); exiting %d", final, reason, exit_codes.FINAL_SAVE_FAILED)
+        logger.error(
+            "final checkpoint of step %d not committed (%s); exiting %d", final, reason, exit_codes.FINAL_SAVE_FAILED
+        )
         s.events.emit("final_checkpoint_failed", step=final, reason=reason, last_committed_step=m.last_committed_step)
         return exit_codes.FINAL_SAVE_FAILED
 
@@ -356,7 +427,12 @@ class Checkpointer:
         if not committed:
             reason = "grace budget exceeded" if time.monotonic() >= deadline else "final checkpoint not committed"
             s.events.emit("preempted", step=done, committed=False, reason=reason)
-            logger.error("preemption checkpoint of step %d not committed (%s); exiting %d", done, reason, exit_codes.PREEMPTED_UNCOMMITTED)
+            logger.error(
+                "preemption checkpoint of step %d not committed (%s); exiting %d",
+                done,
+                reason,
+                exit_codes.PREEMPTED_UNCOMMITTED,
+            )
             return exit_codes.PREEMPTED_UNCOMMITTED
         s.events.emit("preempted", step=done, committed=True, seconds=round(time.monotonic() - started, 3))
         return exit_codes.PREEMPTED
@@ -368,7 +444,9 @@ class Checkpointer:
         logger.error("stopping: %s", reason)
         return exit_codes.FENCED
 
-    def _on_nonfinite(self, step: int, loss: float, grad_norm: float, sampler: Any = None, global_batch_size: int | None = None) -> int | None:
+    def _on_nonfinite(
+        self, step: int, loss: float, grad_norm: float, sampler: Any = None, global_batch_size: int | None = None
+    ) -> int | None:
         """A non-finite loss or gradient norm at ``step`` (agreed by every rank; the optimizer
         step was not taken). ``train.on_nonfinite = stop``: exit 65 (nothing after the last
         finite step is committed). ``rollback``: reload the newest commit of this lineage (a save
@@ -393,7 +471,13 @@ class Checkpointer:
                 else:
                     self.state.skipped.append(sample_range)
                 self._rollback_window_open = True
-                s.events.emit("rollback", from_step=step, to_step=loaded.step, skipped_range=sample_range, skipped_ranges=self.state.skipped)
+                s.events.emit(
+                    "rollback",
+                    from_step=step,
+                    to_step=loaded.step,
+                    skipped_range=sample_range,
+                    skipped_ranges=self.state.skipped,
+                )
                 logger.warning("rolled back to step %d; skipping samples %s", loaded.step, sample_range)
                 return None
             why = "no committed checkpoint to roll back to"
@@ -414,11 +498,18 @@ class Checkpointer:
         self._closed = True
         s = self.session
         if code == exit_codes.OK:
-            s.events.emit("finished", step=self.state.step, tokens_seen=self.state.tokens_seen, last_committed_step=self.manager.last_committed_step)
+            s.events.emit(
+                "finished",
+                step=self.state.step,
+                tokens_seen=self.state.tokens_seen,
+                last_committed_step=self.manager.last_committed_step,
+            )
         elif s.rank == 0:
             os.makedirs(s.cfg.run.dir, exist_ok=True)
             with open(os.path.join(s.cfg.run.dir, contract.PREEMPT_MARKER), "w") as f:
-                json.dump({"step": self.state.step, "exit_code": code, "committed_step": self.manager.last_committed_step}, f)
+                json.dump(
+                    {"step": self.state.step, "exit_code": code, "committed_step": self.manager.last_committed_step}, f
+                )
         self.manager.close(finished=code == exit_codes.OK)
 
     # ------------------------------------------------------------------ the earlier lower-level API
@@ -429,8 +520,12 @@ class Checkpointer:
         old = _EARLIER_API.get(name)
         if old is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        warnings.warn(f"Checkpointer.{name}() is deprecated: after each step, code = ckpt.end_of_step(s, step, total_steps) "
-                      "does fencing, preemption, the non-finite policy, the cadence and the end", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"Checkpointer.{name}() is deprecated: after each step, code = ckpt.end_of_step(s, step, total_steps) "
+            "does fencing, preemption, the non-finite policy, the cadence and the end",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return old.__get__(self)
 
 
@@ -439,7 +534,9 @@ def _due(ck: Checkpointer, step: int, total_steps: int, save_due: bool = False) 
     return ck.cadence.due(step, total_steps) or save_due
 
 
-def _on_nonfinite(ck: Checkpointer, step: int, loss: float, grad_norm: float, global_batch_size: int, sampler: Any = None) -> int | None:
+def _on_nonfinite(
+    ck: Checkpointer, step: int, loss: float, grad_norm: float, global_batch_size: int, sampler: Any = None
+) -> int | None:
     return ck._on_nonfinite(step, loss, grad_norm, sampler, global_batch_size)
 
 

@@ -43,7 +43,17 @@ def to_device(batch: Any, device: torch.device) -> Any:
 class StepData:
     """The batches of each step, with the weight of each micro-batch's loss."""
 
-    def __init__(self, data: Any, *, global_batch: int, micro_batch: int, seed: int, rank: int, world_size: int, device: torch.device):
+    def __init__(
+        self,
+        data: Any,
+        *,
+        global_batch: int,
+        micro_batch: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ):
         from torch.utils.data import DataLoader, IterableDataset
 
         self.device = device
@@ -52,7 +62,9 @@ class StepData:
         if isinstance(data, DataLoader) and isinstance(data.batch_sampler, GlobalBatchSampler):
             self.sampler, self.loader = data.batch_sampler, data
         elif isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
-            self.sampler = GlobalBatchSampler(len(data.dataset), global_batch, micro_batch, seed=seed, rank=rank, world_size=world_size)
+            self.sampler = GlobalBatchSampler(
+                len(data.dataset), global_batch, micro_batch, seed=seed, rank=rank, world_size=world_size
+            )
             self.loader = _rebuilt(data, self.sampler, seed + rank)
         else:
             self.loader = data
@@ -66,7 +78,11 @@ class StepData:
 
         if self.sampler is not None:
             return self.sampler
-        return PerRank(self.loader) if hasattr(self.loader, "state_dict") and hasattr(self.loader, "load_state_dict") else None
+        return (
+            PerRank(self.loader)
+            if hasattr(self.loader, "state_dict") and hasattr(self.loader, "load_state_dict")
+            else None
+        )
 
     def restart(self) -> None:
         """Read again from the (restored or rolled back) data state. Dropping the iterator ends its
@@ -92,9 +108,15 @@ def _rebuilt(loader, sampler: GlobalBatchSampler, seed: int):
 
     generator = loader.generator if loader.generator is not None else torch.Generator().manual_seed(seed)
     kw: dict[str, Any] = {
-        "num_workers": loader.num_workers, "collate_fn": loader.collate_fn, "pin_memory": loader.pin_memory, "timeout": loader.timeout,
-        "worker_init_fn": WorkerInit(loader.worker_init_fn), "multiprocessing_context": loader.multiprocessing_context, "generator": generator,
-        "persistent_workers": loader.persistent_workers, "pin_memory_device": loader.pin_memory_device,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": WorkerInit(loader.worker_init_fn),
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": generator,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
     }
     if loader.num_workers:
         kw["prefetch_factor"] = loader.prefetch_factor
@@ -133,7 +155,9 @@ class Accumulator:
 
     def backward(self, loss: torch.Tensor) -> None:
         if not self.weights:
-            raise RuntimeError("more backward passes than micro-batches in this step: one ckpt.backward(loss) per micro-batch")
+            raise RuntimeError(
+                "more backward passes than micro-batches in this step: one ckpt.backward(loss) per micro-batch"
+            )
         w = self.weights.popleft()
         (loss * w).backward()
         self.loss += loss.detach().to(torch.float64) * w

@@ -35,7 +35,6 @@ def micro_steps(global_batch: int, world: int, micro_batch: int) -> int:
     return -(-most // micro_batch)
 
 
-
 class GlobalOrder:
     """Deterministic global order of sample ids, a function of (seed, position) only."""
 
@@ -52,8 +51,6 @@ class GlobalOrder:
             self._perm = torch.randperm(self.n, generator=g)
             self._epoch = epoch
         return int(self._perm[offset])
-
-
 
 
 @dataclass(frozen=True)
@@ -78,7 +75,9 @@ class GlobalBatchSampler(Stateful):
     ``sampler.advance()`` after the optimizer step. Either way normalise the loss by the *global*
     number of counted samples or tokens so the loss is independent of the world size."""
 
-    def __init__(self, dataset_len: int, global_batch_size: int, micro_batch_size: int, *, seed: int, rank: int, world_size: int):
+    def __init__(
+        self, dataset_len: int, global_batch_size: int, micro_batch_size: int, *, seed: int, rank: int, world_size: int
+    ):
         if dataset_len < 1:
             raise ValueError(f"dataset_len must be >= 1, got {dataset_len}")
         if global_batch_size < world_size:

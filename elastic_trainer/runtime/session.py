@@ -35,6 +35,7 @@ from ..metrics.sink import MetricsSink
 
 logger = logging.getLogger(__name__)
 
+
 class PreemptionFlag:
     """Set from a signal handler (SIGTERM, SIGUSR1, SIGINT); read at step boundaries. A first
     SIGINT (Ctrl-C) is a preemption like SIGTERM (final commit within the grace budget, exit
@@ -105,7 +106,13 @@ def group_store(timeout: timedelta) -> dist.Store | None:
         return dist.HashStore()
     if os.environ.get(contract.USE_AGENT_STORE_ENV) != str(True):
         return None
-    base = dist.TCPStore(os.environ[contract.MASTER_ADDR_ENV], int(os.environ[contract.MASTER_PORT_ENV]), int(os.environ[contract.WORLD_SIZE_ENV]), is_master=False, timeout=timeout)
+    base = dist.TCPStore(
+        os.environ[contract.MASTER_ADDR_ENV],
+        int(os.environ[contract.MASTER_PORT_ENV]),
+        int(os.environ[contract.WORLD_SIZE_ENV]),
+        is_master=False,
+        timeout=timeout,
+    )
     return dist.PrefixStore(f"elastic_trainer/attempt_{os.environ.get(contract.RESTART_COUNT_ENV, '0')}", base)
 
 
@@ -121,8 +128,18 @@ def init_distributed(train: TrainConfig, timeout_seconds: float, ckpt_timeout_se
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         store = group_store(timeout)
-        kw = {"store": store, "rank": int(os.environ.get(contract.RANK_ENV, "0")), "world_size": int(os.environ.get(contract.WORLD_SIZE_ENV, "1"))} if store is not None else {}
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **kw)
+        kw = (
+            {
+                "store": store,
+                "rank": int(os.environ.get(contract.RANK_ENV, "0")),
+                "world_size": int(os.environ.get(contract.WORLD_SIZE_ENV, "1")),
+            }
+            if store is not None
+            else {}
+        )
+        dist.init_process_group(
+            backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **kw
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
     ckpt_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ckpt_timeout_seconds or timeout_seconds))
@@ -137,7 +154,9 @@ def _same_place(path: str) -> str:
     return path if "://" in path else os.path.abspath(path)
 
 
-def resolve_config(config: str | os.PathLike | Config | dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def resolve_config(
+    config: str | os.PathLike | Config | dict | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
     """The rank's config. Without a supervisor: ``config`` (a path, a Config or a dict), else the
     defaults, with ``overrides`` (``section.key=value``) on top; the paths it does not set are
     ``runs/<script name>`` and ``runs/<script name>/checkpoints`` (as ``elastic-trainer run``
@@ -151,15 +170,23 @@ def resolve_config(config: str | os.PathLike | Config | dict | None = None, over
         return config_from_dict(config)
     raw = os.environ.get(contract.CONFIG_ENV)
     if not raw:
-        return load_config(config, overrides, name=run_name(config) or run_name(sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else None))
+        return load_config(
+            config,
+            overrides,
+            name=run_name(config) or run_name(sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else None),
+        )
     base = json.loads(raw)
     mine = apply_overrides(read_toml(config), overrides)
     for section, key in SUPERVISED_KEYS:
         want = (mine.get(section) or {}).get(key)
         have = base[section][key]
         if want is not None and _same_place(str(want)) != _same_place(str(have)):
-            raise ConfigError(f"{section}.{key}", f"the script asks for {want!r}, its supervisor (elastic-trainer run/launch) uses {have!r}: "
-                                                  "set it on the supervisor's command line (--set " f"{section}.{key}={want}) or in its --config, not in the script")
+            raise ConfigError(
+                f"{section}.{key}",
+                f"the script asks for {want!r}, its supervisor (elastic-trainer run/launch) uses {have!r}: "
+                "set it on the supervisor's command line (--set "
+                f"{section}.{key}={want}) or in its --config, not in the script",
+            )
     for section, values in mine.items():
         base.setdefault(section, {}).update(values if isinstance(values, dict) else {})
     return config_from_dict(base)
@@ -198,7 +225,11 @@ class Session:
         ck = self.checkpointer
         if ck is None or issubclass(exc_type, KeyboardInterrupt) or ck.manager.drain_after_failure():
             return
-        logger.error("rank %d: a save is still uploading after the failure; " "exiting without it (the previous commit stays the latest)", self.rank)
+        logger.error(
+            "rank %d: a save is still uploading after the failure; "
+            "exiting without it (the previous commit stays the latest)",
+            self.rank,
+        )
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -252,7 +283,9 @@ class Session:
             dist.destroy_process_group()
 
 
-def init(config: str | os.PathLike | Config | dict | None = None, *, overrides: list[str] | tuple[str, ...] = ()) -> Session:
+def init(
+    config: str | os.PathLike | Config | dict | None = None, *, overrides: list[str] | tuple[str, ...] = ()
+) -> Session:
     """Set up this rank: process groups (the training group and a separate gloo group for
     checkpoints), the rank-0 event log (``run.dir/events.jsonl``), the metrics sink (the node's
     Prometheus exporter under the supervisor), the preemption flag (SIGTERM/SIGUSR1) and the

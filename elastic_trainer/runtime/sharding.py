@@ -45,5 +45,3 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, sh
     if unsharded:
         raise ConfigError("model.shard_modules", f"parameters left unsharded: {', '.join(unsharded[:5])}")
     return model
-
-

@@ -45,7 +45,7 @@ class StepContext:
         self._scope = None
         self._t0 = 0.0
 
-    def __enter__(self) -> "StepContext":
+    def __enter__(self) -> StepContext:
         self._t0 = time.monotonic()
         if self.ckpt is not None:
             self.ckpt.cadence.begin_step(self._t0, self.ckpt.manager.save_in_progress)
@@ -87,8 +87,13 @@ class StepContext:
         s = self.session
         ck = self.ckpt
         fenced = float(ck is not None and ck.manager.fenced is not None)
-        time_due, vote = ck.cadence.votes(time.monotonic()) if ck is not None else (0.0, 0.0)  # vote: auto cadence, rank 0's interval
-        t = torch.tensor([*map(float, sums), float(s.preempt.requested), time_due, fenced, vote], dtype=torch.float64, device=s.device)
+        # vote: auto cadence, rank 0's interval
+        time_due, vote = ck.cadence.votes(time.monotonic()) if ck is not None else (0.0, 0.0)
+        t = torch.tensor(
+            [*map(float, sums), float(s.preempt.requested), time_due, fenced, vote],
+            dtype=torch.float64,
+            device=s.device,
+        )
         t0 = time.monotonic()
         if s.world_size > 1:
             collectives.all_reduce(t)
@@ -109,7 +114,11 @@ class StepContext:
         s = self.session
         if self.ckpt is not None:
             self.ckpt.manager.wait_for_staging()
-        t = loss.detach().to(torch.float64).reshape(()) if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), dtype=torch.float64)
+        t = (
+            loss.detach().to(torch.float64).reshape(())
+            if isinstance(loss, torch.Tensor)
+            else torch.tensor(float(loss), dtype=torch.float64)
+        )
         t = t.to(s.device)
         t0 = time.monotonic()
         if s.world_size > 1:

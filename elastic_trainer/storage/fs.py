@@ -36,6 +36,7 @@ T = TypeVar("T")
 # of 1 (the 2 shared cores, not the request pattern, bound it; BENCHMARKS.md), so 1 file per rank.
 S3_WRITE_THREADS = 1
 
+
 @dataclass(frozen=True)
 class StorageOptions:
     """Connection settings. ``endpoint_url`` falls back to AWS_ENDPOINT_URL_S3 / FSSPEC_S3_ENDPOINT_URL."""
@@ -47,7 +48,9 @@ class StorageOptions:
     def fsspec_kwargs(self, protocol: str) -> dict[str, Any]:
         if protocol != "s3":
             return {}
-        endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("FSSPEC_S3_ENDPOINT_URL") or ""
+        endpoint = (
+            self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("FSSPEC_S3_ENDPOINT_URL") or ""
+        )
         client_kwargs: dict[str, Any] = {}
         if endpoint:
             client_kwargs["endpoint_url"] = endpoint
@@ -94,7 +97,9 @@ def retry(fn: Callable[[], T], *, what: str, retries: int, base_delay: float = 0
                 cls = TransientStorageError if _is_transient(exc) else StorageError
                 raise cls(f"{what} failed after {attempt + 1} attempt(s): {type(exc).__name__}: {exc}") from exc
             delay = min(max_delay, base_delay * (2**attempt)) * (0.5 + random.random())
-            logger.warning("%s failed (%s), retry %d/%d in %.1fs", what, type(exc).__name__, attempt + 1, retries, delay)
+            logger.warning(
+                "%s failed (%s), retry %d/%d in %.1fs", what, type(exc).__name__, attempt + 1, retries, delay
+            )
             time.sleep(delay)
             attempt += 1
 
@@ -106,12 +111,14 @@ class Storage:
         self.protocol = check_uri(uri)
         self.options = options or StorageOptions()
         if self.protocol == "file":
-            root = uri[len("file://"):] if uri.startswith("file://") else os.path.abspath(uri)
+            root = uri[len("file://") :] if uri.startswith("file://") else os.path.abspath(uri)
             self.root = root.rstrip("/") or "/"
         else:
             self.root = uri.rstrip("/")
         self._kwargs = self.options.fsspec_kwargs(self.protocol)
-        self.fs, _ = fsspec.core.url_to_fs(self.root if self.protocol != "file" else "file://" + self.root, **self._kwargs)
+        self.fs, _ = fsspec.core.url_to_fs(
+            self.root if self.protocol != "file" else "file://" + self.root, **self._kwargs
+        )
         if self.protocol == "s3":
             self.fs.retries = 2  # s3fs's outer retry loop (a class attribute; not a constructor option)
 
@@ -190,7 +197,7 @@ class Storage:
             for name, info in found.items():
                 if info.get("type") == "directory":
                     continue
-                rel = name[len(base) + 1:] if name.startswith(base + "/") else posixpath.basename(name)
+                rel = name[len(base) + 1 :] if name.startswith(base + "/") else posixpath.basename(name)
                 out[rel] = int(info.get("size") or 0)
             return out
 
@@ -208,6 +215,7 @@ class Storage:
         """Write all-or-nothing: an object PUT on S3, write-temp-then-rename locally."""
         p = self._p(path)
         if self.protocol == "file":
+
             def run() -> None:
                 os.makedirs(os.path.dirname(p), exist_ok=True)
                 tmp = f"{p}.tmp-{uuid.uuid4().hex[:8]}"
@@ -222,8 +230,10 @@ class Storage:
                 finally:
                     os.close(dfd)
         else:
+
             def run() -> None:
                 self.fs.pipe_file(p, data)
+
         self._retry(run, f"write({path})")
 
     def write_json_atomic(self, path: str, obj: Any) -> None:
@@ -235,6 +245,7 @@ class Storage:
                 self.fs.rm(self._p(path), recursive=True)
             except FileNotFoundError:
                 pass
+
         self._retry(run, f"delete({path})")
 
     def makedirs(self, path: str) -> None:
@@ -249,7 +260,9 @@ class Storage:
             return FileSystemWriter(self._p(path), single_file_per_rank=True, sync_files=True, thread_count=1)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        writer = FsspecWriter(path, single_file_per_rank=True, sync_files=False, thread_count=S3_WRITE_THREADS, **self._kwargs)
+        writer = FsspecWriter(
+            path, single_file_per_rank=True, sync_files=False, thread_count=S3_WRITE_THREADS, **self._kwargs
+        )
         self._bound_retries(writer)
         return writer
 

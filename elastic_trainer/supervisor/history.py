@@ -40,7 +40,15 @@ SEGMENT_BYTES = 4 << 20
 READ_CHUNK_BYTES = 4 << 20
 _SEGMENT = re.compile(r"^(?P<log>.+?)(?:\.(?P<seq>\d{6}))?\.jsonl$")
 RECENT_WINDOW_SECONDS = 600.0
-_MIRROR_ON = ("checkpoint_committed", "restart", "rendezvous", "membership_change", "finished", "preempted", "job_failed")
+_MIRROR_ON = (
+    "checkpoint_committed",
+    "restart",
+    "rendezvous",
+    "membership_change",
+    "finished",
+    "preempted",
+    "job_failed",
+)
 
 
 def mirror_name(node: str, launch_time: float, pid: int) -> str:
@@ -54,8 +62,14 @@ def segment_name(log: str, seq: int) -> str:
 
 
 class RunHistory:
-    def __init__(self, events_path: str, storage=None, node: str | None = None, metrics: MetricsSink | None = None,
-                 clock=time.time):
+    def __init__(
+        self,
+        events_path: str,
+        storage=None,
+        node: str | None = None,
+        metrics: MetricsSink | None = None,
+        clock=time.time,
+    ):
         self.events_path = events_path
         self.storage = storage
         self.metrics = metrics or NullSink()
@@ -117,7 +131,9 @@ class RunHistory:
             self.metrics.gauge("elastic_trainer_goodput_ratio", g.goodput)
         t0, p0, w0 = self._recent[0]
         if g.wall_seconds - w0 > 0:
-            self.metrics.gauge("elastic_trainer_goodput_recent_ratio", (g.productive_seconds - p0) / (g.wall_seconds - w0))
+            self.metrics.gauge(
+                "elastic_trainer_goodput_recent_ratio", (g.productive_seconds - p0) / (g.wall_seconds - w0)
+            )
         elif g.goodput is not None:
             self.metrics.gauge("elastic_trainer_goodput_recent_ratio", g.goodput)
 
@@ -142,7 +158,9 @@ class RunHistory:
                         end = data.rfind(b"\n") + 1
                         if end == 0:
                             return True
-                        name = self.storage.join(contract.EVENTS_MIRROR_DIR, segment_name(self.log_name, self._segment_seq))
+                        name = self.storage.join(
+                            contract.EVENTS_MIRROR_DIR, segment_name(self.log_name, self._segment_seq)
+                        )
                         try:
                             self.storage.write_bytes_atomic(name, data[:end])
                         except (StorageError, OSError) as e:  # the storage layer raises only these
@@ -192,7 +210,11 @@ def read_mirrored_events(storage) -> list[dict]:
     for log_name in sorted(segments):
         log = []
         for _, name in sorted(segments[log_name]):
-            for line in storage.read_bytes(storage.join(contract.EVENTS_MIRROR_DIR, name)).decode("utf-8", "replace").splitlines():
+            for line in (
+                storage.read_bytes(storage.join(contract.EVENTS_MIRROR_DIR, name))
+                .decode("utf-8", "replace")
+                .splitlines()
+            ):
                 line = line.strip()
                 if line in seen:
                     continue

@@ -36,8 +36,13 @@ def build_launch_config(cfg: Config, args, explicit: set[str], env=None):
     """``(LaunchConfig, cmd, cmd_args)`` from torchrun's parsed options (see :mod:`.options`)
     with the config applied where neither a flag nor ``PET_*`` set a value."""
     args = options.resolve(args, explicit, cfg.elastic, env)
-    return options.launch_config(args, explicit, env, shutdown_timeout=int(cfg.checkpoint.preempt_grace_seconds + options.SHUTDOWN_MARGIN_SECONDS),
-                                  signals=options.SIGNALS_TO_HANDLE)
+    return options.launch_config(
+        args,
+        explicit,
+        env,
+        shutdown_timeout=int(cfg.checkpoint.preempt_grace_seconds + options.SHUTDOWN_MARGIN_SECONDS),
+        signals=options.SIGNALS_TO_HANDLE,
+    )
 
 
 def _make_agent_class():
@@ -99,7 +104,11 @@ def _make_agent_class():
             return found
 
         def _emit_node_lost(self, reason: str, lost: list[str], **fields) -> None:
-            logger.warning("liveness: %s%s: restarting this node's workers as a membership change", reason, f" ({', '.join(lost)})" if lost else "")
+            logger.warning(
+                "liveness: %s%s: restarting this node's workers as a membership change",
+                reason,
+                f" ({', '.join(lost)})" if lost else "",
+            )
             self.events.emit("node_lost", reason=reason, lost=lost, node=node_name(), mono=time.monotonic(), **fields)
 
         def _on_isolated(self, seconds: float) -> None:
@@ -151,7 +160,11 @@ def _make_agent_class():
             if restart:
                 self._zygote_restarts -= 1
                 self.zygote = warm.Zygote(preload=old.preload).start()
-            logger.warning("warm start unavailable (%s): workers were started cold%s", reason, "; a new zygote is starting" if restart else "")
+            logger.warning(
+                "warm start unavailable (%s): workers were started cold%s",
+                reason,
+                "; a new zygote is starting" if restart else "",
+            )
             self.events.emit("warm_start_unavailable", reason=reason[:500], zygote_restarted=restart)
 
         def _setup_local_watchdog(self, envs):
@@ -299,8 +312,16 @@ def _world_size(worker_group) -> int | None:
     return worker_group.workers[0].world_size if worker_group.workers else None
 
 
-def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | None = None, preempt_marker: str | None = None, zygote=None,
-              commits=None):
+def run_agent(
+    config,
+    cmd,
+    cmd_args,
+    events: EventLog,
+    metrics: MetricsSink | None = None,
+    preempt_marker: str | None = None,
+    zygote=None,
+    commits=None,
+):
     """The essential part of torch's ``launch_agent`` with our agent class."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -353,7 +374,9 @@ def run_agent(config, cmd, cmd_args, events: EventLog, metrics: MetricsSink | No
     agent.watch_liveness = config.max_nodes > 1
     if agent.watch_liveness:
         agent.contact_watch = liveness.ContactWatch(
-            spec.rdzv_handler, armed=lambda: agent._worker_group.state == WorkerState.HEALTHY, on_isolated=agent._on_isolated  # noqa: SLF001 - our agent
+            spec.rdzv_handler,
+            armed=lambda: agent._worker_group.state == WorkerState.HEALTHY,
+            on_isolated=agent._on_isolated,  # noqa: SLF001 - our agent
         ).start()
     shutdown_rdzv = True
     try:
@@ -422,7 +445,9 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, preload: tupl
     failed = signalled = False
     worker_codes: list[int | None] = []
     try:
-        result = run_agent(config, cmd, cmd_args, events, metrics, preempt_marker=marker, zygote=zygote, commits=_commit_watch(cfg))
+        result = run_agent(
+            config, cmd, cmd_args, events, metrics, preempt_marker=marker, zygote=zygote, commits=_commit_watch(cfg)
+        )
         failed = result.is_failed()
         if failed:
             worker_codes = [f.exitcode for f in result.failures.values()]
@@ -440,7 +465,9 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, preload: tupl
     if os.path.exists(marker):
         with open(marker) as f:
             preempt = json.load(f)
-    code = policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=preempt, worker_exit_codes=worker_codes)
+    code = policy.launch_exit_code(
+        failed=failed, signalled=signalled, preempt_marker=preempt, worker_exit_codes=worker_codes
+    )
     if preempt is None and code in (exit_codes.PREEMPTED, exit_codes.PREEMPTED_UNCOMMITTED):
         # No rank-0 marker (a script under ``run``): the workers' own exit codes said it.
         preempt = {"exit_codes": sorted({c for c in worker_codes if c is not None})}
@@ -460,7 +487,10 @@ def _start_zygote(cfg: Config, cmd, cmd_args, early=None, preload: tuple[str, ..
         early = None
     if not cfg.elastic.warm_start or modules is None:
         if preload:
-            logger.warning("--preload ignored: %s", "elastic.warm_start is off" if modules is not None else "this entry point is started cold")
+            logger.warning(
+                "--preload ignored: %s",
+                "elastic.warm_start is off" if modules is not None else "this entry point is started cold",
+            )
         return None
     return early if early is not None else warm.Zygote(preload=modules).start()
 

@@ -87,7 +87,12 @@ def membership(handler) -> Membership | None:
     if holder is None or me is None:
         return None
     state = holder.state
-    return Membership(state.round, frozenset(map(repr, state.participants)), repr(me), frozenset(map(repr, state.wait_list | state.redundancy_list)))
+    return Membership(
+        state.round,
+        frozenset(map(repr, state.participants)),
+        repr(me),
+        frozenset(map(repr, state.wait_list | state.redundancy_list)),
+    )
 
 
 def last_contact(handler) -> float | None:
@@ -110,7 +115,9 @@ class ContactWatch:
     longer than the liveness bound while ``armed()`` (workers are running). Re-arms after
     :meth:`reset`. The agent's own loop cannot do this: it blocks in the store call."""
 
-    def __init__(self, handler, armed: Callable[[], bool], on_isolated: Callable[[float], None], poll_seconds: float = 0.2):
+    def __init__(
+        self, handler, armed: Callable[[], bool], on_isolated: Callable[[float], None], poll_seconds: float = 0.2
+    ):
         self._handler, self._armed, self._on_isolated, self._poll = handler, armed, on_isolated, poll_seconds
         self._bound = bound_seconds(handler)
         self._stop = threading.Event()

@@ -85,17 +85,22 @@ def _defaults_help() -> dict[str, str]:
         return f"default: {env_var(dest)}, else elastic.{key} of the config (default {getattr(e, key)!r})"
 
     return {
-        "nnodes": f"Number of nodes, or MIN:MAX ({cfg('nnodes')}). More than one node " "needs --rdzv-endpoint or --master-addr/--master-port/--node-rank.",
+        "nnodes": f"Number of nodes, or MIN:MAX ({cfg('nnodes')}). More than one node "
+        "needs --rdzv-endpoint or --master-addr/--master-port/--node-rank.",
         "nproc_per_node": f"Workers per node: an integer, gpu, cpu or auto ({cfg('nproc_per_node')}).",
-        "max_restarts": "Worker-group restarts after failures; " f"node joins and losses do not count ({cfg('max_restarts')}).",
+        "max_restarts": "Worker-group restarts after failures; "
+        f"node joins and losses do not count ({cfg('max_restarts')}).",
         "monitor_interval": f"Seconds between checks of the workers ({cfg('monitor_interval')}).",
         "rdzv_backend": f"Rendezvous backend ({cfg('rdzv_backend')}).",
-        "rdzv_endpoint": "Rendezvous endpoint HOST:PORT, e.g. an 'elastic-trainer store' " f"({cfg('rdzv_endpoint')}; none on one node = --standalone).",
+        "rdzv_endpoint": "Rendezvous endpoint HOST:PORT, e.g. an 'elastic-trainer store' "
+        f"({cfg('rdzv_endpoint')}; none on one node = --standalone).",
         "rdzv_id": f"Job id shared by the nodes of one job ({cfg('rdzv_id')}).",
-        "rdzv_conf": "K=V,... rendezvous settings; items replace same-named " f"items of elastic.rdzv_conf ({cfg('rdzv_conf')}).",
-        "signals_to_handle": "Signals the agent forwards to the workers (default: " f"PET_SIGNALS_TO_HANDLE, else {SIGNALS_TO_HANDLE}).",
+        "rdzv_conf": "K=V,... rendezvous settings; items replace same-named "
+        f"items of elastic.rdzv_conf ({cfg('rdzv_conf')}).",
+        "signals_to_handle": "Signals the agent forwards to the workers (default: "
+        f"PET_SIGNALS_TO_HANDLE, else {SIGNALS_TO_HANDLE}).",
         "shutdown_timeout": "Seconds the workers get to stop before SIGKILL (default: PET_SHUTDOWN_TIMEOUT, else "
-                            f"checkpoint.preempt_grace_seconds + {SHUTDOWN_MARGIN_SECONDS}: {grace + SHUTDOWN_MARGIN_SECONDS:g}).",
+        f"checkpoint.preempt_grace_seconds + {SHUTDOWN_MARGIN_SECONDS}: {grace + SHUTDOWN_MARGIN_SECONDS:g}).",
     }
 
 
@@ -104,7 +109,11 @@ class _HelpFormatter(argparse.HelpFormatter):
 
     def _format_action_invocation(self, action: argparse.Action) -> str:
         if not action.option_strings or action.nargs == 0:
-            return super()._format_action_invocation(action) if not action.option_strings else ", ".join(_spellings(action))
+            return (
+                super()._format_action_invocation(action)
+                if not action.option_strings
+                else ", ".join(_spellings(action))
+            )
         metavar = self._format_args(action, self._get_default_metavar_for_optional(action))
         return ", ".join(f"{o} {metavar}" for o in _spellings(action))
 
@@ -125,11 +134,23 @@ def launch_parser(prog: str = "elastic-trainer launch") -> argparse.ArgumentPars
     The script-only options stay accepted (launch refuses them with a clear error) but are not
     listed in ``--help``."""
     tr = _get_args_parser()
-    p = argparse.ArgumentParser(prog=prog, description="Run this node's supervisor (torchrun's elastic agent) for the built-in trainer.",
-                                formatter_class=_HelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Run this node's supervisor (torchrun's elastic agent) for the built-in trainer.",
+        formatter_class=_HelpFormatter,
+    )
     p.add_argument("config", help="TOML config file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
-    group = p.add_argument_group("torchrun options (torchrun's meaning; a flag wins over its PET_* variable, which wins over the config)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable)",
+    )
+    group = p.add_argument_group(
+        "torchrun options (torchrun's meaning; a flag wins over its PET_* variable, which wins over the config)"
+    )
     actions = [a for a in tr._actions if a.option_strings and a.dest != "help"]  # noqa: SLF001 - stdlib argparse: reuse torchrun's own option actions
     _document_defaults(actions)
     for action in actions:
@@ -147,20 +168,45 @@ def run_parser(prog: str = "elastic-trainer run") -> argparse.ArgumentParser:
     p.formatter_class = _HelpFormatter
     _document_defaults(p._actions)  # noqa: SLF001 - stdlib argparse
     d = Config()
-    p.add_argument("--config", default=None, help="TOML config: its run, elastic, metrics and checkpoint sections apply. Without it: the built-in defaults "
-                   f"(run.dir {d.run.dir}, checkpoint.dir {d.checkpoint.dir}, " f"metrics port {d.metrics.port}, the elastic.* defaults shown above), "
-                   "changed only by --set")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
-    p.add_argument("--preload", action="append", default=[], metavar="MODULE",
-                   help="warm start: a module the zygote imports once for every worker (repeatable; " "besides torch, elastic_trainer and the script's top-level imports of installed packages)")
-    p.add_argument("--no-warm-start", dest="no_warm_start", action="store_true", help="start every worker as torchrun does (same as --set elastic.warm_start=false)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="TOML config: its run, elastic, metrics and checkpoint sections apply. Without it: the built-in defaults "
+        f"(run.dir {d.run.dir}, checkpoint.dir {d.checkpoint.dir}, "
+        f"metrics port {d.metrics.port}, the elastic.* defaults shown above), "
+        "changed only by --set",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable)",
+    )
+    p.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="warm start: a module the zygote imports once for every worker (repeatable; "
+        "besides torch, elastic_trainer and the script's top-level imports of installed packages)",
+    )
+    p.add_argument(
+        "--no-warm-start",
+        dest="no_warm_start",
+        action="store_true",
+        help="start every worker as torchrun does (same as --set elastic.warm_start=false)",
+    )
     return p
 
 
 def parse_explicit(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, set[str]]:
     """Parse ``argv``; return the namespace (CLI > PET_* > default) and the dests given on the
     command line. Uses a first pass where every default is :data:`UNSET`."""
-    probe = argparse.Namespace(**{a.dest: UNSET for a in parser._actions if a.dest not in ("help", "overrides", "preload")})  # noqa: SLF001
+    probe = argparse.Namespace(
+        **{a.dest: UNSET for a in parser._actions if a.dest not in ("help", "overrides", "preload")}
+    )  # noqa: SLF001
     parser.parse_args(argv, namespace=probe)
     explicit = {k for k, v in vars(probe).items() if v is not UNSET}
     return parser.parse_args(argv), explicit
@@ -171,7 +217,9 @@ def _config_value(dest: str, elastic: ElasticConfig) -> Any:
     return str(value) if dest in ("nnodes", "nproc_per_node") else value
 
 
-def merge(parsed: Mapping[str, Any], explicit: set[str] | frozenset[str], env: Mapping[str, str], elastic: ElasticConfig) -> dict[str, Any]:
+def merge(
+    parsed: Mapping[str, Any], explicit: set[str] | frozenset[str], env: Mapping[str, str], elastic: ElasticConfig
+) -> dict[str, Any]:
     """torchrun's option values with the config applied (pure).
 
     ``parsed``: torchrun's namespace (CLI > ``PET_*`` > torchrun default); ``explicit``: dests
@@ -207,13 +255,17 @@ def merge(parsed: Mapping[str, Any], explicit: set[str] | frozenset[str], env: M
         # Each node would wait on a store of its own: say what is missing instead.
         raise ConfigError(
             nnodes_key,
-            f"{out['nnodes']} nodes need a rendezvous endpoint: " "--rdzv-endpoint HOST:PORT (e.g. an 'elastic-trainer store'), "
-            "PET_RDZV_ENDPOINT or elastic.rdzv_endpoint; " "or --master-addr/--master-port/--node-rank for a fixed set of nodes",
+            f"{out['nnodes']} nodes need a rendezvous endpoint: "
+            "--rdzv-endpoint HOST:PORT (e.g. an 'elastic-trainer store'), "
+            "PET_RDZV_ENDPOINT or elastic.rdzv_endpoint; "
+            "or --master-addr/--master-port/--node-rank for a fixed set of nodes",
         )
     return out
 
 
-def resolve(args: argparse.Namespace, explicit: set[str], elastic: ElasticConfig, env: Mapping[str, str] | None = None) -> argparse.Namespace:
+def resolve(
+    args: argparse.Namespace, explicit: set[str], elastic: ElasticConfig, env: Mapping[str, str] | None = None
+) -> argparse.Namespace:
     """:func:`merge` applied to a parsed namespace, then torchrun's own standalone rule."""
     import uuid
 
@@ -241,7 +293,14 @@ class _DropOmpBanner(logging.Filter):
         return True
 
 
-def launch_config(args: argparse.Namespace, explicit: set[str], env: Mapping[str, str] | None = None, *, shutdown_timeout: int, signals: str):
+def launch_config(
+    args: argparse.Namespace,
+    explicit: set[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    shutdown_timeout: int,
+    signals: str,
+):
     """``(LaunchConfig, cmd, cmd_args)`` through torchrun's ``config_from_args``. Our shutdown
     timeout and signal list apply unless the option or its ``PET_*`` variable was given."""
     from torch.distributed.run import config_from_args
@@ -258,7 +317,9 @@ def launch_config(args: argparse.Namespace, explicit: set[str], env: Mapping[str
     finally:
         torchrun_logger.removeFilter(quiet)
     if quiet.dropped:
-        logger.debug("OMP_NUM_THREADS=1 for every worker (torchrun's default with several workers per node); set it to choose")
+        logger.debug(
+            "OMP_NUM_THREADS=1 for every worker (torchrun's default with several workers per node); set it to choose"
+        )
     if "shutdown_timeout" not in explicit and env_var("shutdown_timeout") not in env:
         config.shutdown_timeout = shutdown_timeout
     if "signals_to_handle" not in explicit and env_var("signals_to_handle") not in env:

@@ -16,7 +16,9 @@ def restart_backoff(restart_index: int, base: float = 1.0, cap: float = 30.0) ->
 BACKOFF_RESET_SECONDS = 60.0
 
 
-def failure_streak(previous: int, healthy_seconds: float, progressed: bool = False, reset_after: float = BACKOFF_RESET_SECONDS) -> int:
+def failure_streak(
+    previous: int, healthy_seconds: float, progressed: bool = False, reset_after: float = BACKOFF_RESET_SECONDS
+) -> int:
     """1-based index of this failure restart for :func:`restart_backoff`: consecutive failures
     escalate the back-off; the streak starts over when the group ran ``reset_after`` seconds
     since the last restart (an occasional failure on a long job restarts at once) or when it
@@ -42,7 +44,9 @@ def terminal_code(worker_exit_codes: list[int | None]) -> int | None:
     return None
 
 
-def launch_exit_code(*, failed: bool, signalled: bool, preempt_marker: dict | None, worker_exit_codes: list[int | None] = ()) -> int:
+def launch_exit_code(
+    *, failed: bool, signalled: bool, preempt_marker: dict | None, worker_exit_codes: list[int | None] = ()
+) -> int:
     """Exit code of ``elastic-trainer launch`` from how the agent ended: what the workers
     reported. 75 only when rank 0's marker says the final step's commit exists; a preemption
     without that proof is 76. Workers that all finished win over a preemption marker (one left
@@ -51,7 +55,11 @@ def launch_exit_code(*, failed: bool, signalled: bool, preempt_marker: dict | No
     codes = {c for c in worker_exit_codes if c is not None}
     preempted = {exit_codes.PREEMPTED, exit_codes.PREEMPTED_UNCOMMITTED}
     # Without rank 0's marker (e.g. a script under ``run``), the workers' own exit codes say it.
-    reported = (exit_codes.PREEMPTED_UNCOMMITTED if exit_codes.PREEMPTED_UNCOMMITTED in codes else exit_codes.PREEMPTED) if codes and codes <= preempted else None
+    reported = (
+        (exit_codes.PREEMPTED_UNCOMMITTED if exit_codes.PREEMPTED_UNCOMMITTED in codes else exit_codes.PREEMPTED)
+        if codes and codes <= preempted
+        else None
+    )
     if signalled:
         return marker_code if marker_code in preempted else reported or exit_codes.PREEMPTED_UNCOMMITTED
     if not failed:

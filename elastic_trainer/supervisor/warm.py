@@ -45,7 +45,9 @@ class ZygoteError(RuntimeError):
 class Zygote:
     """A pre-imported interpreter, child of the supervisor, that forks fresh worker processes."""
 
-    def __init__(self, python: str = sys.executable, ready_timeout: float = READY_TIMEOUT_SECONDS, preload: tuple[str, ...] = ()):
+    def __init__(
+        self, python: str = sys.executable, ready_timeout: float = READY_TIMEOUT_SECONDS, preload: tuple[str, ...] = ()
+    ):
         self.python = python
         self.preload = tuple(preload)  # empty: the zygote's own list (torch and the trainer); see preload_for
         self.ready_timeout = ready_timeout
@@ -89,15 +91,22 @@ class Zygote:
                     raise ZygoteError(self._unusable)
                 self._pump(max(0.0, deadline - time.monotonic()))
                 if self._dead:
-                    raise ZygoteError("the warm-start zygote exited (code " f"{self.proc.poll() if self.proc else None}) before it was ready")
+                    raise ZygoteError(
+                        "the warm-start zygote exited (code "
+                        f"{self.proc.poll() if self.proc else None}) before it was ready"
+                    )
                 if self.info is None and time.monotonic() >= deadline:
                     self._unusable = f"the warm-start zygote was not ready after {self.ready_timeout:.0f}s"
                     raise ZygoteError(self._unusable)
             if self.info.get("threads", 1) != 1:
-                raise ZygoteError(f"the warm-start zygote has {self.info['threads']} threads after its imports; forking it is unsafe")
+                raise ZygoteError(
+                    f"the warm-start zygote has {self.info['threads']} threads after its imports; forking it is unsafe"
+                )
             for what in ("cuda", "process_group"):
                 if self.info.get(what):
-                    raise ZygoteError(f"the warm-start zygote's imports initialised {what.replace('_', ' ')}; forking it is unsafe")
+                    raise ZygoteError(
+                        f"the warm-start zygote's imports initialised {what.replace('_', ' ')}; forking it is unsafe"
+                    )
             return self.info
 
     @property
@@ -123,19 +132,23 @@ class Zygote:
         """Fork one worker running ``argv`` (``python -u -m MODULE ...``) with exactly ``env``."""
         self.wait_ready()
         names, fds = [], []
-        for name, f in zip(contract.ZYGOTE_STREAMS, (stdout, stderr)):
+        for name, f in zip(contract.ZYGOTE_STREAMS, (stdout, stderr), strict=True):
             if f is not None:
                 names.append(name)
                 fds.append(f.fileno())
         with self._lock:
             self._next_id += 1
             rid = self._next_id
-            msg = json.dumps({"id": rid, "argv": [str(a) for a in argv], "env": dict(env), "cwd": os.getcwd(), "fds": names}).encode()
+            msg = json.dumps(
+                {"id": rid, "argv": [str(a) for a in argv], "env": dict(env), "cwd": os.getcwd(), "fds": names}
+            ).encode()
             try:
                 socket.send_fds(self.sock, [msg], fds)
             except OSError as e:
                 if e.errno == errno.EMSGSIZE:  # one packet: the environment exceeds the socket buffer
-                    raise ZygoteError(f"the worker's start request ({len(msg)} bytes) does not fit one packet") from None
+                    raise ZygoteError(
+                        f"the worker's start request ({len(msg)} bytes) does not fit one packet"
+                    ) from None
                 self._dead = True
                 raise ZygoteError(f"the warm-start zygote is gone: {e}") from None
             deadline = time.monotonic() + REPLY_TIMEOUT_SECONDS
@@ -240,7 +253,9 @@ def preload_for(cmd, cmd_args, trainer_module: str, extra: tuple[str, ...] = ())
     ConfigError for an ``extra`` name that is not a dotted module name."""
     for name in extra:
         if not name or not all(part.isidentifier() for part in name.split(".")):
-            raise ConfigError("--preload", f"expected a module name such as 'transformers' or 'mypkg.model', got {name!r}")
+            raise ConfigError(
+                "--preload", f"expected a module name such as 'transformers' or 'mypkg.model', got {name!r}"
+            )
     if not isinstance(cmd, str) or not os.path.basename(cmd).startswith("python"):
         return None
     rest = [str(a) for a in cmd_args]
@@ -318,7 +333,15 @@ def warm_handlers(zygote: Zygote, on_fallback=lambda reason: None):
     cls = _handler_class(zygote, on_fallback)
 
     def get_subprocess_handler(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options=None):
-        return cls(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr, local_rank_id=local_rank_id, numa_options=numa_options)
+        return cls(
+            entrypoint=entrypoint,
+            args=args,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            local_rank_id=local_rank_id,
+            numa_options=numa_options,
+        )
 
     api.get_subprocess_handler = get_subprocess_handler
     try:

@@ -29,7 +29,9 @@ class TokenFile:
     Every token id is checked against ``vocab_size`` (a chunked max over the whole file; pass
     ``max_id`` when it is already known, e.g. cached, to skip the scan)."""
 
-    def __init__(self, path: str, dtype: str, seq_len: int, vocab_size: int, max_id: int | None = None, key: str = "data.path"):
+    def __init__(
+        self, path: str, dtype: str, seq_len: int, vocab_size: int, max_id: int | None = None, key: str = "data.path"
+    ):
         if not os.path.exists(path):
             raise ConfigError(key, f"no such token file: {path} (build one with 'elastic-trainer data build')")
         itemsize = np.dtype(dtype).itemsize
@@ -42,10 +44,14 @@ class TokenFile:
         self.seq_len = seq_len
         self.n_samples = (len(self.tokens) - 1) // seq_len
         if self.n_samples < 1:
-            raise ConfigError(key, f"{path} has {len(self.tokens)} tokens: fewer than one sample of model.seq_len={seq_len}")
+            raise ConfigError(
+                key, f"{path} has {len(self.tokens)} tokens: fewer than one sample of model.seq_len={seq_len}"
+            )
         self.max_id = max_id if max_id is not None else scan_max(self.tokens, vocab_size, path)
         if self.max_id >= vocab_size:
-            raise ConfigError("model.vocab_size", f"token id {self.max_id} in {path} is >= model.vocab_size={vocab_size}")
+            raise ConfigError(
+                "model.vocab_size", f"token id {self.max_id} in {path} is >= model.vocab_size={vocab_size}"
+            )
 
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = i * self.seq_len
@@ -65,7 +71,10 @@ def scan_max(tokens: np.ndarray, vocab_size: int, path: str, chunk: int = SCAN_C
         m = int(part.max())
         if m >= vocab_size:
             pos = start + int(np.argmax(part >= vocab_size))
-            raise ConfigError("model.vocab_size", f"token id {int(part[pos - start])} at token {pos} of {path} is >= model.vocab_size={vocab_size}")
+            raise ConfigError(
+                "model.vocab_size",
+                f"token id {int(part[pos - start])} at token {pos} of {path} is >= model.vocab_size={vocab_size}",
+            )
         top = max(top, m)
     return top
 
@@ -141,7 +150,9 @@ def default_demo_texts(limit_bytes: int = 8 << 20) -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
     files, total = [], 0
     for dirpath, dirnames, filenames in sorted(os.walk(root)):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__", "idlelib"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__", "idlelib")
+        )
         for name in sorted(filenames):
             if name.endswith(".py"):
                 p = os.path.join(dirpath, name)

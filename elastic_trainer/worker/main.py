@@ -56,9 +56,13 @@ def build_training(cfg: Config, d, open_data: bool = True):
     parallel.deterministic_init(model, cfg.train.seed, spec.init_param)
     initialise_buffers(model, spec.init_buffers)
     t = cfg.train
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=True)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=True
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    batches = StepBatches(open_source(cfg) if open_data else None, t.seed, t.global_batch_size, t.micro_batch_size, d.world_size, d.rank)
+    batches = StepBatches(
+        open_source(cfg) if open_data else None, t.seed, t.global_batch_size, t.micro_batch_size, d.world_size, d.rank
+    )
     return model, optimizer, scheduler, batches, TrainState()
 
 
@@ -91,7 +95,11 @@ def build_and_train(cfg: Config, t_start: float) -> int:
     if d.rank == 0:
         logger.debug("config (also in %s): %s", _write_resolved_config(cfg), cfg.to_json())
         logger.debug("checkpoints: %s", ckpt.storage.describe())
-        logger.debug("parameters on this rank: %.2f MB of %s total elements", parallel.local_param_bytes(model) / 1e6, sum(p.numel() for p in model.parameters()))
+        logger.debug(
+            "parameters on this rank: %.2f MB of %s total elements",
+            parallel.local_param_bytes(model) / 1e6,
+            sum(p.numel() for p in model.parameters()),
+        )
 
     def after_load(loaded) -> dict:
         if loaded is None:
@@ -99,8 +107,14 @@ def build_and_train(cfg: Config, t_start: float) -> int:
         source, data.view, ignored = open_data_view(cfg, data.recorded, d.rank, d.ckpt_group)
         batches.open(source)
         if ignored:
-            logger.warning("data view frozen at the run's first start: ignoring %d file(s) added since, e.g. %s", len(ignored), ignored[0])
-            session.events.emit("data_view_frozen", files=len(data.view), ignored=ignored[:100], ignored_count=len(ignored))
+            logger.warning(
+                "data view frozen at the run's first start: ignoring %d file(s) added since, e.g. %s",
+                len(ignored),
+                ignored[0],
+            )
+            session.events.emit(
+                "data_view_frozen", files=len(data.view), ignored=ignored[:100], ignored_count=len(ignored)
+            )
         return {"data_view": "recorded" if data.recorded is not None else "resolved now (the checkpoint has none)"}
 
     ckpt.resume(after_load)
@@ -164,7 +178,10 @@ def main() -> None:
         logger.error("rank %d failed: %s", rank, "".join(traceback.format_exception(e)))
         try:
             EventLog(os.path.join(cfg.run.dir, contract.EVENTS_FILE)).emit(
-                "failure", rank=rank, error=f"{type(e).__name__}: {e}"[:2000], restart_count=int(os.environ.get(contract.RESTART_COUNT_ENV, "0"))
+                "failure",
+                rank=rank,
+                error=f"{type(e).__name__}: {e}"[:2000],
+                restart_count=int(os.environ.get(contract.RESTART_COUNT_ENV, "0")),
             )
             ckpt = _ACTIVE.get("ckpt")
             if ckpt is not None:  # no new checkpoint or collective: only an upload under way may land

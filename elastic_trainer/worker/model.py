@@ -63,7 +63,9 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.dim)
         self.emb_drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg.dim, cfg.n_heads, cfg.mlp_ratio, cfg.dropout) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(
+            Block(cfg.dim, cfg.n_heads, cfg.mlp_ratio, cfg.dropout) for _ in range(cfg.n_layers)
+        )
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 

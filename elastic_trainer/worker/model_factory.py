@@ -73,7 +73,10 @@ def build_model_spec(cfg: ModelConfig) -> ModelSpec:
             raise ConfigError("model.factory", f"{cfg.factory} raised {type(e).__name__}: {e}") from e
         spec = out if isinstance(out, ModelSpec) else ModelSpec(out)
         if not isinstance(spec.model, nn.Module):
-            raise ConfigError("model.factory", f"{cfg.factory} returned {type(spec.model).__name__}, not a torch.nn.Module or ModelSpec")
+            raise ConfigError(
+                "model.factory",
+                f"{cfg.factory} returned {type(spec.model).__name__}, not a torch.nn.Module or ModelSpec",
+            )
         model = spec.model
         spec.init_param = spec.init_param or getattr(model, "init_param", None) or default_init_param(cfg.init_std)
         method = getattr(model, "init_buffers", None)
@@ -84,14 +87,18 @@ def build_model_spec(cfg: ModelConfig) -> ModelSpec:
             if buffers:
                 raise ConfigError(
                     "model.factory",
-                    f"{cfg.factory} built a model with buffers " f"({', '.join(buffers[:3])}) but provides no init_buffers: "
+                    f"{cfg.factory} built a model with buffers "
+                    f"({', '.join(buffers[:3])}) but provides no init_buffers: "
                     "the model is moved off the meta device with to_empty, which leaves buffers uninitialised "
                     "(return a ModelSpec with init_buffers, or give the module an init_buffers() method)",
                 )
             spec.init_buffers = _no_buffers
         spec.shard_modules = list(cfg.shard_modules or spec.shard_modules)
         if not spec.shard_modules:
-            raise ConfigError("model.shard_modules", f"{cfg.factory} gives no classes to shard: set model.shard_modules, e.g. [\"DecoderLayer\"]")
+            raise ConfigError(
+                "model.shard_modules",
+                f'{cfg.factory} gives no classes to shard: set model.shard_modules, e.g. ["DecoderLayer"]',
+            )
     check_shard_modules(spec.model, spec.shard_modules)
     return spec
 
@@ -100,7 +107,11 @@ def check_shard_modules(model: nn.Module, names: list[str], key: str = "model.sh
     present = {type(m).__name__ for m in model.modules() if m is not model}
     missing = [n for n in names if n not in present]
     if missing:
-        raise ConfigError(key, f"no module of class {', '.join(map(repr, missing))} in " f"the model (classes present: {', '.join(sorted(present))})")
+        raise ConfigError(
+            key,
+            f"no module of class {', '.join(map(repr, missing))} in "
+            f"the model (classes present: {', '.join(sorted(present))})",
+        )
 
 
 def build_model(cfg: ModelConfig) -> tuple[nn.Module, InitFn, list[str]]:

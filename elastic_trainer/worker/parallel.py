@@ -20,7 +20,9 @@ def resolve_shard_classes(model: nn.Module, names: list[str], key: str = "model.
     classes = {type(m).__name__: type(m) for m in model.modules()}
     missing = [n for n in names if n not in classes]
     if missing:
-        raise ConfigError(key, f"no module of class {', '.join(missing)} in the model (classes present: {', '.join(sorted(classes))})")
+        raise ConfigError(
+            key, f"no module of class {', '.join(missing)} in the model (classes present: {', '.join(sorted(classes))})"
+        )
     return [classes[n] for n in names]
 
 
@@ -29,7 +31,9 @@ def _param_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def deterministic_init(model: nn.Module, seed: int, init_param: Callable[[str, torch.Size, torch.Generator], torch.Tensor]) -> None:
+def deterministic_init(
+    model: nn.Module, seed: int, init_param: Callable[[str, torch.Size, torch.Generator], torch.Tensor]
+) -> None:
     """Give every parameter the same initial value at every world size.
 
     Each parameter's *full* value is drawn from its own generator, seeded by (seed, name), and
@@ -41,7 +45,9 @@ def deterministic_init(model: nn.Module, seed: int, init_param: Callable[[str, t
         if tuple(full.shape) != tuple(param.shape):
             raise AssertionError(f"init for {name} gave {tuple(full.shape)}, expected {tuple(param.shape)}")
         if isinstance(param, DTensor):
-            local = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None).to_local()
+            local = distribute_tensor(
+                full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+            ).to_local()
             param.to_local().copy_(local)
         else:
             param.copy_(full)

@@ -43,7 +43,15 @@ from .data import TokenFile, unique_tmp
 logger = logging.getLogger(__name__)
 
 CACHE_VERSION = 1
-_KINDS = {".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow", ".jsonl": "json", ".json": "json", ".ndjson": "json"}
+_KINDS = {
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".feather": "arrow",
+    ".ipc": "arrow",
+    ".jsonl": "json",
+    ".json": "json",
+    ".ndjson": "json",
+}
 DEFAULT_COLUMN = {"text": "text", "tokens": "input_ids"}
 
 
@@ -54,7 +62,9 @@ def column_of(d: DataConfig) -> str:
 def resolve_files(path: str, key: str = "data.path") -> list[str]:
     """A file, every supported file under a directory (recursively), or a glob; sorted."""
     if os.path.isdir(path):
-        found = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs if os.path.splitext(f)[1].lower() in _KINDS]
+        found = [
+            os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs if os.path.splitext(f)[1].lower() in _KINDS
+        ]
     elif any(c in path for c in "*?["):
         found = [p for p in glob.glob(path, recursive=True) if os.path.isfile(p)]
     elif os.path.isfile(path):
@@ -73,7 +83,11 @@ def _pyarrow():
     try:
         import pyarrow  # noqa: F401
     except ImportError:
-        raise ConfigError("data.format", "text/tokens sources need pyarrow: install the hf extra: " "pip install -e '.[hf]' in the elastic-trainer clone") from None
+        raise ConfigError(
+            "data.format",
+            "text/tokens sources need pyarrow: install the hf extra: "
+            "pip install -e '.[hf]' in the elastic-trainer clone",
+        ) from None
     import pyarrow as pa
 
     return pa
@@ -131,7 +145,10 @@ def load_tokenizer(path: str, key: str = "data.tokenizer"):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ConfigError(key, "text sources need tokenizers: install the hf extra: pip install -e '.[hf]' in the elastic-trainer clone") from None
+        raise ConfigError(
+            key,
+            "text sources need tokenizers: install the hf extra: pip install -e '.[hf]' in the elastic-trainer clone",
+        ) from None
     p = tokenizer_file(path, key)
     try:
         return Tokenizer.from_file(p)
@@ -189,7 +206,11 @@ def check_tokenizer(cfg: Config):
     tok = load_tokenizer(d.tokenizer)
     n = tok.get_vocab_size(with_added_tokens=True)
     if n > vocab:
-        raise ConfigError("data.tokenizer", f"{tokenizer_file(d.tokenizer)} has {n} tokens but " f"model.vocab_size is {vocab}: the tokenizer does not fit the model")
+        raise ConfigError(
+            "data.tokenizer",
+            f"{tokenizer_file(d.tokenizer)} has {n} tokens but "
+            f"model.vocab_size is {vocab}: the tokenizer does not fit the model",
+        )
     return tok
 
 
@@ -205,7 +226,9 @@ def _token_chunks(cfg: Config, files: list[str]) -> Iterator[np.ndarray]:
             values = pc.list_flatten(arr).to_numpy(zero_copy_only=False)
             if values.size and (values.min() < 0 or values.max() >= vocab):
                 bad = int(values.max()) if values.max() >= vocab else int(values.min())
-                raise ConfigError("model.vocab_size", f"token id {bad} in {d.path} is outside [0, model.vocab_size={vocab})")
+                raise ConfigError(
+                    "model.vocab_size", f"token id {bad} in {d.path} is outside [0, model.vocab_size={vocab})"
+                )
             yield values.astype(np.int64)
         return
     tok = check_tokenizer(cfg)
@@ -247,7 +270,14 @@ def build_stream(cfg: Config, out_path: str, files: list[str] | None = None) -> 
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    stats = {"path": out_path, "tokens": total, "max_id": max_id, "dtype": dtype, "format": cfg.data.format, "source": cfg.data.path}
+    stats = {
+        "path": out_path,
+        "tokens": total,
+        "max_id": max_id,
+        "dtype": dtype,
+        "format": cfg.data.format,
+        "source": cfg.data.path,
+    }
     _write_json_atomic(out_path + ".json", stats)
     logger.info("packed %s (%s) into %d tokens at %s", cfg.data.path, cfg.data.format, total, out_path)
     return stats
@@ -280,7 +310,10 @@ def prepare(cfg: Config, files: list[str] | None = None) -> tuple[str, str, int 
     with open(path + ".json") as f:
         max_id = json.load(f).get("max_id", -1)
     if max_id >= cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", f"token id {max_id} in the stream of {d.path} is >= model.vocab_size={cfg.model.vocab_size}")
+        raise ConfigError(
+            "model.vocab_size",
+            f"token id {max_id} in the stream of {d.path} is >= model.vocab_size={cfg.model.vocab_size}",
+        )
     return path, token_dtype(cfg.model.vocab_size), max_id
 
 
@@ -333,7 +366,9 @@ def view_paths(cfg: Config) -> list[str]:
     d = cfg.data
     if d.format == "memmap":
         if not os.path.isfile(d.path):
-            raise ConfigError("data.path", f"no such token file: {d.path} (build one with 'elastic-trainer data build')")
+            raise ConfigError(
+                "data.path", f"no such token file: {d.path} (build one with 'elastic-trainer data build')"
+            )
         return [os.path.abspath(d.path)]
     return resolve_files(d.path)
 
@@ -360,7 +395,7 @@ def check_recorded_view(cfg: Config, recorded: list[dict]) -> list[str]:
             "the files this run has read since its first start are not all there unchanged: "
             + "; ".join(problems[:3])
             + more
-            + ". Restore them, or start a new run (another checkpoint.dir, or checkpoint.resume = \"none\")",
+            + '. Restore them, or start a new run (another checkpoint.dir, or checkpoint.resume = "none")',
         )
     try:
         now = view_paths(cfg)
@@ -369,7 +404,9 @@ def check_recorded_view(cfg: Config, recorded: list[dict]) -> list[str]:
     return data_view.added_files(recorded, now)
 
 
-def open_data_view(cfg: Config, recorded: list[dict] | None, rank: int = 0, group=None) -> tuple[TokenFile, list[dict], list[str]]:
+def open_data_view(
+    cfg: Config, recorded: list[dict] | None, rank: int = 0, group=None
+) -> tuple[TokenFile, list[dict], list[str]]:
     """``(source, view, added)``: the token stream of the run's data view. A resume reads
     exactly the ``recorded`` view; a fresh start records what rank 0 resolves now (broadcast
     over ``group`` when given, so nodes that start at different times agree). Every rank checks

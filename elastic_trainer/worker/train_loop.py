@@ -19,7 +19,6 @@ from .model import logits_of
 logger = logging.getLogger(__name__)
 
 
-
 def lr_lambda(cfg: Config):
     t = cfg.train
 
@@ -80,12 +79,22 @@ class Trainer:
             for mb in micro:
                 x, y = mb.inputs.to(self.session.device), mb.targets.to(self.session.device)
                 logits = logits_of(self.model(x))
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum") / global_count
+                loss = (
+                    F.cross_entropy(
+                        logits.float().reshape(-1, logits.shape[-1]),
+                        y.reshape(-1),
+                        ignore_index=IGNORE_INDEX,
+                        reduction="sum",
+                    )
+                    / global_count
+                )
                 if poison:
                     loss = loss * float("nan")
                 loss.backward()
                 loss_sum += loss.detach().double()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf"))
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+            )
             # The loss is agreed before the optimizer step: with the global gradient norm every
             # rank sees the same two numbers, so non-finite state is never stepped into or saved.
             if not s.check(loss_sum, grad_norm):
@@ -101,7 +110,9 @@ class Trainer:
             self.state.tokens_seen += tokens
             s.record(lr=lr, tokens=tokens)
         self.losses.append(s.loss)
-        if self.session.rank == 0 and (step % self.cfg.train.log_every == 0 or step == 1 or step == self.cfg.train.steps):
+        if self.session.rank == 0 and (
+            step % self.cfg.train.log_every == 0 or step == 1 or step == self.cfg.train.steps
+        ):
             logger.info("%s", self._progress_line(s.event))
         return s
 

@@ -137,7 +137,10 @@ def _initialised() -> dict[str, bool]:
     if torch is None:
         return {"cuda": False, "process_group": False}
     dist = sys.modules.get("torch.distributed")
-    return {"cuda": bool(torch.cuda.is_initialized()), "process_group": bool(dist is not None and dist.is_available() and dist.is_initialized())}
+    return {
+        "cuda": bool(torch.cuda.is_initialized()),
+        "process_group": bool(dist is not None and dist.is_available() and dist.is_initialized()),
+    }
 
 
 def _prctl(option: int, arg) -> None:
@@ -217,7 +220,9 @@ def _unbuffered(fd: int, like):
     import io
 
     raw = io.FileIO(fd, "w", closefd=False)
-    return io.TextIOWrapper(raw, encoding=getattr(like, "encoding", None), errors=getattr(like, "errors", None), write_through=True)
+    return io.TextIOWrapper(
+        raw, encoding=getattr(like, "encoding", None), errors=getattr(like, "errors", None), write_through=True
+    )
 
 
 def _target_of(argv: list[str]) -> tuple[str, str, list[str]]:
@@ -302,7 +307,16 @@ def main() -> int:
     sock = socket.socket(fileno=fd)
     t0 = time.monotonic()
     missing = preload(sys.argv[2:] or PRELOAD)
-    _send(sock, {"ready": os.getpid(), "threads": settle_threads(), "preload_seconds": round(time.monotonic() - t0, 3), "missing": missing, **_initialised()})
+    _send(
+        sock,
+        {
+            "ready": os.getpid(),
+            "threads": settle_threads(),
+            "preload_seconds": round(time.monotonic() - t0, 3),
+            "missing": missing,
+            **_initialised(),
+        },
+    )
     code = serve(sock)
     # Nothing of the zygote's needs tearing down (its workers are reaped, it holds no files of
     # the job): skip the interpreter's shutdown of torch, which takes about a second.

@@ -5,6 +5,7 @@ requests to it untouched (so signatures made for the proxy verify) and injects
 5xx errors, delays, dropped connections and outages. The retry bounds used here
 are ``TEST_CONFIG_KWARGS`` / ``TEST_S3FS_RETRIES`` from ``tests/fixtures/s3.py``.
 """
+
 from __future__ import annotations
 
 import os

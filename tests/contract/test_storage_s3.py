@@ -10,6 +10,7 @@ as a typed error within a bound).
 Credentials reach the storage layer only through the ``AWS_*`` environment variables, as
 in a worker; the endpoint is passed explicitly (``checkpoint.s3_endpoint_url``).
 """
+
 from __future__ import annotations
 
 import time
@@ -128,11 +129,11 @@ def test_missing_bucket_is_an_error_not_an_empty_root(s3_server, monkeypatch):
     """An empty listing of a bucket that does not exist would make the run start "fresh" and
     fail at its first save; the storage layer must say the bucket is missing instead."""
     _s3_env(monkeypatch, s3_server)
-    s = open_storage(f"s3://missing-{uuid.uuid4().hex[:12]}/x", endpoint_url=s3_server.endpoint_url, timeout_seconds=8, retries=1)
+    s = open_storage(
+        f"s3://missing-{uuid.uuid4().hex[:12]}/x", endpoint_url=s3_server.endpoint_url, timeout_seconds=8, retries=1
+    )
     with pytest.raises(StorageError, match="(?i)bucket"):
         s.check_access()
-
-
 
 
 @s3_only
@@ -228,4 +229,8 @@ def test_parallel_s3_shard_uploads_stay_checksummed_and_verified(s3_server, s3_b
     data[len(data) // 2] ^= 0xFF
     s.fs.pipe_file(key, bytes(data))
     with pytest.raises(BaseException, match="checksum mismatch"):
-        dcp.load({k: torch.zeros_like(v) for k, v in state.items()}, storage_reader=integrity.verifying(s.dcp_reader(path), checks), no_dist=True)
+        dcp.load(
+            {k: torch.zeros_like(v) for k, v in state.items()},
+            storage_reader=integrity.verifying(s.dcp_reader(path), checks),
+            no_dist=True,
+        )

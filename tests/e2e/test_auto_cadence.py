@@ -10,8 +10,17 @@ def test_auto_interval_is_announced_and_every_rank_saves_at_its_steps(tmp_path, 
     run = tmp_path / "run"
     # A prior of one failure per 0.5 s: once a save is measured, the optimum is the lower bound.
     cfg = runs.write_config(
-        tmp_path / "c.toml", token_file, run, train={"steps": STEPS},
-        checkpoint={"interval_steps": "auto", "auto_min_steps": 3, "auto_max_steps": 100, "auto_prior_mtbf_seconds": 0.5, "keep_last": 20},
+        tmp_path / "c.toml",
+        token_file,
+        run,
+        train={"steps": STEPS},
+        checkpoint={
+            "interval_steps": "auto",
+            "auto_min_steps": 3,
+            "auto_max_steps": 100,
+            "auto_prior_mtbf_seconds": 0.5,
+            "keep_last": 20,
+        },
     )
     r = runs.run_launch(cfg, log=tmp_path / "c.log")
     assert r.returncode == 0, (tmp_path / "c.log").read_text()[-3000:]

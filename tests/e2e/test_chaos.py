@@ -156,7 +156,12 @@ CASES = [
     Case("sigkill_before_commit", "kill_before_commit@rank=0,step=6", (3,), never_committed=6),
     # The restart after a kill at step 8 is killed again while loading (step 6, or 3 if the
     # commit of 6 had not landed yet).
-    Case("sigkill_during_load", "kill@rank=1,step=8;kill_in_load@rank=1,step=6,restart=1;kill_in_load@rank=1,step=3,restart=1", (3, 6), restarts=2),
+    Case(
+        "sigkill_during_load",
+        "kill@rank=1,step=8;kill_in_load@rank=1,step=6,restart=1;kill_in_load@rank=1,step=3,restart=1",
+        (3, 6),
+        restarts=2,
+    ),
     # Rank 1 SIGSTOPs itself at the start of step 8 (a silent hang); the watchdog must kill it
     # within elastic.hang_timeout_seconds and the group restart.
     # (soak: test_watchdog and test_own_script reap a hung rank in every run)
@@ -183,7 +188,10 @@ def test_chaos_case(case: Case, reference, token_file, tmp_path):
         committed = {s for s, _ in committed_before(events)}
         # Re-run after the resume, the step commits again; before the restart it must not have.
         first_restart = restarts[0]["time"]
-        assert not any(e["event"] == "checkpoint_committed" and e["step"] == case.never_committed and e["time"] < first_restart for e in events)
+        assert not any(
+            e["event"] == "checkpoint_committed" and e["step"] == case.never_committed and e["time"] < first_restart
+            for e in events
+        )
         assert case.never_committed in committed  # committed by the second incarnation
     recs = record(case.name, events)
     assert recs and all(r["recovery_s"] > 0 for r in recs)
@@ -199,7 +207,9 @@ def test_truncated_newest_checkpoint(reference, token_file, tmp_path):
     relaunch must skip it (``checkpoint_skipped``) and resume from the one before."""
     run_dir = tmp_path / "run"
     cfg = runs.write_config(tmp_path / "case.toml", token_file, run_dir, **CHAOS)
-    first = runs.run_launch(cfg, "--max-restarts", "0", timeout=TIMEOUT, env={"ELASTIC_TRAINER_INJECT_FAULT": "raise@rank=0,step=11"})
+    first = runs.run_launch(
+        cfg, "--max-restarts", "0", timeout=TIMEOUT, env={"ELASTIC_TRAINER_INJECT_FAULT": "raise@rank=0,step=11"}
+    )
     assert first.returncode == 1, (tmp_path / "case.log").read_text()[-3000:]
     commits = sorted({e["step"] for e in runs.read_events(run_dir, "checkpoint_committed")})
     assert len(commits) >= 2, commits
@@ -229,7 +239,11 @@ def _draw(rng: random.Random) -> tuple[str, Case]:
     elif kind == "kill_in_load":
         step = rng.randrange(4, STEPS)
         loaded = (step - 1) // 3 * 3
-        fault = f"kill@rank={rank},step={step};kill_in_load@rank={rng.randrange(2)},step={loaded},restart=1" if loaded else f"kill@rank={rank},step={step}"
+        fault = (
+            f"kill@rank={rank},step={step};kill_in_load@rank={rng.randrange(2)},step={loaded},restart=1"
+            if loaded
+            else f"kill@rank={rank},step={step}"
+        )
     else:
         step = rng.randrange(1, STEPS + 1)
         fault = f"{kind}@rank={rank},step={step}"
@@ -244,7 +258,9 @@ ROUNDS = 25 if os.environ.get("ELASTIC_TRAINER_SOAK") == "1" else 1
 def test_random_faults(round_, reference, token_file, tmp_path):
     seed = int(os.environ.get("ELASTIC_TRAINER_CHAOS_SEED", str(time.time_ns() % 1_000_000_007))) + round_
     fault, case = _draw(random.Random(seed))
-    print(f"\nchaos random round {round_}: seed={seed} fault={fault} (replay: ELASTIC_TRAINER_CHAOS_SEED={seed - round_})")
+    print(
+        f"\nchaos random round {round_}: seed={seed} fault={fault} (replay: ELASTIC_TRAINER_CHAOS_SEED={seed - round_})"
+    )
     run_dir, proc = run_with_fault(tmp_path, token_file, fault)
     assert proc.returncode == 0, f"seed={seed} fault={fault}\n" + (tmp_path / "case.log").read_text()[-4000:]
     events = check_run(run_dir, reference)

@@ -22,7 +22,9 @@ SCRIPT = str(runs.REPO / "tests" / "e2e" / "run_scripts" / "evolve_script.py")
 NO_LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _run(how: str, run_dir, ckpt, *script_args: str, nproc: int = 2, max_restarts: int = 2) -> subprocess.CompletedProcess:
+def _run(
+    how: str, run_dir, ckpt, *script_args: str, nproc: int = 2, max_restarts: int = 2
+) -> subprocess.CompletedProcess:
     """The script as one process (``python``), under plain ``torchrun`` or under ``run``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     script = [SCRIPT, "--run-dir", str(run_dir), "--ckpt", str(ckpt), *script_args]
@@ -33,8 +35,23 @@ def _run(how: str, run_dir, ckpt, *script_args: str, nproc: int = 2, max_restart
     elif how == "torchrun":
         args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *script]
     else:
-        args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={ckpt}", "--set", "metrics.port=0",
-                "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", *script]
+        args = [
+            *runs.CLI,
+            "run",
+            "--set",
+            f"run.dir={run_dir}",
+            "--set",
+            f"checkpoint.dir={ckpt}",
+            "--set",
+            "metrics.port=0",
+            "--nproc-per-node",
+            str(nproc),
+            "--max-restarts",
+            str(max_restarts),
+            "--monitor-interval",
+            "0.2",
+            *script,
+        ]
     return subprocess.run(args, capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=240)
 
 
@@ -91,7 +108,9 @@ def test_another_optimizer_type_is_incompatible_and_a_removed_stateful_is_ignore
     ckpt = tmp_path / "ckpt"
     shutil.copytree(base, ckpt)
     r = _run("python", tmp_path / "run", ckpt, "--steps", "12", "--sgd")
-    assert r.returncode == 2 and "torch.optim.adamw.AdamW" in r.stderr and "torch.optim.sgd.SGD" in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 2 and "torch.optim.adamw.AdamW" in r.stderr and "torch.optim.sgd.SGD" in r.stderr, r.stderr[
+        -3000:
+    ]
     assert "momentum_buffer missing from the checkpoint" in r.stderr
     # A run with a counter, then the counter removed from the code: ignored, named in an event.
     r = _run("python", tmp_path / "run", ckpt, "--steps", "15", "--counter", "optional")
@@ -114,13 +133,23 @@ def test_every_commit_quarantined_exits_2_and_release_lifts_a_good_one(tmp_path,
     assert r.returncode == 0, r.stderr[-3000:]
     assert runs.read_events(tmp_path / "run", "resume")[0]["step"] == 5
     reason = json.loads((ckpt / "step-00000010" / layout.QUARANTINE).read_text())["reason"]
-    assert "checksum mismatch" in reason and "\n" not in reason and "Traceback" not in reason and "/" not in reason.split(":", 1)[1], reason
+    assert (
+        "checksum mismatch" in reason
+        and "\n" not in reason
+        and "Traceback" not in reason
+        and "/" not in reason.split(":", 1)[1]
+    ), reason
     # Step 5 quarantined too (as a storage blip, or an older version, might have): the next start stops.
     Catalog(open_storage(str(ckpt))).quarantine("step-00000005", "load failed: OSError: connection reset")
     before = _dirs(ckpt)
     r = _run("python", tmp_path / "run2", ckpt, "--steps", "12")
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "none can be loaded" in r.stderr and "step-00000005" in r.stderr and "step-00000010" in r.stderr and "ckpt release" in r.stderr
+    assert (
+        "none can be loaded" in r.stderr
+        and "step-00000005" in r.stderr
+        and "step-00000010" in r.stderr
+        and "ckpt release" in r.stderr
+    )
     assert _dirs(ckpt) == before and not runs.read_events(tmp_path / "run2", "step"), "nothing trained, nothing written"
     # Release refuses the damaged one and lifts the good one; the next start resumes from it.
     release = [*runs.CLI, "ckpt", "release", str(ckpt), "--step"]
@@ -154,20 +183,53 @@ def test_run_checks_storage_and_local_dir_before_any_worker_starts(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     cases = {
-        "unreachable S3 endpoint": ["--set", "checkpoint.dir=s3://nobucket/x", "--set", f"checkpoint.s3_endpoint_url=http://127.0.0.1:{_closed_port()}",
-                                    "--set", "checkpoint.storage_timeout_seconds=2", "--set", "checkpoint.storage_retries=0"],
+        "unreachable S3 endpoint": [
+            "--set",
+            "checkpoint.dir=s3://nobucket/x",
+            "--set",
+            f"checkpoint.s3_endpoint_url=http://127.0.0.1:{_closed_port()}",
+            "--set",
+            "checkpoint.storage_timeout_seconds=2",
+            "--set",
+            "checkpoint.storage_retries=0",
+        ],
         "unwritable checkpoint.dir": ["--set", f"checkpoint.dir={blocker}/ckpt"],
-        "unwritable checkpoint.local_dir": ["--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", f"checkpoint.local_dir={blocker}/local"],
+        "unwritable checkpoint.local_dir": [
+            "--set",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "--set",
+            f"checkpoint.local_dir={blocker}/local",
+        ],
     }
-    env = runs.env_for_tests({"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"})
+    env = runs.env_for_tests(
+        {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}
+    )
     for what, sets in cases.items():
         run_dir = tmp_path / what.replace(" ", "-")
-        args = [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", "metrics.port=0", *sets, "--nproc-per-node", "2", SCRIPT,
-                "--run-dir", str(run_dir), "--ckpt", str(tmp_path / "ckpt"), "--steps", "2"]
+        args = [
+            *runs.CLI,
+            "run",
+            "--set",
+            f"run.dir={run_dir}",
+            "--set",
+            "metrics.port=0",
+            *sets,
+            "--nproc-per-node",
+            "2",
+            SCRIPT,
+            "--run-dir",
+            str(run_dir),
+            "--ckpt",
+            str(tmp_path / "ckpt"),
+            "--steps",
+            "2",
+        ]
         r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=120)
         key = "checkpoint.local_dir" if "local_dir" in what else "checkpoint.dir"
         assert r.returncode == 2 and f"config error at '{key}'" in r.stderr, (what, r.stderr[-2000:])
-        assert not runs.read_events(run_dir, "start") and not runs.read_events(run_dir, "workers_started"), f"{what}: no worker may start"
+        assert not runs.read_events(run_dir, "start") and not runs.read_events(run_dir, "workers_started"), (
+            f"{what}: no worker may start"
+        )
 
 
 def _closed_port() -> int:

@@ -77,8 +77,19 @@ def test_lose_a_node_then_grow_back(store, token_file, tmp_path):
 
     def node(name: str) -> subprocess.Popen:
         return runs.start_launch(
-            cfg, "--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-endpoint", store, "--rdzv-id", "scale",
-            "--local-addr", ADDR[name], env={"ELASTIC_TRAINER_NODE": name}, log=tmp_path / f"{name}.log",
+            cfg,
+            "--nnodes",
+            "1:3",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-endpoint",
+            store,
+            "--rdzv-id",
+            "scale",
+            "--local-addr",
+            ADDR[name],
+            env={"ELASTIC_TRAINER_NODE": name},
+            log=tmp_path / f"{name}.log",
         )
 
     a, b = node("a"), node("b")
@@ -90,8 +101,12 @@ def test_lose_a_node_then_grow_back(store, token_file, tmp_path):
         killed_at = time.time()
         os.kill(a.pid, signal.SIGKILL)  # the node's supervisor only: its worker must follow
         a.wait(10)
-        runs.wait_for(lambda: not any(alive(p) for p in doomed), 10, "the lost node's worker to die with its supervisor")
-        shrunk = runs.wait_event(run_dir, "step", 120, b, where=lambda r: r["world_size"] == 1 and r["time"] > killed_at)
+        runs.wait_for(
+            lambda: not any(alive(p) for p in doomed), 10, "the lost node's worker to die with its supervisor"
+        )
+        shrunk = runs.wait_event(
+            run_dir, "step", 120, b, where=lambda r: r["world_size"] == 1 and r["time"] > killed_at
+        )
 
         joined_at = time.time()
         c = node("c")
@@ -122,6 +137,9 @@ def test_lose_a_node_then_grow_back(store, token_file, tmp_path):
 
     shrink_s, grow_s = shrunk["time"] - killed_at, grown["time"] - joined_at
     record("node_loss_and_return", events, shrink_s=round(shrink_s, 2), grow_s=round(grow_s, 2))
-    print(f"\nscale: node lost → first step at world 1 after {shrink_s:.1f}s; " f"newcomer started → first step at world 2 after {grow_s:.1f}s")
+    print(
+        f"\nscale: node lost → first step at world 1 after {shrink_s:.1f}s; "
+        f"newcomer started → first step at world 2 after {grow_s:.1f}s"
+    )
     # ~7 s and ~9 s on an idle 2-core machine; generous bounds for a loaded CI box.
     assert shrink_s < 30 and grow_s < 40

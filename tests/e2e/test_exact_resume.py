@@ -47,8 +47,13 @@ def _killed_twice_matches_uninterrupted(tmp_path: Path, data_path: str, **sectio
     for name, env in (("ref", None), ("killed", {"ELASTIC_TRAINER_INJECT_FAULT": TWO_KILLS})):
         run_dir = tmp_path / name
         cfg = write_config(
-            tmp_path / f"{name}.toml", data_path, run_dir,
-            train={"steps": STEPS}, checkpoint={"interval_steps": 3, "keep_last": 5}, elastic={"max_restarts": 2}, **sections,
+            tmp_path / f"{name}.toml",
+            data_path,
+            run_dir,
+            train={"steps": STEPS},
+            checkpoint={"interval_steps": 3, "keep_last": 5},
+            elastic={"max_restarts": 2},
+            **sections,
         )
         r = _launch(cfg, env)
         assert r.returncode == 0, cfg.with_suffix(".log").read_text()[-4000:]
@@ -76,7 +81,12 @@ def test_hf_model_with_attention_dropout_resumes_bitwise_after_sigkills(tmp_path
     conf["attention_dropout"] = 0.1
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(conf))
-    model = {"factory": "elastic_trainer.models.hf:causal_lm", "hf_config": str(tmp_path / "hf"), "vocab_size": 512, "seq_len": 32}
+    model = {
+        "factory": "elastic_trainer.models.hf:causal_lm",
+        "hf_config": str(tmp_path / "hf"),
+        "vocab_size": 512,
+        "seq_len": 32,
+    }
     _killed_twice_matches_uninterrupted(tmp_path, token_file, model=model)
 
 
@@ -137,7 +147,9 @@ def test_a_glob_that_gains_a_file_resumes_on_the_files_of_the_first_start(tmp_pa
     log.write_text("")
     assert _launch(cfg).returncode == 2, log.read_text()[-3000:]
     lines = [ln for ln in log.read_text().splitlines() if "config error" in ln]
-    assert lines and "config error at 'data.path'" in lines[-1] and f"{data_dir / 'part-0.parquet'} is gone" in lines[-1], log.read_text()[-3000:]
+    assert (
+        lines and "config error at 'data.path'" in lines[-1] and f"{data_dir / 'part-0.parquet'} is gone" in lines[-1]
+    ), log.read_text()[-3000:]
     assert len(read_events(run, "start")) == starts, "a worker started"
 
 
@@ -146,7 +158,11 @@ def _bad_launch(tmp_path: Path, data_path: str) -> subprocess.CompletedProcess:
     cfg = write_config(tmp_path / "c.toml", data_path, run_dir)
     proc = subprocess.run(
         [sys.executable, "-m", "elastic_trainer.cli", "launch", str(cfg), "--nproc-per-node", "2"],
-        capture_output=True, text=True, env=env_for_tests(), cwd=REPO, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env_for_tests(),
+        cwd=REPO,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert not read_events(run_dir, "start"), "a worker started"
@@ -159,7 +175,9 @@ def test_a_bad_token_id_far_into_the_file_stops_the_launch(tmp_path):
     tokens.tofile(tmp_path / "t.bin")
     err = _bad_launch(tmp_path, str(tmp_path / "t.bin")).stderr
     line = [ln for ln in err.splitlines() if "config error" in ln]
-    assert line and "config error at 'model.vocab_size'" in line[-1] and "token id 300 at token 1052897" in line[-1], err[-3000:]
+    assert line and "config error at 'model.vocab_size'" in line[-1] and "token id 300 at token 1052897" in line[-1], (
+        err[-3000:]
+    )
 
 
 def test_an_empty_token_file_stops_the_launch(tmp_path):

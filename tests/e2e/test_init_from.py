@@ -57,10 +57,19 @@ def hf_loss_of_first_batch(model_dir, token_file) -> float:
 
 def config(tmp_path, token_file, init_from, **train):
     run_dir = tmp_path / "run"
-    model = {"factory": "elastic_trainer.models.hf:causal_lm", "hf_config": str(HF_CONFIG), "vocab_size": 512, "seq_len": SEQ, "init_from": str(init_from)}
+    model = {
+        "factory": "elastic_trainer.models.hf:causal_lm",
+        "hf_config": str(HF_CONFIG),
+        "vocab_size": 512,
+        "seq_len": SEQ,
+        "init_from": str(init_from),
+    }
     return write_config(
-        tmp_path / "ft.toml", token_file, run_dir,
-        model=model, train={"steps": 2, "global_batch_size": GLOBAL, "micro_batch_size": 2, "seed": SEED, **train},
+        tmp_path / "ft.toml",
+        token_file,
+        run_dir,
+        model=model,
+        train={"steps": 2, "global_batch_size": GLOBAL, "micro_batch_size": 2, "seed": SEED, **train},
         checkpoint={"interval_steps": 1, "mode": "sync"},
     ), run_dir
 

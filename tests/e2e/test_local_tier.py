@@ -23,7 +23,14 @@ SAVES = {"interval_steps": 2, "keep_last": 10}
 def _run(tmp_path: Path, token_file: str, name: str, fault: str | None, local: bool) -> Path:
     run_dir = tmp_path / name
     ckpt = dict(SAVES, **({"local_dir": str(tmp_path / f"{name}-local"), "remote_every": 3} if local else {}))
-    cfg = write_config(tmp_path / f"{name}.toml", token_file, run_dir, train={"steps": STEPS}, checkpoint=ckpt, elastic={"max_restarts": 1})
+    cfg = write_config(
+        tmp_path / f"{name}.toml",
+        token_file,
+        run_dir,
+        train={"steps": STEPS},
+        checkpoint=ckpt,
+        elastic={"max_restarts": 1},
+    )
     r = run_launch(cfg, "--nproc-per-node", "2", env={"ELASTIC_TRAINER_INJECT_FAULT": fault} if fault else None)
     assert r.returncode == 0, cfg.with_suffix(".log").read_text()[-4000:]
     return run_dir

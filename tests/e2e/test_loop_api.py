@@ -25,7 +25,9 @@ def test_sigint_to_launch_commits_the_final_step_and_exits_75(tmp_path, token_fi
     """Ctrl-C sends SIGINT to the supervisor's process group: the workers stop at the next step
     boundary with the final step committed (it was step 10's save at a save every 10 steps)."""
     run = tmp_path / "run"
-    cfg = runs.write_config(tmp_path / "c.toml", token_file, run, train={"steps": 400}, checkpoint={"interval_steps": 10})
+    cfg = runs.write_config(
+        tmp_path / "c.toml", token_file, run, train={"steps": 400}, checkpoint={"interval_steps": 10}
+    )
     sup = runs.start_launch(cfg)
     try:
         runs.wait_event(run, "step", 180, sup, where=lambda r: r["step"] >= 12)
@@ -44,9 +46,19 @@ def test_a_final_save_that_fails_exits_74_with_an_event(tmp_path):
     ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
     ckpt.mkdir()
     (ckpt / "step-00000004").write_text("a file where the final save's directory must go")
-    env = {k: v for k, v in runs.env_for_tests().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    r = subprocess.run([sys.executable, EVOLVE, "--steps", "4", "--ckpt", str(ckpt), "--run-dir", str(run_dir)], capture_output=True, text=True, env=env,
-                       cwd=runs.REPO, timeout=120)
+    env = {
+        k: v
+        for k, v in runs.env_for_tests().items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    r = subprocess.run(
+        [sys.executable, EVOLVE, "--steps", "4", "--ckpt", str(ckpt), "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=runs.REPO,
+        timeout=120,
+    )
     assert r.returncode == 74, r.stderr[-3000:]
     (ev,) = runs.read_events(run_dir, "final_checkpoint_failed")
     assert ev["step"] == 4 and ev["last_committed_step"] is None
@@ -55,25 +67,70 @@ def test_a_final_save_that_fails_exits_74_with_an_event(tmp_path):
 
 def test_run_without_config_uses_the_scripts_own_paths_and_refuses_a_disagreeing_script(tmp_path):
     args = [*runs.CLI, "run", "--set", "metrics.port=0", "--nproc-per-node", "2", "--monitor-interval", "0.2"]
-    r = subprocess.run([*args, EXAMPLE, "--steps", "5", "--dropout", "0"], capture_output=True, text=True, env=runs.env_for_tests(), cwd=tmp_path, timeout=240)
+    r = subprocess.run(
+        [*args, EXAMPLE, "--steps", "5", "--dropout", "0"],
+        capture_output=True,
+        text=True,
+        env=runs.env_for_tests(),
+        cwd=tmp_path,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     own = tmp_path / "runs" / "train_fsdp"
     assert not (tmp_path / "runs" / "demo").exists(), "the demo's paths are never used"
     assert runs.read_events(own, "finished") and Catalog(open_storage(str(own / "checkpoints"))).head().step == 5
     assert runs.read_events(own, "launch"), "the supervisor's events and the script's are one log"
     # The script asks for another checkpoint root than its supervisor's: exit 2, one attempt.
-    r = subprocess.run([*args, "--max-restarts", "2", EVOLVE, "--steps", "2", "--ckpt", str(tmp_path / "elsewhere"), "--run-dir", "runs/evolve_script"],
-                       capture_output=True, text=True, env=runs.env_for_tests(), cwd=tmp_path, timeout=240)
-    assert r.returncode == 2 and "config error at 'checkpoint.dir'" in r.stderr and "supervisor" in r.stderr, r.stderr[-3000:]
+    r = subprocess.run(
+        [
+            *args,
+            "--max-restarts",
+            "2",
+            EVOLVE,
+            "--steps",
+            "2",
+            "--ckpt",
+            str(tmp_path / "elsewhere"),
+            "--run-dir",
+            "runs/evolve_script",
+        ],
+        capture_output=True,
+        text=True,
+        env=runs.env_for_tests(),
+        cwd=tmp_path,
+        timeout=240,
+    )
+    assert r.returncode == 2 and "config error at 'checkpoint.dir'" in r.stderr and "supervisor" in r.stderr, r.stderr[
+        -3000:
+    ]
     assert not runs.read_events(tmp_path / "runs" / "evolve_script", "restart")
     assert not (tmp_path / "elsewhere").exists()
 
 
 @pytest.mark.s3
 def test_the_own_script_s3_command_writes_to_the_configured_root(tmp_path, s3_server, s3_bucket):
-    env = runs.env_for_tests({"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key, "AWS_DEFAULT_REGION": s3_server.region})
-    args = [*runs.CLI, "run", "--nproc-per-node", "2", "--set", f"checkpoint.dir=s3://{s3_bucket}/run", "--set", f"checkpoint.s3_endpoint_url={s3_server.endpoint_url}",
-            "--set", "metrics.port=0", EXAMPLE, "--steps", "5"]
+    env = runs.env_for_tests(
+        {
+            "AWS_ACCESS_KEY_ID": s3_server.access_key,
+            "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+            "AWS_DEFAULT_REGION": s3_server.region,
+        }
+    )
+    args = [
+        *runs.CLI,
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--set",
+        f"checkpoint.dir=s3://{s3_bucket}/run",
+        "--set",
+        f"checkpoint.s3_endpoint_url={s3_server.endpoint_url}",
+        "--set",
+        "metrics.port=0",
+        EXAMPLE,
+        "--steps",
+        "5",
+    ]
     r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     fs = s3_server.fs()

@@ -35,7 +35,12 @@ SHRINK_BOUND_S = 10.0
 
 
 def demo_sets(run_dir: Path, token_file: str, steps: int = SCHEDULE_STEPS) -> list[str]:
-    sets = [f"run.dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}", f"data.path={token_file}", f"train.steps={steps}"]
+    sets = [
+        f"run.dir={run_dir}",
+        f"checkpoint.dir={run_dir / 'ckpt'}",
+        f"data.path={token_file}",
+        f"train.steps={steps}",
+    ]
     return [a for s in sets for a in ("--set", s)]
 
 
@@ -54,7 +59,14 @@ def after(events: list[dict], t: float, name: str, **match) -> list[dict]:
     return [e for e in events if e["event"] == name and e["time"] > t and all(e.get(k) == v for k, v in match.items())]
 
 
-def two_nodes(netcluster, token_file: str, tmp_path: Path, nnodes: str = "1:2", steps: int = SCHEDULE_STEPS, network=lambda cluster: None):
+def two_nodes(
+    netcluster,
+    token_file: str,
+    tmp_path: Path,
+    nnodes: str = "1:2",
+    steps: int = SCHEDULE_STEPS,
+    network=lambda cluster: None,
+):
     """The store and nodes ``a`` (rank 0) and ``b`` running the demo, one worker each;
     ``network(cluster)`` runs before anything starts. Returns (cluster, job, run_dir, a, b)."""
     cluster = netcluster(["store", "a", "b"])
@@ -89,7 +101,10 @@ def test_link_cut_mid_step_then_back(netcluster, token_file, tmp_path):
 
     events = runs.read_events(run_dir)
     shrink_s = shrunk["time"] - cut
-    print(f"\nnetcluster: link cut → first step at world 1 after {shrink_s:.1f}s; " f"link back → world 2 after {grown['time'] - restored:.1f}s")
+    print(
+        f"\nnetcluster: link cut → first step at world 1 after {shrink_s:.1f}s; "
+        f"link back → world 2 after {grown['time'] - restored:.1f}s"
+    )
     assert shrink_s <= SHRINK_BOUND_S, f"first step at world 1 {shrink_s:.1f}s after the cut (bound {SHRINK_BOUND_S}s)"
 
     # Detected by liveness on both sides, as membership changes (no restart used up).
@@ -98,11 +113,15 @@ def test_link_cut_mid_step_then_back(netcluster, token_file, tmp_path):
     isolated = after(events, cut, "node_lost", node="a")
     assert isolated and isolated[0]["reason"] == "isolated" and isolated[0]["no_contact_seconds"] >= 3, isolated
     restarts = after(events, cut, "restart")
-    assert restarts and all(r["reason"] == "membership_change" and r["remaining_restarts"] == 3 for r in restarts), restarts
+    assert restarts and all(r["reason"] == "membership_change" and r["remaining_restarts"] == 3 for r in restarts), (
+        restarts
+    )
 
     # Fencing: the cut-off node's workers (rank 0, the committer) were stopped before the
     # survivor's new group started, and every commit after the cut is the new groups'.
-    old_workers = [e["pids"] for e in events if e["event"] == "workers_started" and e["node"] == "a" and e["time"] < cut][-1]
+    old_workers = [
+        e["pids"] for e in events if e["event"] == "workers_started" and e["node"] == "a" and e["time"] < cut
+    ][-1]
     assert isolated[0]["killed"] == old_workers, (isolated[0], old_workers)
     starts = after(events, cut, "start")
     assert isolated[0]["time"] < starts[0]["time"], "the cut-off node's workers still ran when the new group started"
@@ -144,7 +163,9 @@ def test_faults_and_teardown(tmp_path):
             proc = cluster.popen("a", ["sleep", "300"], tmp_path / "sleep.log")
             assert _reaches(cluster, "a", "b") and _reaches(cluster, "a", "store")
             cluster.partition("a", "b")
-            assert not _reaches(cluster, "a", "b") and not _reaches(cluster, "b", "a") and _reaches(cluster, "a", "store")
+            assert (
+                not _reaches(cluster, "a", "b") and not _reaches(cluster, "b", "a") and _reaches(cluster, "a", "store")
+            )
             cluster.heal()
             cluster.silence("b")
             assert not _reaches(cluster, "a", "b") and not _reaches(cluster, "store", "b")
@@ -196,7 +217,9 @@ def test_store_partition_then_heal(netcluster, token_file, tmp_path):
     preempt(job, a, b)
 
     events = runs.read_events(run_dir)
-    assert not [e for e in events if e["event"] == "step" and quiet_from < e["time"] < healed], "a group trained while the store was unreachable"
+    assert not [e for e in events if e["event"] == "step" and quiet_from < e["time"] < healed], (
+        "a group trained while the store was unreachable"
+    )
     newest = max(e["step"] for e in events if e["event"] == "checkpoint_committed" and e["time"] < healed)
     [resume] = [e for e in events if e["event"] == "resume" and e["time"] > healed][:1]
     assert resume["step"] == newest and resumed["step"] == newest + 1, (resume, newest)
@@ -218,7 +241,18 @@ def test_slow_lossy_object_store(netcluster, token_file, tmp_path):
     (root / "data").mkdir(parents=True)
     key, secret = "AKNETCLUSTER", "netcluster-secret-key"
     s3fix._write_identity(root / "s3.json", key, secret)  # noqa: SLF001
-    names = ["master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc", "admin", "admin_grpc"]
+    names = [
+        "master",
+        "master_grpc",
+        "volume",
+        "volume_grpc",
+        "filer",
+        "filer_grpc",
+        "s3",
+        "s3_grpc",
+        "admin",
+        "admin_grpc",
+    ]
     ports = {n: 18000 + i for i, n in enumerate(names)}  # inside the s3 host's own namespace
     cluster.popen("s3", s3fix._weed_argv(weed, root, root / "s3.json", ports, ip=addr), tmp_path / "weed.log", cwd=root)  # noqa: SLF001
     endpoint = f"http://{addr}:{ports['s3']}"
@@ -230,14 +264,21 @@ def test_slow_lossy_object_store(netcluster, token_file, tmp_path):
         "    except Exception: time.sleep(0.2)\n"
         "sys.exit(1)\n"
     )
-    assert cluster.exec("a", sys.executable, "-c", make_bucket, check=False).returncode == 0, (tmp_path / "weed.log").read_text()[-2000:]
+    assert cluster.exec("a", sys.executable, "-c", make_bucket, check=False).returncode == 0, (
+        tmp_path / "weed.log"
+    ).read_text()[-2000:]
     cluster.rate_limit("s3", 24)
     cluster.packet_loss(5, ["s3"])
 
     run_dir = tmp_path / "run"
     job = ClusterJob(cluster, runs.CLI, DEMO, tmp_path, runs.env_for_tests(env), runs.REPO, nnodes="2:2")
     job.start_store()
-    sets = demo_sets(run_dir, token_file, steps=60) + ["--set", "checkpoint.dir=s3://ckpt/run", "--set", f"checkpoint.s3_endpoint_url={endpoint}"]
+    sets = demo_sets(run_dir, token_file, steps=60) + [
+        "--set",
+        "checkpoint.dir=s3://ckpt/run",
+        "--set",
+        f"checkpoint.s3_endpoint_url={endpoint}",
+    ]
     a, b = job.node("a", *sets), job.node("b", *sets)
     assert b.wait(600) == 0, job.log("b")
     assert a.wait(60) == 0, job.log("a")

@@ -6,6 +6,7 @@
   non-zero; after ``run.dir`` is deleted, ``report`` on the checkpoint root gives the same summary;
 * two concurrent runs scraped by one Prometheus stay separate in every dashboard query.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,14 @@ def _panel_query(title: str) -> str:
 
 
 def _report(target: str) -> dict:
-    r = subprocess.run([*runs.CLI, "report", target, "--json", "--out", str(Path(target).parent / f"{Path(target).name}.png")],
-                       capture_output=True, text=True, timeout=120, env=runs.env_for_tests(), cwd=runs.REPO)
+    r = subprocess.run(
+        [*runs.CLI, "report", target, "--json", "--out", str(Path(target).parent / f"{Path(target).name}.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=runs.env_for_tests(),
+        cwd=runs.REPO,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -45,7 +52,10 @@ def test_goodput_straggler_and_history_through_prometheus(tmp_path, token_file, 
     port = free_port()
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     config = runs.write_config(
-        tmp_path / "run.toml", token_file, run_dir, str(ckpt),
+        tmp_path / "run.toml",
+        token_file,
+        run_dir,
+        str(ckpt),
         run={"name": "ops-a"},
         model={"seq_len": 128, "dim": 128, "n_layers": 4, "n_heads": 4},
         train={"steps": STEPS, "global_batch_size": 16, "micro_batch_size": 4, "log_every": 10},
@@ -79,9 +89,13 @@ def test_goodput_straggler_and_history_through_prometheus(tmp_path, token_file, 
         runs.stop(sup)
 
     # 3. The last scrape of the live ledger against the accounting of the same events.
-    data = prom.api("/api/v1/query", query='elastic_trainer_wall_seconds{run="ops-a"}[10m]', time=str(time.time()))["result"]
+    data = prom.api("/api/v1/query", query='elastic_trainer_wall_seconds{run="ops-a"}[10m]', time=str(time.time()))[
+        "result"
+    ]
     last_ts = min(float(s["values"][-1][0]) for s in data)
-    live = {s["metric"]["category"]: float(next(v for t, v in reversed(s["values"]) if float(t) <= last_ts)) for s in data}
+    live = {
+        s["metric"]["category"]: float(next(v for t, v in reversed(s["values"]) if float(t) <= last_ts)) for s in data
+    }
     assert set(live) == set(CATEGORIES)
     ledger = Ledger()
     for e in runs.read_events(run_dir):
@@ -92,7 +106,9 @@ def test_goodput_straggler_and_history_through_prometheus(tmp_path, token_file, 
     assert abs(wall - ref.wall_seconds) <= 0.01 * ref.wall_seconds, (wall, ref.wall_seconds)
     for cat in CATEGORIES:
         assert abs(live[cat] - ref.categories[cat]) <= 0.01 * ref.wall_seconds, (cat, live[cat], ref.categories[cat])
-    ratio = prom.api("/api/v1/query", query='elastic_trainer_goodput_ratio{run="ops-a"}[10m]', time=str(time.time()))["result"][0]["values"]
+    ratio = prom.api("/api/v1/query", query='elastic_trainer_goodput_ratio{run="ops-a"}[10m]', time=str(time.time()))[
+        "result"
+    ][0]["values"]
     g_live = float(next(v for t, v in reversed(ratio) if float(t) <= last_ts))
     assert abs(g_live - ref.goodput) <= 0.01, (g_live, ref.goodput)
     for cat in ("productive", "recompute", "restart", "rendezvous", "startup", "checkpoint_load", "checkpoint_stall"):
@@ -101,7 +117,10 @@ def test_goodput_straggler_and_history_through_prometheus(tmp_path, token_file, 
     # The final report also counts the time after the last scrape (the last steps, the exit),
     # which can move the ratio by at most that share of the wall time.
     tail = max(0.0, final["goodput"]["wall_seconds"] - ref.wall_seconds) / final["goodput"]["wall_seconds"]
-    assert abs(final["goodput"]["goodput"] - g_live) <= tail + 0.01, ("the final report is close to the last scrape too", tail)
+    assert abs(final["goodput"]["goodput"] - g_live) <= tail + 0.01, (
+        "the final report is close to the last scrape too",
+        tail,
+    )
 
     # 4. run.dir deleted: the report from the checkpoint root is the same.
     shutil.rmtree(run_dir)
@@ -144,12 +163,20 @@ def test_two_concurrent_runs_stay_separate_in_every_dashboard_query(tmp_path, pr
     nodes = []
     try:
         for name, port in zip(("run-a", "run-b"), ports, strict=True):
-            p = subprocess.Popen([sys.executable, "-c", NODE, name, str(port), str(tmp_path / name)], stdout=subprocess.PIPE,
-                                 env=runs.env_for_tests(), text=True)
+            p = subprocess.Popen(
+                [sys.executable, "-c", NODE, name, str(port), str(tmp_path / name)],
+                stdout=subprocess.PIPE,
+                env=runs.env_for_tests(),
+                text=True,
+            )
             nodes.append(p)
             assert p.stdout.readline().strip() == "ready"
         prom = prometheus_server([f"127.0.0.1:{p}" for p in ports])
-        runs.wait_for(lambda: prom.value("count(rate(elastic_trainer_train_tokens_total[1m]) > 0)") == 2, 30, "both runs' counters to rise")
+        runs.wait_for(
+            lambda: prom.value("count(rate(elastic_trainer_train_tokens_total[1m]) > 0)") == 2,
+            30,
+            "both runs' counters to rise",
+        )
         for q in dashboard_queries(json.loads(DASHBOARD.read_text())):
             if q.startswith("elastic_trainer_rendezvous_rounds_total"):
                 continue  # the template variable's bare metric

@@ -13,21 +13,46 @@ from elastic_trainer.checkpoint.catalog import Catalog
 from elastic_trainer.storage.fs import open_storage
 from tests import runs
 
-PORTS = {"fsdp2_transformer": runs.REPO / "examples" / "fsdp2_transformer.py", "hf_causal_lm": runs.REPO / "examples" / "hf_causal_lm.py"}
+PORTS = {
+    "fsdp2_transformer": runs.REPO / "examples" / "fsdp2_transformer.py",
+    "hf_causal_lm": runs.REPO / "examples" / "hf_causal_lm.py",
+}
 STEPS = "10"
 
 
 def _args(tmp, name: str, port: str, nproc: int = 2, max_restarts: int = 0) -> tuple[list[str], object]:
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    return [*runs.CLI, "run", "--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={tmp / 'ckpt' / name}", "--set", "metrics.port=0",
-            "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", str(PORTS[port])], run_dir
+    return [
+        *runs.CLI,
+        "run",
+        "--set",
+        f"run.dir={run_dir}",
+        "--set",
+        f"checkpoint.dir={tmp / 'ckpt' / name}",
+        "--set",
+        "metrics.port=0",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.2",
+        str(PORTS[port]),
+    ], run_dir
 
 
 def _run(tmp, name, port, *script_args, env=None, **kw):
     args, run_dir = _args(tmp, name, port, **kw)
     with open(run_dir / "run.log", "ab") as out:
-        r = subprocess.run([*args, *script_args], stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(env), cwd=runs.REPO, timeout=300)
+        r = subprocess.run(
+            [*args, *script_args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=runs.env_for_tests(env),
+            cwd=runs.REPO,
+            timeout=300,
+        )
     return r, run_dir
 
 
@@ -39,7 +64,15 @@ def test_port_resumes_bitwise_after_sigkill_commits_on_sigterm_and_reshards(tmp_
     assert sorted(ref) == list(range(1, int(STEPS) + 1))
     # SIGKILL of a worker at step 7: restarted, resumed from step 5, bitwise the same losses.
     # Paced (0.2 s a step) so that step 5's async save has committed before the kill, on any machine.
-    r, kill_dir = _run(tmp_path, "kill", port, "--steps", STEPS, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=7;slow@rank=0,step=1,seconds=0.2"}, max_restarts=1)
+    r, kill_dir = _run(
+        tmp_path,
+        "kill",
+        port,
+        "--steps",
+        STEPS,
+        env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=7;slow@rank=0,step=1,seconds=0.2"},
+        max_restarts=1,
+    )
     assert r.returncode == 0, (kill_dir / "run.log").read_text()[-3000:]
     assert runs.read_events(kill_dir, "resume")[0]["step"] == 5
     assert runs.step_losses(kill_dir) == ref, "bitwise equal to the uninterrupted run"
@@ -47,7 +80,9 @@ def test_port_resumes_bitwise_after_sigkill_commits_on_sigterm_and_reshards(tmp_
     args, term_dir = _args(tmp_path, "term", port)
     # The same --steps as the reference: a schedule over the run's length (the HF port's linear
     # decay) must be the same schedule; paced (0.3 s a step) so the stop lands well before the end.
-    code = runs.signal_at_step([*args, "--steps", STEPS], term_dir, 3, env={"ELASTIC_TRAINER_INJECT_FAULT": "slow@rank=0,step=1,seconds=0.3"})
+    code = runs.signal_at_step(
+        [*args, "--steps", STEPS], term_dir, 3, env={"ELASTIC_TRAINER_INJECT_FAULT": "slow@rank=0,step=1,seconds=0.3"}
+    )
     (pre,) = runs.read_events(term_dir, "preempted")
     assert code == 75 and pre["committed"] is True, (term_dir / "run.log").read_text()[-3000:]
     head = Catalog(open_storage(str(tmp_path / "ckpt" / "term"))).head()

@@ -6,6 +6,7 @@ SIGKILLs rank 0 after a checkpoint commit, and sees the restart counter rise whi
 resumes and finishes. The live exposition passes ``promtool check metrics``, every dashboard
 query evaluates in Prometheus, and ``elastic-trainer report`` draws the run with its restart.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,7 +70,9 @@ def test_prometheus_scrapes_a_run_through_a_worker_kill(tmp_path, token_file, pr
         assert prom.wait_value("elastic_trainer_restarts_total", lambda v: v >= 1, 15) == 1
         assert prom.wait_value("elastic_trainer_rendezvous_rounds_total", lambda v: v >= 2, 10) == 2
         assert prom.value("elastic_trainer_recovery_seconds_count") == 1
-        after = prom.wait_value("elastic_trainer_train_step", lambda v: v > resume["step"], 20, "a step after the resume")
+        after = prom.wait_value(
+            "elastic_trainer_train_step", lambda v: v > resume["step"], 20, "a step after the resume"
+        )
         assert after > resume["step"]
         assert prom.value("elastic_trainer_train_samples_total") >= samples_before, "counters survive the restart"
         assert prom.value("increase(elastic_trainer_restarts_total[1m])") > 0
@@ -77,11 +80,15 @@ def test_prometheus_scrapes_a_run_through_a_worker_kill(tmp_path, token_file, pr
         # 3. The live exposition is valid, and every dashboard query evaluates in Prometheus.
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
             exposition = resp.read().decode()
-        check = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, text=True, timeout=60)
+        check = subprocess.run(
+            [promtool, "check", "metrics"], input=exposition, capture_output=True, text=True, timeout=60
+        )
         assert check.returncode == 0, check.stdout + check.stderr
         for q in dashboard_queries(json.loads(DASHBOARD.read_text())):
             prom.query(substitute(q))  # raises unless Prometheus answers "success"
-        assert prom.query(substitute('sum by (job) (rate(elastic_trainer_train_tokens_total{job=~"$job"}[$__rate_interval]))'))
+        assert prom.query(
+            substitute('sum by (job) (rate(elastic_trainer_train_tokens_total{job=~"$job"}[$__rate_interval]))')
+        )
         rules = [r for g in prom.rules() for r in g["rules"]]
         assert len(rules) >= 4 and all(r["health"] == "ok" for r in rules), rules
 
@@ -93,7 +100,12 @@ def test_prometheus_scrapes_a_run_through_a_worker_kill(tmp_path, token_file, pr
     # 5. The report of the run shows the restart and the whole loss curve.
     png = tmp_path / "report.png"
     r = subprocess.run(
-        [*runs.CLI, "report", str(run_dir), "--out", str(png), "--json"], capture_output=True, text=True, timeout=120, env=runs.env_for_tests(), cwd=runs.REPO
+        [*runs.CLI, "report", str(run_dir), "--out", str(png), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=runs.env_for_tests(),
+        cwd=runs.REPO,
     )
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)

@@ -40,7 +40,9 @@ def test_sigkill_and_resume_is_bitwise_identical(tmp_path, token_file, refs):
     restart = runs.read_events(tmp_path / "run", "restart")
     assert len(restart) == 1 and restart[0]["reason"] == "worker_failure"
     killed = [f for f in restart[0]["failures"] if f["exit_code"] == -9 or f.get("signal") == "SIGKILL"]
-    assert [f["local_rank"] for f in killed] == [1], f"the restart names the SIGKILLed rank 1 (one node: local = global rank): {restart[0]['failures']}"
+    assert [f["local_rank"] for f in killed] == [1], (
+        f"the restart names the SIGKILLed rank 1 (one node: local = global rank): {restart[0]['failures']}"
+    )
     (resume,) = runs.read_events(tmp_path / "run", "resume")
     assert resume["step"] == 5 and resume["world_size"] == 2
 
@@ -55,7 +57,9 @@ def test_resharding_resume_continues_the_loss_curve(tmp_path, token_file, refs, 
     cfg = runs.write_config(tmp_path / "c.toml", token_file, run, train={"steps": 10}, checkpoint={"interval_steps": 5})
     # The first incarnation dies (injected failure, no restarts) right after committing step 5.
     cfg5 = runs.write_config(tmp_path / "c5.toml", token_file, run, checkpoint={"interval_steps": 5})
-    r = runs.run_launch(cfg5, "--nproc-per-node", str(save_world), env={"ELASTIC_TRAINER_INJECT_FAULT": "raise@rank=0,step=6"})
+    r = runs.run_launch(
+        cfg5, "--nproc-per-node", str(save_world), env={"ELASTIC_TRAINER_INJECT_FAULT": "raise@rank=0,step=6"}
+    )
     assert r.returncode != 0 and _committed_steps(run / "ckpt") == [5]
     _launch_ok(cfg, "--nproc-per-node", str(load_world))
     (reshard,) = runs.read_events(run, "reshard")
@@ -81,7 +85,9 @@ def test_a_rank_that_raises_exits_fast_without_saving(tmp_path, token_file):
     assert elapsed < 120
     assert "injected failure on rank 1 at step 7" in failure["error"]
     assert _committed_steps(run / "ckpt") == [5], "latest committed checkpoint unchanged"
-    assert sorted(p.name for p in (run / "ckpt").iterdir() if not p.name.startswith("_")) == ["step-00000005"], "no save started on the failure path"
+    assert sorted(p.name for p in (run / "ckpt").iterdir() if not p.name.startswith("_")) == ["step-00000005"], (
+        "no save started on the failure path"
+    )
     assert not runs.read_events(run, "checkpoint_failed")
 
 

@@ -27,19 +27,46 @@ MODULE = "tests.e2e.run_scripts.dist_script"
 
 def run_args(run_dir: Path, *args: str, config: Path | None = None) -> list[str]:
     cfg = ["--config", str(config)] if config else []
-    return [*CLI, "run", *cfg, "--set", f"run.dir={run_dir}", "--set", "metrics.port=0", "--monitor-interval", "0.2", *args]
+    return [
+        *CLI,
+        "run",
+        *cfg,
+        "--set",
+        f"run.dir={run_dir}",
+        "--set",
+        "metrics.port=0",
+        "--monitor-interval",
+        "0.2",
+        *args,
+    ]
 
 
-def run(run_dir: Path, *args: str, env: dict | None = None, timeout: float = 120, config: Path | None = None) -> subprocess.CompletedProcess:
+def run(
+    run_dir: Path, *args: str, env: dict | None = None, timeout: float = 120, config: Path | None = None
+) -> subprocess.CompletedProcess:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "run.log", "ab") as out:
-        return subprocess.run(run_args(run_dir, *args, config=config), stdout=out, stderr=subprocess.STDOUT, env=env_for_tests(env), timeout=timeout, cwd=REPO)
+        return subprocess.run(
+            run_args(run_dir, *args, config=config),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env_for_tests(env),
+            timeout=timeout,
+            cwd=REPO,
+        )
 
 
 def start(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     run_dir.mkdir(parents=True, exist_ok=True)
     out = open(run_dir / "run.log", "ab")
-    return subprocess.Popen(run_args(run_dir, *args), stdout=out, stderr=subprocess.STDOUT, env=env_for_tests(env), cwd=REPO, start_new_session=True)
+    return subprocess.Popen(
+        run_args(run_dir, *args),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env_for_tests(env),
+        cwd=REPO,
+        start_new_session=True,
+    )
 
 
 def script_pids(supervisor_pid: int) -> list[int]:
@@ -90,7 +117,21 @@ def test_module_log_dir_and_redirects(tmp_path):
     """torchrun's -m, --log-dir and --redirects with torchrun's meaning."""
     out, logs = tmp_path / "out", tmp_path / "logs"
     out.mkdir()
-    p = run(tmp_path / "run", "--nproc-per-node", "2", "--log-dir", str(logs), "--redirects", "3", "--rdzv-id", "flags", "-m", MODULE, "ok", str(out))
+    p = run(
+        tmp_path / "run",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "3",
+        "--rdzv-id",
+        "flags",
+        "-m",
+        MODULE,
+        "ok",
+        str(out),
+    )
     assert p.returncode == 0, log_of(tmp_path / "run")
     assert result(out)["world"] == 2
     files = sorted(f.name for f in logs.rglob("*.log"))
@@ -109,7 +150,18 @@ def test_pet_variables_and_config_drive_the_launch(tmp_path):
     assert result(out, 1)["world"] == 2  # the config's max_restarts = 1 allowed one restart
     launch = read_events(tmp_path / "a", "launch")[0]
     assert (launch["nproc_per_node"], launch["max_restarts"]) == (2, 1)
-    p = run(tmp_path / "b", "--nproc-per-node", "1", "--max-restarts", "0", str(SCRIPT), "ok", str(out), config=cfg, env={"PET_NPROC_PER_NODE": "2"})
+    p = run(
+        tmp_path / "b",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "0",
+        str(SCRIPT),
+        "ok",
+        str(out),
+        config=cfg,
+        env={"PET_NPROC_PER_NODE": "2"},
+    )
     assert p.returncode == 0, log_of(tmp_path / "b")
     launch = read_events(tmp_path / "b", "launch")[0]
     assert (launch["nproc_per_node"], launch["max_restarts"]) == (1, 0)
@@ -137,7 +189,17 @@ def test_crash_is_restarted_then_exhausts_restarts(tmp_path):
 def test_hung_rank_is_reaped_and_the_group_restarted(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    p = run(tmp_path / "run", "--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT), "hang_once", str(out), timeout=180)
+    p = run(
+        tmp_path / "run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(SCRIPT),
+        "hang_once",
+        str(out),
+        timeout=180,
+    )
     assert p.returncode == 0, log_of(tmp_path / "run")
     (restart,) = read_events(tmp_path / "run", "restart")
     assert restart["reason"] == "worker_failure"
@@ -157,7 +219,20 @@ def test_preemption_exits_75(tmp_path, target):
     out.mkdir()
     port = free_port()
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "--set", f"metrics.port={port}", "--set", "metrics.host=127.0.0.1", "--nproc-per-node", "2", "--max-restarts", "0", str(SCRIPT), "preempt", str(out))
+    proc = start(
+        run_dir,
+        "--set",
+        f"metrics.port={port}",
+        "--set",
+        "metrics.host=127.0.0.1",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        str(SCRIPT),
+        "preempt",
+        str(out),
+    )
     pids: list[int] = []
     try:
         wait_for(lambda: (out / "ready-0").exists() and (out / "ready-1").exists(), 90, "both ranks ready", proc)
@@ -182,11 +257,25 @@ def test_preemption_exits_75(tmp_path, target):
 
 def test_bad_input_fails_before_start(tmp_path):
     env = env_for_tests()
-    r = subprocess.run([*CLI, "run", "--set", "elastic.max_restarts=-1", str(SCRIPT)], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    r = subprocess.run(
+        [*CLI, "run", "--set", "elastic.max_restarts=-1", str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+    )
     assert r.returncode == 2 and "elastic.max_restarts" in r.stderr
     r = subprocess.run([*CLI, "run", "--nproc-per-node"], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
     assert r.returncode == 2 and "--nproc-per-node" in r.stderr
-    r = subprocess.run([*CLI, "run", "--config", str(tmp_path / "missing.toml"), str(SCRIPT)], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    r = subprocess.run(
+        [*CLI, "run", "--config", str(tmp_path / "missing.toml"), str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+    )
     assert r.returncode == 2 and "missing.toml" in r.stderr
 
 
@@ -202,7 +291,13 @@ def test_kubeflow_static_pet_variables_form_a_two_node_job(tmp_path):
     procs = []
     try:
         for node in (0, 1):
-            env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(node), "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port}
+            env = {
+                "PET_NNODES": "2",
+                "PET_NPROC_PER_NODE": "1",
+                "PET_NODE_RANK": str(node),
+                "PET_MASTER_ADDR": "127.0.0.1",
+                "PET_MASTER_PORT": port,
+            }
             procs.append(start(tmp_path / f"node{node}", str(SCRIPT), "ok", str(out), env=env))
         codes = [p.wait(120) for p in procs]
     finally:

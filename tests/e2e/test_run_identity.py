@@ -52,9 +52,13 @@ def test_changed_run_keys_are_named_before_start_and_allowed_on_request(tmp_path
     run = tmp_path / "run"
     first = runs.write_config(tmp_path / "a.toml", token_file, run, train={"steps": 5})
     _launch(first)
-    changed = runs.write_config(tmp_path / "b.toml", token_file, run, train={"steps": 8, "seed": 99, "global_batch_size": 12})
+    changed = runs.write_config(
+        tmp_path / "b.toml", token_file, run, train={"steps": 8, "seed": 99, "global_batch_size": 12}
+    )
     starts_before = len(runs.read_events(run, "start"))
-    r = subprocess.run(runs.launch_args(changed), capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=120)
+    r = subprocess.run(
+        runs.launch_args(changed), capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=120
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     assert "config error at 'train.seed': checkpoint has 7, config has 99" in r.stderr
     assert "config error at 'train.global_batch_size': checkpoint has 10, config has 12" in r.stderr
@@ -68,22 +72,38 @@ def test_changed_run_keys_are_named_before_start_and_allowed_on_request(tmp_path
 def test_pinned_resume_decides_the_first_start_only_and_parks_the_abandoned_branch(tmp_path, token_file):
     run = tmp_path / "run"
     ckpt = run / "ckpt"
-    base = runs.write_config(tmp_path / "a.toml", token_file, run, train={"steps": 10}, checkpoint={"interval_steps": 2, "keep_last": 10})
+    base = runs.write_config(
+        tmp_path / "a.toml", token_file, run, train={"steps": 10}, checkpoint={"interval_steps": 2, "keep_last": 10}
+    )
     _launch(base)  # commits 2, 4, 6, 8, 10
     # Start again from step 4 (a new branch); rank 1 fails at step 7 of the first incarnation.
     pinned = runs.write_config(
-        tmp_path / "b.toml", token_file, run, train={"steps": 10}, checkpoint={"interval_steps": 2, "keep_last": 2, "resume": "4"}, elastic={"max_restarts": 1}
+        tmp_path / "b.toml",
+        token_file,
+        run,
+        train={"steps": 10},
+        checkpoint={"interval_steps": 2, "keep_last": 2, "resume": "4"},
+        elastic={"max_restarts": 1},
     )
     _launch(pinned, env={"ELASTIC_TRAINER_INJECT_FAULT": "raise@rank=1,step=7"})
     resumes = runs.read_events(run, "resume")[-2:]
-    assert [r["step"] for r in resumes] == [4, 6], "first start: the pinned step; the restart: the new branch's newest commit"
+    assert [r["step"] for r in resumes] == [4, 6], (
+        "first start: the pinned step; the restart: the new branch's newest commit"
+    )
     head = Catalog(open_storage(str(ckpt))).head()
     assert head.name == "step-00000010.1", "latest = the new branch's head, not the abandoned step-00000010"
     rows = {r["name"]: r for r in _ckpt_list(ckpt)}
     # The old branch's 6/8/10 are parked (still there, never picked); the new branch wrote .1 directories.
-    assert sorted(n for n, r in rows.items() if r["status"] == "parked") == ["step-00000006", "step-00000008", "step-00000010"], rows
+    assert sorted(n for n, r in rows.items() if r["status"] == "parked") == [
+        "step-00000006",
+        "step-00000008",
+        "step-00000010",
+    ], rows
     # Retention (keep_last=2) pruned only the new lineage; nothing parked was deleted.
-    assert sorted(n for n, r in rows.items() if r["status"] in ("head", "lineage")) == ["step-00000008.1", "step-00000010.1"], rows
+    assert sorted(n for n, r in rows.items() if r["status"] in ("head", "lineage")) == [
+        "step-00000008.1",
+        "step-00000010.1",
+    ], rows
 
 
 def _ckpt_list(ckpt) -> list[dict]:

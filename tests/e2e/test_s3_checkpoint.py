@@ -11,6 +11,7 @@ are absorbed; a permanent outage fails each save visibly and in bounded time whi
 goes on and the previous commit stays the latest; bad credentials or a missing bucket stop
 ``launch`` before any worker starts; credentials never appear in any output.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,11 +55,17 @@ def _launch_ok(cfg: Path, *args: str, env: dict | None = None, timeout: float = 
 def _committed(s3, bucket: str, prefix: str) -> list[int]:
     """Steps whose manifest.json exists in the bucket, read directly from the server."""
     fs = s3.fs()
-    return sorted(int(m.group(1)) for p in fs.glob(f"{bucket}/{prefix}/step-*/manifest.json") if (m := re.search(r"step-(\d+)/manifest\.json$", p)))
+    return sorted(
+        int(m.group(1))
+        for p in fs.glob(f"{bucket}/{prefix}/step-*/manifest.json")
+        if (m := re.search(r"step-(\d+)/manifest\.json$", p))
+    )
 
 
 def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([*runs.CLI, *args], capture_output=True, text=True, timeout=120, env=runs.env_for_tests(env), cwd=runs.REPO)
+    return subprocess.run(
+        [*runs.CLI, *args], capture_output=True, text=True, timeout=120, env=runs.env_for_tests(env), cwd=runs.REPO
+    )
 
 
 def _texts_of_run(tmp_path: Path) -> dict[str, str]:
@@ -124,8 +131,12 @@ def s3_run(tmp_path_factory, token_file, s3_server) -> S3Run:
     proxy.drop_next(1, methods=("PUT",))
     proxy.delay_next(1, 3.0, methods=("PUT",))
     cfg, run = _config(
-        tmp_path, token_file, "run", f"s3://{bucket}/{prefix}",
-        checkpoint={"s3_endpoint_url": proxy.endpoint_url, "storage_timeout_seconds": 8.0}, elastic={"max_restarts": 1},
+        tmp_path,
+        token_file,
+        "run",
+        f"s3://{bucket}/{prefix}",
+        checkpoint={"s3_endpoint_url": proxy.endpoint_url, "storage_timeout_seconds": 8.0},
+        elastic={"max_restarts": 1},
     )
     sup = runs.start_launch(cfg, env=_creds(s3_server))
     try:
@@ -141,7 +152,14 @@ def s3_run(tmp_path_factory, token_file, s3_server) -> S3Run:
 
 
 def test_sigkill_and_resume_on_s3_is_bitwise_identical_to_local_disk(s3_run, ref, s3_server):
-    tmp_path, cfg, run, s3_bucket, prefix, code = s3_run.tmp_path, s3_run.cfg, s3_run.run, s3_run.bucket, s3_run.prefix, s3_run.exit_code
+    tmp_path, cfg, run, s3_bucket, prefix, code = (
+        s3_run.tmp_path,
+        s3_run.cfg,
+        s3_run.run,
+        s3_run.bucket,
+        s3_run.prefix,
+        s3_run.exit_code,
+    )
     uri = f"s3://{s3_bucket}/{prefix}"
     assert code == 0, cfg.with_suffix(".log").read_text()[-4000:]
     assert len(runs.read_events(run, "restart")) == 1
@@ -150,7 +168,9 @@ def test_sigkill_and_resume_on_s3_is_bitwise_identical_to_local_disk(s3_run, ref
     assert runs.step_losses(run) == runs.step_losses(ref), "checkpoint location must not change training"
 
     committed = _committed(s3_server, s3_bucket, prefix)
-    assert {resume["step"], STEPS} <= set(committed) and committed == sorted(r["step"] for r in runs.read_events(run, "checkpoint_committed") if r["step"] in committed)
+    assert {resume["step"], STEPS} <= set(committed) and committed == sorted(
+        r["step"] for r in runs.read_events(run, "checkpoint_committed") if r["step"] in committed
+    )
     manifest = json.loads(s3_server.fs().cat_file(f"{s3_bucket}/{prefix}/step-{STEPS:08d}/manifest.json"))
     assert manifest["step"] == STEPS and manifest["world_size"] == 2 and ".metadata" in manifest["files"]
 
@@ -159,10 +179,14 @@ def test_sigkill_and_resume_on_s3_is_bitwise_identical_to_local_disk(s3_run, ref
     assert listed.returncode == 0, listed.stderr
     rows = {int(line.split()[0]): line.split() for line in listed.stdout.splitlines()[1:]}
     # Columns: step, name, status, world, bytes[, problem]: every committed step is usable, none has a problem.
-    assert sorted(rows) == committed and all(r[2] in ("head", "lineage") and len(r) == 5 for r in rows.values()), listed.stdout
+    assert sorted(rows) == committed and all(r[2] in ("head", "lineage") and len(r) == 5 for r in rows.values()), (
+        listed.stdout
+    )
     assert rows[STEPS][2] == "head", listed.stdout
     out = tmp_path / "s3.safetensors"
-    exp = _cli("ckpt", "export", uri, "--out", str(out), "--endpoint-url", s3_server.endpoint_url, env=_creds(s3_server))
+    exp = _cli(
+        "ckpt", "export", uri, "--out", str(out), "--endpoint-url", s3_server.endpoint_url, env=_creds(s3_server)
+    )
     assert exp.returncode == 0, exp.stderr
     assert json.loads(exp.stdout.strip().splitlines()[-1])["step"] == STEPS
     from safetensors.torch import load_file
@@ -189,7 +213,7 @@ def test_resharding_resume_2_to_3_from_s3(tmp_path, token_file, ref, s3_run, s3_
     fs = s3_server.fs()
     src = f"{src_bucket}/{src_prefix}/step-00000005"
     for path in fs.find(src):
-        fs.copy(path, f"{s3_bucket}/{prefix}/step-00000005/{path[len(src) + 1:]}")
+        fs.copy(path, f"{s3_bucket}/{prefix}/step-00000005/{path[len(src) + 1 :]}")
     assert _committed(s3_server, s3_bucket, prefix) == [5]
     cfg, run = _config(tmp_path, token_file, "run", f"s3://{s3_bucket}/{prefix}")
     _launch_ok(cfg, "--nproc-per-node", "3", env=s3_server.env())
@@ -216,8 +240,10 @@ def test_transient_storage_faults_during_a_save_are_absorbed(s3_run, ref, s3_ser
     assert all(e["step"] > 10 and e["time"] <= restart["time"] for e in failed), failed
     commits = {r["step"]: r["seconds"] for r in runs.read_events(run, "checkpoint_committed")}
     assert {5, 10, STEPS} <= set(commits)
-    print(f"save of step 5 through 3x503 + drop + 3 s delay: {commits[5]:.2f}s; clean saves: "
-          + ", ".join(f"{commits[s]:.2f}s" for s in sorted(commits) if s != 5))
+    print(
+        f"save of step 5 through 3x503 + drop + 3 s delay: {commits[5]:.2f}s; clean saves: "
+        + ", ".join(f"{commits[s]:.2f}s" for s in sorted(commits) if s != 5)
+    )
     assert 5 in _committed(s3_server, s3_run.bucket, s3_run.prefix)
     assert all(v == runs.step_losses(ref)[s] for s, v in runs.step_losses(run).items())
 
@@ -228,15 +254,24 @@ def _scrape(port: int) -> str:
 
 
 def _failures_metric(text: str) -> float:
-    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("elastic_trainer_checkpoint_save_failures_total")]
+    vals = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("elastic_trainer_checkpoint_save_failures_total")
+    ]
     return sum(vals)
 
 
-def test_permanent_outage_fails_saves_visibly_while_training_goes_on(tmp_path, token_file, ref, s3_server, s3_bucket, fault_proxy):
+def test_permanent_outage_fails_saves_visibly_while_training_goes_on(
+    tmp_path, token_file, ref, s3_server, s3_bucket, fault_proxy
+):
     prefix = "jobs/outage"
     port = free_port()
     cfg, run = _config(
-        tmp_path, token_file, "run", f"s3://{s3_bucket}/{prefix}",
+        tmp_path,
+        token_file,
+        "run",
+        f"s3://{s3_bucket}/{prefix}",
         checkpoint={"s3_endpoint_url": fault_proxy.endpoint_url, **FAST_STORAGE},
         metrics={"port": port, "host": "127.0.0.1"},
     )
@@ -259,8 +294,13 @@ def test_permanent_outage_fails_saves_visibly_while_training_goes_on(tmp_path, t
         fault_proxy.outage(False)
     log = cfg.with_suffix(".log").read_text()
     failed = {r["step"]: r for r in runs.read_events(run, "checkpoint_failed")}
-    print("outage on after commit 10: save 15 failed after " f"{failed15['seconds']:.1f}s (event {latency:.1f}s after the outage began); "
-          f"failed saves {sorted(failed)} in " + ", ".join(f"{r['seconds']:.1f}s" for r in failed.values()) + f"; job exited {t_exit:.1f}s after the outage began")
+    print(
+        "outage on after commit 10: save 15 failed after "
+        f"{failed15['seconds']:.1f}s (event {latency:.1f}s after the outage began); "
+        f"failed saves {sorted(failed)} in "
+        + ", ".join(f"{r['seconds']:.1f}s" for r in failed.values())
+        + f"; job exited {t_exit:.1f}s after the outage began"
+    )
     assert code == 74, log[-4000:]  # trained to the end, but the final checkpoint is not committed: not a success
     assert sorted(failed) == [15, 20]
     assert all(r["seconds"] < OUTAGE_FAILURE_BOUND_S for r in failed.values())
@@ -284,14 +324,18 @@ def test_permanent_outage_fails_saves_visibly_while_training_goes_on(tmp_path, t
 
 
 @pytest.mark.parametrize("problem", ["wrong_secret", "missing_bucket"])
-def test_bad_credentials_or_missing_bucket_stop_launch_before_any_worker(tmp_path, token_file, s3_server, s3_bucket, problem):
+def test_bad_credentials_or_missing_bucket_stop_launch_before_any_worker(
+    tmp_path, token_file, s3_server, s3_bucket, problem
+):
     env = _creds(s3_server)
     bucket = s3_bucket
     if problem == "wrong_secret":
         env["AWS_SECRET_ACCESS_KEY"] = "Wr0ng-" + s3_server.secret_key[::-1]
     else:
         bucket = "no-such-bucket-" + s3_bucket[2:]
-    cfg, run = _config(tmp_path, token_file, "run", f"s3://{bucket}/jobs/x", checkpoint={"s3_endpoint_url": s3_server.endpoint_url})
+    cfg, run = _config(
+        tmp_path, token_file, "run", f"s3://{bucket}/jobs/x", checkpoint={"s3_endpoint_url": s3_server.endpoint_url}
+    )
     t0 = time.monotonic()
     r = runs.run_launch(cfg, env=env, timeout=120)
     elapsed = time.monotonic() - t0
@@ -305,6 +349,8 @@ def test_bad_credentials_or_missing_bucket_stop_launch_before_any_worker(tmp_pat
     assert not runs.read_events(run, "start"), "no worker may start"
     assert elapsed < 60
     for where, text in _texts_of_run(tmp_path).items():
-        assert env["AWS_SECRET_ACCESS_KEY"] not in text and s3_server.secret_key not in text, f"secret leaked into {where}"
+        assert env["AWS_SECRET_ACCESS_KEY"] not in text and s3_server.secret_key not in text, (
+            f"secret leaked into {where}"
+        )
     if problem == "wrong_secret":
         assert not s3_server.fs().find(bucket), "nothing may be written with refused credentials"

@@ -13,6 +13,7 @@ waits for the first committed checkpoint, then stops the job the way SLURM would
 The requeued job resumes from the preemption checkpoint (``resume.step == preempted.step``) and
 its per-step losses equal an uninterrupted reference run of the same config, bit for bit.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -55,7 +56,14 @@ class Reference:
         self.log = tmp / "ref.log"
         self.t0 = time.monotonic()
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(launch_args(config), stdout=out, stderr=subprocess.STDOUT, env=env_for_tests(), cwd=REPO, start_new_session=True)
+            self.proc = subprocess.Popen(
+                launch_args(config),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env_for_tests(),
+                cwd=REPO,
+                start_new_session=True,
+            )
         self._losses: dict[int, float] | None = None
 
     def losses(self, timeout: float = FINISH_TIMEOUT_S) -> dict[int, float]:
@@ -95,7 +103,8 @@ def _submit(slurm, tmp_path: Path, token_file: str) -> tuple[int, Path]:
     job = slurm.sbatch(
         SCRIPT,
         str(config),
-        "--set", f"checkpoint.interval_steps={INTERVAL}",  # launch args pass through
+        "--set",
+        f"checkpoint.interval_steps={INTERVAL}",  # launch args pass through
         options=[f"--chdir={tmp_path}", f"--output={tmp_path}/job-%j.out", "--cpus-per-task=2", "--job-name=et-e2e"],
         env=env,
     )
@@ -106,7 +115,9 @@ def _job_output(tmp_path: Path, job: int) -> str:
     return log_tail(tmp_path / f"job-{job}.out", 6000)
 
 
-def _wait_event(run_dir: Path, name: str, timeout: float, slurm, job: int, tmp_path: Path, where=lambda r: True) -> dict:
+def _wait_event(
+    run_dir: Path, name: str, timeout: float, slurm, job: int, tmp_path: Path, where=lambda r: True
+) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = [r for r in read_events(run_dir, name) if where(r)]
@@ -116,10 +127,14 @@ def _wait_event(run_dir: Path, name: str, timeout: float, slurm, job: int, tmp_p
         if state in ("FAILED", "CANCELLED", "COMPLETED", "TIMEOUT"):
             break
         time.sleep(0.1)
-    raise AssertionError(f"no {name} event after {timeout:.0f}s; job {job} is {slurm.state(job)}\n{_job_output(tmp_path, job)}")
+    raise AssertionError(
+        f"no {name} event after {timeout:.0f}s; job {job} is {slurm.state(job)}\n{_job_output(tmp_path, job)}"
+    )
 
 
-def _check_resumed_run(slurm, job: int, run_dir: Path, tmp_path: Path, reference: Reference, *, requeued_by_script: bool) -> dict:
+def _check_resumed_run(
+    slurm, job: int, run_dir: Path, tmp_path: Path, reference: Reference, *, requeued_by_script: bool
+) -> dict:
     """Common checks once a preempted job has been requeued and finished."""
     slurm.wait_state(job, "COMPLETED", timeout=FINISH_TIMEOUT_S)
     out = _job_output(tmp_path, job)

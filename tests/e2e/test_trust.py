@@ -41,7 +41,9 @@ TIMEOUT = 240
 pytestmark = pytest.mark.timeout(600)
 
 
-def _config(tmp_path: Path, token_file: str, name: str, run: Path | None = None, ckpt_dir: str | None = None, **sections) -> tuple[Path, Path]:
+def _config(
+    tmp_path: Path, token_file: str, name: str, run: Path | None = None, ckpt_dir: str | None = None, **sections
+) -> tuple[Path, Path]:
     merged = {k: dict(v) for k, v in BASE.items()}
     for k, v in sections.items():
         merged.setdefault(k, {}).update(v)
@@ -83,7 +85,12 @@ def reference(tmp_path_factory, token_file) -> Path:
 # ---------------------------------------------------------------------------- preemption
 # Bounded suite: mid-step and mid-save; the load and before-the-first-step points are soak
 # (test_chaos kills a rank during a load in every run).
-POINTS = [pytest.param("during_load", marks=pytest.mark.soak), pytest.param("before_first_step", marks=pytest.mark.soak), "mid_step", "during_async_save"]
+POINTS = [
+    pytest.param("during_load", marks=pytest.mark.soak),
+    pytest.param("before_first_step", marks=pytest.mark.soak),
+    "mid_step",
+    "during_async_save",
+]
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -99,9 +106,13 @@ def test_preemption_at_each_point_of_a_restart_commits_and_exits_truthfully(poin
             resume = runs.wait_event(run, "resume", TIMEOUT, sup)
             assert resume["step"] == 3
             if point == "mid_step":  # step 4 is not a save step: the next one must commit 4 or later
-                runs.wait_event(run, "step", TIMEOUT, sup, where=lambda r: r["step"] == 4 and r["time"] >= resume["time"])
+                runs.wait_event(
+                    run, "step", TIMEOUT, sup, where=lambda r: r["step"] == 4 and r["time"] >= resume["time"]
+                )
             elif point == "during_async_save":  # the async save of step 6 is in flight
-                runs.wait_event(run, "step", TIMEOUT, sup, where=lambda r: r["step"] == 6 and r["time"] >= resume["time"])
+                runs.wait_event(
+                    run, "step", TIMEOUT, sup, where=lambda r: r["step"] == 6 and r["time"] >= resume["time"]
+                )
         sup.send_signal(signal.SIGTERM)
         code = sup.wait(timeout=120)
     finally:
@@ -126,7 +137,9 @@ def test_preemption_at_each_point_of_a_restart_commits_and_exits_truthfully(poin
         # Preempted right after resuming: the loaded checkpoint is the final one. It must not be
         # deleted or rewritten (a save of the loaded step is a no-op).
         assert commits[3] == "step-00000003", commits
-        assert not any(e["step"] == 3 and e["time"] >= restart["time"] for e in runs.read_events(run, "checkpoint_deleted"))
+        assert not any(
+            e["step"] == 3 and e["time"] >= restart["time"] for e in runs.read_events(run, "checkpoint_deleted")
+        )
         assert not [e for e in runs.read_events(run, "checkpoint_committed") if e["time"] >= restart["time"]]
     marker = json.loads((run / "PREEMPTED").read_text())
     assert marker["exit_code"] == 75 and marker["step"] == pre["step"]
@@ -163,7 +176,9 @@ CORRUPTIONS = {"shard": _corrupt_shard, "metadata": _corrupt_metadata, "manifest
 
 # The shard case runs in every run; the other two differ only in which check finds the damage,
 # which tests/unit/test_catalog.py and test_integrity.py cover for every file kind (soak here).
-@pytest.mark.parametrize("what", [pytest.param(w, marks=pytest.mark.soak) if w != "shard" else w for w in sorted(CORRUPTIONS)])
+@pytest.mark.parametrize(
+    "what", [pytest.param(w, marks=pytest.mark.soak) if w != "shard" else w for w in sorted(CORRUPTIONS)]
+)
 def test_same_size_corruption_of_the_newest_checkpoint_falls_back_bitwise(what, tmp_path, token_file, reference):
     run = tmp_path / "run"
     shutil.copytree(reference, run)
@@ -181,7 +196,9 @@ def test_same_size_corruption_of_the_newest_checkpoint_falls_back_bitwise(what, 
     if what == "manifest":
         assert "manifest checksum mismatch" in reason, reason
     else:
-        assert "checksum mismatch" in reason and ("before unpickling" in reason if what == "metadata" else "corrupted shard" in reason), reason
+        assert "checksum mismatch" in reason and (
+            "before unpickling" in reason if what == "metadata" else "corrupted shard" in reason
+        ), reason
     # Quarantined (a marker, never a deletion), whether the manifest's seal or a data checksum broke.
     q = json.loads((newest / layout.QUARANTINE).read_text())
     assert "checksum mismatch" in q["reason"]
@@ -257,7 +274,9 @@ def _pids_of(sup) -> list[int]:
 
 def test_two_launches_on_one_root_fence_the_older_and_a_relaunch_resumes_at_once(tmp_path, token_file, reference):
     root = tmp_path / "ckpt"
-    cfg_a, run_a = _config(tmp_path, token_file, "a", ckpt_dir=str(root), checkpoint={"keep_last": 5}, elastic={"max_restarts": 2})
+    cfg_a, run_a = _config(
+        tmp_path, token_file, "a", ckpt_dir=str(root), checkpoint={"keep_last": 5}, elastic={"max_restarts": 2}
+    )
     cfg_b, run_b = _config(tmp_path, token_file, "b", ckpt_dir=str(root), checkpoint={"keep_last": 5})
     a = runs.start_launch(cfg_a)
     b = None
@@ -322,7 +341,9 @@ def test_two_launches_on_one_root_fence_the_older_and_a_relaunch_resumes_at_once
         for e in runs.read_events(run, "checkpoint_committed"):
             c = cands[e["name"]]
             assert cat.problem(c) is None and c.manifest["epoch"] == epoch, (e, c.manifest.get("epoch"))
-            assert _bytes_match_manifest(root / c.name, c.manifest), f"{c.name}: files do not match the manifest (mixed writers?)"
+            assert _bytes_match_manifest(root / c.name, c.manifest), (
+                f"{c.name}: files do not match the manifest (mixed writers?)"
+            )
     head = cat.head()
     assert head.step == STEPS and head.manifest["epoch"] == epochs[2]
     chain = [c.step for c in cat.lineage(head, cat.scan())]
@@ -386,34 +407,69 @@ def test_with_a_key_a_forged_metadata_is_refused_before_unpickling(tmp_path, tok
     (d / layout.MANIFEST).write_text(json.dumps(forged, indent=2, sort_keys=True))
 
     # The tools refuse it, before reading it.
-    inspect = subprocess.run([*runs.CLI, "ckpt", "inspect", str(run / "ckpt"), "--step", "6"], capture_output=True, text=True, timeout=120, env=runs.env_for_tests(env), cwd=runs.REPO, check=False)
-    assert inspect.returncode != 0 and "signature does not verify" in inspect.stderr, (inspect.stdout, inspect.stderr[-2000:])
+    inspect = subprocess.run(
+        [*runs.CLI, "ckpt", "inspect", str(run / "ckpt"), "--step", "6"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=runs.env_for_tests(env),
+        cwd=runs.REPO,
+        check=False,
+    )
+    assert inspect.returncode != 0 and "signature does not verify" in inspect.stderr, (
+        inspect.stdout,
+        inspect.stderr[-2000:],
+    )
     assert not marker.exists(), "ckpt inspect unpickled the forged .metadata"
-    listed = subprocess.run([*runs.CLI, "ckpt", "list", str(run / "ckpt")], capture_output=True, text=True, timeout=120, env=runs.env_for_tests(env), cwd=runs.REPO, check=False)
+    listed = subprocess.run(
+        [*runs.CLI, "ckpt", "list", str(run / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=runs.env_for_tests(env),
+        cwd=runs.REPO,
+        check=False,
+    )
     assert listed.returncode == 0 and "signature does not verify" in listed.stdout, listed.stdout
 
     # The resume falls back to step 3, never unpickling step 6's .metadata.
     r = runs.run_launch(cfg, timeout=TIMEOUT, env=env)
     assert r.returncode == 0, _log(cfg)
     assert not marker.exists(), "the resume unpickled the forged .metadata"
-    assert any(e["step"] == 6 and "signature does not verify" in e["reason"] for e in runs.read_events(run, "checkpoint_skipped"))
+    assert any(
+        e["step"] == 6 and "signature does not verify" in e["reason"]
+        for e in runs.read_events(run, "checkpoint_skipped")
+    )
     assert runs.read_events(run, "resume")[-1]["step"] == 3
     assert _head(run / "ckpt", key=b"k3y-for-tests").name == "step-00000006.1"
 
 
 # ---------------------------------------------------------------------------- slow storage
 @pytest.mark.s3
-def test_slow_storage_kills_no_worker_and_training_goes_on(tmp_path, token_file, reference, s3_server, s3_bucket, fault_proxy):
+def test_slow_storage_kills_no_worker_and_training_goes_on(
+    tmp_path, token_file, reference, s3_server, s3_bucket, fault_proxy
+):
     """The first PUTs (start-up records, the save of step 3) are held 7 s each (hang timeout
     5 s): no worker is killed as hung; the save lands late or fails visibly, later saves commit;
     every step runs with the reference loss."""
     prefix = "jobs/slow"
     cfg, run = _config(
-        tmp_path, token_file, "run", ckpt_dir=f"s3://{s3_bucket}/{prefix}",
-        checkpoint={"s3_endpoint_url": fault_proxy.endpoint_url, "storage_timeout_seconds": 40.0, "save_timeout_seconds": 30.0},
+        tmp_path,
+        token_file,
+        "run",
+        ckpt_dir=f"s3://{s3_bucket}/{prefix}",
+        checkpoint={
+            "s3_endpoint_url": fault_proxy.endpoint_url,
+            "storage_timeout_seconds": 40.0,
+            "save_timeout_seconds": 30.0,
+        },
         elastic={"hang_timeout_seconds": 5.0, "max_restarts": 1},
     )
-    creds = {"AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key, "AWS_DEFAULT_REGION": s3_server.region}
+    creds = {
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        "AWS_DEFAULT_REGION": s3_server.region,
+    }
     # The start-up records (the launch's epoch, then its resume base: rank 1 waits for rank 0's
     # decision) and two objects of the save of step 3 (chosen by path: other writers, such as the
     # event mirror, must not take the delays).
@@ -422,16 +478,22 @@ def test_slow_storage_kills_no_worker_and_training_goes_on(tmp_path, token_file,
     r = runs.run_launch(cfg, timeout=TIMEOUT, env=creds)
     assert r.returncode == 0, _log(cfg)
     assert fault_proxy.pending == 0 and fault_proxy.faulted.get("PUT") == 4
-    assert not runs.read_events(run, "restart") and not runs.read_events(run, "failure"), "a worker was killed or failed"
+    assert not runs.read_events(run, "restart") and not runs.read_events(run, "failure"), (
+        "a worker was killed or failed"
+    )
     assert runs.step_losses(run) == runs.step_losses(reference)
     committed = {e["step"]: e for e in runs.read_events(run, "checkpoint_committed")}
     failed = {e["step"]: e for e in runs.read_events(run, "checkpoint_failed")}
     assert 3 in committed or 3 in failed, "the slow save neither landed nor failed visibly"
-    outcome = f"committed in {committed[3]['seconds']:.1f}s" if 3 in committed else f"failed: {failed[3]['error'][:300]}"
+    outcome = (
+        f"committed in {committed[3]['seconds']:.1f}s" if 3 in committed else f"failed: {failed[3]['error'][:300]}"
+    )
     print(f"slow save of step 3: {outcome}")
     # Training went on while the save of 3 was slow: steps ran before it resolved.
     resolved = (committed.get(3) or failed.get(3))["time"]
-    assert [e for e in runs.read_events(run, "step") if 3 < e["step"] and e["time"] < resolved], "training waited for the slow save"
+    assert [e for e in runs.read_events(run, "step") if 3 < e["step"] and e["time"] < resolved], (
+        "training waited for the slow save"
+    )
     assert STEPS in committed
     (fin,) = runs.read_events(run, "finished")
     assert fin["step"] == STEPS and fin["last_committed_step"] == STEPS

@@ -74,7 +74,12 @@ def train_tokenizer(docs: list[str], out: Path, vocab_size: int = 400) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(docs, trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
@@ -98,7 +103,13 @@ def sources(token_file, text_data) -> dict:
     return {
         "memmap": {"path": token_file, "dtype": "uint16"},
         # one cache for every run: the stream is tokenised once (the key covers files and tokenizer)
-        "parquet": {"format": "text", "path": text_data["parquet"], "tokenizer": text_data["tokenizer"], "eos_token": "<eos>", "cache_dir": text_data["cache"]},
+        "parquet": {
+            "format": "text",
+            "path": text_data["parquet"],
+            "tokenizer": text_data["tokenizer"],
+            "eos_token": "<eos>",
+            "cache_dir": text_data["cache"],
+        },
     }
 
 
@@ -113,10 +124,17 @@ class Runs:
     def config(self, name: str, source: str, ckpt_dir: Path | None = None, **sections) -> tuple[Path, Path]:
         run_dir = self.root / name
         run_dir.mkdir(parents=True, exist_ok=True)
-        merged = {"model": dict(MODEL), "train": dict(TRAIN), "checkpoint": dict(CKPT), "data": dict(self.sources[source])}
+        merged = {
+            "model": dict(MODEL),
+            "train": dict(TRAIN),
+            "checkpoint": dict(CKPT),
+            "data": dict(self.sources[source]),
+        }
         for k, v in sections.items():
             merged.setdefault(k, {}).update(v)
-        cfg = write_config(run_dir / "config.toml", merged["data"]["path"], run_dir, str(ckpt_dir) if ckpt_dir else None, **merged)
+        cfg = write_config(
+            run_dir / "config.toml", merged["data"]["path"], run_dir, str(ckpt_dir) if ckpt_dir else None, **merged
+        )
         return cfg, run_dir
 
     def baseline(self, source: str, world: int) -> Path:
@@ -124,7 +142,7 @@ class Runs:
         if key not in self.done:
             cfg, run_dir = self.config(f"{source}-w{world}", source)
             proc = run_launch(cfg, "--nproc-per-node", str(world), env=OFFLINE)
-            assert proc.returncode == 0, (cfg.with_suffix(".log").read_text()[-4000:])
+            assert proc.returncode == 0, cfg.with_suffix(".log").read_text()[-4000:]
             self.done[key] = run_dir
         return self.done[key]
 
@@ -207,8 +225,23 @@ def test_export_loads_with_from_pretrained_and_matches_sharded_logits(runs, tmp_
     cfg = run_dir / "config.toml"
     out = tmp_path / "hf"
     proc = subprocess.run(
-        [sys.executable, "-m", "elastic_trainer.cli", "ckpt", "export", str(run_dir / "ckpt"), "--out", str(out), "--hf", str(cfg)],
-        capture_output=True, text=True, env=env_for_tests(OFFLINE), cwd=REPO, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "elastic_trainer.cli",
+            "ckpt",
+            "export",
+            str(run_dir / "ckpt"),
+            "--out",
+            str(out),
+            "--hf",
+            str(cfg),
+        ],
+        capture_output=True,
+        text=True,
+        env=env_for_tests(OFFLINE),
+        cwd=REPO,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["step"] == STEPS
@@ -220,8 +253,23 @@ def test_export_loads_with_from_pretrained_and_matches_sharded_logits(runs, tmp_
     torch.save(inputs, tmp_path / "inputs.pt")
     sharded = tmp_path / "sharded_logits.pt"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, str(cfg), str(tmp_path / "inputs.pt"), str(sharded)],
-        capture_output=True, text=True, env=env_for_tests(OFFLINE), cwd=REPO, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            __file__,
+            str(cfg),
+            str(tmp_path / "inputs.pt"),
+            str(sharded),
+        ],
+        capture_output=True,
+        text=True,
+        env=env_for_tests(OFFLINE),
+        cwd=REPO,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
@@ -245,7 +293,11 @@ def test_bad_model_settings_stop_the_launch_naming_the_key(runs, sources, sectio
     cfg, run_dir = runs.config(f"bad-{key}", "memmap", **sections)
     proc = subprocess.run(
         [sys.executable, "-m", "elastic_trainer.cli", "launch", str(cfg), "--nproc-per-node", "2"],
-        capture_output=True, text=True, env=env_for_tests(OFFLINE), cwd=REPO, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env_for_tests(OFFLINE),
+        cwd=REPO,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"config error at '{key}'" in proc.stderr, proc.stderr[-3000:]
@@ -261,10 +313,16 @@ def test_tokenizer_larger_than_model_vocab_stops_the_launch(runs, tmp_path):
     cfg, run_dir = runs.config("bad-tokenizer", "parquet", model={"hf_config": str(small), "vocab_size": 300})
     proc = subprocess.run(
         [sys.executable, "-m", "elastic_trainer.cli", "launch", str(cfg), "--nproc-per-node", "2"],
-        capture_output=True, text=True, env=env_for_tests(OFFLINE), cwd=REPO, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env_for_tests(OFFLINE),
+        cwd=REPO,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "config error at 'data.tokenizer'" in proc.stderr and "model.vocab_size is 300" in proc.stderr, proc.stderr[-3000:]
+    assert "config error at 'data.tokenizer'" in proc.stderr and "model.vocab_size is 300" in proc.stderr, proc.stderr[
+        -3000:
+    ]
     assert not read_events(run_dir, "start")
 
 
@@ -290,7 +348,12 @@ def _sharded_logits(config: str, inputs_path: str, out_path: str) -> None:
     with torch.device("meta"):
         spec = build_model_spec(cfg.model)
     model = spec.model
-    parallel.shard_model(model, d.mesh, parallel.mixed_precision_policy(cfg.train, d.device), parallel.resolve_shard_classes(model, spec.shard_modules))
+    parallel.shard_model(
+        model,
+        d.mesh,
+        parallel.mixed_precision_policy(cfg.train, d.device),
+        parallel.resolve_shard_classes(model, spec.shard_modules),
+    )
     model.to_empty(device=d.device)
     parallel.deterministic_init(model, cfg.train.seed, spec.init_param)
     initialise_buffers(model, spec.init_buffers)

@@ -48,4 +48,7 @@ def test_sigstopped_worker_is_reaped_and_the_group_restarts(token_file, tmp_path
     assert [e["step"] for e in events if e["event"] == "finished"] == [40]
     resumes = [e for e in events if e["event"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] >= 5, resumes
-    print(f"\nwatchdog: SIGSTOP → restart in {detect:.2f}s (hang_timeout " f"{HANG_TIMEOUT}s), resumed from step {resumes[0]['step']}")
+    print(
+        f"\nwatchdog: SIGSTOP → restart in {detect:.2f}s (hang_timeout "
+        f"{HANG_TIMEOUT}s), resumed from step {resumes[0]['step']}"
+    )

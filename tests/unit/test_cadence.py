@@ -1,4 +1,5 @@
 """The checkpoint cadence decision (pure)."""
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,9 @@ def test_interval_moves_the_right_way_and_respects_bounds():
     assert a < b, "more failures -> shorter interval"
     assert cadence.optimal_interval(0.5, 4.0, 5.0, 1 / 60) > a, "costlier saves -> longer interval"
     assert cadence.optimal_interval(0.5, 1.0, 5.0, 1 / 60, min_steps=50, max_steps=60) == 50
-    assert cadence.optimal_interval(0.5, 1.0, 5.0, 1 / 60, commit_lag=3.0) == a, "commit lag costs per failure, not per interval"
+    assert cadence.optimal_interval(0.5, 1.0, 5.0, 1 / 60, commit_lag=3.0) == a, (
+        "commit lag costs per failure, not per interval"
+    )
     with pytest.raises(ValueError):
         cadence.optimal_interval(1.0, 1.0, 1.0, 0.1, min_steps=0)
 
@@ -53,27 +56,33 @@ from elastic_trainer.config import load_config  # noqa: E402
 from elastic_trainer.errors import ConfigError  # noqa: E402
 
 
-@pytest.mark.parametrize("override, expect", [
-    ("checkpoint.interval_steps=auto", "auto"),
-    ('checkpoint.interval_steps="auto"', "auto"),
-    ("checkpoint.interval_steps=25", 25),
-    ("checkpoint.interval_steps=0", 0),
-])
+@pytest.mark.parametrize(
+    "override, expect",
+    [
+        ("checkpoint.interval_steps=auto", "auto"),
+        ('checkpoint.interval_steps="auto"', "auto"),
+        ("checkpoint.interval_steps=25", 25),
+        ("checkpoint.interval_steps=0", 0),
+    ],
+)
 def test_interval_steps_takes_an_integer_or_auto(override, expect):
     assert load_config(None, [override]).checkpoint.interval_steps == expect
 
 
-@pytest.mark.parametrize("override, key, fragment", [
-    ("checkpoint.interval_steps=often", "checkpoint.interval_steps", "expected an integer or 'auto'"),
-    ("checkpoint.interval_steps=AUTO", "checkpoint.interval_steps", "expected an integer or 'auto'"),
-    ("checkpoint.interval_steps=2.5", "checkpoint.interval_steps", "expected an integer or 'auto'"),
-    ("checkpoint.interval_steps=true", "checkpoint.interval_steps", "expected an integer or 'auto'"),
-    ("checkpoint.interval_steps=-3", "checkpoint.interval_steps", "must be >= 0"),
-    ("checkpoint.auto_prior_mtbf_seconds=0", "checkpoint.auto_prior_mtbf_seconds", "must be > 0"),
-    ("checkpoint.auto_prior_weight_seconds=-1", "checkpoint.auto_prior_weight_seconds", "must be > 0"),
-    ("checkpoint.auto_min_steps=0", "checkpoint.auto_min_steps", "must be >= 1"),
-    ("checkpoint.auto_max_steps=3", "checkpoint.auto_max_steps", "must be >= checkpoint.auto_min_steps"),
-])
+@pytest.mark.parametrize(
+    "override, key, fragment",
+    [
+        ("checkpoint.interval_steps=often", "checkpoint.interval_steps", "expected an integer or 'auto'"),
+        ("checkpoint.interval_steps=AUTO", "checkpoint.interval_steps", "expected an integer or 'auto'"),
+        ("checkpoint.interval_steps=2.5", "checkpoint.interval_steps", "expected an integer or 'auto'"),
+        ("checkpoint.interval_steps=true", "checkpoint.interval_steps", "expected an integer or 'auto'"),
+        ("checkpoint.interval_steps=-3", "checkpoint.interval_steps", "must be >= 0"),
+        ("checkpoint.auto_prior_mtbf_seconds=0", "checkpoint.auto_prior_mtbf_seconds", "must be > 0"),
+        ("checkpoint.auto_prior_weight_seconds=-1", "checkpoint.auto_prior_weight_seconds", "must be > 0"),
+        ("checkpoint.auto_min_steps=0", "checkpoint.auto_min_steps", "must be >= 1"),
+        ("checkpoint.auto_max_steps=3", "checkpoint.auto_max_steps", "must be >= checkpoint.auto_min_steps"),
+    ],
+)
 def test_bad_auto_settings_name_the_key(override, key, fragment):
     overrides = [override] + (["checkpoint.auto_min_steps=5"] if "auto_max_steps" in override else [])
     with pytest.raises(ConfigError) as e:
@@ -96,13 +105,16 @@ def test_prior_weight_sets_how_fast_observations_win():
     assert light == pytest.approx((60 / 3600 + 5) / 360) and light > 5 * heavy
 
 
-@pytest.mark.parametrize("current, expect", [
-    (None, "best"),  # nothing in force: the optimum
-    (35, 35),  # the optimum itself
-    (33, 33),  # within 2 % of the least waste: keep (no flapping on noise)
-    (10, "best"),  # clearly worse: switch
-    (500, "best"),  # outside the bounds: switch
-])
+@pytest.mark.parametrize(
+    "current, expect",
+    [
+        (None, "best"),  # nothing in force: the optimum
+        (35, 35),  # the optimum itself
+        (33, 33),  # within 2 % of the least waste: keep (no flapping on noise)
+        (10, "best"),  # clearly worse: switch
+        (500, "best"),  # outside the bounds: switch
+    ],
+)
 def test_next_interval_keeps_a_near_optimal_interval(current, expect):
     best = cadence.optimal_interval(1.0, 2.0, 10.0, 1 / 300, 0.0, 1, 100)
     got = cadence.next_interval(current, 1.0, 2.0, 10.0, 1 / 300, 0.0, 1, 100)
@@ -144,11 +156,19 @@ def test_auto_starts_at_the_initial_interval_then_follows_measurements():
     assert c.vote() == cadence.INITIAL_STEPS and c.basis["reason"] == "initial"
     assert c.agree(c.vote()).previous is None and c.interval == cadence.INITIAL_STEPS
     _feed(c, 0.5, 10, 2.0, 0, 10)  # one save of 2 s extra stall
-    assert c.basis["reason"] == "measured" and c.basis["save_cost_s"] == pytest.approx(2.0) and c.basis["step_seconds"] == pytest.approx(0.5)
+    assert (
+        c.basis["reason"] == "measured"
+        and c.basis["save_cost_s"] == pytest.approx(2.0)
+        and c.basis["step_seconds"] == pytest.approx(0.5)
+    )
     rate = cadence.failure_rate(0, 5.0 + 2.0, 3600, 60)
     assert c.vote() == cadence.optimal_interval(0.5, 2.0, 0.0, rate, 2.5, 1, 1000)
     change = c.agree(c.vote())
-    assert change.previous == 10 and change.interval_steps == c.vote() and change.basis["save_cost_s"] == pytest.approx(2.0)
+    assert (
+        change.previous == 10
+        and change.interval_steps == c.vote()
+        and change.basis["save_cost_s"] == pytest.approx(2.0)
+    )
     assert c.agree(c.vote()) is None, "no event without a change"
 
 
@@ -189,8 +209,12 @@ def test_saves_that_look_free_by_noise_neither_zero_the_cost_nor_collapse_the_in
 
 
 def test_more_failures_in_the_lineage_shorten_the_interval():
-    calm = _auto(lineage=cadence.Lineage(failures=1, observed_seconds=600.0, step_seconds=0.3, save_cost=0.2, commit_lag=1.0))
-    busy = _auto(lineage=cadence.Lineage(failures=10, observed_seconds=600.0, step_seconds=0.3, save_cost=0.2, commit_lag=1.0))
+    calm = _auto(
+        lineage=cadence.Lineage(failures=1, observed_seconds=600.0, step_seconds=0.3, save_cost=0.2, commit_lag=1.0)
+    )
+    busy = _auto(
+        lineage=cadence.Lineage(failures=10, observed_seconds=600.0, step_seconds=0.3, save_cost=0.2, commit_lag=1.0)
+    )
     assert calm.basis["reason"] == busy.basis["reason"] == "lineage"
     assert busy.vote() < calm.vote()
     assert busy.basis["failure_rate_per_h"] > calm.basis["failure_rate_per_h"]
@@ -235,14 +259,28 @@ def test_lineage_from_events():
         {"event": "launch", "time": 0.0},
         {"event": "step", "step": 1, "time": 10.0, "step_time_s": 0.5},
         {"event": "step", "step": 2, "time": 10.5, "step_time_s": 0.5},
-        {"event": "checkpoint_interval_changed", "time": 10.6, "interval_steps": 7, "step_seconds": 0.5, "save_cost_s": 0.1, "commit_lag_s": 1.5},
+        {
+            "event": "checkpoint_interval_changed",
+            "time": 10.6,
+            "interval_steps": 7,
+            "step_seconds": 0.5,
+            "save_cost_s": 0.1,
+            "commit_lag_s": 1.5,
+        },
         {"event": "failure", "time": 11.0},
         {"event": "restart", "reason": "worker_failure", "time": 11.2},
         {"event": "rendezvous", "time": 12.0, "seconds": 0.5},
         {"event": "step", "step": 1, "time": 17.0, "step_time_s": 0.5},
         {"event": "restart", "reason": "membership_change", "time": 20.0},
         {"event": "preempt_requested", "time": 30.0},
-        {"event": "checkpoint_interval_changed", "time": 31.0, "interval_steps": 10, "reason": "initial", "save_cost_s": None, "step_seconds": None},
+        {
+            "event": "checkpoint_interval_changed",
+            "time": 31.0,
+            "interval_steps": 10,
+            "reason": "initial",
+            "save_cost_s": None,
+            "step_seconds": None,
+        },
     ]
     lin = cadence.lineage_from_events(ev)
     assert lin.failures == 2 and lin.observed_seconds == pytest.approx(31.0)
@@ -255,10 +293,18 @@ def _cadence(cfg, sink, log, start_step=0):
     return cadence.from_run(cfg.checkpoint, log.path, rank=0, start_step=start_step, now=0.0, events=log, metrics=sink)
 
 
-@pytest.mark.parametrize("step, total, every, seconds_due, stop, expected", [
-    (5, 10, 5, False, False, True), (4, 10, 5, False, False, False), (10, 10, 0, False, False, True), (3, 10, 0, True, False, True),
-    (3, 10, 5, False, True, True), (3, 10, 0, False, False, False), (11, 10, 0, False, False, True),
-])
+@pytest.mark.parametrize(
+    "step, total, every, seconds_due, stop, expected",
+    [
+        (5, 10, 5, False, False, True),
+        (4, 10, 5, False, False, False),
+        (10, 10, 0, False, False, True),
+        (3, 10, 0, True, False, True),
+        (3, 10, 5, False, True, True),
+        (3, 10, 0, False, False, False),
+        (11, 10, 0, False, False, True),
+    ],
+)
 def test_one_policy_decides_fixed_time_final_and_stop(step, total, every, seconds_due, stop, expected):
     cfg = load_config(None, [f"checkpoint.interval_steps={every}", "checkpoint.interval_seconds=60"])
     c = cadence.Cadence(cfg.checkpoint, rank=0, start_step=0, now=0.0)
@@ -285,7 +331,9 @@ def test_the_gauge_and_the_event_follow_the_interval_in_force(tmp_path):
     cfg = load_config(None, [f"run.dir={tmp_path}", "checkpoint.interval_steps=auto"])
     sink, log = RecordingSink(), EventLog(str(tmp_path / "events.jsonl"))
     c = _cadence(cfg, sink, log)
-    assert "elastic_trainer_checkpoint_interval_steps" not in sink.gauges, "auto: nothing in force before the first agreement"
+    assert "elastic_trainer_checkpoint_interval_steps" not in sink.gauges, (
+        "auto: nothing in force before the first agreement"
+    )
     c.agreed(1, 0.0, 10.0)
     c.agreed(2, 0.0, 10.0)
     assert sink.gauges["elastic_trainer_checkpoint_interval_steps"] == 10 and c.interval == 10
@@ -294,7 +342,9 @@ def test_the_gauge_and_the_event_follow_the_interval_in_force(tmp_path):
     assert {"save_cost_s", "restart_cost_s", "failure_rate_per_h"} <= set(ev)
     sink = RecordingSink()
     fixed = _cadence(load_config(None, ["checkpoint.interval_steps=25"]), sink, log)
-    assert sink.gauges["elastic_trainer_checkpoint_interval_steps"] == 25 and fixed.auto is None and fixed.interval == 25
+    assert (
+        sink.gauges["elastic_trainer_checkpoint_interval_steps"] == 25 and fixed.auto is None and fixed.interval == 25
+    )
 
 
 def test_read_events_tail_starts_at_a_record_boundary(tmp_path):

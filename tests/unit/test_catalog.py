@@ -22,8 +22,8 @@ import torch.distributed.checkpoint as dcp
 
 from elastic_trainer.checkpoint import integrity, layout
 from elastic_trainer.checkpoint.catalog import Catalog, checkpoint_key
-from elastic_trainer.contract import CHECKPOINT_KEY_ENV
 from elastic_trainer.checkpoint.layout import Candidate
+from elastic_trainer.contract import CHECKPOINT_KEY_ENV
 from elastic_trainer.errors import CheckpointError, FencedError
 from elastic_trainer.events import EventLog
 from elastic_trainer.storage.fs import open_storage
@@ -46,7 +46,15 @@ def _write(cat: Catalog, name: str, step: int) -> dict:
 
 
 def _commit(cat: Catalog, name: str, step: int, parent: str | None = None, seq: int = 1) -> dict:
-    return cat.commit(name, step=step, world_size=1, mesh_shape=[1], fingerprint="f", torch_version=torch.__version__, extra={"parent": parent, "seq": seq, "finite": True})
+    return cat.commit(
+        name,
+        step=step,
+        world_size=1,
+        mesh_shape=[1],
+        fingerprint="f",
+        torch_version=torch.__version__,
+        extra={"parent": parent, "seq": seq, "finite": True},
+    )
 
 
 def _save(cat: Catalog, step: int, parent: str | None = None, seq: int = 1) -> str:
@@ -68,7 +76,10 @@ def test_commit_refuses_a_directory_missing_a_written_file_and_older_commits_sta
     d = tmp_path / "step-00000010"
     shard = next(p for p in d.iterdir() if p.name.endswith(".distcp"))
     shard.unlink()
-    with pytest.raises(CheckpointError, match=f"cannot commit step-00000010: file {shard.name} \\(written by DCP\\) is missing from storage"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"cannot commit step-00000010: file {shard.name} \\(written by DCP\\) is missing from storage",
+    ):
         _commit(cat, "step-00000010", 10, parent=five, seq=2)
     assert not (d / layout.MANIFEST).exists(), "never committed"
     cands = _by_name(cat)
@@ -307,7 +318,12 @@ def test_retention_keeps_quarantined_and_invalid_ones(tmp_path):
 # ------------------------------------------------------------------ epochs and fencing
 @pytest.mark.parametrize(
     "older, newer",
-    [("00000001-b", "00000002-a"), ("00000009-z", "00000010-a"), ("00000003-a", "00000003-b"), ("garbage", "00000001-a")],
+    [
+        ("00000001-b", "00000002-a"),
+        ("00000009-z", "00000010-a"),
+        ("00000003-a", "00000003-b"),
+        ("garbage", "00000001-a"),
+    ],
 )
 def test_epoch_order(older, newer):
     assert layout.epoch_key(older) < layout.epoch_key(newer)

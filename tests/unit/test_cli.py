@@ -88,5 +88,9 @@ def test_every_tool_option_has_help():
             elif a.dest != "help":
                 yield path, a
 
-    missing = [f"{path} {'/'.join(a.option_strings) or a.dest}" for path, a in walk(cli._parser(), "elastic-trainer") if not a.help]
+    missing = [
+        f"{path} {'/'.join(a.option_strings) or a.dest}"
+        for path, a in walk(cli._parser(), "elastic-trainer")
+        if not a.help
+    ]
     assert not missing, missing

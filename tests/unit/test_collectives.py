@@ -39,11 +39,15 @@ print("ok")
 
 def test_use_count_sees_the_backend_holding_a_tensor_and_all_reduce_returns_after_release():
     env = runs.env_for_tests({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    r = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=100)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=100
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def test_wait_released_is_bounded():
     t = torch.ones(2)
     assert collectives.wait_released(t, 1, timeout=0.05) is True
-    assert collectives.wait_released(t, 0, timeout=0.05) is False, "a reference that never goes returns after the timeout"
+    assert collectives.wait_released(t, 0, timeout=0.05) is False, (
+        "a reference that never goes returns after the timeout"
+    )

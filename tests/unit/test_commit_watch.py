@@ -35,13 +35,16 @@ def _noted(watch: CommitWatch) -> None:
     assert not watch._pending.is_alive()
 
 
-@pytest.mark.parametrize("first, second, expected", [
-    (5, 5, False),  # nothing committed between the failures: a crash loop
-    (5, 10, True),
-    (None, 5, True),  # the first commit of the job
-    (None, None, False),
-    (10, 5, False),  # older than before (e.g. the newest was quarantined): not progress
-])
+@pytest.mark.parametrize(
+    "first, second, expected",
+    [
+        (5, 5, False),  # nothing committed between the failures: a crash loop
+        (5, 10, True),
+        (None, 5, True),  # the first commit of the job
+        (None, None, False),
+        (10, 5, False),  # older than before (e.g. the newest was quarantined): not progress
+    ],
+)
 def test_progress_is_a_newer_commit_than_at_the_previous_failure(first, second, expected):
     watch = CommitWatch(Reads(first, second))
     _noted(watch)
@@ -91,17 +94,24 @@ def test_the_reader_sees_what_latest_would_resume_in_real_storage(tmp_path):
 
 class _Cfg:
     def __init__(self, root: str):
-        self.checkpoint = type("C", (), {"dir": root, "s3_endpoint_url": "", "storage_timeout_seconds": 10.0, "storage_retries": 1})()
+        self.checkpoint = type(
+            "C", (), {"dir": root, "s3_endpoint_url": "", "storage_timeout_seconds": 10.0, "storage_retries": 1}
+        )()
 
 
-@pytest.mark.parametrize("previous, healthy, progressed, streak, backs_off", [
-    (1, 10.0, False, 2, True),
-    (1, 10.0, True, 1, False),  # a generation that committed is not a crash loop
-    (6, 10.0, True, 1, False),
-    (3, 60.0, False, 1, False),  # 60 s of healthy running
-    (0, 1.0, False, 1, False),  # the first failure restarts at once
-])
+@pytest.mark.parametrize(
+    "previous, healthy, progressed, streak, backs_off",
+    [
+        (1, 10.0, False, 2, True),
+        (1, 10.0, True, 1, False),  # a generation that committed is not a crash loop
+        (6, 10.0, True, 1, False),
+        (3, 60.0, False, 1, False),  # 60 s of healthy running
+        (0, 1.0, False, 1, False),  # the first failure restarts at once
+    ],
+)
 def test_failure_streak_starts_over_on_progress(previous, healthy, progressed, streak, backs_off):
     assert policy.failure_streak(previous, healthy, progressed) == streak
     assert (policy.restart_backoff(streak) > 0) is backs_off
-    assert policy.backoff_may_apply(previous, healthy) is (policy.restart_backoff(policy.failure_streak(previous, healthy)) > 0)
+    assert policy.backoff_may_apply(previous, healthy) is (
+        policy.restart_backoff(policy.failure_streak(previous, healthy)) > 0
+    )

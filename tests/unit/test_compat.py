@@ -43,7 +43,12 @@ def _states(dim=4, opt_cls=torch.optim.AdamW, **extra):
     model = nn.Linear(dim, 2)
     opt = opt_cls(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2)
-    return {"model": ModelState(model), "optim": OptimizerState(model, opt), "lr_scheduler": SchedulerState(sched), **extra}
+    return {
+        "model": ModelState(model),
+        "optim": OptimizerState(model, opt),
+        "lr_scheduler": SchedulerState(sched),
+        **extra,
+    }
 
 
 def _save(tmp_path, states, world_size=1):
@@ -78,9 +83,14 @@ def test_a_removed_stateful_is_ignored_and_named(tmp_path):
 def test_shape_dtype_and_optimizer_type_differences_are_named(tmp_path):
     md, manifest = _save(tmp_path, _states())
     report = compat.check(_states(dim=5), md, manifest, 1)
-    assert any("model.weight is float32[2, 4] in the checkpoint, float32[2, 5] in the code" in x for x in report.problems["model"])
+    assert any(
+        "model.weight is float32[2, 4] in the checkpoint, float32[2, 5] in the code" in x
+        for x in report.problems["model"]
+    )
     report = compat.check(_states(opt_cls=torch.optim.Adam), md, manifest, 1)  # the same keys as AdamW
-    assert report.problems["optim"] == ["the checkpoint holds torch.optim.adamw.AdamW, the code registers torch.optim.adam.Adam"]
+    assert report.problems["optim"] == [
+        "the checkpoint holds torch.optim.adamw.AdamW, the code registers torch.optim.adam.Adam"
+    ]
     doubled = _states()
     doubled["counter"] = Counter()
     md2, manifest2 = _save(tmp_path / "b", doubled)
@@ -94,11 +104,21 @@ def test_shape_dtype_and_optimizer_type_differences_are_named(tmp_path):
 def test_a_dict_of_optimizers_records_each_type(tmp_path):
     model = nn.Linear(4, 2)
     a, b = torch.optim.AdamW([model.weight], lr=0.1), torch.optim.SGD([model.bias], lr=0.1)
-    states = {"model": ModelState(model), "optim": NamedStates({"a": OptimizerState(model, a), "b": OptimizerState(model, b)})}
+    states = {
+        "model": ModelState(model),
+        "optim": NamedStates({"a": OptimizerState(model, a), "b": OptimizerState(model, b)}),
+    }
     assert state_types(states)["optim"] == {"a": "torch.optim.adamw.AdamW", "b": "torch.optim.sgd.SGD"}
     md, manifest = _save(tmp_path, states)
-    states2 = {"model": ModelState(model), "optim": NamedStates({"a": OptimizerState(model, torch.optim.Adam([model.weight], lr=0.1)), "b": OptimizerState(model, b)})}
-    assert compat.check(states2, md, manifest, 1).problems["optim"] == ["a: the checkpoint holds torch.optim.adamw.AdamW, the code registers torch.optim.adam.Adam"]
+    states2 = {
+        "model": ModelState(model),
+        "optim": NamedStates(
+            {"a": OptimizerState(model, torch.optim.Adam([model.weight], lr=0.1)), "b": OptimizerState(model, b)}
+        ),
+    }
+    assert compat.check(states2, md, manifest, 1).problems["optim"] == [
+        "a: the checkpoint holds torch.optim.adamw.AdamW, the code registers torch.optim.adam.Adam"
+    ]
 
 
 def test_per_rank_state_at_another_world_size_is_refused_unless_it_reshards(tmp_path):
@@ -148,14 +168,18 @@ def test_scheduler_state_reads_checkpoints_written_before_the_full_state(tmp_pat
     """Legacy layout (``last_epoch``/``last_lr`` only): its position still resumes."""
     model = nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1.0)
-    old = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    old = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
     for _ in range(3):
         opt.step()
         old.step()
     path = str(tmp_path / "ck")
-    dcp.save({"lr_scheduler": {"last_epoch": torch.tensor(3), "last_lr": torch.tensor([0.125], dtype=torch.float64)}}, checkpoint_id=path, no_dist=True)
+    dcp.save(
+        {"lr_scheduler": {"last_epoch": torch.tensor(3), "last_lr": torch.tensor([0.125], dtype=torch.float64)}},
+        checkpoint_id=path,
+        no_dist=True,
+    )
     opt2 = torch.optim.AdamW(model.parameters(), lr=1.0)
-    state = SchedulerState(torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 0.5 ** s))
+    state = SchedulerState(torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 0.5**s))
     states = {"lr_scheduler": state}
     dcp.load(states, checkpoint_id=path, planner=load_planner(states), no_dist=True)
     assert state.scheduler.last_epoch == 3 and opt2.param_groups[0]["lr"] == 0.125
@@ -169,7 +193,9 @@ def test_plateau_scheduler_keeps_best_and_bad_epochs(tmp_path):
         sched.step(loss)
     path = str(tmp_path / "ck")
     dcp.save({"s": SchedulerState(sched)}, checkpoint_id=path, no_dist=True)
-    back = SchedulerState(torch.optim.lr_scheduler.ReduceLROnPlateau(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0), patience=3))
+    back = SchedulerState(
+        torch.optim.lr_scheduler.ReduceLROnPlateau(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0), patience=3)
+    )
     dcp.load({"s": back}, checkpoint_id=path, planner=load_planner({"s": back}), no_dist=True)
     assert (back.scheduler.best, back.scheduler.num_bad_epochs) == (0.5, 2)
 
@@ -180,8 +206,12 @@ def test_integrity_and_compatibility_failures_are_told_apart():
     assert compat.is_integrity(pickle.UnpicklingError("invalid load key"))
     assert not compat.is_integrity(KeyError("n"))
     assert not compat.is_integrity(RuntimeError("Error(s) in loading state_dict: size mismatch"))
-    line = compat.one_line(FileNotFoundError(2, "No such file or directory", "/very/secret/root/step-00000010/__0_0.distcp"))
-    assert line.startswith("FileNotFoundError: ") and "/very" not in line and "__0_0.distcp" in line and "\n" not in line
+    line = compat.one_line(
+        FileNotFoundError(2, "No such file or directory", "/very/secret/root/step-00000010/__0_0.distcp")
+    )
+    assert (
+        line.startswith("FileNotFoundError: ") and "/very" not in line and "__0_0.distcp" in line and "\n" not in line
+    )
 
 
 def _commit(tmp_path, step, version=layout.MANIFEST_VERSION):
@@ -192,8 +222,13 @@ def _commit(tmp_path, step, version=layout.MANIFEST_VERSION):
     (d / "__0_0.distcp").write_bytes(b"data")
     import xxhash
 
-    files = {".metadata": {"size": 1, "xxh3": xxhash.xxh3_64_intdigest(b"m")}, "__0_0.distcp": {"size": 4, "xxh3": xxhash.xxh3_64_intdigest(b"data")}}
-    m = layout.build_manifest(step=step, world_size=1, mesh_shape=[1], files=files, created=0.0, torch_version="x", fingerprint="f")
+    files = {
+        ".metadata": {"size": 1, "xxh3": xxhash.xxh3_64_intdigest(b"m")},
+        "__0_0.distcp": {"size": 4, "xxh3": xxhash.xxh3_64_intdigest(b"data")},
+    }
+    m = layout.build_manifest(
+        step=step, world_size=1, mesh_shape=[1], files=files, created=0.0, torch_version="x", fingerprint="f"
+    )
     m["version"] = version
     (d / layout.MANIFEST).write_text(json.dumps(layout.seal(m, None)))
     return root
@@ -205,7 +240,11 @@ def test_a_format_this_version_cannot_read_stops_naming_both_versions(tmp_path):
     plan = Catalog(open_storage(str(root)), key=None).plan_resume("latest")
     assert plan.chosen is None and plan.incompatible[0] == "step-00000010", "never fall back past a newer format"
     reason = plan.stop_reason()
-    assert f"format version {layout.MANIFEST_VERSION + 1}" in reason and f"reads format {layout.MANIFEST_VERSION}" in reason and "upgrade" in reason
+    assert (
+        f"format version {layout.MANIFEST_VERSION + 1}" in reason
+        and f"reads format {layout.MANIFEST_VERSION}" in reason
+        and "upgrade" in reason
+    )
 
 
 @pytest.mark.parametrize("resume", ["latest"])
@@ -230,18 +269,28 @@ def test_release_reverifies_every_byte(tmp_path):
     assert (root / "step-00000005" / layout.QUARANTINE).exists()
     shard.write_bytes(b"data")
     assert cat.release("step-00000005")["reason"] == "load failed: OSError: reset"
-    assert not (root / "step-00000005" / layout.QUARANTINE).exists() and cat.plan_resume("latest").chosen.name == "step-00000005"
+    assert (
+        not (root / "step-00000005" / layout.QUARANTINE).exists()
+        and cat.plan_resume("latest").chosen.name == "step-00000005"
+    )
 
 
 def test_a_dict_of_optimizers_and_schedulers_round_trips(tmp_path):
     """Several optimizers over one model (a Muon + AdamW split, a generator and a discriminator)."""
+
     def build():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-        a, b = torch.optim.AdamW(model[0].parameters(), lr=0.1), torch.optim.SGD(model[1].parameters(), lr=0.1, momentum=0.9)
+        a, b = (
+            torch.optim.AdamW(model[0].parameters(), lr=0.1),
+            torch.optim.SGD(model[1].parameters(), lr=0.1, momentum=0.9),
+        )
         sa, sb = torch.optim.lr_scheduler.StepLR(a, 2), torch.optim.lr_scheduler.ExponentialLR(b, 0.5)
-        states = {"model": ModelState(model), "optim": NamedStates({"a": OptimizerState(model, a), "b": OptimizerState(model, b)}),
-                  "lr_scheduler": NamedStates({"a": SchedulerState(sa), "b": SchedulerState(sb)})}
+        states = {
+            "model": ModelState(model),
+            "optim": NamedStates({"a": OptimizerState(model, a), "b": OptimizerState(model, b)}),
+            "lr_scheduler": NamedStates({"a": SchedulerState(sa), "b": SchedulerState(sb)}),
+        }
         return model, (a, b), (sa, sb), states
 
     model, opts, scheds, states = build()
@@ -259,4 +308,6 @@ def test_a_dict_of_optimizers_and_schedulers_round_trips(tmp_path):
     dcp.load(states2, checkpoint_id=path, planner=load_planner(states2), no_dist=True)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters(), strict=True))
     assert [s.get_last_lr() for s in scheds] == [s.get_last_lr() for s in scheds2] and scheds2[1].last_epoch == 3
-    assert torch.equal(opts[1].state[model[1].weight]["momentum_buffer"], opts2[1].state[model2[1].weight]["momentum_buffer"])
+    assert torch.equal(
+        opts[1].state[model[1].weight]["momentum_buffer"], opts2[1].state[model2[1].weight]["momentum_buffer"]
+    )

@@ -28,7 +28,11 @@ def test_demo_and_cluster_configs_load():
         ({"train": {"steps": 1.5}}, "train.steps", "expected an integer"),
         ({"train": {"lr": "fast"}}, "train.lr", "expected a number"),
         ({"train": {"steps": 0}}, "train.steps", "must be > 0"),
-        ({"train": {"global_batch_size": 4, "micro_batch_size": 8}}, "train.micro_batch_size", "larger than train.global_batch_size"),
+        (
+            {"train": {"global_batch_size": 4, "micro_batch_size": 8}},
+            "train.micro_batch_size",
+            "larger than train.global_batch_size",
+        ),
         ({"train": {"mixed_precision": "fp8"}}, "train.mixed_precision", "expected auto, fp32 or bf16"),
         ({"model": {"dim": 100, "n_heads": 3}}, "model.dim", "not divisible"),
         ({"model": {"factory": "nocolon"}}, "model.factory", "package.module:function"),
@@ -43,8 +47,16 @@ def test_demo_and_cluster_configs_load():
         ({"checkpoint": {"mode": "eventually"}}, "checkpoint.mode", "async or sync"),
         ({"checkpoint": {"s3_endpoint_url": "localhost:9000"}}, "checkpoint.s3_endpoint_url", "http(s) URL"),
         ({"checkpoint": {"local_dir": "s3://bucket/x"}}, "checkpoint.local_dir", "node-local path"),
-        ({"checkpoint": {"dir": "/data/ckpt", "local_dir": "/data/ckpt/local"}}, "checkpoint.local_dir", "must not overlap checkpoint.dir"),
-        ({"checkpoint": {"dir": "/data/ckpt/remote", "local_dir": "/data/ckpt"}}, "checkpoint.local_dir", "must not overlap checkpoint.dir"),
+        (
+            {"checkpoint": {"dir": "/data/ckpt", "local_dir": "/data/ckpt/local"}},
+            "checkpoint.local_dir",
+            "must not overlap checkpoint.dir",
+        ),
+        (
+            {"checkpoint": {"dir": "/data/ckpt/remote", "local_dir": "/data/ckpt"}},
+            "checkpoint.local_dir",
+            "must not overlap checkpoint.dir",
+        ),
         ({"checkpoint": {"remote_every": 3}}, "checkpoint.remote_every", "needs checkpoint.local_dir"),
         ({"checkpoint": {"local_dir": "/dev/shm/x", "remote_every": 0}}, "checkpoint.remote_every", ">= 1"),
         ({"elastic": {"nnodes": "3:1"}}, "elastic.nnodes", "MIN <= MAX"),
@@ -71,7 +83,10 @@ def test_global_batch_that_cannot_be_split():
 def test_overrides_and_their_errors(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text('[train]\nsteps = 5\n[checkpoint]\ndir = "/tmp/x"\n')
-    cfg = load_config(p, ["train.steps=7", "checkpoint.dir=s3://bucket/prefix", "checkpoint.resume=12", "model.shard_modules=[\"Block\"]"])
+    cfg = load_config(
+        p,
+        ["train.steps=7", "checkpoint.dir=s3://bucket/prefix", "checkpoint.resume=12", 'model.shard_modules=["Block"]'],
+    )
     assert cfg.train.steps == 7 and cfg.checkpoint.dir == "s3://bucket/prefix" and cfg.checkpoint.resume == "12"
     assert cfg.model.shard_modules == ["Block"]
     with pytest.raises(ConfigError, match="section.key=value"):
@@ -100,7 +115,9 @@ def test_fingerprint_tracks_model_shape_only():
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "elastic_trainer.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
 
 
 def test_launch_rejects_bad_config_before_any_worker_starts(tmp_path):
@@ -109,9 +126,22 @@ def test_launch_rejects_bad_config_before_any_worker_starts(tmp_path):
     assert r.returncode == 2
     assert "train.micro_batch_size" in r.stderr
     assert not run_dir.exists(), "nothing may be written before the config is valid"
-    r = _cli("launch", "configs/demo-cpu.toml", "--set", f"run.dir={run_dir}", "--set", "train.global_batch_size=3", "--set", "train.micro_batch_size=1", "--nproc-per-node", "4")
+    r = _cli(
+        "launch",
+        "configs/demo-cpu.toml",
+        "--set",
+        f"run.dir={run_dir}",
+        "--set",
+        "train.global_batch_size=3",
+        "--set",
+        "train.micro_batch_size=1",
+        "--nproc-per-node",
+        "4",
+    )
     assert r.returncode == 2 and "train.global_batch_size" in r.stderr and "4 ranks" in r.stderr
-    r = _cli("launch", "configs/demo-cpu.toml", "--set", f"run.dir={run_dir}", "--set", f"data.path={tmp_path}/missing.bin")
+    r = _cli(
+        "launch", "configs/demo-cpu.toml", "--set", f"run.dir={run_dir}", "--set", f"data.path={tmp_path}/missing.bin"
+    )
     assert r.returncode == 2 and "data.path" in r.stderr
     assert not run_dir.exists()
 

@@ -119,7 +119,11 @@ def test_temp_names_differ_between_processes_and_calls():
 
 @pytest.mark.parametrize(
     "model",
-    [{"dropout": 1.0}, {"dropout": -0.1}, {"dropout": 0.1, "factory": "elastic_trainer.models.hf:causal_lm", "hf_config": "x"}],
+    [
+        {"dropout": 1.0},
+        {"dropout": -0.1},
+        {"dropout": 0.1, "factory": "elastic_trainer.models.hf:causal_lm", "hf_config": "x"},
+    ],
     ids=["one", "negative", "with-hf"],
 )
 def test_model_dropout_is_checked_naming_the_key(model):

@@ -111,7 +111,7 @@ def stage_args(stage: Stage) -> dict[str, str]:
 
 
 def test_parser_joins_continuations_and_skips_comments():
-    text = "# c\nARG A=1\nFROM x AS y\nRUN a \\\n    # inner\n    && b\nENTRYPOINT [\"e\"]\n"
+    text = '# c\nARG A=1\nFROM x AS y\nRUN a \\\n    # inner\n    && b\nENTRYPOINT ["e"]\n'
     ins = parse_dockerfile(text)
     assert [(i.keyword, i.value) for i in ins] == [
         ("ARG", "A=1"),
@@ -156,7 +156,9 @@ def test_runtime_installs_the_package_and_runs_unprivileged(parsed):
     copies = body_text(final, "COPY")
     for needed in ("pyproject.toml", "README.md", "elastic_trainer"):
         assert needed in copies
-    assert re.search(r'pip install (--no-cache-dir )?"?\.(\$\{EXTRAS:\+\[\$\{EXTRAS\}\]\})?"?(\s|$)', body_text(final, "RUN"))
+    assert re.search(
+        r'pip install (--no-cache-dir )?"?\.(\$\{EXTRAS:\+\[\$\{EXTRAS\}\]\})?"?(\s|$)', body_text(final, "RUN")
+    )
     users = [i.value for i in final.body if i.keyword == "USER"]
     assert users, "the runtime stage must switch to a non-root USER"
     user = expand(users[-1], stage_args(final)).split(":")[0]
@@ -190,9 +192,7 @@ def _ignored(path: str, patterns: list[str]) -> bool:
 
 
 def test_dockerignore_keeps_only_what_the_build_needs():
-    patterns = [
-        ln.strip() for ln in DOCKERIGNORE.read_text().splitlines() if ln.strip() and not ln.startswith("#")
-    ]
+    patterns = [ln.strip() for ln in DOCKERIGNORE.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
     for kept in ("pyproject.toml", "README.md", "elastic_trainer/__init__.py", "elastic_trainer/cli.py"):
         assert not _ignored(kept, patterns), kept
     for dropped in (

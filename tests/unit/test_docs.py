@@ -24,7 +24,9 @@ def test_the_operations_event_table_is_the_catalogue():
     section = text.split("## The event log", 1)[1].split("\n## ", 1)[0]
     assert begin in section, "the event table left the section 'The event log'"
     table = text.split(begin, 1)[1].split("\n", 1)[1].split(end, 1)[0]
-    assert table == contract.events_table(), "docs/operations.md's event table is stale: regenerate it with `python -m elastic_trainer.contract`"
+    assert table == contract.events_table(), (
+        "docs/operations.md's event table is stale: regenerate it with `python -m elastic_trainer.contract`"
+    )
 
 
 def test_every_config_key_is_in_the_readme_table():
@@ -33,7 +35,9 @@ def test_every_config_key_is_in_the_readme_table():
     for section in dataclasses.fields(config.Config):
         for f in dataclasses.fields(section.type if isinstance(section.type, type) else getattr(config, section.type)):
             key = f"{section.name}.{f.name}"
-            if not any(f"`{key}`" in r or (r.strip().startswith(f"`{section.name}.") and f"`{f.name}`" in r) for r in rows):
+            if not any(
+                f"`{key}`" in r or (r.strip().startswith(f"`{section.name}.") and f"`{f.name}`" in r) for r in rows
+            ):
                 missing.append(key)
     assert not missing, f"config keys missing from the README's configuration table: {missing}"
 
@@ -58,15 +62,21 @@ def test_every_guarantee_names_bounded_tests_that_exist():
         tree = ast.parse(source)
         [fn] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name] or [None]
         assert fn is not None, f"{cited}: no such test"
-        assert not any("soak" in ast.unparse(d) for d in fn.decorator_list), f"{cited} is soak: not in the bounded suite"
+        assert not any("soak" in ast.unparse(d) for d in fn.decorator_list), (
+            f"{cited} is soak: not in the bounded suite"
+        )
         assert not re.search(r"^pytestmark\s*=.*soak", source, re.M), f"{cited}: the module is soak"
         if param:
             lines = [line for line in source.splitlines() if f'"{param}"' in line]
             assert lines and not any("soak" in line for line in lines), f"{cited}: no such case, or it is soak"
 
 
-@pytest.mark.parametrize("doc", ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")), "BENCHMARKS.md"])
+@pytest.mark.parametrize(
+    "doc", ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")), "BENCHMARKS.md"]
+)
 def test_documents_speak_to_a_user_not_about_the_machine_they_were_written_on(doc):
     words = re.compile(r"other agents|this session|previous session|local disk|2-core machine", re.I)
-    hits = [f"{doc}:{i}: {line}" for i, line in enumerate((REPO / doc).read_text().splitlines(), 1) if words.search(line)]
+    hits = [
+        f"{doc}:{i}: {line}" for i, line in enumerate((REPO / doc).read_text().splitlines(), 1) if words.search(line)
+    ]
     assert not hits, "\n".join(hits)

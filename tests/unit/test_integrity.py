@@ -34,7 +34,10 @@ def _state() -> dict:
 
 
 def _empty_like(sd: dict) -> dict:
-    return {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "train": {"step": 0, "skipped": [], "name": ""}}
+    return {
+        "model": {k: torch.zeros_like(v) for k, v in sd["model"].items()},
+        "train": {"step": 0, "skipped": [], "name": ""},
+    }
 
 
 def _save(path: Path, sd: dict | None = None, writer_cls=FileSystemWriter) -> dict:
@@ -135,7 +138,9 @@ def test_a_flipped_byte_anywhere_in_a_shard_is_refused(saved):
         _flip(path / shard, off)
         assert (path / shard).stat().st_size == size
         _raises_integrity(
-            lambda: dcp.load(_empty_like(sd), storage_reader=integrity.verifying(FileSystemReader(str(path)), _checks(path))),
+            lambda: dcp.load(
+                _empty_like(sd), storage_reader=integrity.verifying(FileSystemReader(str(path)), _checks(path))
+            ),
             "checksum mismatch (corrupted shard)",
         )
         (path / shard).write_bytes(pristine)
@@ -177,7 +182,10 @@ def test_metadata_is_verified_before_it_is_unpickled(saved, tmp_path):
     meta.write_bytes(evil + b"\0" * (len(real) - len(evil)))
     reader = integrity.verifying(FileSystemReader(str(path)), checks)
     _raises_integrity(reader.read_metadata, "refused before unpickling")
-    _raises_integrity(lambda: dcp.load(_empty_like(sd), storage_reader=integrity.verifying(FileSystemReader(str(path)), checks)), "before unpickling")
+    _raises_integrity(
+        lambda: dcp.load(_empty_like(sd), storage_reader=integrity.verifying(FileSystemReader(str(path)), checks)),
+        "before unpickling",
+    )
     assert not marker.exists(), "the forged .metadata was unpickled"
     # Another size: refused by size, also before unpickling.
     meta.write_bytes(evil)
@@ -219,7 +227,10 @@ def test_fsspec_writer_and_reader_round_trip(tmp_path):
     assert all(torch.equal(out["model"][k], v) for k, v in sd["model"].items())
     (shard,) = [n for n in _table(path) if n.endswith(".distcp")]
     _flip(path / shard, (path / shard).stat().st_size // 2)
-    _raises_integrity(lambda: dcp.load(_empty_like(sd), storage_reader=integrity.verifying(FsspecReader(str(path)), checks)), "checksum mismatch")
+    _raises_integrity(
+        lambda: dcp.load(_empty_like(sd), storage_reader=integrity.verifying(FsspecReader(str(path)), checks)),
+        "checksum mismatch",
+    )
 
 
 def test_the_crc32_switch_is_restored_after_a_save(tmp_path):

@@ -119,9 +119,7 @@ def kubectl() -> str:
 
 @functools.cache
 def render(tree: Path) -> tuple[dict[str, Any], ...]:
-    proc = subprocess.run(
-        [kubectl(), "kustomize", str(tree)], check=False, capture_output=True, text=True, timeout=60
-    )
+    proc = subprocess.run([kubectl(), "kustomize", str(tree)], check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"kustomize {_rel(tree)} failed:\n{proc.stderr}"
     return tuple(o for o in yaml.safe_load_all(proc.stdout) if o)
 
@@ -161,8 +159,16 @@ def _core_validator(schema_file: str) -> jsonschema.protocols.Validator:
 
 _INT_RANGES = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 _COPIED_KEYWORDS = (
-    "enum", "pattern", "minLength", "maxLength", "minItems", "maxItems",
-    "minProperties", "maxProperties", "multipleOf", "uniqueItems",
+    "enum",
+    "pattern",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "multipleOf",
+    "uniqueItems",
 )
 
 
@@ -173,7 +179,9 @@ def structural_to_jsonschema(node: dict[str, Any]) -> dict[str, Any]:
     unique, and a required field with a ``default`` is not required (defaulting runs first).
     CEL ``x-kubernetes-validations`` are not evaluated."""
     out: dict[str, Any] = {}
-    types = ["integer", "string"] if node.get("x-kubernetes-int-or-string") else [node["type"]] if "type" in node else []
+    types = (
+        ["integer", "string"] if node.get("x-kubernetes-int-or-string") else [node["type"]] if "type" in node else []
+    )
     if types and node.get("nullable"):
         types.append("null")
     if types:
@@ -182,9 +190,14 @@ def structural_to_jsonschema(node: dict[str, Any]) -> dict[str, Any]:
         if key in node:
             out[key] = node[key]
     lo, hi = _INT_RANGES.get(node.get("format", ""), (None, None)) if node.get("type") == "integer" else (None, None)
-    for bound, exclusive, default, pick in (("minimum", "exclusiveMinimum", lo, max), ("maximum", "exclusiveMaximum", hi, min)):
+    for bound, exclusive, default, pick in (
+        ("minimum", "exclusiveMinimum", lo, max),
+        ("maximum", "exclusiveMaximum", hi, min),
+    ):
         if bound in node:
-            out[exclusive if node.get(exclusive) is True else bound] = node[bound] if default is None else pick(node[bound], default)
+            out[exclusive if node.get(exclusive) is True else bound] = (
+                node[bound] if default is None else pick(node[bound], default)
+            )
         elif default is not None:
             out[bound] = default
     props = node.get("properties")
@@ -304,7 +317,13 @@ def jobset_of_runtime(runtime: dict[str, Any], name: str = "runtime-template") -
 # -- admission webhooks: the rules the manifests rely on, mirrored from the operators' sources
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-JOB_FAILURE_REASONS = {"BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes", "MaxFailedIndexesExceeded", "PodFailurePolicy"}
+JOB_FAILURE_REASONS = {
+    "BackoffLimitExceeded",
+    "DeadlineExceeded",
+    "FailedIndexes",
+    "MaxFailedIndexesExceeded",
+    "PodFailurePolicy",
+}
 
 
 def admission_errors(obj: dict[str, Any]) -> list[str]:
@@ -317,7 +336,9 @@ def admission_errors(obj: dict[str, Any]) -> list[str]:
         replicas = spec.get("pytorchReplicaSpecs") or {}
         policy = spec.get("elasticPolicy")
         if policy is not None and "Worker" not in replicas:
-            errs.append("spec.pytorchReplicaSpecs[Worker]: Required value: must be configured if elastic policy is used")
+            errs.append(
+                "spec.pytorchReplicaSpecs[Worker]: Required value: must be configured if elastic policy is used"
+            )
         if policy is not None and "nProcPerNode" in policy and "nprocPerNode" in spec:
             errs.append("spec.elasticPolicy.nProcPerNode: Forbidden: must not be used with spec.nprocPerNode")
         for rtype, replica in replicas.items():
@@ -326,7 +347,10 @@ def admission_errors(obj: dict[str, Any]) -> list[str]:
                 errs.append(f'{path}: Unsupported value: "{rtype}": supported values: "Master", "Worker"')
             containers = (((replica or {}).get("template") or {}).get("spec") or {}).get("containers") or []
             if not any(c.get("name") == "pytorch" for c in containers):
-                errs.append(f"{path}.template.spec.containers: Required value: " "must have at least one container with name pytorch")
+                errs.append(
+                    f"{path}.template.spec.containers: Required value: "
+                    "must have at least one container with name pytorch"
+                )
             if any(not c.get("image") for c in containers):
                 errs.append(f"{path}.template.spec.containers: image: Required value")
     elif obj["kind"] == "TrainJob":
@@ -335,7 +359,9 @@ def admission_errors(obj: dict[str, Any]) -> list[str]:
             errs.append(f"metadata.name: must match RFC 1035 DNS label format and be at most 63 characters: {name!r}")
         reserved = sorted({e.get("name") for e in (spec.get("trainer") or {}).get("env") or []} & set(TRAINER_PET_VARS))
         if reserved:
-            errs.append(f"spec.trainer.env: Invalid value: must not have reserved envs, invalid envs configured: {reserved}")
+            errs.append(
+                f"spec.trainer.env: Invalid value: must not have reserved envs, invalid envs configured: {reserved}"
+            )
     elif obj["kind"] == "JobSet":
         # jobset v0.12.0 pkg/webhooks/jobset_webhook.go (ValidateCreate)
         rjobs = [r.get("name") for r in spec.get("replicatedJobs") or []]
@@ -396,7 +422,8 @@ def runtime_jobs(runtime: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def trainer_rjob(runtime: dict[str, Any]) -> dict[str, Any]:
     """The replicated job Trainer treats as the trainer (sizes it, injects PET_* into `node`)."""
     found = [
-        r for r in runtime_jobs(runtime).values()
+        r
+        for r in runtime_jobs(runtime).values()
         if (r["template"].get("metadata") or {}).get("labels", {}).get(TRAINER_ANCESTOR_LABEL) == "trainer"
     ]
     assert len(found) == 1, "exactly one replicated job must carry the trainer ancestor label"
@@ -428,9 +455,7 @@ def store_pod_templates(objs: tuple[dict[str, Any], ...]) -> Iterator[tuple[str,
 def trainer_container(template: dict[str, Any]) -> dict[str, Any]:
     """The container that runs the supervisor: the one exposing the metrics port."""
     found = [
-        c
-        for c in template["spec"]["containers"]
-        if any(p.get("name") == METRICS_PORT_NAME for p in c.get("ports", []))
+        c for c in template["spec"]["containers"] if any(p.get("name") == METRICS_PORT_NAME for p in c.get("ports", []))
     ]
     assert len(found) == 1, "exactly one container must expose the metrics port"
     return found[0]
@@ -518,7 +543,9 @@ def pytorchjob_pet_env(job: dict[str, Any]) -> dict[str, str]:
     env = {
         "PET_RDZV_ENDPOINT": f"{host}:{port}",
         "PET_RDZV_BACKEND": policy.get("rdzvBackend", "c10d"),
-        "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}" if "minReplicas" in policy or "maxReplicas" in policy else str(worker["replicas"]),
+        "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}"
+        if "minReplicas" in policy or "maxReplicas" in policy
+        else str(worker["replicas"]),
     }
     if "maxRestarts" in policy:
         env["PET_MAX_RESTARTS"] = str(policy["maxRestarts"])
@@ -550,7 +577,8 @@ def trainer_jobset(runtime: dict[str, Any], trainjob: dict[str, Any]) -> dict[st
     jobset = jobset_of_runtime(runtime, name)
     num_nodes = trainer.get("numNodes", runtime["spec"]["mlPolicy"].get("numNodes", 1))
     rjob = next(
-        r for r in jobset["spec"]["replicatedJobs"]
+        r
+        for r in jobset["spec"]["replicatedJobs"]
         if (r["template"].get("metadata") or {}).get("labels", {}).get(TRAINER_ANCESTOR_LABEL) == "trainer"
     )
     rjob["replicas"] = 1
@@ -567,7 +595,12 @@ def trainer_jobset(runtime: dict[str, Any], trainjob: dict[str, Any]) -> dict[st
         pet = [
             {"name": "PET_NNODES", "value": str(num_nodes)},
             {"name": "PET_NPROC_PER_NODE", "value": str(trainer.get("numProcPerNode", "auto"))},
-            {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
+            {
+                "name": "PET_NODE_RANK",
+                "valueFrom": {
+                    "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+                },
+            },
             {"name": "PET_MASTER_ADDR", "value": f"{name}-{TRAINER_NODE}-0-0.{name}"},
             {"name": "PET_MASTER_PORT", "value": str(TRAINER_PORT)},
         ]
@@ -591,7 +624,9 @@ def jobset_pod_env(jobset: dict[str, Any], container: dict[str, Any]) -> dict[st
     return out
 
 
-def pod_failure_action(policy: dict[str, Any] | None, container: str, exit_code: int, conditions: tuple[str, ...] = ()) -> str:
+def pod_failure_action(
+    policy: dict[str, Any] | None, container: str, exit_code: int, conditions: tuple[str, ...] = ()
+) -> str:
     """What the Job controller does with a failed pod (batch/v1 podFailurePolicy): the first rule
     that matches wins; no match (or no policy) counts it against backoffLimit."""
     for rule in (policy or {}).get("rules", []):
@@ -602,7 +637,9 @@ def pod_failure_action(policy: dict[str, Any] | None, container: str, exit_code:
             hit = exit_code in on_codes["values"]
             if hit == (on_codes["operator"] == "In"):
                 return rule["action"]
-        elif any(c["type"] in conditions and c.get("status", "True") == "True" for c in rule.get("onPodConditions", [])):
+        elif any(
+            c["type"] in conditions and c.get("status", "True") == "True" for c in rule.get("onPodConditions", [])
+        ):
             return rule["action"]
     return "Count"
 
@@ -623,18 +660,23 @@ def pytorchjob_restarts(restart_policy: str, exit_code: int) -> bool:
 
 def test_every_overlay_is_discovered():
     names = {f"{p.parent.name}/{p.name}" for p in OVERLAYS}
-    assert names == {f"{flavour}/{v}" for flavour in ("cpu-smoke", "gpu") for v in ("pytorchjob", "indexed-job", "trainjob")}
+    assert names == {
+        f"{flavour}/{v}" for flavour in ("cpu-smoke", "gpu") for v in ("pytorchjob", "indexed-job", "trainjob")
+    }
 
 
 @pytest.mark.parametrize("tree", TREES, ids=_rel)
 def test_renders_expected_kinds(tree: Path):
     """Every tree renders with `kubectl kustomize` into the kinds of its variant."""
     kinds = sorted(o["kind"] for o in render(tree))
-    assert kinds == {
-        "pytorchjob": ["ConfigMap", "Deployment", "PodMonitor", "PyTorchJob", "Service"],
-        "indexed-job": ["ConfigMap", "Deployment", "Job", "PodMonitor", "Service", "Service"],
-        "trainjob": ["ClusterTrainingRuntime", "ConfigMap", "PodMonitor", "TrainJob"],
-    }[variant(tree)]
+    assert (
+        kinds
+        == {
+            "pytorchjob": ["ConfigMap", "Deployment", "PodMonitor", "PyTorchJob", "Service"],
+            "indexed-job": ["ConfigMap", "Deployment", "Job", "PodMonitor", "Service", "Service"],
+            "trainjob": ["ClusterTrainingRuntime", "ConfigMap", "PodMonitor", "TrainJob"],
+        }[variant(tree)]
+    )
 
 
 # --------------------------------------------------------------------------- validation
@@ -672,7 +714,11 @@ STRUCTURAL_CASES = [
     # (node, instance, valid)
     ({"type": "object", "properties": {"a": {"type": "string"}}}, {"a": "x"}, True),
     ({"type": "object", "properties": {"a": {"type": "string"}}}, {"b": "x"}, False),  # pruned -> strict error
-    ({"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": {"a": {"type": "string"}}}, {"b": 1}, True),
+    (
+        {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": {"a": {"type": "string"}}},
+        {"b": 1},
+        True,
+    ),
     ({"type": "object", "additionalProperties": {"type": "string"}}, {"any": "x"}, True),
     ({"type": "object", "additionalProperties": {"type": "string"}}, {"any": 1}, False),
     ({"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]}, 8, True),
@@ -687,18 +733,30 @@ STRUCTURAL_CASES = [
     ({"type": "object", "required": ["a"], "properties": {"a": {"type": "string"}}}, {}, False),
     ({"type": "array", "x-kubernetes-list-type": "set", "items": {"type": "string"}}, ["a", "a"], False),
     (
-        {"type": "array", "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
-         "items": {"type": "object", "properties": {"name": {"type": "string"}, "v": {"type": "integer"}}}},
+        {
+            "type": "array",
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+            "items": {"type": "object", "properties": {"name": {"type": "string"}, "v": {"type": "integer"}}},
+        },
         [{"name": "a", "v": 1}, {"name": "a", "v": 2}],
         False,
     ),
     (
-        {"type": "array", "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
-         "items": {"type": "object", "properties": {"name": {"type": "string"}, "v": {"type": "integer"}}}},
+        {
+            "type": "array",
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+            "items": {"type": "object", "properties": {"name": {"type": "string"}, "v": {"type": "integer"}}},
+        },
         [{"name": "a", "v": 1}, {"name": "b", "v": 1}],
         True,
     ),
-    ({"type": "object", "x-kubernetes-embedded-resource": True, "properties": {"spec": {"type": "object"}}}, {"apiVersion": "v1", "kind": "X", "spec": {}}, True),
+    (
+        {"type": "object", "x-kubernetes-embedded-resource": True, "properties": {"spec": {"type": "object"}}},
+        {"apiVersion": "v1", "kind": "X", "spec": {}},
+        True,
+    ),
 ]
 
 
@@ -775,9 +833,18 @@ def test_no_literal_credentials_in_rendered_objects(tree: Path):
     for s in (s for o in objs for s in walk_strings(o)):
         for pat in CREDENTIAL_PATTERNS:
             assert not pat.search(s), f"credential-like text in {_rel(tree)}: {pat.pattern}"
-    envs = [(where, e) for where, t in [*pod_templates(objs), *store_pod_templates(objs)]
-            for c in t["spec"].get("containers", []) + t["spec"].get("initContainers", []) for e in c.get("env", [])]
-    envs += [("TrainJob", e) for o in objs if o["kind"] == "TrainJob" for e in (o["spec"].get("trainer") or {}).get("env", [])]
+    envs = [
+        (where, e)
+        for where, t in [*pod_templates(objs), *store_pod_templates(objs)]
+        for c in t["spec"].get("containers", []) + t["spec"].get("initContainers", [])
+        for e in c.get("env", [])
+    ]
+    envs += [
+        ("TrainJob", e)
+        for o in objs
+        if o["kind"] == "TrainJob"
+        for e in (o["spec"].get("trainer") or {}).get("env", [])
+    ]
     for where, e in envs:
         if SENSITIVE_ENV.search(e["name"]):
             assert "value" not in e, f"{where}: env {e['name']} has a literal value"
@@ -868,7 +935,9 @@ def test_every_arg_variable_is_defined(tree: Path):
                 defined |= set(pytorchjob_pet_env(o))
             if o["kind"] == "ClusterTrainingRuntime":
                 defined |= set(TRAINER_PET_VARS)
-                defined |= {e["name"] for t in objs if t["kind"] == "TrainJob" for e in t["spec"]["trainer"].get("env", [])}
+                defined |= {
+                    e["name"] for t in objs if t["kind"] == "TrainJob" for e in t["spec"]["trainer"].get("env", [])
+                }
             for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", " ".join(c.get("args", []))):
                 assert ref in defined, f"{where}: $({ref}) is not defined"
 
@@ -959,10 +1028,12 @@ def test_job_pod_failure_policy(tree: Path, exit_code: int, conditions: tuple[st
 
 
 def test_pod_failure_action_rules():
-    policy = {"rules": [
-        {"action": "FailJob", "onExitCodes": {"containerName": "t", "operator": "In", "values": [2]}},
-        {"action": "Ignore", "onExitCodes": {"operator": "NotIn", "values": [1, 2]}},
-    ]}
+    policy = {
+        "rules": [
+            {"action": "FailJob", "onExitCodes": {"containerName": "t", "operator": "In", "values": [2]}},
+            {"action": "Ignore", "onExitCodes": {"operator": "NotIn", "values": [1, 2]}},
+        ]
+    }
     assert pod_failure_action(policy, "t", 2) == "FailJob"
     assert pod_failure_action(policy, "other", 2) == "Count"
     assert pod_failure_action(policy, "t", 1) == "Count"
@@ -1078,7 +1149,9 @@ def test_trainjob_runtime_contract(tree: Path):
     runtime, trainjob = one(objs, "ClusterTrainingRuntime"), one(objs, "TrainJob")
     ref = trainjob["spec"]["runtimeRef"]
     assert (ref.get("apiGroup", "trainer.kubeflow.org"), ref.get("kind", "ClusterTrainingRuntime"), ref["name"]) == (
-        "trainer.kubeflow.org", "ClusterTrainingRuntime", runtime["metadata"]["name"]
+        "trainer.kubeflow.org",
+        "ClusterTrainingRuntime",
+        runtime["metadata"]["name"],
     )
     assert "torch" in runtime["spec"]["mlPolicy"], "the torch plugin injects the PET_* variables"
     trainer = trainjob["spec"]["trainer"]
@@ -1121,7 +1194,8 @@ def test_trainjob_runtime_contract(tree: Path):
     validate_object(jobset)
     # ... and its node containers' arguments resolve to the store pod and the sizes asked for.
     node_c = next(
-        c for c in trainer_rjob({"spec": {"template": jobset}})["template"]["spec"]["template"]["spec"]["containers"]
+        c
+        for c in trainer_rjob({"spec": {"template": jobset}})["template"]["spec"]["template"]["spec"]["containers"]
         if c["name"] == TRAINER_NODE
     )
     env = jobset_pod_env(jobset, node_c)
@@ -1144,7 +1218,10 @@ def test_trainjob_runtime_contract(tree: Path):
 def test_trainer_jobset_model_matches_the_upstream_runtime_example():
     """trainer_jobset() against Trainer's own default torch runtime: sizes and PET_* as documented."""
     runtime = yaml.safe_load((CRDS / "trainer-v2.3.0-runtime-torch_distributed.yaml").read_text())
-    trainjob = {"metadata": {"name": "tj"}, "spec": {"trainer": {"numNodes": 3, "numProcPerNode": 4, "command": ["torchrun", "t.py"]}}}
+    trainjob = {
+        "metadata": {"name": "tj"},
+        "spec": {"trainer": {"numNodes": 3, "numProcPerNode": 4, "command": ["torchrun", "t.py"]}},
+    }
     jobset = trainer_jobset(runtime, trainjob)
     validate_object(runtime)
     validate_object(jobset)

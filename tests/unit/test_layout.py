@@ -8,8 +8,14 @@ from elastic_trainer.checkpoint.layout import Candidate
 
 def manifest(step, files, key=None, **extra):
     body = layout.build_manifest(
-        step=step, world_size=1, mesh_shape=[1], files={k: {"size": v, "xxh3": 1} for k, v in files.items()},
-        created=1.0, torch_version="x", fingerprint="f", extra=extra,
+        step=step,
+        world_size=1,
+        mesh_shape=[1],
+        files={k: {"size": v, "xxh3": 1} for k, v in files.items()},
+        created=1.0,
+        torch_version="x",
+        fingerprint="f",
+        extra=extra,
     )
     return layout.seal(body, key)
 
@@ -17,7 +23,9 @@ def manifest(step, files, key=None, **extra):
 def cand(step, files=None, manifest_files=None, committed=True, key=None, quarantine=None):
     files = files if files is not None else {"__0_0.distcp": 10, ".metadata": 5}
     mf = manifest_files if manifest_files is not None else dict(files)
-    return Candidate(step, layout.step_dir_name(step), manifest(step, mf, key) if committed else None, files, quarantine)
+    return Candidate(
+        step, layout.step_dir_name(step), manifest(step, mf, key) if committed else None, files, quarantine
+    )
 
 
 def test_names_roundtrip_and_garbage_is_ignored():
@@ -33,8 +41,12 @@ def test_names_roundtrip_and_garbage_is_ignored():
 def test_verify_reasons():
     assert layout.verify(cand(5)) is None
     assert "uncommitted" in layout.verify(cand(5, committed=False))
-    assert "missing" in layout.verify(cand(5, files={".metadata": 5}, manifest_files={".metadata": 5, "__0_0.distcp": 10}))
-    assert "has 3 bytes, manifest says 10" in layout.verify(cand(5, files={".metadata": 5, "__0_0.distcp": 3}, manifest_files={".metadata": 5, "__0_0.distcp": 10}))
+    assert "missing" in layout.verify(
+        cand(5, files={".metadata": 5}, manifest_files={".metadata": 5, "__0_0.distcp": 10})
+    )
+    assert "has 3 bytes, manifest says 10" in layout.verify(
+        cand(5, files={".metadata": 5, "__0_0.distcp": 3}, manifest_files={".metadata": 5, "__0_0.distcp": 10})
+    )
     bad = Candidate(5, "step-00000005", manifest(6, {".metadata": 1}), {".metadata": 1})
     assert "does not match" in layout.verify(bad)
     assert "quarantined: checksum" in layout.verify(cand(5, quarantine={"reason": "checksum mismatch"}))
@@ -63,7 +75,13 @@ def test_commit_problem_names_the_missing_shard():
 
 @pytest.mark.parametrize(
     "writer, mine, cleanable",
-    [(None, "00000002-b", True), ("00000001-a", "00000002-b", True), ("00000002-b", "00000002-b", True), ("00000003-c", "00000002-b", False), ("00000002-c", "00000002-b", False)],
+    [
+        (None, "00000002-b", True),
+        ("00000001-a", "00000002-b", True),
+        ("00000002-b", "00000002-b", True),
+        ("00000003-c", "00000002-b", False),
+        ("00000002-c", "00000002-b", False),
+    ],
 )
 def test_uncommitted_cleaned_only_by_their_epoch_or_a_newer_one(writer, mine, cleanable):
     c = Candidate(5, "step-00000005", None, {"__0_0.distcp": 3}, writer={"epoch": writer} if writer else None)
@@ -101,8 +119,22 @@ def test_retention(steps, keep_last, keep_every, protected, victims):
 
 
 def test_manifest_contents():
-    m = layout.build_manifest(step=7, world_size=2, mesh_shape=[2], files={"b": {"size": 2}, "a": {"size": 1}}, created=1.0, torch_version="x", fingerprint="f", epoch="00000001-x")
-    assert m["total_bytes"] == 3 and list(m["files"]) == ["a", "b"] and m["world_size"] == 2 and m["config_fingerprint"] == "f"
+    m = layout.build_manifest(
+        step=7,
+        world_size=2,
+        mesh_shape=[2],
+        files={"b": {"size": 2}, "a": {"size": 1}},
+        created=1.0,
+        torch_version="x",
+        fingerprint="f",
+        epoch="00000001-x",
+    )
+    assert (
+        m["total_bytes"] == 3
+        and list(m["files"]) == ["a", "b"]
+        and m["world_size"] == 2
+        and m["config_fingerprint"] == "f"
+    )
     assert m["epoch"] == "00000001-x" and m["version"] == layout.MANIFEST_VERSION
 
 

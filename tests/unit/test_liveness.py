@@ -49,15 +49,27 @@ def test_not_a_dynamic_handler():
     class Static:
         pass
 
-    assert liveness.membership(Static()) is None and liveness.last_contact(Static()) is None and liveness.bound_seconds(Static()) is None
+    assert (
+        liveness.membership(Static()) is None
+        and liveness.last_contact(Static()) is None
+        and liveness.bound_seconds(Static()) is None
+    )
 
 
 def _handler(store_port: int, run_id: str, interval: int = 1, attempts: int = 3):
     from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
 
     params = RendezvousParameters(
-        backend="c10d", endpoint=f"127.0.0.1:{store_port}", run_id=run_id, min_nodes=1, max_nodes=2, local_addr="127.0.0.1",
-        is_host="false", last_call_timeout="1", keep_alive_interval=str(interval), keep_alive_max_attempt=str(attempts),
+        backend="c10d",
+        endpoint=f"127.0.0.1:{store_port}",
+        run_id=run_id,
+        min_nodes=1,
+        max_nodes=2,
+        local_addr="127.0.0.1",
+        is_host="false",
+        last_call_timeout="1",
+        keep_alive_interval=str(interval),
+        keep_alive_max_attempt=str(attempts),
     )
     return registry.get_rendezvous_handler(params)
 
@@ -94,7 +106,9 @@ def test_torch_private_rendezvous_state():
         assert h.num_nodes_waiting() == 0  # a real read of the store
         now = liveness.membership(h)
         assert now.round == joined.round and now.participants == joined.participants, now
-        assert liveness.verdict(M(joined.round, joined.participants | {repr(ghost)}, joined.me), now) == Verdict(PEER_LOST, (repr(ghost),))
+        assert liveness.verdict(M(joined.round, joined.participants | {repr(ghost)}, joined.me), now) == Verdict(
+            PEER_LOST, (repr(ghost),)
+        )
     finally:
         h.shutdown()
         del server

@@ -10,16 +10,20 @@ import torch
 
 from elastic_trainer import exit_codes
 from elastic_trainer.config import load_config, run_name
+from elastic_trainer.contract import CONFIG_ENV
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.runtime.loop import Accumulator, StepData, to_device
 from elastic_trainer.runtime.sampler import GlobalBatchSampler
-from elastic_trainer.contract import CONFIG_ENV
 from elastic_trainer.runtime.session import PreemptionFlag, resolve_config
 from elastic_trainer.supervisor import policy
 
 
 def test_paths_are_derived_from_the_script_or_config_name_never_the_demo():
-    assert run_name("examples/train_fsdp.py") == "train_fsdp" and run_name("pkg.mod.train") == "train" and run_name(None) is None
+    assert (
+        run_name("examples/train_fsdp.py") == "train_fsdp"
+        and run_name("pkg.mod.train") == "train"
+        and run_name(None) is None
+    )
     cfg = load_config(None, [], name="train_fsdp")
     assert (cfg.run.dir, cfg.checkpoint.dir) == ("runs/train_fsdp", "runs/train_fsdp/checkpoints")
     cfg = load_config(None, ["run.dir=/data/r1"], name="x")
@@ -31,7 +35,9 @@ def test_paths_are_derived_from_the_script_or_config_name_never_the_demo():
 def test_under_a_supervisor_the_script_merges_on_top_but_may_not_move_the_paths(monkeypatch, tmp_path):
     sup = load_config(None, ["run.dir=runs/a", "checkpoint.dir=s3://bucket/a", "train.steps=7"])
     monkeypatch.setenv(CONFIG_ENV, sup.to_json())
-    cfg = resolve_config(None, ["train.global_batch_size=12", "checkpoint.dir=s3://bucket/a", f"run.dir={os.path.abspath('runs/a')}"])
+    cfg = resolve_config(
+        None, ["train.global_batch_size=12", "checkpoint.dir=s3://bucket/a", f"run.dir={os.path.abspath('runs/a')}"]
+    )
     assert (cfg.train.steps, cfg.train.global_batch_size, cfg.checkpoint.dir) == (7, 12, "s3://bucket/a")
     with pytest.raises(ConfigError, match="checkpoint.dir.*supervisor"):
         resolve_config(None, ["checkpoint.dir=runs/elsewhere"])
@@ -40,7 +46,9 @@ def test_under_a_supervisor_the_script_merges_on_top_but_may_not_move_the_paths(
     with pytest.raises(ConfigError, match="run.dir"):
         resolve_config(str(job))
     job.write_text("[train]\nsteps = 99\n")
-    assert resolve_config(str(job)).train.steps == 99 and resolve_config(str(job)).checkpoint.dir == "s3://bucket/a", "a file merges, never replaces"
+    assert resolve_config(str(job)).train.steps == 99 and resolve_config(str(job)).checkpoint.dir == "s3://bucket/a", (
+        "a file merges, never replaces"
+    )
 
 
 def test_a_first_sigint_is_a_preemption_and_a_second_interrupts():
@@ -87,9 +95,15 @@ def test_step_data_weights_and_the_accumulator():
     acc.backward((w * 3).sum())
     assert not acc.complete
     acc.backward((w * 6).sum())
-    assert acc.complete and float(acc.loss) == pytest.approx(3 * 2 / 6 + 6 / 6) and float(w.grad) == pytest.approx(3 * 2 / 6 + 6 * 1 / 6)
+    assert (
+        acc.complete
+        and float(acc.loss) == pytest.approx(3 * 2 / 6 + 6 / 6)
+        and float(w.grad) == pytest.approx(3 * 2 / 6 + 6 * 1 / 6)
+    )
     with pytest.raises(RuntimeError, match="more backward passes"):
         acc.backward(w.sum())
-    plain = StepData([{"x": torch.ones(2)}], global_batch=6, micro_batch=2, seed=0, rank=0, world_size=2, device=torch.device("cpu"))
+    plain = StepData(
+        [{"x": torch.ones(2)}], global_batch=6, micro_batch=2, seed=0, rank=0, world_size=2, device=torch.device("cpu")
+    )
     assert plain.state is None and plain.next_step()[1] == [0.5]
     assert to_device({"a": [torch.ones(1)], "b": 3}, torch.device("cpu"))["b"] == 3

@@ -1,6 +1,7 @@
 """The node exporter with real worker processes: multiprocess aggregation, restarts, liveness,
 ``promtool check metrics`` on the full exposition, and the Grafana dashboard's queries checked
 against what the exporter really exports (and against promtool's PromQL parser)."""
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,11 @@ class Worker:
     def __init__(self, rank: int, calls: list):
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(rank), json.dumps(calls)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+            [sys.executable, "-c", WORKER, str(rank), json.dumps(calls)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
         )
         line = self.proc.stdout.readline()
         assert line.strip() == "ready", f"worker rank {rank} did not start (exit {self.proc.poll()})"
@@ -134,7 +139,14 @@ def test_counters_survive_worker_restarts_and_gauges_follow_live_workers(exporte
     assert s["elastic_trainer_recovery_seconds_count"] == 1
 
     # Incarnation 2 resumes: counters keep adding up, gauges show the new workers.
-    w0 = Worker(0, [["gauge", "elastic_trainer_train_step", 3], ["counter", "elastic_trainer_train_samples_total", 30], ["gauge", "elastic_trainer_world_size", 1]])
+    w0 = Worker(
+        0,
+        [
+            ["gauge", "elastic_trainer_train_step", 3],
+            ["counter", "elastic_trainer_train_samples_total", 30],
+            ["gauge", "elastic_trainer_world_size", 1],
+        ],
+    )
     s = samples(scrape(exporter))
     assert s["elastic_trainer_train_step"] == 3
     assert s["elastic_trainer_world_size"] == 1
@@ -169,7 +181,9 @@ def test_port_in_use_logs_and_training_goes_on(tmp_path, monkeypatch, caplog):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
-        cfg = Config(run=RunConfig(dir=str(tmp_path)), metrics=MetricsConfig(port=busy.getsockname()[1], host="127.0.0.1"))
+        cfg = Config(
+            run=RunConfig(dir=str(tmp_path)), metrics=MetricsConfig(port=busy.getsockname()[1], host="127.0.0.1")
+        )
         try:
             with caplog.at_level(logging.ERROR):
                 exp = factory.start_supervisor_exporter(cfg)
@@ -193,6 +207,7 @@ def _value_for(m: catalog.Metric) -> float:
 def full_exposition(exporter) -> str:
     """The exposition after every catalogue metric has been recorded by the process that owns it."""
     kind = {catalog.GAUGE: "gauge", catalog.COUNTER: "counter", catalog.HISTOGRAM: "histogram"}
+
     def call(m):
         extra = {k: "x" for k in m.labels if k != "rank"}
         return [kind[m.type], m.name, _value_for(m)] + ([extra] if extra else [])
@@ -219,7 +234,9 @@ def test_every_catalogue_metric_is_exported(full_exposition):
 
 
 def test_promtool_check_metrics_passes(full_exposition, promtool):
-    r = subprocess.run([promtool, "check", "metrics"], input=full_exposition, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [promtool, "check", "metrics"], input=full_exposition, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, f"promtool check metrics failed:\n{r.stdout}{r.stderr}"
 
 
@@ -265,7 +282,7 @@ def metric_names(expr: str) -> set[str]:
     e = re.sub(r"\boffset\s+\S+", " ", e)
     names = set()
     for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", e):
-        rest = e[m.end():].lstrip()
+        rest = e[m.end() :].lstrip()
         if rest.startswith("(") or m.group(0).lower() in _KEYWORDS:
             continue
         if m.start() > 0 and (e[m.start() - 1].isdigit() or e[m.start() - 1] == "."):
@@ -291,9 +308,15 @@ def test_dashboard_queries_name_only_exported_metrics(full_exposition):
         assert names, f"no metric in {q!r}"
         assert names <= exported, f"{q!r} names {sorted(names - exported)}, which the exporter does not export"
         used |= names
-    for needed in ("elastic_trainer_train_tokens_total", "elastic_trainer_train_loss", "elastic_trainer_checkpoint_stall_seconds_bucket",
-                   "elastic_trainer_checkpoint_last_commit_timestamp_seconds", "elastic_trainer_restarts_total", "elastic_trainer_world_size",
-                   "elastic_trainer_train_nonfinite_events_total"):
+    for needed in (
+        "elastic_trainer_train_tokens_total",
+        "elastic_trainer_train_loss",
+        "elastic_trainer_checkpoint_stall_seconds_bucket",
+        "elastic_trainer_checkpoint_last_commit_timestamp_seconds",
+        "elastic_trainer_restarts_total",
+        "elastic_trainer_world_size",
+        "elastic_trainer_train_nonfinite_events_total",
+    ):
         assert needed in used, f"the dashboard has no panel on {needed}"
 
 
@@ -312,7 +335,14 @@ def test_dashboard_queries_parse_as_promql(tmp_path, promtool):
     import yaml
 
     queries = dashboard_queries(json.loads(DASHBOARD.read_text()))
-    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:query_{i}", "expr": substitute(q)} for i, q in enumerate(queries)]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [{"record": f"dashboard:query_{i}", "expr": substitute(q)} for i, q in enumerate(queries)],
+            }
+        ]
+    }
     f = tmp_path / "dashboard_rules.yml"
     f.write_text(yaml.safe_dump(rules))
     r = subprocess.run([promtool, "check", "rules", str(f)], capture_output=True, text=True, timeout=60)

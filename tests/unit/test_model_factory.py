@@ -188,7 +188,9 @@ def test_hf_factory_builds_offline_and_matches_transformers(monkeypatch):
     assert spec.shard_modules == ["LlamaDecoderLayer"]
     assert all(p.device.type == "meta" for p in spec.model.parameters())
     model = materialise(spec)
-    ref = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(HF_CONFIG, local_files_only=True), attn_implementation="sdpa")
+    ref = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(HF_CONFIG, local_files_only=True), attn_implementation="sdpa"
+    )
     ref.load_state_dict(model.state_dict())
     for (n, b), (_, rb) in zip(model.named_buffers(), ref.named_buffers(), strict=True):
         assert torch.equal(b, rb), n  # rotary inv_freq recomputed after to_empty
@@ -203,7 +205,11 @@ def test_hf_factory_builds_offline_and_matches_transformers(monkeypatch):
 
 @pytest.mark.parametrize(
     "kw, key",
-    [({"vocab_size": 500}, "model.vocab_size"), ({"seq_len": 128}, "model.seq_len"), ({"hf_config": "/nonexistent/dir"}, "model.hf_config")],
+    [
+        ({"vocab_size": 500}, "model.vocab_size"),
+        ({"seq_len": 128}, "model.seq_len"),
+        ({"hf_config": "/nonexistent/dir"}, "model.hf_config"),
+    ],
 )
 def test_hf_factory_errors_name_the_key(kw, key):
     base = dict(factory=HF, hf_config=HF_CONFIG, vocab_size=512, seq_len=32)

@@ -44,17 +44,40 @@ def test_failure_streak_resets_after_a_healthy_stretch(previous, healthy, expect
     ],
 )
 def test_launch_exit_code(failed, signalled, marker, workers, code):
-    assert policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=marker, worker_exit_codes=workers) == code
+    assert (
+        policy.launch_exit_code(failed=failed, signalled=signalled, preempt_marker=marker, worker_exit_codes=workers)
+        == code
+    )
 
 
-@pytest.mark.parametrize("codes, terminal", [([65, 65], 65), ([73], 73), ([2, 2], 2), ([2], 2), ([65, 73], None), ([2, 1], None), ([1], None), ([75, 75], None), ([], None)])
+@pytest.mark.parametrize(
+    "codes, terminal",
+    [
+        ([65, 65], 65),
+        ([73], 73),
+        ([2, 2], 2),
+        ([2], 2),
+        ([65, 73], None),
+        ([2, 1], None),
+        ([1], None),
+        ([75, 75], None),
+        ([], None),
+    ],
+)
 def test_terminal_codes_stop_restarts(codes, terminal):
     assert policy.terminal_code(codes) == terminal
 
 
 @pytest.mark.parametrize(
     "failed, before, after, refund",
-    [(True, 2, 1, True), (True, 3, 2, True), (True, 2, 2, False), (False, 1, 2, False), (False, 2, 1, False), (True, 1, 2, False)],
+    [
+        (True, 2, 1, True),
+        (True, 3, 2, True),
+        (True, 2, 2, False),
+        (False, 1, 2, False),
+        (False, 2, 1, False),
+        (True, 1, 2, False),
+    ],
 )
 def test_refund_restart_only_for_a_failure_that_lost_a_node(failed, before, after, refund):
     assert policy.refund_restart(failed=failed, nodes_before=before, nodes_after=after) is refund
@@ -67,7 +90,12 @@ def test_stop_grace(failed, grace):
 
 @pytest.mark.parametrize(
     "value, fragment",
-    [("foo=1", "unknown rendezvous setting 'foo'"), ("last_call_timeout=x", "positive integer"), ("is_host=maybe", "true or false"), ("novalue", "key=value")],
+    [
+        ("foo=1", "unknown rendezvous setting 'foo'"),
+        ("last_call_timeout=x", "positive integer"),
+        ("is_host=maybe", "true or false"),
+        ("novalue", "key=value"),
+    ],
 )
 def test_rdzv_conf_errors_name_the_key(value, fragment):
     with pytest.raises(ConfigError, match="elastic.rdzv_conf") as e:
@@ -75,7 +103,10 @@ def test_rdzv_conf_errors_name_the_key(value, fragment):
     assert fragment in str(e.value)
 
 
-@pytest.mark.parametrize("endpoint, addr", [("h:1", StoreAddress("h", 1)), ("h", StoreAddress("h", 29400)), ("[::1]:5", StoreAddress("::1", 5))])
+@pytest.mark.parametrize(
+    "endpoint, addr",
+    [("h:1", StoreAddress("h", 1)), ("h", StoreAddress("h", 29400)), ("[::1]:5", StoreAddress("::1", 5))],
+)
 def test_store_address(endpoint, addr):
     assert StoreAddress.parse(endpoint) == addr
 

@@ -79,7 +79,10 @@ def test_load_single_file_among_others_with_tied_weights_and_bf16(tmp_path):
     the embedding; bf16 weights land in the fp32 model."""
     src = Tied()
     emb = torch.randn(8, 4).to(torch.bfloat16)
-    save_file({"emb.weight": emb, "norm.weight": torch.full((4,), 2.0), "norm.bias": torch.full((4,), -1.0)}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {"emb.weight": emb, "norm.weight": torch.full((4,), 2.0), "norm.bias": torch.full((4,), -1.0)},
+        str(tmp_path / "model.safetensors"),
+    )
     save_file({"emb.weight": torch.zeros(3, 3)}, str(tmp_path / "other.safetensors"))  # would clash if read
     stats = pretrained.load_pretrained(src, str(tmp_path / "model.safetensors"))
     assert stats["tensors"] == 3 and stats["files"] == 1

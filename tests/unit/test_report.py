@@ -1,4 +1,5 @@
 """Goodput accounting and the run report, on synthetic event logs."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,9 +22,21 @@ class Log:
         self.events.append({"event": event, "time": self.t, **fields})
         return self
 
-    def steps(self, first: int, last: int, seconds: float = 1.0, gap: float = 0.0, world: int = 2, loss0: float = 5.0) -> Log:
+    def steps(
+        self, first: int, last: int, seconds: float = 1.0, gap: float = 0.0, world: int = 2, loss0: float = 5.0
+    ) -> Log:
         for s in range(first, last + 1):
-            self.at(seconds + gap, "step", step=s, loss=loss0 - 0.01 * s, lr=1e-3, grad_norm=1.0, world_size=world, step_time_s=seconds, tokens_per_s=100.0 / seconds)
+            self.at(
+                seconds + gap,
+                "step",
+                step=s,
+                loss=loss0 - 0.01 * s,
+                lr=1e-3,
+                grad_norm=1.0,
+                world_size=world,
+                step_time_s=seconds,
+                tokens_per_s=100.0 / seconds,
+            )
         return self
 
 
@@ -84,11 +97,17 @@ def test_rollback_without_resume_event_still_counts_as_recompute():
 def test_membership_change_reshard_and_relaunch_after_preemption():
     log = Log().at(0, "launch").steps(1, 4, world=2)
     log.at(0.1, "checkpoint_committed", step=4, bytes=1, seconds=0.1)
-    log.at(0.1, "restart", reason="membership_change").at(2, "resume", step=4, from_world_size=2, world_size=3, load_seconds=0.5)
+    log.at(0.1, "restart", reason="membership_change").at(
+        2, "resume", step=4, from_world_size=2, world_size=3, load_seconds=0.5
+    )
     log.at(0, "reshard", step=4, from_world_size=2, to_world_size=3)
     log.steps(5, 8, world=3)
-    log.at(0.1, "preempt_requested", step=8).at(0.5, "preempted", step=8, committed=True).at(0.1, "supervisor_exit", exit_code=75)
-    log.at(60, "launch").at(3, "resume", step=8, from_world_size=3, world_size=3, load_seconds=0.7).steps(9, 10, world=3)
+    log.at(0.1, "preempt_requested", step=8).at(0.5, "preempted", step=8, committed=True).at(
+        0.1, "supervisor_exit", exit_code=75
+    )
+    log.at(60, "launch").at(3, "resume", step=8, from_world_size=3, world_size=3, load_seconds=0.7).steps(
+        9, 10, world=3
+    )
     log.at(0, "finished", step=10, tokens_seen=500)
     g = report.account(log.events)
     assert [i.reason for i in g.interruptions] == ["membership_change", "preempted"]
@@ -97,7 +116,14 @@ def test_membership_change_reshard_and_relaunch_after_preemption():
     assert b.seconds == pytest.approx(0.1 + 0.5 + 0.1 + 60 + 3 + 1.0 - 1.0)
     assert g.load_seconds == pytest.approx(1.2)
     s = report.summarize(log.events)
-    assert (s["status"], s["steps"], s["tokens"], s["reshards"], s["launches"], s["world_sizes"]) == ("finished", 10, 500, 1, 2, [2, 3])
+    assert (s["status"], s["steps"], s["tokens"], s["reshards"], s["launches"], s["world_sizes"]) == (
+        "finished",
+        10,
+        500,
+        1,
+        2,
+        [2, 3],
+    )
     assert s["restarts"] == 1 and s["restart_reasons"] == {"membership_change": 1}
 
 
@@ -126,8 +152,12 @@ def _write(tmp_path, events):
 
 def test_cli_report_writes_png_and_text(tmp_path, capsys):
     log = Log().at(0, "launch").steps(1, 6).at(0.1, "checkpoint_committed", step=5, bytes=1, seconds=0.1)
-    log.at(0.1, "restart", reason="worker_failure").at(1, "resume", step=5, from_world_size=2, world_size=1, load_seconds=0.3)
-    log.at(0, "reshard", step=5, from_world_size=2, to_world_size=1).steps(6, 9, world=1).at(0, "finished", step=9, tokens_seen=900)
+    log.at(0.1, "restart", reason="worker_failure").at(
+        1, "resume", step=5, from_world_size=2, world_size=1, load_seconds=0.3
+    )
+    log.at(0, "reshard", step=5, from_world_size=2, to_world_size=1).steps(6, 9, world=1).at(
+        0, "finished", step=9, tokens_seen=900
+    )
     run = _write(tmp_path, log.events)
     out = tmp_path / "r.png"
     assert report.main(argparse.Namespace(run_dir=str(run), out=str(out), json=False)) == 0
@@ -179,7 +209,9 @@ def test_categories_partition_the_wall_time_of_a_failure_and_preemption():
     log.at(0.2, "failure", rank=1).at(0.5, "restart", reason="worker_failure")
     log.at(1.5, "rendezvous", seconds=0.5).at(0.5, "start").at(0.8, "resume", step=4, load_seconds=0.6)
     log.steps(5, 8)  # 5 and 6 redone
-    log.at(0.1, "preempt_requested", step=8).at(0.7, "preempted", step=8, committed=True).at(0.2, "supervisor_exit", exit_code=75)
+    log.at(0.1, "preempt_requested", step=8).at(0.7, "preempted", step=8, committed=True).at(
+        0.2, "supervisor_exit", exit_code=75
+    )
     c = _cats(report.account(log.events))
     assert c["productive"] == pytest.approx(8.0)
     assert c["recompute"] == pytest.approx(2.0)
@@ -194,8 +226,16 @@ def test_categories_partition_the_wall_time_of_a_failure_and_preemption():
 
 
 def test_the_live_ledger_fed_record_by_record_agrees_with_the_whole_log_at_every_moment():
-    log = Log().at(0, "launch").at(1.0, "rendezvous", seconds=0.4).steps(1, 4).at(0.3, "checkpoint_committed", step=4, bytes=1, seconds=0.2)
-    log.steps(5, 6).at(0.2, "failure", rank=1).at(0.5, "restart", reason="worker_failure").at(1.5, "rendezvous", seconds=0.5)
+    log = (
+        Log()
+        .at(0, "launch")
+        .at(1.0, "rendezvous", seconds=0.4)
+        .steps(1, 4)
+        .at(0.3, "checkpoint_committed", step=4, bytes=1, seconds=0.2)
+    )
+    log.steps(5, 6).at(0.2, "failure", rank=1).at(0.5, "restart", reason="worker_failure").at(
+        1.5, "rendezvous", seconds=0.5
+    )
     log.at(0.8, "resume", step=4, load_seconds=0.6).steps(5, 8).at(0.1, "finished", step=8)
     ledger = report.Ledger()
     for i, e in enumerate(log.events):
@@ -252,7 +292,10 @@ def test_a_week_long_log_keeps_the_ledger_bounded_and_exact():
             rolled, step = True, step - 25
     expect["productive"] = sum(kept.values())
     r = ledger.result()
-    assert len(ledger._gap_after) <= 2 * goodput.GAP_MEMORY_STEPS and len(ledger._uncharged) <= 2 * goodput.OVERLAP_MEMORY_STEPS
+    assert (
+        len(ledger._gap_after) <= 2 * goodput.GAP_MEMORY_STEPS
+        and len(ledger._uncharged) <= 2 * goodput.OVERLAP_MEMORY_STEPS
+    )
     assert r.recompute_steps == 25
     for cat in expect:
         assert r.categories[cat] == pytest.approx(expect[cat], rel=1e-9), cat
@@ -282,12 +325,30 @@ def test_closing_summary_covers_this_launch_only(tmp_path):
     older = Log().at(0, "launch", pid=1).steps(1, 6).at(0.1, "checkpoint_committed", step=5, bytes=1, seconds=0.1)
     mine = Log().at(0, "launch", pid=2).steps(6, 9).at(0.1, "checkpoint_committed", step=8, bytes=1, seconds=0.1)
     run = _write(tmp_path, older.events + mine.events)
-    text = report.closing_summary(str(run), "s3://b/ckpt", 20, 75, "elastic-trainer", ["c.toml", "--set", "train.steps=20"], pid=2)
+    text = report.closing_summary(
+        str(run), "s3://b/ckpt", 20, 75, "elastic-trainer", ["c.toml", "--set", "train.steps=20"], pid=2
+    )
     first, ckpt, rep, again = text.splitlines()
     assert first.startswith("preempted at step 9/20, final step committed: ") and "1 checkpoint(s) committed" in first
-    assert ckpt == "  checkpoints: s3://b/ckpt (newest commit: step 8); list them: elastic-trainer ckpt list s3://b/ckpt"
+    assert (
+        ckpt == "  checkpoints: s3://b/ckpt (newest commit: step 8); list them: elastic-trainer ckpt list s3://b/ckpt"
+    )
     assert rep.startswith(f"  report:      elastic-trainer report {run}")
-    assert again == "  resume:      elastic-trainer launch c.toml --set train.steps=20   (continues from the newest commit)"
-    done = report.closing_summary(str(run), "ck", 8, 0, ".venv/bin/elastic-trainer", ["c.toml", "--set", "train.steps=8", "--set=train.steps=8"], pid=2)
-    assert done.splitlines()[-1] == "  train longer: .venv/bin/elastic-trainer launch c.toml --set train.steps=N   (continues from step 8)"
+    assert (
+        again
+        == "  resume:      elastic-trainer launch c.toml --set train.steps=20   (continues from the newest commit)"
+    )
+    done = report.closing_summary(
+        str(run),
+        "ck",
+        8,
+        0,
+        ".venv/bin/elastic-trainer",
+        ["c.toml", "--set", "train.steps=8", "--set=train.steps=8"],
+        pid=2,
+    )
+    assert (
+        done.splitlines()[-1]
+        == "  train longer: .venv/bin/elastic-trainer launch c.toml --set train.steps=N   (continues from step 8)"
+    )
     assert report.closing_summary(str(tmp_path / "elsewhere"), "ck", 8, 0, "elastic-trainer", [], pid=2) is None

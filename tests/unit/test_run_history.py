@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
+from elastic_trainer.contract import EVENTS_MIRROR_DIR
 from elastic_trainer.storage.fs import open_storage
 from elastic_trainer.supervisor import history
-from elastic_trainer.contract import EVENTS_MIRROR_DIR
 from elastic_trainer.supervisor.history import RunHistory, read_mirrored_events
 
 
@@ -57,7 +57,9 @@ def test_segments_bound_each_upload_and_join_back_exactly(tmp_path, monkeypatch)
     h = RunHistory(str(log), storage=store, node="node-a", clock=lambda: 1700000000.0)
     written = []
     for k in range(12):  # 12 commits, ~10 steps each, a mirror after each commit
-        batch = _records(k * 11, 10) + [{"event": "checkpoint_committed", "time": 1000.0 + k * 11 + 10, "step": k * 11 + 10}]
+        batch = _records(k * 11, 10) + [
+            {"event": "checkpoint_committed", "time": 1000.0 + k * 11 + 10, "step": k * 11 + 10}
+        ]
         written += batch
         _append(log, batch)
         h.poll()
@@ -122,7 +124,10 @@ def test_logs_of_several_nodes_and_an_unsegmented_older_mirror_merge_by_time(tmp
     store = open_storage(str(tmp_path / "ckpt"))
     # an object mirrored by an earlier version: one whole file, no segment number
     old = [{"event": "step", "time": 990.0 + i, "step": i} for i in range(3)]
-    store.write_bytes_atomic(store.join(EVENTS_MIRROR_DIR, "old-node-1690000000-7.jsonl"), "".join(json.dumps(r) + "\n" for r in old).encode())
+    store.write_bytes_atomic(
+        store.join(EVENTS_MIRROR_DIR, "old-node-1690000000-7.jsonl"),
+        "".join(json.dumps(r) + "\n" for r in old).encode(),
+    )
     mine = {}
     for node, offset in (("a", 0.25), ("b", 0.75)):
         log = tmp_path / f"{node}.jsonl"
@@ -138,8 +143,14 @@ def test_logs_of_several_nodes_and_an_unsegmented_older_mirror_merge_by_time(tmp
     assert len(store.list_files(store.join(EVENTS_MIRROR_DIR))) > 4, "each node's log was several segments"
 
 
-@pytest.mark.parametrize("name,log,seq", [("n-1-2.000003.jsonl", "n-1-2", "000003"), ("n-1-2.jsonl", "n-1-2", None),
-                                          ("host.example.com-1-2.000000.jsonl", "host.example.com-1-2", "000000")])
+@pytest.mark.parametrize(
+    "name,log,seq",
+    [
+        ("n-1-2.000003.jsonl", "n-1-2", "000003"),
+        ("n-1-2.jsonl", "n-1-2", None),
+        ("host.example.com-1-2.000000.jsonl", "host.example.com-1-2", "000000"),
+    ],
+)
 def test_segment_names(name, log, seq):
     m = history._SEGMENT.match(name)
     assert (m["log"], m["seq"]) == (log, seq)
@@ -150,7 +161,11 @@ def test_segment_names(name, log, seq):
 def test_a_long_log_is_followed_in_bounded_chunks(tmp_path, monkeypatch):
     monkeypatch.setattr(history, "READ_CHUNK_BYTES", 257)  # lines straddle every chunk boundary
     log = tmp_path / "events.jsonl"
-    recs = [{"event": "launch", "time": 990.0}] + [dict(r, step_time_s=0.5) for r in _records(0, 40)] + [{"event": "checkpoint_committed", "time": 1040.5, "step": 39}]
+    recs = (
+        [{"event": "launch", "time": 990.0}]
+        + [dict(r, step_time_s=0.5) for r in _records(0, 40)]
+        + [{"event": "checkpoint_committed", "time": 1040.5, "step": 39}]
+    )
     _append(log, recs)
     store = Recording(tmp_path / "ckpt")
     h = RunHistory(str(log), storage=store, node="n")
@@ -168,7 +183,9 @@ def test_a_long_log_is_followed_in_bounded_chunks(tmp_path, monkeypatch):
     h.poll()
     monkeypatch.setattr("builtins.open", real_open)
     assert reads and all(0 < r <= 257 for r in reads[:-1]), reads  # the mirror's own read is the last
-    assert h.ledger.result().categories["productive"] == pytest.approx(40 * 0.5), "every step fed once, none torn at a boundary"
+    assert h.ledger.result().categories["productive"] == pytest.approx(40 * 0.5), (
+        "every step fed once, none torn at a boundary"
+    )
     assert [e["step"] for e in read_mirrored_events(store.inner) if e["event"] == "step"] == list(range(40))
 
 
@@ -191,8 +208,11 @@ def test_a_relaunch_on_a_long_log_mirrors_it_in_bounded_segments(tmp_path, monke
     big = {"event": "note", "time": 2002.0, "text": "y" * 3000}  # a record longer than a segment
     _append(log, [big, {"event": "restart", "time": 2003.0}])
     h.poll()
-    assert read_mirrored_events(store.inner)[-3:] == [{"event": "checkpoint_committed", "time": 2001.0, "step": 1}, big,
-                                                      {"event": "restart", "time": 2003.0}]
+    assert read_mirrored_events(store.inner)[-3:] == [
+        {"event": "checkpoint_committed", "time": 2001.0, "step": 1},
+        big,
+        {"event": "restart", "time": 2003.0},
+    ]
 
 
 def test_damaged_lines_are_skipped_by_the_follower_and_the_report(tmp_path):
@@ -202,7 +222,7 @@ def test_damaged_lines_are_skipped_by_the_follower_and_the_report(tmp_path):
     log = tmp_path / "events.jsonl"
     good = _records(0, 3)
     with open(log, "wb") as f:
-        f.write(b"42\n\"text\"\n[1, 2]\n\xff\xfe garbage\n")
+        f.write(b'42\n"text"\n[1, 2]\n\xff\xfe garbage\n')
         for r in good:
             f.write((json.dumps(r) + "\n").encode())
         f.write(b'{"event": "checkpoint_committed", "time": "soon", "step": 2}\n')

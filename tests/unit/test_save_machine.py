@@ -152,9 +152,19 @@ def make(tmp_path):
         agreement = ScriptedAgreement()
         events_path = str(tmp_path / "events.jsonl")
         ccfg = CheckpointConfig(dir=root, save_timeout_seconds=timeout, **cfg)
-        mgr = CheckpointManager(ccfg, storage, {"model": weights or Weights()}, rank=rank, world_size=1 if rank == 0 else 2,
-                                mesh_shape=[1], group=None, fingerprint="f", events=EventLog(events_path, enabled=rank == 0),
-                                remote=saver, agreement=agreement)
+        mgr = CheckpointManager(
+            ccfg,
+            storage,
+            {"model": weights or Weights()},
+            rank=rank,
+            world_size=1 if rank == 0 else 2,
+            mesh_shape=[1],
+            group=None,
+            fingerprint="f",
+            events=EventLog(events_path, enabled=rank == 0),
+            remote=saver,
+            agreement=agreement,
+        )
         made.append(mgr)
         mgr.test_saver, mgr.test_agreement, mgr.test_events = saver, agreement, events_path
         return mgr
@@ -197,14 +207,17 @@ def test_only_the_transitions_of_the_diagram_are_taken():
     assert s.history == [S.STAGING, S.WRITING, S.COMMITTING, S.COMMITTED] and s.settled and s.manifest == {"step": 3}
 
 
-@pytest.mark.parametrize("path, end", [
-    ([S.WRITING, S.WRITTEN], S.WRITTEN),
-    ([S.WRITING, S.COMMITTING, S.FENCED], S.FENCED),
-    ([S.WRITING, S.COMMITTING, S.FAILED], S.FAILED),
-    ([S.FAILED], S.FAILED),
-    ([S.ABANDONED], S.ABANDONED),
-    ([S.WRITING, S.ABANDONED], S.ABANDONED),
-])
+@pytest.mark.parametrize(
+    "path, end",
+    [
+        ([S.WRITING, S.WRITTEN], S.WRITTEN),
+        ([S.WRITING, S.COMMITTING, S.FENCED], S.FENCED),
+        ([S.WRITING, S.COMMITTING, S.FAILED], S.FAILED),
+        ([S.FAILED], S.FAILED),
+        ([S.ABANDONED], S.ABANDONED),
+        ([S.WRITING, S.ABANDONED], S.ABANDONED),
+    ],
+)
 def test_every_end_is_terminal(path, end):
     s = Save(1, "n", started=0.0, deadline=1e18)
     for to in path:
@@ -221,7 +234,8 @@ def test_wait_ends_at_the_deadline_and_a_settled_save_waits_for_its_local_copy()
     local: Future = Future()
     s.track_local(local)
     s.advance(S.WRITTEN)
-    assert not s.settled and s.wait(time.monotonic() + 0.01) is S.WRITING and s.writing  # the local copy is still being written
+    # the local copy is still being written
+    assert not s.settled and s.wait(time.monotonic() + 0.01) is S.WRITING and s.writing
     threading.Timer(0.02, local.set_result, (True,)).start()
     assert s.wait(time.monotonic() + WAIT) is S.WRITTEN and s.settled and not s.writing
 
@@ -356,7 +370,9 @@ def test_a_rollback_abandons_a_save_still_writing_keeps_its_directory_and_never_
     assert not m.settle(time.monotonic() + 0.05)
     loaded = m.load(resume="latest")  # what a non-finite rollback does
     assert loaded.step == 10 and stuck.state is S.ABANDONED and not m.in_flight
-    assert m.storage.exists(m.storage.join(stuck.name, layout.WRITER)), "the rollback's load cleaned up a directory still being written"
+    assert m.storage.exists(m.storage.join(stuck.name, layout.WRITER)), (
+        "the rollback's load cleaned up a directory still being written"
+    )
     m.test_saver.release(stuck.name)
     m.test_saver.join(stuck.name)
     m._commit_pool.submit(lambda: None).result(WAIT)  # a commit, had one been (wrongly) started, has run

@@ -14,7 +14,9 @@ from elastic_trainer.errors import ConfigError
     "cuda, shared, pinned_nonblocking",
     [(False, False, False), (False, True, False), (True, False, True), (True, True, True)],
 )
-def test_staging_is_always_in_the_background_pinned_only_for_cuda_shared_only_for_the_process_writer(cuda, shared, pinned_nonblocking):
+def test_staging_is_always_in_the_background_pinned_only_for_cuda_shared_only_for_the_process_writer(
+    cuda, shared, pinned_nonblocking
+):
     o = staging_options(cuda=cuda, shared_memory=shared)
     assert o.use_async_staging is True
     assert (o.use_pinned_memory, o.use_non_blocking_copy) == (pinned_nonblocking, pinned_nonblocking)

@@ -46,8 +46,12 @@ def test_a_native_crash_leaves_the_python_stack_of_every_thread(tmp_path):
         "threading.Thread(target=saver, name='saver', daemon=True).start()\n"
         "os.abort()\n"
     )
-    env = runs.env_for_tests({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=100)
+    env = runs.env_for_tests(
+        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=100
+    )
     assert r.returncode == -6, r.stderr[-2000:]
     assert "Fatal Python error: Aborted" in r.stderr
     assert "in saver" in r.stderr, "the other threads' stacks are dumped too"
@@ -58,16 +62,31 @@ def test_a_native_crash_leaves_the_python_stack_of_every_thread(tmp_path):
 def test_init_shows_the_librarys_log_lines_unless_the_program_configured_them(tmp_path, own_handler):
     code = (
         "import logging, sys, elastic_trainer as et\n"
-        + ("h = logging.StreamHandler(sys.stderr); h.setFormatter(logging.Formatter('MINE %(message)s'))\n"
-           "logging.getLogger('elastic_trainer').addHandler(h)\n" if own_handler else "")
+        + (
+            "h = logging.StreamHandler(sys.stderr); h.setFormatter(logging.Formatter('MINE %(message)s'))\n"
+            "logging.getLogger('elastic_trainer').addHandler(h)\n"
+            if own_handler
+            else ""
+        )
         + f"s = et.init(overrides=['run.dir={tmp_path}', 'checkpoint.dir={tmp_path / 'ckpt'}'])\n"
         "logging.getLogger('elastic_trainer.user').debug('debug line')\n"
         "logging.getLogger('elastic_trainer.user').warning('warning line')\n"
     )
-    env = runs.env_for_tests({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                              "ELASTIC_TRAINER_LOG_LEVEL": "DEBUG", "ELASTIC_TRAINER_NODE": "node-7"})
+    env = runs.env_for_tests(
+        {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "ELASTIC_TRAINER_LOG_LEVEL": "DEBUG",
+            "ELASTIC_TRAINER_NODE": "node-7",
+        }
+    )
     env.pop("GROUP_RANK", None)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=100)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=100
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     if own_handler:
         assert "MINE warning line" in r.stderr and "[node-7/0" not in r.stderr

@@ -3,6 +3,7 @@ stub ``srun``/``scontrol`` commands (argv rendered, signal forwarded once, reque
 
 The real thing runs in tests/e2e/test_slurm.py on a single-node cluster.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def sbatch_directives(text: str) -> list[str]:
         if s and not s.startswith("#"):
             break
         if s.startswith("#SBATCH"):
-            out.append(s[len("#SBATCH"):].strip())
+            out.append(s[len("#SBATCH") :].strip())
     return out
 
 
@@ -43,7 +44,10 @@ def bash(snippet: str, env: dict | None = None) -> str:
     """Run ``snippet`` after sourcing the script (definitions only); return stdout."""
     p = subprocess.run(
         ["bash", "-c", f"source {shlex.quote(str(SCRIPT))}\n{snippet}"],
-        capture_output=True, text=True, timeout=20, env={"PATH": os.environ["PATH"], **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env={"PATH": os.environ["PATH"], **(env or {})},
     )
     assert p.returncode == 0, p.stderr
     return p.stdout
@@ -210,7 +214,9 @@ def _stub_env(tmp_path: Path, **extra: str) -> dict:
 
 
 def _run_script(tmp_path: Path, env: dict, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _events(tmp_path: Path) -> list[dict]:
@@ -237,7 +243,7 @@ def test_renders_srun_and_launch_command(tmp_path):
     argv = _calls(tmp_path, "srun.argv")
     head = argv[: argv.index("launch")]
     assert head[:5] == ["--nodes=2", "--ntasks-per-node=1", "--ntasks=2", "--cpus-per-task=8", "--label"]
-    launch = argv[argv.index("launch") + 1:]
+    launch = argv[argv.index("launch") + 1 :]
     assert launch[0] == "configs/demo-cpu.toml"
     opts = launch[1:]
     assert opts[opts.index("--nnodes") + 1] == "2"
@@ -254,14 +260,26 @@ def test_renders_srun_and_launch_command(tmp_path):
 
 
 def test_env_overrides_topology(tmp_path):
-    env = _stub_env(tmp_path, ET_NNODES="1:2", ET_NPROC_PER_NODE="3", ET_RDZV_PORT="29999", ET_CPUS_PER_TASK="5", ET_MAX_RESTARTS="7")
+    env = _stub_env(
+        tmp_path,
+        ET_NNODES="1:2",
+        ET_NPROC_PER_NODE="3",
+        ET_RDZV_PORT="29999",
+        ET_CPUS_PER_TASK="5",
+        ET_MAX_RESTARTS="7",
+    )
     p = _run_script(tmp_path, env)
     assert p.returncode == 0, p.stderr
     argv = _calls(tmp_path, "srun.argv")
     assert "--cpus-per-task=5" in argv
-    opts = argv[argv.index("launch") + 1:]
+    opts = argv[argv.index("launch") + 1 :]
     assert opts[0] == "configs/demo-cpu.toml"  # the default config
-    for flag, value in (("--nnodes", "1:2"), ("--nproc-per-node", "3"), ("--rdzv-endpoint", "node-a:29999"), ("--max-restarts", "7")):
+    for flag, value in (
+        ("--nnodes", "1:2"),
+        ("--nproc-per-node", "3"),
+        ("--rdzv-endpoint", "node-a:29999"),
+        ("--max-restarts", "7"),
+    ):
         assert opts[opts.index(flag) + 1] == value
 
 
@@ -271,7 +289,7 @@ def test_external_store_endpoint(tmp_path):
     p = _run_script(tmp_path, env)
     assert p.returncode == 0, p.stderr
     argv = _calls(tmp_path, "srun.argv")
-    opts = argv[argv.index("launch") + 1:]
+    opts = argv[argv.index("launch") + 1 :]
     assert opts[opts.index("--rdzv-endpoint") + 1] == "store-host:29400"
     assert opts[opts.index("--rdzv-conf") + 1] == "join_timeout=900,is_host=false"
     assert _events(tmp_path)[0]["rdzv_endpoint"] == "store-host:29400"
@@ -284,7 +302,10 @@ def test_invalid_config_fails_before_srun(tmp_path):
     assert not (tmp_path / "srun.argv").exists()
 
 
-@pytest.mark.parametrize("rc,state,requeued", [(75, "RUNNING", True), (76, "RUNNING", True), (75, "COMPLETING", False), (1, "RUNNING", False)])
+@pytest.mark.parametrize(
+    "rc,state,requeued",
+    [(75, "RUNNING", True), (76, "RUNNING", True), (75, "COMPLETING", False), (1, "RUNNING", False)],
+)
 def test_exit_code_and_requeue(tmp_path, rc, state, requeued):
     p = _run_script(tmp_path, _stub_env(tmp_path, FAKE_RC=str(rc), FAKE_STATE=state))
     assert p.returncode == rc
@@ -296,11 +317,15 @@ def _start_and_signal(tmp_path: Path, *signals: int) -> tuple[int, str]:
     """Run the script with a stub step that waits for a signal and send it ``signals`` in order,
     the second one only once the stub has recorded the first forward. Returns (exit code, stderr)."""
     env = _stub_env(tmp_path, FAKE_WAIT="1")
-    proc = subprocess.Popen(["bash", str(SCRIPT)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 20
         while not (tmp_path / "srun.started").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "stub srun not started"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stderr.read() if proc.poll() is not None else "stub srun not started"
+            )
             time.sleep(0.02)
         for i, sig in enumerate(signals):
             proc.send_signal(sig)

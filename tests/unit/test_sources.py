@@ -18,7 +18,10 @@ from elastic_trainer.errors import ConfigError  # noqa: E402
 from elastic_trainer.worker import sources  # noqa: E402
 from elastic_trainer.worker.data import IGNORE_INDEX, StepBatches  # noqa: E402
 
-DOCS = [f"document {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][j % 4] for j in range(i % 7 + 1)) for i in range(60)]
+DOCS = [
+    f"document {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][j % 4] for j in range(i % 7 + 1))
+    for i in range(60)
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,9 @@ def cfg(tmp_path, path, tokenizer="", vocab=512, **data):
     if tokenizer:
         d.setdefault("format", "text")
         d["tokenizer"] = tokenizer
-    return config_from_dict({"run": {"dir": str(tmp_path / "run")}, "model": {"vocab_size": vocab, "seq_len": 8}, "data": d})
+    return config_from_dict(
+        {"run": {"dir": str(tmp_path / "run")}, "model": {"vocab_size": vocab, "seq_len": 8}, "data": d}
+    )
 
 
 def expected_stream(tokenizer: str, docs: list[str], eos: str = "<eos>") -> np.ndarray:
@@ -73,7 +78,10 @@ def test_jsonl_and_arrow_give_the_same_stream_as_parquet(tmp_path, tokenizer):
         w.write_table(table, max_chunksize=9)
     with pa.ipc.new_stream(str(tmp_path / "stream.arrow"), table.schema) as w:  # the layout datasets writes
         w.write_table(table, max_chunksize=11)
-    streams = [stream_of(cfg(tmp_path, tmp_path / n, tokenizer, eos_token="<eos>")) for n in ("x.parquet", "x.jsonl", "file.arrow", "stream.arrow")]
+    streams = [
+        stream_of(cfg(tmp_path, tmp_path / n, tokenizer, eos_token="<eos>"))
+        for n in ("x.parquet", "x.jsonl", "file.arrow", "stream.arrow")
+    ]
     for s in streams[1:]:
         np.testing.assert_array_equal(s, streams[0])
 
@@ -84,7 +92,9 @@ def test_eos_token_defaults_to_tokenizer_config(tmp_path, tokenizer):
     tok_dir.mkdir()
     (tok_dir / "tokenizer.json").write_bytes(open(tokenizer, "rb").read())
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
-    np.testing.assert_array_equal(stream_of(cfg(tmp_path, tmp_path / "x.parquet", str(tok_dir))), expected_stream(tokenizer, DOCS))
+    np.testing.assert_array_equal(
+        stream_of(cfg(tmp_path, tmp_path / "x.parquet", str(tok_dir))), expected_stream(tokenizer, DOCS)
+    )
 
 
 def test_token_lists(tmp_path):
@@ -134,7 +144,15 @@ def test_vocab_checks_hold_when_the_stream_is_cached(tmp_path, tokenizer):
         (lambda t, tok: cfg(t, t / "x.parquet", str(t / "no-tokenizer.json")), "data.tokenizer"),
         (lambda t, tok: cfg(t, t / "x.parquet", format="tokens"), "data.column"),
     ],
-    ids=["tokenizer-larger-than-vocab", "missing-column", "eos-not-in-vocab", "no-files", "unsupported-type", "missing-tokenizer", "text-as-tokens"],
+    ids=[
+        "tokenizer-larger-than-vocab",
+        "missing-column",
+        "eos-not-in-vocab",
+        "no-files",
+        "unsupported-type",
+        "missing-tokenizer",
+        "text-as-tokens",
+    ],
 )
 def test_errors_name_the_key(tmp_path, tokenizer, setup, key):
     pq.write_table(pa.table({"text": DOCS}), tmp_path / "x.parquet")
@@ -166,7 +184,9 @@ def test_batches_over_a_text_source_do_not_depend_on_world_size(tmp_path, tokeni
     def global_step(world: int, cursor: int) -> np.ndarray:
         rows = []
         for rank in range(world):
-            for mb in StepBatches(source, seed=3, global_batch=7, micro_batch=2, world=world, rank=rank).for_cursor(cursor):
+            for mb in StepBatches(source, seed=3, global_batch=7, micro_batch=2, world=world, rank=rank).for_cursor(
+                cursor
+            ):
                 if mb.n_samples:
                     rows.append(np.concatenate([mb.inputs.numpy(), mb.targets.numpy()], axis=1))
                 else:

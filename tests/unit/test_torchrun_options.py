@@ -13,11 +13,27 @@ import pytest
 from elastic_trainer.config import ConfigError, ElasticConfig, load_config
 from elastic_trainer.supervisor import options
 
-CFG = ElasticConfig(nnodes="1:3", nproc_per_node=4, max_restarts=5, rdzv_endpoint="store:29400", rdzv_id="cfg-id", monitor_interval_seconds=0.5)
+CFG = ElasticConfig(
+    nnodes="1:3",
+    nproc_per_node=4,
+    max_restarts=5,
+    rdzv_endpoint="store:29400",
+    rdzv_id="cfg-id",
+    monitor_interval_seconds=0.5,
+)
 TORCHRUN_DEFAULTS = {
-    "nnodes": "1:1", "nproc_per_node": "1", "max_restarts": 0, "monitor_interval": 0.1, "rdzv_backend": "static",
-    "rdzv_endpoint": "", "rdzv_id": "none", "rdzv_conf": "", "standalone": False, "master_addr": "127.0.0.1",
-    "master_port": None, "node_rank": 0,
+    "nnodes": "1:1",
+    "nproc_per_node": "1",
+    "max_restarts": 0,
+    "monitor_interval": 0.1,
+    "rdzv_backend": "static",
+    "rdzv_endpoint": "",
+    "rdzv_id": "none",
+    "rdzv_conf": "",
+    "standalone": False,
+    "master_addr": "127.0.0.1",
+    "master_port": None,
+    "node_rank": 0,
 }
 
 
@@ -61,9 +77,21 @@ def test_precedence_cli_then_pet_then_config(cli, env, key, expected):
     "cli, env, expected",
     [
         ({}, {}, "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"),
-        ({"rdzv_conf": "last_call_timeout=5,is_host=false"}, {}, "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,is_host=false"),
-        ({}, {"rdzv_conf": "join_timeout=900"}, "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=900"),
-        ({"rdzv_conf": "join_timeout=60"}, {"rdzv_conf": "join_timeout=900"}, "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=60"),
+        (
+            {"rdzv_conf": "last_call_timeout=5,is_host=false"},
+            {},
+            "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,is_host=false",
+        ),
+        (
+            {},
+            {"rdzv_conf": "join_timeout=900"},
+            "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=900",
+        ),
+        (
+            {"rdzv_conf": "join_timeout=60"},
+            {"rdzv_conf": "join_timeout=900"},
+            "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=60",
+        ),
     ],
 )
 def test_rdzv_conf_items_replace_config_items(cli, env, expected):
@@ -82,13 +110,41 @@ def test_bad_rdzv_conf_names_the_flag():
         ({}, {}, ElasticConfig(), "c10d", True, ""),
         ({"nproc_per_node": "2"}, {}, ElasticConfig(nnodes="1"), "c10d", True, ""),
         # Kubeflow without an elastic policy: PET_NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT -> static
-        ({}, {"nnodes": "2", "node_rank": "1", "master_addr": "job-master-0", "master_port": "23456"}, ElasticConfig(), "static", False, ""),
+        (
+            {},
+            {"nnodes": "2", "node_rank": "1", "master_addr": "job-master-0", "master_port": "23456"},
+            ElasticConfig(),
+            "static",
+            False,
+            "",
+        ),
         # ... but a single node of such a job is standalone
-        ({}, {"nnodes": "1", "node_rank": "0", "master_addr": "job-master-0", "master_port": "23456"}, ElasticConfig(), "c10d", True, ""),
+        (
+            {},
+            {"nnodes": "1", "node_rank": "0", "master_addr": "job-master-0", "master_port": "23456"},
+            ElasticConfig(),
+            "c10d",
+            True,
+            "",
+        ),
         # Kubeflow with an elastic policy: PET_RDZV_* -> c10d at that endpoint
-        ({}, {"nnodes": "1:3", "rdzv_backend": "c10d", "rdzv_endpoint": "job-master-0:29400", "rdzv_id": "uid"}, ElasticConfig(), "c10d", False, "job-master-0:29400"),
+        (
+            {},
+            {"nnodes": "1:3", "rdzv_backend": "c10d", "rdzv_endpoint": "job-master-0:29400", "rdzv_id": "uid"},
+            ElasticConfig(),
+            "c10d",
+            False,
+            "job-master-0:29400",
+        ),
         # an explicit backend wins over the static inference
-        ({"rdzv_backend": "c10d", "rdzv_endpoint": "h:1"}, {"nnodes": "2", "master_addr": "m"}, ElasticConfig(), "c10d", False, "h:1"),
+        (
+            {"rdzv_backend": "c10d", "rdzv_endpoint": "h:1"},
+            {"nnodes": "2", "master_addr": "m"},
+            ElasticConfig(),
+            "c10d",
+            False,
+            "h:1",
+        ),
         # a configured endpoint wins over the static inference
         ({}, {"nnodes": "2", "master_addr": "m"}, ElasticConfig(rdzv_endpoint="store:1"), "c10d", False, "store:1"),
         ({"standalone": True}, {}, ElasticConfig(nnodes="1:2", rdzv_endpoint="x:1"), "c10d", True, "x:1"),
@@ -133,7 +189,9 @@ def test_launch_help_lists_each_option_once_with_launch_defaults():
 
 def test_run_help_says_which_config_applies_without_config():
     helps = {a.dest: " ".join(a.help.split()) for a in options.run_parser()._actions if a.help}
-    assert "Without it: the built-in defaults (run.dir runs/demo, checkpoint.dir runs/demo/checkpoints" in helps["config"]
+    assert (
+        "Without it: the built-in defaults (run.dir runs/demo, checkpoint.dir runs/demo/checkpoints" in helps["config"]
+    )
     assert "elastic.max_restarts of the config (default 3)" in helps["max_restarts"]
 
 
@@ -156,7 +214,14 @@ def sample_value(action: argparse.Action) -> list[str]:
         return ["1"]
     if action.type is float:
         return ["0.5"]
-    special = {"nnodes": "1", "nproc_per_node": "1", "redirects": "0", "tee": "0", "local_ranks_filter": "0", "signals_to_handle": "SIGTERM"}
+    special = {
+        "nnodes": "1",
+        "nproc_per_node": "1",
+        "redirects": "0",
+        "tee": "0",
+        "local_ranks_filter": "0",
+        "signals_to_handle": "SIGTERM",
+    }
     return [special.get(action.dest, "x")]
 
 
@@ -170,8 +235,26 @@ def test_torchrun_parser_shape():
     """Fails loudly if torch changes what this module relies on: optional actions in
     ``parser._actions``, the env actions reading PET_<DEST>, the script positionals."""
     dests = options.option_dests()
-    for d in ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "standalone", "max_restarts",
-              "monitor_interval", "master_addr", "master_port", "node_rank", "log_dir", "redirects", "tee", "no_python", "run_path", "module"):
+    for d in (
+        "nnodes",
+        "nproc_per_node",
+        "rdzv_backend",
+        "rdzv_endpoint",
+        "rdzv_id",
+        "rdzv_conf",
+        "standalone",
+        "max_restarts",
+        "monitor_interval",
+        "master_addr",
+        "master_port",
+        "node_rank",
+        "log_dir",
+        "redirects",
+        "tee",
+        "no_python",
+        "run_path",
+        "module",
+    ):
         assert d in dests
     assert set(options.CONFIG_KEYS) <= set(dests)
 
@@ -205,15 +288,21 @@ def test_launch_config_nproc_auto_and_gpu(monkeypatch):
 
     monkeypatch.delenv("PET_NPROC_PER_NODE", raising=False)
     a, explicit = options.parse_explicit(options.run_parser(), ["--nproc-per-node", "auto", "-m", "pkg.mod"])
-    config, cmd, cmd_args = options.launch_config(options.resolve(a, explicit, ElasticConfig()), explicit, shutdown_timeout=75, signals="SIGTERM")
+    config, cmd, cmd_args = options.launch_config(
+        options.resolve(a, explicit, ElasticConfig()), explicit, shutdown_timeout=75, signals="SIGTERM"
+    )
     assert config.nproc_per_node == (os.cpu_count() or 1)  # no accelerator here: torchrun counts CPUs
     assert cmd_args[-2:] == ["-m", "pkg.mod"] and config.shutdown_timeout == 75
-    a, explicit = options.parse_explicit(options.run_parser(), ["--nproc-per-node", "gpu", "--shutdown-timeout", "9", "x.py"])
+    a, explicit = options.parse_explicit(
+        options.run_parser(), ["--nproc-per-node", "gpu", "--shutdown-timeout", "9", "x.py"]
+    )
     import torch
 
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="--nproc-per-node"):
-            options.launch_config(options.resolve(a, explicit, ElasticConfig()), explicit, shutdown_timeout=75, signals="SIGTERM")
+            options.launch_config(
+                options.resolve(a, explicit, ElasticConfig()), explicit, shutdown_timeout=75, signals="SIGTERM"
+            )
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -221,7 +310,14 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
     from tests.runs import REPO
 
-    return subprocess.run([sys.executable, "-m", "elastic_trainer.cli", *args], capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+    )
 
 
 def test_version():

@@ -48,8 +48,11 @@ def test_a_script_preloads_its_installed_imports_and_the_preload_list_but_not_it
     (tmp_path / "mymodel.py").write_text("import os\nRANK = os.environ['RANK']\n")
     (tmp_path / "mypkg").mkdir()
     script = tmp_path / "train.py"
-    script.write_text("from __future__ import annotations\nimport argparse, sys\n" "import torch.nn.functional as F\nfrom torch import nn\n"
-                      "import mymodel\nfrom mypkg.sub import x\nfrom . import rel\ndef f():\n    import numpy\n")
+    script.write_text(
+        "from __future__ import annotations\nimport argparse, sys\n"
+        "import torch.nn.functional as F\nfrom torch import nn\n"
+        "import mymodel\nfrom mypkg.sub import x\nfrom . import rel\ndef f():\n    import numpy\n"
+    )
     got = warm.preload_for(sys.executable, ["-u", str(script)], WORKER_MODULE, ("transformers", "torch"))
     assert got == ("@script", "argparse", "sys", "torch.nn.functional", "torch", "transformers")
     assert warm.preload_for(sys.executable, ["-u", "-m", WORKER_MODULE], WORKER_MODULE, ("x",)) == ("@script", "x")
@@ -121,7 +124,9 @@ def test_zygote_forks_fresh_single_threaded_children_with_exactly_the_given_env(
     assert info["threads"] == 1  # numpy's OpenBLAS pool is stopped before any fork
     out, err = open(tmp_path / "out", "w"), open(tmp_path / "err", "w")
     env = {"PATH": os.environ["PATH"], "WARM_TEST": "yes"}
-    procs = [zygote.spawn([sys.executable, "-u", "-m", "warm_child", "3"], env, stdout=out, stderr=err) for _ in range(2)]
+    procs = [
+        zygote.spawn([sys.executable, "-u", "-m", "warm_child", "3"], env, stdout=out, stderr=err) for _ in range(2)
+    ]
     assert [p.wait(30) for p in procs] == [3, 3]
     out.close(), err.close()
     lines = (tmp_path / "out").read_text().splitlines()
@@ -158,13 +163,19 @@ def test_the_zygote_runs_a_script_as_python_would(zygote, tmp_path):
     sub = tmp_path / "scripts"
     sub.mkdir()
     (sub / "helper.py").write_text("VALUE = 'helper next to the script'\n")
-    (sub / "train.py").write_text("import atexit, os, sys\nimport helper\nif __name__ == '__main__':\n"
-                                   "    atexit.register(lambda: os.write(1, b' atexit ran'))\n"
-                                   "    os.write(1, repr((sys.argv, sys.path[0], helper.VALUE)).encode())\n    sys.exit(4)\n")
+    (sub / "train.py").write_text(
+        "import atexit, os, sys\nimport helper\nif __name__ == '__main__':\n"
+        "    atexit.register(lambda: os.write(1, b' atexit ran'))\n"
+        "    os.write(1, repr((sys.argv, sys.path[0], helper.VALUE)).encode())\n    sys.exit(4)\n"
+    )
     with open(tmp_path / "out", "w") as out:
-        p = zygote.spawn([sys.executable, "-u", str(sub / "train.py"), "--steps", "3"], {"PATH": os.environ["PATH"]}, stdout=out)
+        p = zygote.spawn(
+            [sys.executable, "-u", str(sub / "train.py"), "--steps", "3"], {"PATH": os.environ["PATH"]}, stdout=out
+        )
         assert p.wait(30) == 4
-    assert (tmp_path / "out").read_text() == repr(([str(sub / "train.py"), "--steps", "3"], str(sub), "helper next to the script")) + " atexit ran"
+    assert (tmp_path / "out").read_text() == repr(
+        ([str(sub / "train.py"), "--steps", "3"], str(sub), "helper next to the script")
+    ) + " atexit ran"
 
 
 def test_a_zygote_whose_imports_initialised_cuda_or_a_process_group_is_refused():
@@ -180,7 +191,9 @@ def test_the_zygote_ignores_the_signals_the_supervisor_forwards_but_its_workers_
     would SIGKILL the workers mid-checkpoint), while a worker gets SIGTERM's default action."""
     zygote.wait_ready()
     with open(tmp_path / "out", "w") as out:
-        p = zygote.spawn([sys.executable, "-u", "-m", "warm_child", "0", "sleep"], {"PATH": os.environ["PATH"]}, stdout=out)
+        p = zygote.spawn(
+            [sys.executable, "-u", "-m", "warm_child", "0", "sleep"], {"PATH": os.environ["PATH"]}, stdout=out
+        )
     deadline = time.monotonic() + 30
     while "argv" not in (tmp_path / "out").read_text():  # the module runs: dispositions were restored before
         assert time.monotonic() < deadline, "the child never started"
@@ -236,8 +249,15 @@ def test_closing_the_handler_of_a_worker_that_already_exited_does_not_raise(zygo
     CI: a worker exited between the agent's poll and its close, and the supervisor crashed."""
     zygote.wait_ready()
     cls = warm._handler_class(zygote, lambda reason: None)
-    h = cls(entrypoint=sys.executable, args=("-u", "-m", "warm_child", "0"), env={"PATH": os.environ["PATH"]},
-            stdout=str(tmp_path / "out"), stderr=str(tmp_path / "err"), local_rank_id=0, numa_options=None)
+    h = cls(
+        entrypoint=sys.executable,
+        args=("-u", "-m", "warm_child", "0"),
+        env={"PATH": os.environ["PATH"]},
+        stdout=str(tmp_path / "out"),
+        stderr=str(tmp_path / "err"),
+        local_rank_id=0,
+        numa_options=None,
+    )
     assert isinstance(h.proc, warm.ZygoteProcess) and h.proc.wait(30) == 0
     with pytest.raises(ProcessLookupError):
         os.killpg(h.proc.pid, signal.SIGTERM)  # what torch's close does first: the group is gone

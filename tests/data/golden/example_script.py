@@ -59,13 +59,28 @@ def main() -> int:
     ap.add_argument("--run-dir", default="runs/example")
     ap.add_argument("--dropout", type=float, default=0.1)
     a = ap.parse_args()
-    session = et.init(overrides=[f"checkpoint.dir={a.ckpt}", f"run.dir={a.run_dir}", "checkpoint.interval_steps=5", "train.global_batch_size=12", "train.micro_batch_size=4"])
+    session = et.init(
+        overrides=[
+            f"checkpoint.dir={a.ckpt}",
+            f"run.dir={a.run_dir}",
+            "checkpoint.interval_steps=5",
+            "train.global_batch_size=12",
+            "train.micro_batch_size=4",
+        ]
+    )
     cfg = session.cfg.train
     data = Regression(1000, 32)
     model = build_model(session, 32, a.dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
-    sampler = et.GlobalBatchSampler(len(data), cfg.global_batch_size, cfg.micro_batch_size, seed=cfg.seed, rank=session.rank, world_size=session.world_size)
+    sampler = et.GlobalBatchSampler(
+        len(data),
+        cfg.global_batch_size,
+        cfg.micro_batch_size,
+        seed=cfg.seed,
+        rank=session.rank,
+        world_size=session.world_size,
+    )
     ckpt = et.Checkpointer(session, model=model, optimizer=opt, scheduler=sched, extra={"sampler": sampler})
     step = ckpt.resume()
     code = 0

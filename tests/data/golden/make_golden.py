@@ -57,8 +57,25 @@ def demo(tmp: Path) -> None:
 def example(tmp: Path) -> None:
     run, ckpt = tmp / "example", tmp / "example-ckpt"
     run.mkdir()
-    args = [*runs.CLI, "run", "--set", f"run.dir={run}", "--set", f"checkpoint.dir={ckpt}", "--set", "metrics.port=0", "--nproc-per-node", "2",
-            str(HERE / "example_script.py"), "--run-dir", str(run), "--ckpt", str(ckpt), "--steps", "12"]
+    args = [
+        *runs.CLI,
+        "run",
+        "--set",
+        f"run.dir={run}",
+        "--set",
+        f"checkpoint.dir={ckpt}",
+        "--set",
+        "metrics.port=0",
+        "--nproc-per-node",
+        "2",
+        str(HERE / "example_script.py"),
+        "--run-dir",
+        str(run),
+        "--ckpt",
+        str(ckpt),
+        "--steps",
+        "12",
+    ]
     r = subprocess.run(args, env=runs.env_for_tests(), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     _keep_step5(ckpt, HERE / "example")

@@ -66,15 +66,34 @@ def main() -> int:
     ap.add_argument("--per-rank", action="store_true")
     ap.add_argument("--sgd", action="store_true")
     a = ap.parse_args()
-    session = et.init(overrides=[f"checkpoint.dir={a.ckpt}", f"run.dir={a.run_dir}", "checkpoint.interval_steps=5", "train.global_batch_size=6", "train.micro_batch_size=3"])
+    session = et.init(
+        overrides=[
+            f"checkpoint.dir={a.ckpt}",
+            f"run.dir={a.run_dir}",
+            "checkpoint.interval_steps=5",
+            "train.global_batch_size=6",
+            "train.micro_batch_size=3",
+        ]
+    )
     cfg = session.cfg.train
     torch.manual_seed(0)
     model = session.shard(nn.Sequential(Block(16), Block(16), nn.Linear(16, 1)), [Block])
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9) if a.sgd else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        if a.sgd
+        else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, 4, 0.5)
     g = torch.Generator().manual_seed(1)
     xs, ys = torch.randn(120, 16, generator=g), torch.randn(120, 1, generator=g)
-    sampler = et.GlobalBatchSampler(len(xs), cfg.global_batch_size, cfg.micro_batch_size, seed=cfg.seed, rank=session.rank, world_size=session.world_size)
+    sampler = et.GlobalBatchSampler(
+        len(xs),
+        cfg.global_batch_size,
+        cfg.micro_batch_size,
+        seed=cfg.seed,
+        rank=session.rank,
+        world_size=session.world_size,
+    )
     extra: dict = {"sampler": sampler}
     if a.counter != "none":
         extra["counter"] = OptionalCounter() if a.counter == "optional" else Counter()
@@ -92,7 +111,11 @@ def main() -> int:
         with session.step(step, checkpointer=ckpt) as s:
             loss_sum = torch.zeros(())
             for mb in sampler.micro_batches():
-                loss = F.mse_loss(model(xs[mb.indices]), ys[mb.indices], reduction="sum") * (mb.weight > 0) / cfg.global_batch_size
+                loss = (
+                    F.mse_loss(model(xs[mb.indices]), ys[mb.indices], reduction="sum")
+                    * (mb.weight > 0)
+                    / cfg.global_batch_size
+                )
                 loss.backward()
                 loss_sum += loss.detach()
                 tally.seen += 1
