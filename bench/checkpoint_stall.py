@@ -115,18 +115,23 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         "train": state,
         "rng": RNGState(),
     }
-    ckpt = CheckpointManager(
-        cfg.checkpoint,
-        storage,
-        states,
-        rank=d.rank,
-        world_size=d.world_size,
-        mesh_shape=list(d.mesh.shape),
-        group=d.ckpt_group,
-        fingerprint=cfg.model_fingerprint(),
-        events=events,
-        metrics=NullSink(),
-    )
+
+    def manager(ccfg, storage, **kw):
+        return CheckpointManager(
+            ccfg,
+            storage,
+            states,
+            rank=d.rank,
+            world_size=d.world_size,
+            mesh_shape=list(d.mesh.shape),
+            group=d.ckpt_group,
+            fingerprint=cfg.model_fingerprint(),
+            events=events,
+            metrics=NullSink(),
+            **kw,
+        )
+
+    ckpt = manager(cfg.checkpoint, storage)
     # --modes: one manager per upload variant, each in its own directory ("thread" is ``ckpt``).
     managers = {}
     for mode in o["modes"]:
@@ -139,19 +144,8 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         writer, _, nice = mode.partition("-nice")
         mcfg = dataclasses.replace(cfg.checkpoint, dir=os.path.join(work, f"ckpt-{mode}"), writer=writer)
         storage = open_storage(mcfg.dir)
-        managers[mode] = CheckpointManager(
-            mcfg,
-            storage,
-            states,
-            rank=d.rank,
-            world_size=d.world_size,
-            mesh_shape=list(d.mesh.shape),
-            group=d.ckpt_group,
-            fingerprint=cfg.model_fingerprint(),
-            events=events,
-            metrics=NullSink(),
-            remote=RemoteSaver(storage, d.ckpt_group, mode=mcfg.mode, writer=writer, upload_nice=int(nice or 0)),
-        )
+        remote = RemoteSaver(storage, d.ckpt_group, mode=mcfg.mode, writer=writer, upload_nice=int(nice or 0))
+        managers[mode] = manager(mcfg, storage, remote=remote)
 
     class _Shim:
         """What Trainer.train_step needs of a Checkpointer, over one of the managers compared here."""
