@@ -47,7 +47,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -61,7 +60,6 @@ from . import layout, writer_process
 from . import resume as resume_plan
 from .agreement import Agreement
 from .catalog import Catalog, checkpoint_key
-from .load_planner import load_planner
 from .local_tier import CHAIN_MAX, LocalTier
 from .resume import Decision, LoadResult, LocalLoad
 from .save import Save, SaveState
@@ -302,61 +300,25 @@ class CheckpointManager:
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 0)
 
     def _load_local(self, decision: Decision, skipped: list[tuple[int, str]]) -> LoadResult | LocalLoad:
-        """Every rank: load the newest local copy that every rank can prove, if it is at least as
-        new as the remote choice and descends from it. Returns the result, NONE (no common
-        copy) or FAILED (a load failed somewhere: the state may be partly overwritten, and the
-        failing ranks dropped their copy). All ranks load the same tier: never a mix."""
-        chosen = decision.chosen
-        remote_step = int(decision.manifest["step"]) if chosen else 0
-        epoch = self._epoch_name
-        try:
-            self.local.purge_other_epochs(epoch)
-            copies, why = self.local.usable(
-                epoch, min_step=remote_step, remote=chosen, mesh_shape=self.mesh_shape, fingerprint=self.fingerprint
-            )
-        except OSError as e:
-            copies, why = [], f"local tier unreadable: {type(e).__name__}: {e}"
-        # A copy is named by (step, the start that wrote it): after a rollback or a restart a step
-        # may exist twice in one epoch, and ranks must agree on the very same save.
-        views = self.agreement.gather(([(c.step, c.manifest.get("lineage")) for c in copies], why))
-        common = set.intersection(*(set(map(tuple, keys)) for keys, _ in views))
-        if not common:
-            if self.rank == 0 and any(steps for steps, _ in views):
-                reasons = (
-                    "; ".join(f"rank {r}: {w}" for r, (steps, w) in enumerate(views) if not steps)
-                    or "no step every rank has"
-                )
-                self.events.emit(
-                    "checkpoint_local_skipped",
-                    step=max(k[0] for keys, _ in views for k in keys),
-                    reason=f"not on every rank ({reasons})",
-                    remote_step=remote_step,
-                )
-            return LocalLoad.NONE
-        best = max(common)
-        copy = next(c for c in copies if (c.step, c.manifest.get("lineage")) == best)
+        """Every rank: the local tier's copy, when every rank has one that fits (see
+        :func:`.resume.load_local`); NONE or FAILED otherwise."""
         t0 = time.monotonic()
-        faults.maybe_inject("kill_in_load", copy.step)
-        error = ""
-        try:
-            dcp.load(
-                self.states, storage_reader=self.local.reader(copy), planner=load_planner(self.states), no_dist=True
-            )
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
-            error = f"{type(e).__name__}: {e}"[:2000]
-        if not self.agreement.all_true(not error, control=False):
-            if error:  # this rank's copy is bad: never chosen again
-                logger.error("local copy of step %d failed to load: %s", copy.step, error)
-                self.local.discard(copy)
-            if self.rank == 0:
-                self.events.emit(
-                    "checkpoint_local_skipped",
-                    step=copy.step,
-                    reason=f"load failed: {error or 'on another rank'}",
-                    remote_step=remote_step,
-                )
-            skipped.append((copy.step, f"local copy: load failed: {error or 'on another rank'}"))
-            return LocalLoad.FAILED
+        loaded = resume_plan.load_local(
+            self.local,
+            self.states,
+            self.agreement,
+            decision,
+            skipped,
+            epoch=self._epoch_name,
+            rank=self.rank,
+            mesh_shape=self.mesh_shape,
+            fingerprint=self.fingerprint,
+            events=self.events,
+        )
+        if isinstance(loaded, LocalLoad):
+            return loaded
+        copy, chosen = loaded, decision.chosen
+        remote_step = int(decision.manifest["step"]) if chosen else 0
         seconds = time.monotonic() - t0
         self._loaded(copy.step, "local", committed=remote_step if chosen else None)
         self._parent, self._seq = chosen, int(decision.manifest.get("seq", 0)) if chosen else 0

@@ -29,6 +29,7 @@ from . import compat, integrity
 from .agreement import Agreement
 from .catalog import Catalog
 from .load_planner import load_planner
+from .local_tier import Copy, LocalTier
 from .state import PerRank
 
 logger = logging.getLogger(__name__)
@@ -193,3 +194,71 @@ def load_remote(
         "(nothing was quarantined or changed; register the same state as the run that wrote it, "
         'or start a new run: another checkpoint.dir, or checkpoint.resume = "none")'
     )
+
+
+def load_local(
+    tier: LocalTier,
+    states: dict[str, Stateful],
+    agreement: Agreement,
+    decision: Decision,
+    skipped: list[tuple[int, str]],
+    *,
+    epoch: str,
+    rank: int,
+    mesh_shape: list[int],
+    fingerprint: str,
+    events: EventLog,
+) -> Copy | LocalLoad:
+    """Every rank: load the newest local copy that every rank can prove, if it is at least as
+    new as the remote choice and descends from it. Returns the result, NONE (no common
+    copy) or FAILED (a load failed somewhere: the state may be partly overwritten, and the
+    failing ranks dropped their copy). All ranks load the same tier: never a mix. Returns the copy
+    loaded, else NONE (no common copy) or FAILED."""
+    chosen = decision.chosen
+    remote_step = int(decision.manifest["step"]) if chosen else 0
+    try:
+        tier.purge_other_epochs(epoch)
+        copies, why = tier.usable(
+            epoch, min_step=remote_step, remote=chosen, mesh_shape=mesh_shape, fingerprint=fingerprint
+        )
+    except OSError as e:
+        copies, why = [], f"local tier unreadable: {type(e).__name__}: {e}"
+    # A copy is named by (step, the start that wrote it): after a rollback or a restart a step
+    # may exist twice in one epoch, and ranks must agree on the very same save.
+    views = agreement.gather(([(c.step, c.manifest.get("lineage")) for c in copies], why))
+    common = set.intersection(*(set(map(tuple, keys)) for keys, _ in views))
+    if not common:
+        if rank == 0 and any(steps for steps, _ in views):
+            reasons = (
+                "; ".join(f"rank {r}: {w}" for r, (steps, w) in enumerate(views) if not steps)
+                or "no step every rank has"
+            )
+            events.emit(
+                "checkpoint_local_skipped",
+                step=max(k[0] for keys, _ in views for k in keys),
+                reason=f"not on every rank ({reasons})",
+                remote_step=remote_step,
+            )
+        return LocalLoad.NONE
+    best = max(common)
+    copy = next(c for c in copies if (c.step, c.manifest.get("lineage")) == best)
+    faults.maybe_inject("kill_in_load", copy.step)
+    error = ""
+    try:
+        dcp.load(states, storage_reader=tier.reader(copy), planner=load_planner(states), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
+        error = f"{type(e).__name__}: {e}"[:2000]
+    if not agreement.all_true(not error, control=False):
+        if error:  # this rank's copy is bad: never chosen again
+            logger.error("local copy of step %d failed to load: %s", copy.step, error)
+            tier.discard(copy)
+        if rank == 0:
+            events.emit(
+                "checkpoint_local_skipped",
+                step=copy.step,
+                reason=f"load failed: {error or 'on another rank'}",
+                remote_step=remote_step,
+            )
+        skipped.append((copy.step, f"local copy: load failed: {error or 'on another rank'}"))
+        return LocalLoad.FAILED
+    return copy
