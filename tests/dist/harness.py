@@ -1,6 +1,6 @@
 """Run a function on W real processes joined in a gloo process group (no elastic agent).
 
-``run_ranks(fn, world, *args)`` spawns ``world`` processes, each initialising the default
+``run_ranks(fn, world, *args)`` starts ``world`` processes, each initialising the default
 group from a TCPStore on a free 127.0.0.1 port, calls ``fn(rank, world, *args)`` and returns
 the list of return values (rank order). Bounded by ``timeout``; stragglers are killed.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import traceback
 
 
@@ -21,9 +22,18 @@ def _free_port() -> int:
     return port
 
 
-def _entry(fn, rank, world, port, args, queue):
+def _entry(fn, rank, world, port, args, queue, environ):
+    os.environ.clear()  # the caller's environment now, not the fork server's at its start
+    os.environ.update(environ)
     os.environ.update(
-        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+        }
     )
     import torch.distributed as dist
 
@@ -32,6 +42,11 @@ def _entry(fn, rank, world, port, args, queue):
 
         import torch
 
+        # A fresh interpreter seeds torch's and numpy's global generators at random; a fork would
+        # share the server's. (Python's random reseeds itself in a forked child.)
+        torch.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
         dist.init_process_group("gloo", rank=rank, world_size=world)
         value = fn(rank, world, *args)
         buf = io.BytesIO()
@@ -44,12 +59,34 @@ def _entry(fn, rank, world, port, args, queue):
             dist.destroy_process_group()
 
 
+def _context():
+    """Ranks are forked from one fork server per test session that has imported torch and the
+    parts of it every rank uses (once: a fresh interpreter importing them costs seconds per
+    rank). The server only imports, so each rank is still a process that has run nothing of
+    torch's before (no threads, no process group), as under ``spawn``."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "torch.distributed",
+            "torch.distributed.tensor",
+            "torch.distributed.fsdp",
+            "torch.distributed.checkpoint",
+            "torch._dynamo",
+        ]
+    )
+    return ctx
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 120.0, daemon: bool = True):
     """``daemon=False`` lets the ranks start processes of their own (PROCESS-mode ``async_save``)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, queue), daemon=daemon) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, args, queue, dict(os.environ)), daemon=daemon)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

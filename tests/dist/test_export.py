@@ -19,7 +19,12 @@ def test_exported_weights_reproduce_the_sharded_logits(tmp_path):
     run_ranks(save_after_training, 2, ckpt, "sync")
     sharded = run_ranks(logits_after_load, 2, ckpt)[0]
     out = tmp_path / "model.safetensors"
-    r = subprocess.run([sys.executable, "-m", "elastic_trainer.cli", "ckpt", "export", ckpt, "--out", str(out)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.cli", "ckpt", "export", ckpt, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     weights = load_file(str(out))
     model = GPT(config_from_dict(TINY).model)
@@ -28,5 +33,10 @@ def test_exported_weights_reproduce_the_sharded_logits(tmp_path):
         plain = model(sharded["x"])
     torch.testing.assert_close(plain, sharded["logits"], rtol=1e-6, atol=1e-6)
     bf16 = tmp_path / "model-bf16.safetensors"
-    r = subprocess.run([sys.executable, "-m", "elastic_trainer.cli", "ckpt", "export", ckpt, "--out", str(bf16), "--dtype", "bf16"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "elastic_trainer.cli", "ckpt", "export", ckpt, "--out", str(bf16), "--dtype", "bf16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and all(t.dtype == torch.bfloat16 for t in load_file(str(bf16)).values())

@@ -27,10 +27,23 @@ def _mgr(cfg, root, local, model, opt, sched, ts, rank, world, remote_every=2, l
     from elastic_trainer.storage.fs import open_storage
 
     ccfg = dataclasses.replace(cfg.checkpoint, dir=root, mode="async", local_dir=local, remote_every=remote_every)
-    states = {"model": ModelState(model), "optim": OptimizerState(model, opt), "lr_scheduler": SchedulerState(sched), "train": ts, "rng": RNGState()}
+    states = {
+        "model": ModelState(model),
+        "optim": OptimizerState(model, opt),
+        "lr_scheduler": SchedulerState(sched),
+        "train": ts,
+        "rng": RNGState(),
+    }
     return CheckpointManager(
-        ccfg, open_storage(root), states, rank=rank, world_size=world, mesh_shape=[world], group=dist.new_group(backend="gloo"),
-        fingerprint=cfg.model_fingerprint(), launch_id=launch_id,
+        ccfg,
+        open_storage(root),
+        states,
+        rank=rank,
+        world_size=world,
+        mesh_shape=[world],
+        group=dist.new_group(backend="gloo"),
+        fingerprint=cfg.model_fingerprint(),
+        launch_id=launch_id,
     )
 
 
@@ -51,7 +64,9 @@ def _train_and_save(rank, world, root, local):
         mgr.save(step)
         mgr.wait_for_staging()
         # full_state may alias live tensors (the optimizer's scalar 'step'): a deep copy
-        states[step] = torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, full_state(model, opt))
+        states[step] = torch.utils._pytree.tree_map(
+            lambda x: x.clone() if isinstance(x, torch.Tensor) else x, full_state(model, opt)
+        )
         assert mgr.finish() is True
     committed = mgr.last_committed_step
     mgr.close()
@@ -93,7 +108,13 @@ def _resume(rank, world, root, local, damage, preempt=False, launch_id="dist-loc
     mgr = _mgr(cfg, root, local, model, opt, sched, ts, rank, world, launch_id=launch_id)
     loaded = mgr.load()
     state = full_state(model, opt)  # a collective
-    out = {"step": loaded.step, "tier": loaded.tier, "train_step": ts.step, "state": state if rank == 0 else None, "committed_now": mgr.is_committed(loaded.step)}
+    out = {
+        "step": loaded.step,
+        "tier": loaded.tier,
+        "train_step": ts.step,
+        "state": state if rank == 0 else None,
+        "committed_now": mgr.is_committed(loaded.step),
+    }
     if preempt:  # what preempt_exit does when the loaded step is not committed in checkpoint.dir
         mgr.save(loaded.step, force=True)
         out["preempt_commit"] = mgr.settle(None) and mgr.committed_everywhere(loaded.step)
@@ -103,7 +124,9 @@ def _resume(rank, world, root, local, damage, preempt=False, launch_id="dist-loc
 
 def _same(a: dict, b: dict) -> bool:
     fa, fb = torch.utils._pytree.tree_flatten(a)[0], torch.utils._pytree.tree_flatten(b)[0]
-    return len(fa) == len(fb) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(fa, fb))
+    return len(fa) == len(fb) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(fa, fb, strict=True)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +158,9 @@ def test_every_save_is_local_and_every_second_reaches_checkpoint_dir(saved):
     assert steps == ["step-00000004", "step-00000006"]  # retention: the newest two per rank
     for s in steps:
         for r in (0, 1):
-            assert os.path.exists(os.path.join(local, os.listdir(local)[0], epoch, s, f"rank-{r}-of-2", "manifest.json"))
+            assert os.path.exists(
+                os.path.join(local, os.listdir(local)[0], epoch, s, f"rank-{r}-of-2", "manifest.json")
+            )
 
 
 def test_restart_loads_the_newest_local_step_bit_for_bit(saved, tmp_path):

@@ -15,6 +15,12 @@ def test_the_same_losses_at_one_two_and_three_ranks_with_accumulation_and_paddin
     three = run_ranks(loop_api_losses, 3, str(tmp_path), 2, 0)
     assert one["code"] == 0 and one["sizes"][0] == [2, 2, 2, 2]
     assert two[0]["sizes"][0] == [4] and three[2]["sizes"][0] == [2, 1], three[2]["sizes"][0]
-    assert two[1]["losses"] == two[0]["losses"] and three[0]["losses"] == three[1]["losses"] == three[2]["losses"], "every rank sees the global loss"
-    for a, b, c in zip(one["losses"], two[0]["losses"], three[0]["losses"]):
-        assert abs(a - b) <= 1e-5 * abs(a) and abs(a - c) <= 1e-5 * abs(a), (one["losses"], two[0]["losses"], three[0]["losses"])
+    assert two[1]["losses"] == two[0]["losses"] and three[0]["losses"] == three[1]["losses"] == three[2]["losses"], (
+        "every rank sees the global loss"
+    )
+    for a, b, c in zip(one["losses"], two[0]["losses"], three[0]["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a) and abs(a - c) <= 1e-5 * abs(a), (
+            one["losses"],
+            two[0]["losses"],
+            three[0]["losses"],
+        )

@@ -37,7 +37,10 @@ def _state(mesh, rows: int, base: float, zero: bool = False) -> dict:
     full = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + base
     if zero:
         full = torch.zeros_like(full)
-    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": distribute_tensor(full[:, 0].contiguous() * 2, mesh, [Shard(0)])}
+    return {
+        "w": distribute_tensor(full, mesh, [Shard(0)]),
+        "b": distribute_tensor(full[:, 0].contiguous() * 2, mesh, [Shard(0)]),
+    }
 
 
 def _scenario(rank, world, root, stale):
@@ -51,6 +54,7 @@ def _scenario(rank, world, root, stale):
     from tests.dist.workloads import TINY
 
     if stale:
+
         class StalePlanner(save_planner.CachingSavePlanner):
             def create_local_plan(self):
                 plan = super().create_local_plan()
@@ -65,7 +69,16 @@ def _scenario(rank, world, root, stale):
     ccfg = dataclasses.replace(cfg.checkpoint, dir=root, mode="sync", keep_last=10)
     holder = _Tensors()
     group = dist.new_group(backend="gloo")
-    mgr = CheckpointManager(ccfg, open_storage(root), {"model": holder}, rank=rank, world_size=world, mesh_shape=[world], group=group, fingerprint="f")
+    mgr = CheckpointManager(
+        ccfg,
+        open_storage(root),
+        {"model": holder},
+        rank=rank,
+        world_size=world,
+        mesh_shape=[world],
+        group=group,
+        fingerprint="f",
+    )
     mgr.load()
     plan = [(1, 8, 0.0), (2, 8, 100.0), (3, 12, 1000.0), (4, 12, 5000.0)]
     cached = []
@@ -82,11 +95,24 @@ def _scenario(rank, world, root, stale):
     loaded = {}
     for step, rows, base in plan:
         holder.t = _state(mesh, rows, 0.0, zero=True)
-        m = CheckpointManager(ccfg, open_storage(root), {"model": holder}, rank=rank, world_size=world, mesh_shape=[world], group=group, fingerprint="f")
+        m = CheckpointManager(
+            ccfg,
+            open_storage(root),
+            {"model": holder},
+            rank=rank,
+            world_size=world,
+            mesh_shape=[world],
+            group=group,
+            fingerprint="f",
+        )
         try:
             res = m.load(resume=str(step))
             want = _state(mesh, rows, base)
-            ok = res is not None and res.step == step and all(torch.equal(holder.t[k].full_tensor(), want[k].full_tensor()) for k in want)
+            ok = (
+                res is not None
+                and res.step == step
+                and all(torch.equal(holder.t[k].full_tensor(), want[k].full_tensor()) for k in want)
+            )
         except Exception as e:  # noqa: BLE001 - a stale checkpoint may fail to load at all
             ok = f"{type(e).__name__}: {e}"[:200]
         finally:
@@ -129,7 +155,10 @@ def test_cache_keys_are_per_manager_and_forgotten():
     assert a not in save_planner.cached_keys()
 
 
-@pytest.mark.parametrize("cached_len, usable, refused", [(None, [True, True], False), (None, [True, False], True), (2, [False, False], False), (3, [False, False], True)])
+@pytest.mark.parametrize(
+    "cached_len, usable, refused",
+    [(None, [True, True], False), (None, [True, False], True), (2, [False, False], False), (3, [False, False], True)],
+)
 def test_coordinator_refuses_caches_out_of_step(cached_len, usable, refused):
     from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 

@@ -16,7 +16,7 @@ def _assert_states_equal(a, b, path="state"):
             _assert_states_equal(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_states_equal(x, y, f"{path}[{i}]")
     else:
         assert a == b, (path, a, b)
@@ -30,7 +30,9 @@ def test_reshard_restores_params_and_optimizer_state_exactly(tmp_path, save_worl
     loaded = run_ranks(load_and_continue, load_world, ckpt)
     assert loaded[0]["step"] == 3 and loaded[0]["saved_world"] == save_world
     # Saving a committed step again (same incarnation, or the step just loaded) writes nothing.
-    assert {r["save_again"] for r in saved} == {"already committed"} and {r["save_loaded"] for r in loaded} == {"already committed"}
+    assert {r["save_again"] for r in saved} == {"already committed"} and {r["save_loaded"] for r in loaded} == {
+        "already committed"
+    }
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")) == ["step-00000003"]
     assert all(r["train"] == (3, 3 * 8 * 16, 24) for r in loaded)
     before, after = saved[0]["state"], loaded[0]["state"]
@@ -43,5 +45,5 @@ def test_reshard_restores_params_and_optimizer_state_exactly(tmp_path, save_worl
     if save_world == load_world:
         assert ref == got, "same world size: bitwise"
     else:
-        for a, b in zip(ref, got):
+        for a, b in zip(ref, got, strict=True):
             assert abs(a - b) <= 1e-5 * abs(a), (ref, got)

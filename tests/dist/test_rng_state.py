@@ -32,7 +32,12 @@ def _load(rank, world, ckpt, as_world):
     states = {"rng": RNGState(world_size=as_world), "data": DataViewState()}
     planner = load_planner(states)
     dcp.load(states, checkpoint_id=ckpt, planner=planner)
-    return {"restored": states["rng"].restored, "next": torch.rand(5), "recorded": states["data"].recorded, "absent": planner.absent}
+    return {
+        "restored": states["rng"].restored,
+        "next": torch.rand(5),
+        "recorded": states["data"].recorded,
+        "absent": planner.absent,
+    }
 
 
 def _load_strict_missing(rank, world, ckpt):

@@ -5,8 +5,9 @@ rank 0's commit). Checked: a save commits with per-item checksums and loads back
 the verifying reader; the writer process is reused by the next save; a writer that died between
 saves is replaced before the next save (agreed by every rank, ``checkpoint_writer_restarted``)
 and that save commits; a writer killed while it writes fails that save visibly
-(``checkpoint_failed``, ``finish`` → False) and the next save, on fresh writers, commits; a writer stuck (SIGSTOP) past the save's deadline
-is stopped on every rank at the next save, which fails the stuck save and commits. Also
+(``checkpoint_failed``, ``finish`` → False) and the next save, on fresh writers, commits; a writer
+stuck (SIGSTOP) past the save's deadline is stopped on every rank at the next save, which fails the
+stuck save and commits. Also
 the private torch seam of ``checkpoint/writer_process.py`` (fails loudly when torch moves it).
 """
 
@@ -40,7 +41,10 @@ def _state(mesh, base: float, rows: int = 64) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     full = torch.arange(rows * 256, dtype=torch.float32).reshape(rows, 256) + base
-    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": distribute_tensor(full[:, 0].contiguous(), mesh, [Shard(0)])}
+    return {
+        "w": distribute_tensor(full, mesh, [Shard(0)]),
+        "b": distribute_tensor(full[:, 0].contiguous(), mesh, [Shard(0)]),
+    }
 
 
 def _scenario(rank, world, root):
@@ -62,8 +66,17 @@ def _scenario(rank, world, root):
     events = EventLog(os.path.join(root, "events.jsonl") if rank == 0 else None)
 
     def manager():
-        return CheckpointManager(cfg.checkpoint, open_storage(root), {"model": holder}, rank=rank, world_size=world, mesh_shape=[world],
-                                 group=group, fingerprint="f", events=events)
+        return CheckpointManager(
+            cfg.checkpoint,
+            open_storage(root),
+            {"model": holder},
+            rank=rank,
+            world_size=world,
+            mesh_shape=[world],
+            group=group,
+            fingerprint="f",
+            events=events,
+        )
 
     mgr = manager()
     mgr.load()
@@ -110,7 +123,13 @@ def _scenario(rank, world, root):
         holder.t = {k: torch.zeros_like(v) for k, v in _state(mesh, 0.0).items()}
         m = manager()
         res = m.load(resume=str(step))
-        loaded[step] = res is not None and res.step == step and all(torch.equal(holder.t[k].full_tensor(), v.full_tensor()) for k, v in _state(mesh, float(step)).items())
+        loaded[step] = (
+            res is not None
+            and res.step == step
+            and all(
+                torch.equal(holder.t[k].full_tensor(), v.full_tensor()) for k, v in _state(mesh, float(step)).items()
+            )
+        )
         m.close()
     out["loaded"] = loaded
     return out
@@ -121,7 +140,15 @@ def test_process_writer_commits_checksummed_saves_and_restarts_a_dead_writer(tmp
     os.makedirs(root)
     results = run_ranks(_scenario, 2, root, timeout=300, daemon=False)
     for r in results:
-        assert r["first"] and r["reused"] and r["after_death"] and r["new_pid"] and r["after_kill"] and r["after_stuck"] and r["stopped"], r
+        assert (
+            r["first"]
+            and r["reused"]
+            and r["after_death"]
+            and r["new_pid"]
+            and r["after_kill"]
+            and r["after_stuck"]
+            and r["stopped"]
+        ), r
         assert r["killed_mid_save"] is False, "a writer killed while writing fails that save"
         assert r["stuck_handled_in"] < 60, r
         assert r["loaded"] == {1: True, 2: True, 3: True, 5: True, 7: True}
@@ -131,7 +158,11 @@ def test_process_writer_commits_checksummed_saves_and_restarts_a_dead_writer(tmp
     assert committed == [1, 2, 3, 5, 7], names
     assert [e["step"] for e in events if e["event"] == "checkpoint_failed"] == [4, 6], names
     restarts = [e for e in events if e["event"] == "checkpoint_writer_restarted"]
-    assert [r["reason"] for r in restarts] == ["a writer process died or failed a save"] * 2 + ["still writing past its deadline"], restarts
-    manifest = json.load(open(os.path.join(root, sorted(d for d in os.listdir(root) if d.startswith("step-"))[0], "manifest.json")))
+    assert [r["reason"] for r in restarts] == ["a writer process died or failed a save"] * 2 + [
+        "still writing past its deadline"
+    ], restarts
+    manifest = json.load(
+        open(os.path.join(root, sorted(d for d in os.listdir(root) if d.startswith("step-"))[0], "manifest.json"))
+    )
     items = [i for f in manifest["files"].values() for i in f.get("items", [])]
     assert items and all(len(i) == 3 for i in items), "per-item checksums written by the writer process"

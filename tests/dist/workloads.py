@@ -7,7 +7,10 @@ import torch.distributed as dist
 
 from elastic_trainer.config import config_from_dict
 
-TINY = {"model": {"vocab_size": 64, "seq_len": 16, "dim": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 2}, "train": {"seed": 11, "lr": 1e-2, "warmup_steps": 0, "steps": 50}}
+TINY = {
+    "model": {"vocab_size": 64, "seq_len": 16, "dim": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 2},
+    "train": {"seed": 11, "lr": 1e-2, "warmup_steps": 0, "steps": 50},
+}
 
 
 def build(world: int, cfg_dict=None):
@@ -22,7 +25,12 @@ def build(world: int, cfg_dict=None):
     mesh = init_device_mesh("cpu", (world,))
     with torch.device("meta"):
         model, init_param, shard_names = build_model(cfg.model)
-    parallel.shard_model(model, mesh, parallel.mixed_precision_policy(cfg.train, torch.device("cpu")), parallel.resolve_shard_classes(model, shard_names))
+    parallel.shard_model(
+        model,
+        mesh,
+        parallel.mixed_precision_policy(cfg.train, torch.device("cpu")),
+        parallel.resolve_shard_classes(model, shard_names),
+    )
     model.to_empty(device="cpu")
     parallel.deterministic_init(model, cfg.train.seed, init_param)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
@@ -34,7 +42,10 @@ def full_state(model, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {"model": get_model_state_dict(model, options=opts), "optim": get_optimizer_state_dict(model, opt, options=opts)}
+    return {
+        "model": get_model_state_dict(model, options=opts),
+        "optim": get_optimizer_state_dict(model, opt, options=opts),
+    }
 
 
 def sharding_facts(rank, world):
@@ -44,10 +55,18 @@ def sharding_facts(rank, world):
 
     _, mesh, model, _, _ = build(world)
     params = dict(model.named_parameters())
-    all_dtensor = all(isinstance(p, DTensor) and p.placements == (Shard(0),) and p.device_mesh.size() == world for p in params.values())
+    all_dtensor = all(
+        isinstance(p, DTensor) and p.placements == (Shard(0),) and p.device_mesh.size() == world
+        for p in params.values()
+    )
     total = sum(p.numel() * p.element_size() for p in params.values())
     full = {n: p.detach().full_tensor() for n, p in params.items()}
-    return {"all_dtensor": all_dtensor, "local_bytes": local_param_bytes(model), "total_bytes": total, "full": full if rank == 0 else None}
+    return {
+        "all_dtensor": all_dtensor,
+        "local_bytes": local_param_bytes(model),
+        "total_bytes": total,
+        "full": full if rank == 0 else None,
+    }
 
 
 def _backward_on_fixed_batch(model, cfg, seed: int, rank, world):
@@ -61,7 +80,9 @@ def _backward_on_fixed_batch(model, cfg, seed: int, rank, world):
     data = torch.randint(0, cfg.model.vocab_size, (8, cfg.model.seq_len + 1), generator=g)
     s, c = rank_slice(8, world, rank)
     x, y = data[s : s + c, :-1], data[s : s + c, 1:]
-    loss = F.cross_entropy(model(x).reshape(-1, cfg.model.vocab_size), y.reshape(-1), reduction="sum") / (8 * cfg.model.seq_len)
+    loss = F.cross_entropy(model(x).reshape(-1, cfg.model.vocab_size), y.reshape(-1), reduction="sum") / (
+        8 * cfg.model.seq_len
+    )
     loss.backward()
     return loss
 
@@ -90,8 +111,23 @@ def _manager(cfg, ckpt_dir, model, opt, sched, train_state, rank, world, mode="s
 
     ccfg = dataclasses.replace(cfg.checkpoint, dir=ckpt_dir, mode=mode)
     group = dist.new_group(backend="gloo")
-    states = {"model": ModelState(model), "optim": OptimizerState(model, opt), "lr_scheduler": SchedulerState(sched), "train": train_state, "rng": RNGState()}
-    return CheckpointManager(ccfg, open_storage(ckpt_dir), states, rank=rank, world_size=world, mesh_shape=[world], group=group, fingerprint=cfg.model_fingerprint())
+    states = {
+        "model": ModelState(model),
+        "optim": OptimizerState(model, opt),
+        "lr_scheduler": SchedulerState(sched),
+        "train": train_state,
+        "rng": RNGState(),
+    }
+    return CheckpointManager(
+        ccfg,
+        open_storage(ckpt_dir),
+        states,
+        rank=rank,
+        world_size=world,
+        mesh_shape=[world],
+        group=group,
+        fingerprint=cfg.model_fingerprint(),
+    )
 
 
 def save_after_training(rank, world, ckpt_dir, mode):
@@ -111,7 +147,13 @@ def save_after_training(rank, world, ckpt_dir, mode):
     ok = mgr.finish()
     again = mgr.save(3).skipped  # a committed step is never rewritten
     mgr.close()
-    return {"state": state if rank == 0 else None, "next": next_losses, "committed": ok, "lr": lr_at_save, "save_again": again}
+    return {
+        "state": state if rank == 0 else None,
+        "next": next_losses,
+        "committed": ok,
+        "lr": lr_at_save,
+        "save_again": again,
+    }
 
 
 def load_and_continue(rank, world, ckpt_dir):
@@ -126,8 +168,15 @@ def load_and_continue(rank, world, ckpt_dir):
     save_loaded = mgr.save(loaded.step).skipped if loaded else None  # the step just loaded: never rewritten
     next_losses = _train_steps(model, opt, sched, cfg, 4, rank, world, start=3)
     mgr.close()
-    return {"step": loaded.step if loaded else None, "saved_world": loaded.manifest["world_size"] if loaded else None, "state": state if rank == 0 else None, "next": next_losses, "train": (ts.step, ts.tokens_seen, ts.cursor), "lr": lr_after_load,
-            "save_loaded": save_loaded}
+    return {
+        "step": loaded.step if loaded else None,
+        "saved_world": loaded.manifest["world_size"] if loaded else None,
+        "state": state if rank == 0 else None,
+        "next": next_losses,
+        "train": (ts.step, ts.tokens_seen, ts.cursor),
+        "lr": lr_after_load,
+        "save_loaded": save_loaded,
+    }
 
 
 def logits_after_load(rank, world, ckpt_dir):
@@ -163,12 +212,17 @@ def _scheduler(name: str, opt):
         import math
 
         def lam(step, warmup, total):
-            return step / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+            return (
+                step / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+            )
 
         return L.LambdaLR(opt, functools.partial(lam, warmup=3, total=20))
     raise ValueError(name)
 
 
+# One block: the schedulers drive the learning rate of any model; each FSDP unit costs collectives
+# every step, and 18 runs of 5-10 steps are this file's cost.
+SCHED_TINY = {**TINY, "model": {**TINY["model"], "n_layers": 1}}
 SCHEDULERS = ("sequential", "warm_restarts", "plateau", "chained", "one_cycle", "hf_cosine_warmup")
 
 
@@ -202,7 +256,7 @@ def scheduler_runs(rank, world, root, mode):
 
     out = {}
     for name in SCHEDULERS:
-        cfg, _, model, opt, _ = build(world)
+        cfg, _, model, opt, _ = build(world, SCHED_TINY)
         sched = _scheduler(name, opt)
         mgr = _manager(cfg, os.path.join(root, name), model, opt, sched, TrainState(), rank, world)
         if mode == "ref":
@@ -241,8 +295,14 @@ def loop_api_losses(rank, world, root, micro_batch, workers):
 
     import elastic_trainer as et
 
-    session = et.init({"run": {"dir": f"{root}/run-{world}"}, "checkpoint": {"dir": f"{root}/ckpt-{world}", "interval_steps": 0},
-                       "train": {"global_batch_size": 8, "micro_batch_size": micro_batch, "seed": 5}, "metrics": {"port": 0}})
+    session = et.init(
+        {
+            "run": {"dir": f"{root}/run-{world}"},
+            "checkpoint": {"dir": f"{root}/ckpt-{world}", "interval_steps": 0},
+            "train": {"global_batch_size": 8, "micro_batch_size": micro_batch, "seed": 5},
+            "metrics": {"port": 0},
+        }
+    )
     torch.manual_seed(0)
     model = session.shard(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)), [nn.Linear])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

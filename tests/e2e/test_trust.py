@@ -449,9 +449,9 @@ def test_with_a_key_a_forged_metadata_is_refused_before_unpickling(tmp_path, tok
 def test_slow_storage_kills_no_worker_and_training_goes_on(
     tmp_path, token_file, reference, s3_server, s3_bucket, fault_proxy
 ):
-    """The first PUTs (start-up records, the save of step 3) are held 7 s each (hang timeout
-    5 s): no worker is killed as hung; the save lands late or fails visibly, later saves commit;
-    every step runs with the reference loss."""
+    """The workers' first PUTs (rank 0's start-up record, the save of step 3) are held 7 s each
+    (hang timeout 5 s): no worker is killed as hung; the save lands late or fails visibly, later
+    saves commit; every step runs with the reference loss."""
     prefix = "jobs/slow"
     cfg, run = _config(
         tmp_path,
@@ -470,14 +470,20 @@ def test_slow_storage_kills_no_worker_and_training_goes_on(
         "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
         "AWS_DEFAULT_REGION": s3_server.region,
     }
-    # The start-up records (the launch's epoch, then its resume base: rank 1 waits for rank 0's
-    # decision) and two objects of the save of step 3 (chosen by path: other writers, such as the
-    # event mirror, must not take the delays).
-    fault_proxy.delay_next(2, 7.0, methods=("PUT",), path_contains="/_epochs/")
+    # Two objects of the save of step 3 (chosen by path: other writers, such as the event mirror,
+    # must not take the delays), and rank 0's start-up record, its resume base: rank 1 waits for
+    # rank 0's decision. That one is armed once the supervisor has written the launch's epoch (the
+    # same path, before any worker exists: holding it would only delay the start).
     fault_proxy.delay_next(2, 7.0, methods=("PUT",), path_contains="/step-00000003/")
-    r = runs.run_launch(cfg, timeout=TIMEOUT, env=creds)
-    assert r.returncode == 0, _log(cfg)
-    assert fault_proxy.pending == 0 and fault_proxy.faulted.get("PUT") == 4
+    sup = runs.start_launch(cfg, env=creds)
+    try:
+        runs.wait_event(run, "checkpoint_epoch", 60, sup)
+        fault_proxy.delay_next(1, 7.0, methods=("PUT",), path_contains="/_epochs/")
+        code = sup.wait(timeout=TIMEOUT)
+    finally:
+        runs.stop(sup)
+    assert code == 0, _log(cfg)
+    assert fault_proxy.pending == 0 and fault_proxy.faulted.get("PUT") == 3
     assert not runs.read_events(run, "restart") and not runs.read_events(run, "failure"), (
         "a worker was killed or failed"
     )
