@@ -48,10 +48,8 @@ def _scenario(rank, world, root, stale):
     from torch.distributed.device_mesh import init_device_mesh
 
     from elastic_trainer.checkpoint import save_planner
-    from elastic_trainer.checkpoint.manager import CheckpointManager
     from elastic_trainer.config import config_from_dict
-    from elastic_trainer.storage.fs import open_storage
-    from tests.dist.workloads import TINY
+    from tests.dist.workloads import TINY, one_state_manager
 
     if stale:
 
@@ -69,16 +67,7 @@ def _scenario(rank, world, root, stale):
     ccfg = dataclasses.replace(cfg.checkpoint, dir=root, mode="sync", keep_last=10)
     holder = _Tensors()
     group = dist.new_group(backend="gloo")
-    mgr = CheckpointManager(
-        ccfg,
-        open_storage(root),
-        {"model": holder},
-        rank=rank,
-        world_size=world,
-        mesh_shape=[world],
-        group=group,
-        fingerprint="f",
-    )
+    mgr = one_state_manager(ccfg, root, holder, rank, world, group)
     mgr.load()
     plan = [(1, 8, 0.0), (2, 8, 100.0), (3, 12, 1000.0), (4, 12, 5000.0)]
     cached = []
@@ -95,16 +84,7 @@ def _scenario(rank, world, root, stale):
     loaded = {}
     for step, rows, base in plan:
         holder.t = _state(mesh, rows, 0.0, zero=True)
-        m = CheckpointManager(
-            ccfg,
-            open_storage(root),
-            {"model": holder},
-            rank=rank,
-            world_size=world,
-            mesh_shape=[world],
-            group=group,
-            fingerprint="f",
-        )
+        m = one_state_manager(ccfg, root, holder, rank, world, group)
         try:
             res = m.load(resume=str(step))
             want = _state(mesh, rows, base)

@@ -52,11 +52,9 @@ def _scenario(rank, world, root):
     from torch.distributed.device_mesh import init_device_mesh
 
     from elastic_trainer.checkpoint import writer_process
-    from elastic_trainer.checkpoint.manager import CheckpointManager
     from elastic_trainer.config import config_from_dict
     from elastic_trainer.events import EventLog
-    from elastic_trainer.storage.fs import open_storage
-    from tests.dist.workloads import TINY
+    from tests.dist.workloads import TINY, one_state_manager
 
     assert hasattr(_async_process_executor, "_CHECKPOINT_PROCESS"), "torch moved DCP's writer-process slot"
     mesh = init_device_mesh("cpu", (world,))
@@ -66,17 +64,7 @@ def _scenario(rank, world, root):
     events = EventLog(os.path.join(root, "events.jsonl") if rank == 0 else None)
 
     def manager():
-        return CheckpointManager(
-            cfg.checkpoint,
-            open_storage(root),
-            {"model": holder},
-            rank=rank,
-            world_size=world,
-            mesh_shape=[world],
-            group=group,
-            fingerprint="f",
-            events=events,
-        )
+        return one_state_manager(cfg.checkpoint, root, holder, rank, world, group, events=events)
 
     mgr = manager()
     mgr.load()

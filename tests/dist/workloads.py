@@ -316,3 +316,21 @@ def loop_api_losses(rank, world, root, micro_batch, workers):
         sizes.append([mb["n"] for mb in micro])
         losses.append(ckpt.optimizer_step(F.mse_loss(model(micro[-1]["x"]), micro[-1]["y"])))
     return {"losses": losses, "sizes": sizes, "code": ckpt.exit_code}
+
+
+def one_state_manager(ccfg, root: str, obj, rank: int, world: int, group, **kw):
+    """A CheckpointManager of one Stateful (``{"model": obj}``) on a 1-D mesh of ``world`` ranks."""
+    from elastic_trainer.checkpoint.manager import CheckpointManager
+    from elastic_trainer.storage.fs import open_storage
+
+    return CheckpointManager(
+        ccfg,
+        open_storage(root),
+        {"model": obj},
+        rank=rank,
+        world_size=world,
+        mesh_shape=[world],
+        group=group,
+        fingerprint="f",
+        **kw,
+    )
