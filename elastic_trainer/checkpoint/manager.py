@@ -137,7 +137,7 @@ class CheckpointManager:
             local = LocalSaver(tier, mode=cfg.mode, cuda_staging=use_cuda_staging)
         # The local tier (checkpoint.local_dir): every save, per rank; checkpoint.dir gets every
         # remote_every-th (and every durable one). See checkpoint/local_tier.py.
-        self.local_saver = local
+        self._local_saver = local
         self.local = local.tier if local is not None else None
         self.catalog = Catalog(storage, epoch=epoch, events=self.events) if rank == 0 else None
         self._launch_id = launch_id
@@ -153,13 +153,13 @@ class CheckpointManager:
         self.last_save: Save | None = None  # the newest settled save
         self._drain_deadline: float | None = None  # the exception path's budget, once started
         self._writer_failed = False  # process writer: a save of ours failed; restart the writers before the next
-        self.loaded_step: int | None = None
-        self.loaded_tier: str | None = None
+        self._loaded_step: int | None = None
+        self._loaded_tier: str | None = None
         self._parent: str | None = None  # the checkpoint the current state descends from
         self._seq = 0
         self._taken: set[str] = set()  # checkpoint directory names in use (same on every rank)
         self._committed: set[int] = set()  # steps this incarnation committed to checkpoint.dir (agreed)
-        self.save_stats: list[SaveStats] = []
+        self._save_stats: list[SaveStats] = []
         self._epoch_name = ""  # the root's launch epoch, learnt at load (names the local copies)
         self._lineage = ""  # agreed at each load: which start wrote a local copy
         self._chain: list[str] = [""]  # remote checkpoints the current state's lineage went through
@@ -283,7 +283,7 @@ class CheckpointManager:
         with self._lock:
             self._generation += 1
             self._last_committed = committed
-        self.loaded_step, self.loaded_tier = step, tier
+        self._loaded_step, self._loaded_tier = step, tier
         self._committed = set()
 
     def _abandon_inflight(self) -> None:
@@ -351,7 +351,7 @@ class CheckpointManager:
     def is_committed(self, step: int) -> bool:
         """Whether every rank knows ``step`` committed in checkpoint.dir: loaded from there, or
         saved there by this incarnation and agreed committed. A save of such a step is a no-op."""
-        return (step == self.loaded_step and self.loaded_tier == "remote") or step in self._committed
+        return (step == self._loaded_step and self._loaded_tier == "remote") or step in self._committed
 
     def save(
         self,
@@ -390,7 +390,7 @@ class CheckpointManager:
             if self.rank == 0:
                 self.events.emit("checkpoint_failed", step=step, error=stats.skipped, seconds=0.0)
                 self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
-            self.save_stats.append(stats)
+            self._save_stats.append(stats)
             return stats
         if self.is_committed(step) and not force:
             stats.skipped = "already committed"
@@ -449,7 +449,7 @@ class CheckpointManager:
             else:
                 committed.add_done_callback(lambda f: self._on_local_only(save, f.result()))
         stats.call = time.monotonic() - t1
-        self.save_stats.append(stats)
+        self._save_stats.append(stats)
         if blocking:
             self.wait_for_staging()
             self.settle(None)
@@ -531,7 +531,7 @@ class CheckpointManager:
                 )
             done.set_result(True)
 
-        staging, written = self.local_saver.start(self.states, epoch, step)
+        staging, written = self._local_saver.start(self.states, epoch, step)
         written.add_done_callback(commit)
         return staging, done
 
@@ -555,9 +555,9 @@ class CheckpointManager:
                 logger.exception("staging of step %d failed", save.step)
         save.staged()
         waited = time.monotonic() - t0
-        if self.save_stats and self.save_stats[-1].step == save.step:
-            self.save_stats[-1].staging_wait += waited
-            self.metrics.histogram("elastic_trainer_checkpoint_stall_seconds", self.save_stats[-1].stall)
+        if self._save_stats and self._save_stats[-1].step == save.step:
+            self._save_stats[-1].staging_wait += waited
+            self.metrics.histogram("elastic_trainer_checkpoint_stall_seconds", self._save_stats[-1].stall)
         return waited
 
     def _commit(self, save: Save, extra: dict[str, Any], generation: int) -> None:
@@ -691,8 +691,8 @@ class CheckpointManager:
         """``finished``: the run ended normally; this rank's local copies are dropped (no restart
         of this launch will need them, and a later launch never uses them)."""
         self.remote.close()
-        if self.local_saver is not None:
-            self.local_saver.close()
+        if self._local_saver is not None:
+            self._local_saver.close()
         if finished and self.local is not None:
             self.local.drop_epoch(self._epoch_name)
         if self._commit_pool is not None:
