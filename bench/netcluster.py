@@ -108,6 +108,21 @@ def phases(events: list[dict], after: float, node: str = "b") -> dict:
     return out
 
 
+def newcomer_phases(events: list[dict], started: float, node: str = "c") -> dict:
+    """Seconds from the newcomer's process start to its supervisor being ready (``launch``), its
+    rendezvous done, its workers started (forked), its worker's start, the group's resume."""
+    out = {}
+    for name, mine in (("launch", True), ("rendezvous", True), ("workers_started", True), ("start", False)):
+        e = next(
+            (e for e in events if e["event"] == name and e["time"] > started and (not mine or e.get("node") == node)),
+            None,
+        )
+        out["ready" if name == "launch" else name] = round(e["time"] - started, 2) if e else None
+    e = next((e for e in events if e["event"] == "resume" and e["time"] > started and e["world_size"] == 2), None)
+    out["resume"] = round(e["time"] - started, 2) if e else None
+    return out
+
+
 def one_round(args, work: Path, data: str, first: bool) -> dict:
     run_dir = work / "run"
     sets = [
@@ -158,6 +173,7 @@ def one_round(args, work: Path, data: str, first: bool) -> dict:
         events = runs.read_events(run_dir)
         if args.phases:
             out["phases"] = {m: phases(events, t) for m, t in marks.items()}
+            out["phases"]["grow_newcomer"] = newcomer_phases(events, joined)
         faults = 3  # the cut, the rejoin, the kill; a grow is the 4th membership change
         out["node_lost"] = [(e["node"], e["reason"]) for e in events if e["event"] == "node_lost"]
         out["restarts"] = len([e for e in events if e["event"] == "restart" and e["node"] == "b"])
@@ -186,7 +202,11 @@ def main() -> int:
     p.add_argument("--steady-rate", type=float, default=300, help="Mbit/s rate limit of the lossy window (0: none)")
     p.add_argument("--workdir", default=None, help="where the scratch directory goes (kept with --keep)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (logs, events)")
-    p.add_argument("--phases", action="store_true", help="also print when b restarted, rendezvoused, started, resumed")
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="also print when b restarted, rendezvoused, started, resumed, and the grow's newcomer's own phases",
+    )
     args = p.parse_args()
     reason = netcluster.unavailable()
     if reason:
