@@ -147,25 +147,18 @@ def import_bound(args, work: Path, data: str) -> dict:
         return {f"{n}_at_once": round(statistics.median(_import_seconds(n) for _ in range(3)), 2) for n in (1, 2)}
 
     out = {"idle": measure()}
-    run_dir = work / "run"
-    sets = [
-        f"run.dir={run_dir}",
-        f"checkpoint.dir={run_dir / 'ckpt'}",
-        f"data.path={data}",
-        f"train.steps={args.steps}",
-    ]
-    cfg = work / "job.toml"
-    cfg.write_text(Path(args.config).read_text())
+    run_dir, cfg, extra = _job_files(args, work, data)
     with netcluster.NetCluster(["store", "b"], tag=f"eti{os.getpid() % 100000}") as cluster:
         job = netcluster.ClusterJob(cluster, runs.CLI, cfg, work, runs.env_for_tests(), runs.REPO)
         job.start_store()
-        b = job.node("b", *[a for s in sets for a in ("--set", s)])
+        b = job.node("b", *extra)
         runs.wait_event(run_dir, "step", 300, b, where=lambda r: r["step"] >= 10)
         out["b_training"] = measure()
     return out
 
 
-def one_round(args, work: Path, data: str, first: bool) -> dict:
+def _job_files(args, work: Path, data: str) -> tuple[Path, Path, list[str]]:
+    """(run dir, config file, the nodes' ``--set`` arguments) of one job in ``work``."""
     run_dir = work / "run"
     sets = [
         f"run.dir={run_dir}",
@@ -176,7 +169,11 @@ def one_round(args, work: Path, data: str, first: bool) -> dict:
     ]
     cfg = work / "job.toml"
     cfg.write_text(Path(args.config).read_text())
-    extra = [a for s in sets for a in ("--set", s)]
+    return run_dir, cfg, [a for s in sets for a in ("--set", s)]
+
+
+def one_round(args, work: Path, data: str, first: bool) -> dict:
+    run_dir, cfg, extra = _job_files(args, work, data)
     with netcluster.NetCluster(["store", "a", "b", "c"], tag=f"etb{os.getpid() % 100000}") as cluster:
         job = netcluster.ClusterJob(
             cluster, runs.CLI, cfg, work, runs.env_for_tests(), runs.REPO, rdzv_conf=args.rdzv_conf
