@@ -1,7 +1,7 @@
 """Silent node loss, rejoin, shrink and grow of the demo on a virtual cluster of network namespaces.
 
     python bench/netcluster.py [--config configs/demo-cpu.toml] [--rdzv-conf K=V,...] [--loss PCT]
-                               [--rounds 1] [--steady SECONDS] [--phases] [--set k=v ...]
+                               [--rounds 1] [--steady SECONDS] [--phases] [--imports] [--set k=v ...]
 
 Needs root, iproute2 and nftables (scripts/system-deps.d/50-netns.sh). Builds the namespace
 cluster of tests/fixtures/netcluster.py (store + nodes a, b, c on a bridge, 198.51.100.0/24), runs
@@ -14,12 +14,14 @@ the config with one worker per node, and measures, on one job:
 * grow     node c started while b trains alone → b's first step at world 2 (also from c's
            supervisor being ready, its ``launch`` event: without the interpreter start and imports).
 
-With ``--loss PCT`` every host drops PCT % of the packets it receives for the whole job, and the
-script counts b's restarts beyond the four the faults cause (false node loss). With ``--steady S``
-the first round starts with fault-free windows of S seconds at world 2: clean, 2 % loss on every
-host, every node's link limited to 300 Mbit/s, both, clean again; it reports each one's steps/s
-against the clean ones and any restart or ``node_lost`` (false node loss) in them. Prints one JSON line per round
-and a Markdown table of the medians.
+With ``--imports`` it first times what bounds a newcomer's start-up: a fresh interpreter importing
+torch's elastic agent, alone and two at once (a supervisor and its warm-start zygote), on the idle
+machine and while one node trains. With ``--loss PCT`` every host drops PCT % of the packets it
+receives for the whole job, and the script counts b's restarts beyond the four the faults cause
+(false node loss). With ``--steady S`` the first round starts with fault-free windows of S seconds
+at world 2: clean, 2 % loss on every host, every node's link limited to 300 Mbit/s, both, clean
+again; it reports each one's steps/s against the clean ones and any restart or ``node_lost`` (false
+node loss) in them. Prints one JSON line per round and a Markdown table of the medians.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -108,7 +111,54 @@ def phases(events: list[dict], after: float, node: str = "b") -> dict:
     return out
 
 
-def one_round(args, work: Path, data: str, first: bool) -> dict:
+def newcomer_phases(events: list[dict], started: float, node: str = "c") -> dict:
+    """Seconds from the newcomer's process start to its supervisor being ready (``launch``), its
+    rendezvous done, its workers started (forked), its worker's start, the group's resume."""
+    out = {}
+    for name, mine in (("launch", True), ("rendezvous", True), ("workers_started", True), ("start", False)):
+        e = next(
+            (e for e in events if e["event"] == name and e["time"] > started and (not mine or e.get("node") == node)),
+            None,
+        )
+        out["ready" if name == "launch" else name] = round(e["time"] - started, 2) if e else None
+    e = next((e for e in events if e["event"] == "resume" and e["time"] > started and e["world_size"] == 2), None)
+    out["resume"] = round(e["time"] - started, 2) if e else None
+    return out
+
+
+IMPORT = "import torch.distributed.run, torch.distributed.elastic.agent.server.local_elastic_agent"
+
+
+def _import_seconds(n: int) -> float:
+    """Wall time of ``n`` fresh interpreters importing what a supervisor needs to join, at once."""
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", IMPORT]) for _ in range(n)]
+    for p in procs:
+        p.wait()
+    return time.monotonic() - t0
+
+
+def import_bound(args, work: Path, data: str) -> dict:
+    """What bounds a newcomer's start-up: the supervisor's torch import alone and two at once (the
+    supervisor and its warm-start zygote), medians of 3, on the idle machine and while node b
+    trains alone on the cluster."""
+
+    def measure() -> dict:
+        return {f"{n}_at_once": round(statistics.median(_import_seconds(n) for _ in range(3)), 2) for n in (1, 2)}
+
+    out = {"idle": measure()}
+    run_dir, cfg, extra = _job_files(args, work, data)
+    with netcluster.NetCluster(["store", "b"], tag=f"eti{os.getpid() % 100000}") as cluster:
+        job = netcluster.ClusterJob(cluster, runs.CLI, cfg, work, runs.env_for_tests(), runs.REPO)
+        job.start_store()
+        b = job.node("b", *extra)
+        runs.wait_event(run_dir, "step", 300, b, where=lambda r: r["step"] >= 10)
+        out["b_training"] = measure()
+    return out
+
+
+def _job_files(args, work: Path, data: str) -> tuple[Path, Path, list[str]]:
+    """(run dir, config file, the nodes' ``--set`` arguments) of one job in ``work``."""
     run_dir = work / "run"
     sets = [
         f"run.dir={run_dir}",
@@ -119,7 +169,11 @@ def one_round(args, work: Path, data: str, first: bool) -> dict:
     ]
     cfg = work / "job.toml"
     cfg.write_text(Path(args.config).read_text())
-    extra = [a for s in sets for a in ("--set", s)]
+    return run_dir, cfg, [a for s in sets for a in ("--set", s)]
+
+
+def one_round(args, work: Path, data: str, first: bool) -> dict:
+    run_dir, cfg, extra = _job_files(args, work, data)
     with netcluster.NetCluster(["store", "a", "b", "c"], tag=f"etb{os.getpid() % 100000}") as cluster:
         job = netcluster.ClusterJob(
             cluster, runs.CLI, cfg, work, runs.env_for_tests(), runs.REPO, rdzv_conf=args.rdzv_conf
@@ -158,6 +212,7 @@ def one_round(args, work: Path, data: str, first: bool) -> dict:
         events = runs.read_events(run_dir)
         if args.phases:
             out["phases"] = {m: phases(events, t) for m, t in marks.items()}
+            out["phases"]["grow_newcomer"] = newcomer_phases(events, joined)
         faults = 3  # the cut, the rejoin, the kill; a grow is the 4th membership change
         out["node_lost"] = [(e["node"], e["reason"]) for e in events if e["event"] == "node_lost"]
         out["restarts"] = len([e for e in events if e["event"] == "restart" and e["node"] == "b"])
@@ -184,9 +239,18 @@ def main() -> int:
     )
     p.add_argument("--steady-loss", type=int, default=2, help="percent loss of the lossy window")
     p.add_argument("--steady-rate", type=float, default=300, help="Mbit/s rate limit of the lossy window (0: none)")
+    p.add_argument(
+        "--imports",
+        action="store_true",
+        help="first time the supervisor's torch import alone and two at once, idle and while a node trains",
+    )
     p.add_argument("--workdir", default=None, help="where the scratch directory goes (kept with --keep)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (logs, events)")
-    p.add_argument("--phases", action="store_true", help="also print when b restarted, rendezvoused, started, resumed")
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="also print when b restarted, rendezvoused, started, resumed, and the grow's newcomer's own phases",
+    )
     args = p.parse_args()
     reason = netcluster.unavailable()
     if reason:
@@ -197,6 +261,15 @@ def main() -> int:
             {"machine": machine_info(), "loadavg": loadavg(), "rdzv_conf": args.rdzv_conf, "loss_pct": args.loss}
         )
     )
+    if args.imports:
+        d = tempfile.mkdtemp(prefix="netbench", dir=args.workdir)
+        try:
+            from elastic_trainer.worker.data import build_token_file, default_demo_texts
+
+            build_token_file(default_demo_texts(1 << 20), str(Path(d) / "tokens.bin"))
+            print(json.dumps({"import_seconds": import_bound(args, Path(d), str(Path(d) / "tokens.bin"))}), flush=True)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
     rows = []
     for i in range(args.rounds):
         d = tempfile.mkdtemp(prefix="netbench", dir=args.workdir)

@@ -144,6 +144,9 @@ class ElasticConfig:
     # ~45 s). Run the store with 'elastic-trainer store' so that no node's loss stops the job
     # (docs/elasticity.md); add is_host=false to require it.
     rdzv_conf: str = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+    # How often a supervisor reads the rendezvous state: how soon a training node sees a node
+    # waiting to join, and a waiting node sees its round complete (torch's own: 1 s).
+    rdzv_poll_seconds: float = 0.2
     hang_timeout_seconds: float = 120.0
     monitor_interval_seconds: float = 0.1  # detection latency of a dead worker; polls are cheap (waitpid)
     # Start workers by forking a pre-imported interpreter (the supervisor's zygote) instead of a
@@ -580,6 +583,7 @@ def validate(cfg: Config) -> None:
     parse_rdzv_conf(e.rdzv_conf)
     _require(e.hang_timeout_seconds >= 5, "elastic.hang_timeout_seconds", "must be >= 5")
     _require(e.monitor_interval_seconds > 0, "elastic.monitor_interval_seconds", "must be > 0")
+    _require(0 < e.rdzv_poll_seconds <= 1, "elastic.rdzv_poll_seconds", "must be > 0 and <= 1 (torch's own poll)")
     _require(
         0 <= cfg.metrics.port <= 65535, "metrics.port", f"must be in 0..65535 (0 disables), got {cfg.metrics.port}"
     )

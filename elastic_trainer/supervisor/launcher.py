@@ -17,7 +17,7 @@ from .. import contract, exit_codes
 from ..config import Config
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
-from . import liveness, options, policy
+from . import liveness, options, policy, round_poll
 
 logger = logging.getLogger(__name__)
 
@@ -321,8 +321,10 @@ def run_agent(
     preempt_marker: str | None = None,
     zygote=None,
     commits=None,
+    rdzv_poll_seconds: float | None = None,
 ):
-    """The essential part of torch's ``launch_agent`` with our agent class."""
+    """The essential part of torch's ``launch_agent`` with our agent class.
+    ``rdzv_poll_seconds``: how often to read the rendezvous state (None: torch's 1 s)."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
@@ -358,6 +360,8 @@ def run_agent(
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
+    if rdzv_poll_seconds is not None:
+        round_poll.install(spec.rdzv_handler, rdzv_poll_seconds)
     agent_cls = _make_agent_class()
     agent = agent_cls(
         spec=spec,
@@ -446,7 +450,15 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, preload: tupl
     worker_codes: list[int | None] = []
     try:
         result = run_agent(
-            config, cmd, cmd_args, events, metrics, preempt_marker=marker, zygote=zygote, commits=_commit_watch(cfg)
+            config,
+            cmd,
+            cmd_args,
+            events,
+            metrics,
+            preempt_marker=marker,
+            zygote=zygote,
+            commits=_commit_watch(cfg),
+            rdzv_poll_seconds=cfg.elastic.rdzv_poll_seconds,
         )
         failed = result.is_failed()
         if failed:

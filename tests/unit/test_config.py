@@ -62,6 +62,8 @@ def test_demo_and_cluster_configs_load():
         ({"elastic": {"nnodes": "3:1"}}, "elastic.nnodes", "MIN <= MAX"),
         ({"elastic": {"nnodes": "two"}}, "elastic.nnodes", "N or MIN:MAX"),
         ({"elastic": {"hang_timeout_seconds": 1}}, "elastic.hang_timeout_seconds", ">= 5"),
+        ({"elastic": {"rdzv_poll_seconds": 0}}, "elastic.rdzv_poll_seconds", "> 0 and <= 1"),
+        ({"elastic": {"rdzv_poll_seconds": 2}}, "elastic.rdzv_poll_seconds", "> 0 and <= 1"),
         ({"metrics": {"port": 70000}}, "metrics.port", "0..65535"),
         ({"run": "x"}, "run", "must be a table"),
     ],
