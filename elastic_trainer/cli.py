@@ -24,15 +24,10 @@ logger = logging.getLogger("elastic_trainer.cli")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
+    from .supervisor import options
+
     p.add_argument("config", help="TOML config file")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value (repeatable)",
-    )
+    options.add_overrides(p)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -82,6 +82,28 @@ def launch_args(config: Path, *args: str) -> list[str]:
     return [*CLI, "launch", str(config), *args]
 
 
+def run_args(run_dir, ckpt_dir, *flags: str, nproc: int = 2, max_restarts: int | None = None) -> list[str]:
+    """``elastic-trainer run`` with the test's run.dir and checkpoint.dir, no metrics port and a fast
+    monitor (``max_restarts`` None: run's default); ``flags`` go on (the script and its arguments last)."""
+    restarts = [] if max_restarts is None else ["--max-restarts", str(max_restarts)]
+    return [
+        *CLI,
+        "run",
+        "--set",
+        f"run.dir={run_dir}",
+        "--set",
+        f"checkpoint.dir={ckpt_dir}",
+        "--set",
+        "metrics.port=0",
+        "--nproc-per-node",
+        str(nproc),
+        *restarts,
+        "--monitor-interval",
+        "0.2",
+        *flags,
+    ]
+
+
 def run_launch(
     config: Path, *args: str, timeout: float = 240, env: dict | None = None, log: Path | None = None
 ) -> subprocess.CompletedProcess:

@@ -53,6 +53,18 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
+def add_overrides(p: argparse.ArgumentParser) -> None:
+    """``--set SECTION.KEY=VALUE`` (repeatable), into ``overrides``: every command that reads a config."""
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable)",
+    )
+
+
 def env_var(dest: str) -> str:
     """The variable torchrun's parser reads for option ``dest`` (``torch.distributed.argparse_util``)."""
     return f"{contract.TORCHRUN_ENV_PREFIX}{dest.upper()}"
@@ -140,14 +152,7 @@ def launch_parser(prog: str = "elastic-trainer launch") -> argparse.ArgumentPars
         formatter_class=_HelpFormatter,
     )
     p.add_argument("config", help="TOML config file")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value (repeatable)",
-    )
+    add_overrides(p)
     group = p.add_argument_group(
         "torchrun options (torchrun's meaning; a flag wins over its PET_* variable, which wins over the config)"
     )
@@ -176,14 +181,7 @@ def run_parser(prog: str = "elastic-trainer run") -> argparse.ArgumentParser:
         f"metrics port {d.metrics.port}, the elastic.* defaults shown above), "
         "changed only by --set",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value (repeatable)",
-    )
+    add_overrides(p)
     p.add_argument(
         "--preload",
         action="append",

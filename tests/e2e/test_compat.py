@@ -35,23 +35,7 @@ def _run(
     elif how == "torchrun":
         args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *script]
     else:
-        args = [
-            *runs.CLI,
-            "run",
-            "--set",
-            f"run.dir={run_dir}",
-            "--set",
-            f"checkpoint.dir={ckpt}",
-            "--set",
-            "metrics.port=0",
-            "--nproc-per-node",
-            str(nproc),
-            "--max-restarts",
-            str(max_restarts),
-            "--monitor-interval",
-            "0.2",
-            *script,
-        ]
+        args = runs.run_args(run_dir, ckpt, *script, nproc=nproc, max_restarts=max_restarts)
     return subprocess.run(args, capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=240)
 
 

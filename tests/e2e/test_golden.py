@@ -38,19 +38,9 @@ def test_golden_example_checkpoint_resumes_bitwise(tmp_path):
     run, ckpt = tmp_path / "example", tmp_path / "example-ckpt"
     run.mkdir()
     shutil.copytree(GOLDEN / "example" / "ckpt", ckpt)
-    args = [
-        *runs.CLI,
-        "run",
-        "--set",
-        f"run.dir={run}",
-        "--set",
-        f"checkpoint.dir={ckpt}",
-        "--set",
-        "metrics.port=0",
-        "--nproc-per-node",
-        "2",
-        "--monitor-interval",
-        "0.2",
+    args = runs.run_args(
+        run,
+        ckpt,
         str(GOLDEN / "example_script.py"),
         "--run-dir",
         str(run),
@@ -58,7 +48,7 @@ def test_golden_example_checkpoint_resumes_bitwise(tmp_path):
         str(ckpt),
         "--steps",
         "12",
-    ]
+    )
     r = subprocess.run(args, env=runs.env_for_tests(), cwd=runs.REPO, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (resume,) = runs.read_events(run, "resume")

@@ -37,25 +37,8 @@ def run_script(
     """The example under ``elastic-trainer run`` (the paths are the supervisor's: the script sets none)."""
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    args = [
-        *runs.CLI,
-        "run",
-        *run_args,
-        "--set",
-        f"run.dir={run_dir}",
-        "--set",
-        f"checkpoint.dir={tmp / (name + '-ckpt')}",
-        "--set",
-        "metrics.port=0",
-        "--nproc-per-node",
-        str(nproc),
-        "--max-restarts",
-        str(max_restarts),
-        "--monitor-interval",
-        "0.2",
-        SCRIPT,
-        *script_args,
-    ]
+    ckpt = tmp / (name + "-ckpt")
+    args = runs.run_args(run_dir, ckpt, *run_args, SCRIPT, *script_args, nproc=nproc, max_restarts=max_restarts)
     with open(run_dir / "run.log", "ab") as out:
         return subprocess.run(
             args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(env), cwd=runs.REPO, timeout=timeout
@@ -122,23 +105,7 @@ def test_sigterm_commits_the_final_step_and_exits_75(tmp_path):
     run_dir = tmp_path / "p"
     run_dir.mkdir()
     ckpt = tmp_path / "p-ckpt"
-    args = [
-        *runs.CLI,
-        "run",
-        "--set",
-        f"run.dir={run_dir}",
-        "--set",
-        f"checkpoint.dir={ckpt}",
-        "--set",
-        "metrics.port=0",
-        "--nproc-per-node",
-        "2",
-        "--monitor-interval",
-        "0.2",
-        SCRIPT,
-        "--steps",
-        "400",
-    ]
+    args = runs.run_args(run_dir, ckpt, SCRIPT, "--steps", "400")
     code = runs.signal_at_step(args, run_dir, 7)
     (pre,) = runs.read_events(run_dir, "preempted")
     assert code == 75 and pre["committed"] is True, (run_dir / "run.log").read_text()[-3000:]

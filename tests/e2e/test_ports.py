@@ -23,23 +23,8 @@ STEPS = "10"
 def _args(tmp, name: str, port: str, nproc: int = 2, max_restarts: int = 0) -> tuple[list[str], object]:
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    return [
-        *runs.CLI,
-        "run",
-        "--set",
-        f"run.dir={run_dir}",
-        "--set",
-        f"checkpoint.dir={tmp / 'ckpt' / name}",
-        "--set",
-        "metrics.port=0",
-        "--nproc-per-node",
-        str(nproc),
-        "--max-restarts",
-        str(max_restarts),
-        "--monitor-interval",
-        "0.2",
-        str(PORTS[port]),
-    ], run_dir
+    args = runs.run_args(run_dir, tmp / "ckpt" / name, str(PORTS[port]), nproc=nproc, max_restarts=max_restarts)
+    return args, run_dir
 
 
 def _run(tmp, name, port, *script_args, env=None, **kw):
