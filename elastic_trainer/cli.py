@@ -157,7 +157,7 @@ def version_string() -> str:
 
 
 def _cmd_launch(argv: list[str]) -> int:
-    zygote = _early_zygote(argv)  # imports torch for the workers while this process does the same
+    zygote = _early_zygote(argv)  # imports the trainer for the workers while this process sets up
     try:
         return _launch(argv, zygote)
     except BaseException:
@@ -167,7 +167,7 @@ def _cmd_launch(argv: list[str]) -> int:
 
 
 def _early_zygote(argv: list[str]):
-    """The warm-start zygote (``elastic.warm_start``), started before anything here imports torch.
+    """The warm-start zygote (``elastic.warm_start``), forked from this process before its set-up.
 
     A light pre-parse (CONFIG and ``--set`` only); when it cannot tell, ``launch`` starts the
     zygote itself later (and drops this one when the real config says otherwise)."""
@@ -187,9 +187,15 @@ def _early_zygote(argv: list[str]):
         return None  # the real parser reports it
     if not cfg.elastic.warm_start:
         return None
-    from .supervisor.warm import Zygote
+    # The supervisor's own torch imports, which it needs to join the rendezvous: done once, here,
+    # and the zygote forked from this process then imports only the trainer on top.
+    import torch.distributed.elastic.agent.server.local_elastic_agent  # noqa: F401
+    import torch.distributed.run  # noqa: F401
 
-    return Zygote().start()
+    from .supervisor.warm import Zygote
+    from .worker import zygote
+
+    return Zygote().start(fork=zygote.fork)
 
 
 def _launch(argv: list[str], zygote) -> int:
@@ -280,25 +286,33 @@ def _check_init_from(cfg) -> None:
 def _cmd_run(argv: list[str]) -> int:
     from .config import load_config, run_name
     from .supervisor import options
-    from .supervisor.launcher import build_launch_config, launch
+    from .supervisor.launcher import build_launch_config, launch, start_zygote
+    from .worker import zygote as zygote_process
 
     a, explicit = options.parse_explicit(options.run_parser(), argv)
     # Paths a config does not set are the script's own (runs/<script>/...), as et.init derives them.
     overrides = a.overrides + (["elastic.warm_start=false"] if a.no_warm_start else [])
     cfg = load_config(a.config, overrides, name=run_name(a.config) or run_name(a.training_script))
     config, cmd, cmd_args = build_launch_config(cfg, a, explicit)
-    # The script's state decides compatibility (in the workers: exit 2, not restarted); what needs
-    # no script is checked here, before any worker starts.
-    from .preflight import check_storage
+    # Forked now, while this process has imported torch and runs no thread of its own yet.
+    zygote = start_zygote(cfg, cmd, cmd_args, preload=tuple(a.preload), fork=zygote_process.fork)
+    try:
+        # The script's state decides compatibility (in the workers: exit 2, not restarted); what
+        # needs no script is checked here, before any worker starts.
+        from .preflight import check_storage
 
-    _, plan = check_storage(cfg)
-    logger.info(
-        "preflight ok: %s",
-        f"newest commit step {plan.chosen.step}"
-        if plan is not None and plan.chosen is not None
-        else "no commit to resume",
-    )
-    return launch(cfg, config, cmd, cmd_args, preload=tuple(a.preload))
+        _, plan = check_storage(cfg)
+        logger.info(
+            "preflight ok: %s",
+            f"newest commit step {plan.chosen.step}"
+            if plan is not None and plan.chosen is not None
+            else "no commit to resume",
+        )
+        return launch(cfg, config, cmd, cmd_args, zygote=zygote, preload=tuple(a.preload))
+    except BaseException:
+        if zygote is not None:
+            zygote.close()
+        raise
 
 
 def _cmd_store(a) -> int:

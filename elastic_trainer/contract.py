@@ -109,6 +109,7 @@ EVENTS_MIRROR_DIR = "_events"  # checkpoint root: each supervisor's mirrored eve
 # ``python -m ZYGOTE_MODULE FD [PRELOAD ...]``.
 
 ZYGOTE_MODULE = "elastic_trainer.worker.zygote"
+ZYGOTE_NAME = "et-zygote"  # its process name (/proc/PID/comm), also when forked from the supervisor
 ZYGOTE_MAX_MESSAGE = 4 << 20  # bytes of one packet
 ZYGOTE_PRELOAD_TRAINER = "@trainer"  # PRELOAD argument: launch's trainer modules
 ZYGOTE_PRELOAD_SCRIPT = "@script"  # PRELOAD argument: elastic_trainer's public API for a user's script

@@ -44,3 +44,16 @@ def setup_logging(level: str | int | None = None) -> None:
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
+
+
+def forget_setup() -> None:
+    """Undo :func:`setup_logging` in a process forked from an entry point that is to behave as a
+    fresh interpreter (the warm-start zygote): its workers set logging up themselves."""
+    logger = logging.getLogger("elastic_trainer")
+    ours = [h for h in logger.handlers if getattr(h, "_et", False)]
+    if not ours:
+        return
+    for handler in ours:
+        logger.removeHandler(handler)
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True

@@ -217,22 +217,25 @@ def worker_pids(supervisor_pid: int) -> list[int]:
             cmd = open(f"/proc/{c}/cmdline", "rb").read().split(b"\0")
         except FileNotFoundError:
             continue
-        if b"elastic_trainer.worker.main" in cmd:
-            pids.append(c)
-        elif b"elastic_trainer.worker.zygote" in cmd:
+        if is_zygote(c):  # forked from the supervisor: its command line is the supervisor's
             pids += children(c)
+        elif b"elastic_trainer.worker.main" in cmd:
+            pids.append(c)
     return sorted(pids)
+
+
+def is_zygote(pid: int) -> bool:
+    """A warm-start zygote, by its process name (forked from the supervisor, it has its command line)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip() == contract.ZYGOTE_NAME
+    except FileNotFoundError:
+        return False
 
 
 def zygote_pid(supervisor_pid: int) -> int | None:
     """The supervisor's warm-start zygote, if it runs one."""
-    for c in children(supervisor_pid):
-        try:
-            if b"elastic_trainer.worker.zygote" in open(f"/proc/{c}/cmdline", "rb").read():
-                return c
-        except FileNotFoundError:
-            continue
-    return None
+    return next((c for c in children(supervisor_pid) if is_zygote(c)), None)
 
 
 def kill(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:

@@ -420,7 +420,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, preload: tupl
     os.environ.setdefault(contract.SHARE_RDZV_STORE_ENV, "1")
     os.environ.setdefault(contract.ENABLE_FILE_TIMER_ENV, "1")
     os.environ.setdefault(contract.TIMER_FILE_ENV, os.path.join(_runtime_dir(cfg), contract.TIMER_FILE))
-    zygote = _start_zygote(cfg, cmd, cmd_args, zygote, preload)  # imports torch while this supervisor sets up
+    zygote = start_zygote(cfg, cmd, cmd_args, zygote, preload)  # imports torch while this supervisor sets up
     from ..metrics import factory as metrics_factory
 
     server = metrics_factory.start_supervisor_exporter(cfg)
@@ -488,9 +488,9 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, preload: tupl
     return code
 
 
-def _start_zygote(cfg: Config, cmd, cmd_args, early=None, preload: tuple[str, ...] = ()):
+def start_zygote(cfg: Config, cmd, cmd_args, early=None, preload: tuple[str, ...] = (), fork=None):
     """The warm-start zygote (``elastic.warm_start``) for ``launch``'s trainer or ``run``'s
-    script, or None. ``early``: one the CLI already started (``launch``'s trainer)."""
+    script, or None. ``early``: one the CLI already started; ``fork``: see ``warm.Zygote.start``."""
     from . import warm
 
     modules = warm.preload_for(cmd, cmd_args, options.WORKER_MODULE, tuple(preload))
@@ -504,7 +504,7 @@ def _start_zygote(cfg: Config, cmd, cmd_args, early=None, preload: tuple[str, ..
                 "elastic.warm_start is off" if modules is not None else "this entry point is started cold",
             )
         return None
-    return early if early is not None else warm.Zygote(preload=modules).start()
+    return early if early is not None else warm.Zygote(preload=modules).start(fork=fork)
 
 
 def _exit_codes(agent) -> list[int | None]:

@@ -1,10 +1,11 @@
 """Warm worker starts (``elastic.warm_start``): the supervisor's side of the zygote.
 
 :class:`Zygote` starts ``python -m elastic_trainer.worker.zygote`` ahead of the first
-rendezvous (it imports torch and the trainer while the supervisor does its own set-up) and
-asks it to fork each worker. :class:`ZygoteProcess` is the ``subprocess.Popen`` stand-in that
-torch's ``SubprocessContext`` then polls, waits for and signals (``pid``, ``poll``, ``wait``,
-``returncode``); the exit statuses come from the zygote, which reaps its children.
+rendezvous, or forks it from the supervisor once that imported torch (it imports the trainer
+while the supervisor does its own set-up), and asks it to fork each worker.
+:class:`ZygoteProcess` is the ``subprocess.Popen`` stand-in that torch's ``SubprocessContext``
+then polls, waits for and signals (``pid``, ``poll``, ``wait``, ``returncode``); the exit
+statuses come from the zygote, which reaps its children.
 
 The one private torch seam is here (:func:`warm_handlers`): during the agent's
 ``_start_workers`` torch's ``SubprocessContext`` builds its handlers with a
@@ -63,15 +64,24 @@ class Zygote:
         self._unusable = ""  # set once it timed out: later workers do not wait again
 
     # -- lifecycle ---------------------------------------------------------------------
-    def start(self) -> Zygote:
-        """Start the zygote; returns at once (it imports torch in the background)."""
+    def start(self, fork=None) -> Zygote:
+        """Start the zygote; returns at once (it imports in the background).
+
+        ``fork``: ``elastic_trainer.worker.zygote.fork``, from an entry point that imported torch
+        and may fork itself: the zygote is then this process's child without an interpreter start
+        or a torch import of its own. Without it, or when this process cannot fork safely, the
+        zygote is a new interpreter."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen(
-            [self.python, "-m", contract.ZYGOTE_MODULE, str(theirs.fileno()), *self.preload],
-            pass_fds=[theirs.fileno()],
-            env={**os.environ, contract.SUPERVISOR_PID_ENV: str(os.getpid())},  # it checks its parent
-            start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor, which stops the workers itself
-        )
+        pid = fork(theirs.fileno(), self.preload) if fork is not None else None
+        if pid is not None:
+            self.proc = ForkedChild(pid, [contract.ZYGOTE_MODULE, *self.preload])
+        else:
+            self.proc = subprocess.Popen(
+                [self.python, "-m", contract.ZYGOTE_MODULE, str(theirs.fileno()), *self.preload],
+                pass_fds=[theirs.fileno()],
+                env={**os.environ, contract.SUPERVISOR_PID_ENV: str(os.getpid())},  # it checks its parent
+                start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor, which stops the workers itself
+            )
         theirs.close()
         self.sock = ours
         self._dead = False
@@ -207,6 +217,38 @@ class Zygote:
             else:
                 self._replies[msg.get("id")] = msg
             wait = 0.0
+
+
+class ForkedChild:
+    """What :class:`Zygote` needs of a ``subprocess.Popen`` (``pid``, ``poll``, ``wait``, ``kill``)
+    for a zygote forked from this process."""
+
+    def __init__(self, pid: int, args):
+        self.pid, self.args = pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: its status is lost
+                self.returncode = -signal.SIGKILL
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 class ZygoteProcess:

@@ -1,10 +1,10 @@
 """Warm worker starts (``elastic.warm_start``): a pre-imported interpreter that forks fresh workers.
 
-The supervisor starts ``python -m elastic_trainer.worker.zygote FD [MODULE ...]`` once, ahead of the first
-rendezvous. It imports torch, torch.distributed, DCP and the trainer's modules (or the MODULEs
-given; ``@trainer`` and ``@script`` stand for the built-in lists of ``launch``'s trainer and of a
-user's script under ``run``), and then only
-waits on the Unix socket ``FD`` (its end of a ``socketpair`` with the supervisor). For every
+The supervisor starts ``python -m elastic_trainer.worker.zygote FD [MODULE ...]`` once, ahead of
+the first rendezvous, or forks it from itself once it imported torch (:func:`fork`). It imports
+torch, torch.distributed, DCP and the trainer's modules (or the MODULEs given; ``@trainer`` and
+``@script`` stand for the built-in lists of ``launch``'s trainer and of a user's script under
+``run``), and then only waits on the Unix socket ``FD`` (its end of a ``socketpair`` with the supervisor). For every
 worker the agent starts it forks one child, which becomes exactly what ``python -u -m MODULE``
 (or ``python -u SCRIPT``) would be: its own session, the agent's environment and stdout/stderr,
 ``sys.argv`` of the module, then ``runpy`` runs the module (the script) as ``__main__``. Nothing
@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 
-from .. import contract
+from .. import contract, log
 
 # What every worker needs, whatever it runs: torch, its distributed pieces and DCP.
 TORCH_PRELOAD = (
@@ -294,19 +294,61 @@ def serve(sock: socket.socket) -> int:
             _send(sock, {"id": req.get("id"), "pid": pid})
 
 
-def main() -> int:
+def fork(fd: int, modules: tuple[str, ...] = ()) -> int | None:
+    """Become the zygote in a child forked from this process (the supervisor, once it imported
+    torch): no second interpreter start and no second torch import, which on a node short of
+    cores delay the supervisor itself. ``fd``: the zygote's end of the socket pair; ``modules``
+    as for :func:`preload` (empty: :data:`PRELOAD`). Returns the child's PID, or None when this
+    process runs a thread besides this one (forking it would copy that thread's locks): start
+    the zygote as its own interpreter then.
+
+    The child is what ``python -m elastic_trainer.worker.zygote`` would be: its own session,
+    no file descriptor but 0, 1, 2 and ``fd``, the entry point's logging set-up undone, the
+    working directory first on ``sys.path``."""
+    if threading.active_count() > 1 or settle_threads() > 1:
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.setsid()
+        for name in os.listdir("/proc/self/fd"):
+            if int(name) not in (0, 1, 2, fd):
+                try:
+                    os.close(int(name))
+                except OSError:  # the listing's own descriptor, closed already
+                    pass
+        log.forget_setup()
+        sys.path[0] = os.getcwd()  # as 'python -m' has it
+        code = _run(fd, modules or PRELOAD, parent)
+    except BaseException:  # noqa: BLE001 - report like the interpreter would; the supervisor sees the exit
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _run(fd: int, modules, parent: int) -> int:
+    """The zygote's life: preload, report ready, serve start requests until the supervisor
+    closes the socket. Returns the exit code."""
     # A scheduler that signals every process of the job (SLURM's scancel, a time limit) must not
     # kill the zygote: its death would SIGKILL the workers (PR_SET_PDEATHSIG) mid-checkpoint.
     for name in contract.FORWARDED_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
-    fd = int(sys.argv[1])
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    expected = os.environ.get(contract.SUPERVISOR_PID_ENV)
-    if expected and os.getppid() != int(expected):
+    if os.getppid() != parent:  # the supervisor died before the call
         return 1
+    _prctl(PR_SET_NAME, contract.ZYGOTE_NAME.encode())
     sock = socket.socket(fileno=fd)
     t0 = time.monotonic()
-    missing = preload(sys.argv[2:] or PRELOAD)
+    missing = preload(modules)
     _send(
         sock,
         {
@@ -317,7 +359,12 @@ def main() -> int:
             **_initialised(),
         },
     )
-    code = serve(sock)
+    return serve(sock)
+
+
+def main() -> int:
+    expected = os.environ.get(contract.SUPERVISOR_PID_ENV)
+    code = _run(int(sys.argv[1]), sys.argv[2:] or PRELOAD, int(expected) if expected else os.getppid())
     # Nothing of the zygote's needs tearing down (its workers are reaped, it holds no files of
     # the job): skip the interpreter's shutdown of torch, which takes about a second.
     sys.stdout.flush()

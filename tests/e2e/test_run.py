@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import CLI, REPO, children, env_for_tests, kill, read_events, wait_event, wait_for
+from tests.runs import CLI, REPO, children, env_for_tests, is_zygote, kill, read_events, wait_event, wait_for
 
 SCRIPT = REPO / "tests" / "e2e" / "run_scripts" / "dist_script.py"
 MODULE = "tests.e2e.run_scripts.dist_script"
@@ -77,10 +77,10 @@ def script_pids(supervisor_pid: int) -> list[int]:
             cmd = open(f"/proc/{c}/cmdline", "rb").read()
         except FileNotFoundError:
             continue
-        if b"dist_script" in cmd:
-            pids.append(c)
-        elif b"elastic_trainer.worker.zygote" in cmd:
+        if is_zygote(c):  # forked from the supervisor: its command line is the supervisor's
             pids += children(c)
+        elif b"dist_script" in cmd:
+            pids.append(c)
     return pids
 
 

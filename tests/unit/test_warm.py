@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.supervisor import warm
 from elastic_trainer.supervisor.options import WORKER_MODULE
+from elastic_trainer.worker import zygote as zygote_process
 
 CHILD = """
 import os, sys, time
@@ -110,11 +112,20 @@ def test_a_zygote_failure_falls_back_to_a_cold_popen(tmp_path):
     assert reasons == ["zygote gone"]
 
 
-@pytest.fixture
-def zygote(tmp_path, monkeypatch):
+@pytest.fixture(params=["spawned", "forked"])
+def zygote(request, tmp_path, monkeypatch):
+    """The zygote as its own interpreter, and forked from this process (as the CLI does once it
+    imported torch): the same protocol, the same children."""
     (tmp_path / "warm_child.py").write_text(CHILD)
     monkeypatch.chdir(tmp_path)  # 'python -m' puts the working directory first on sys.path
-    z = warm.Zygote(preload=("numpy",), ready_timeout=120).start()
+    z = warm.Zygote(preload=("numpy",), ready_timeout=120)
+    if request.param == "forked":
+        assert threading.active_count() == 1, f"a thread runs in this test process: {threading.enumerate()}"
+        z.start(fork=zygote_process.fork)
+        assert isinstance(z.proc, warm.ForkedChild)
+    else:
+        z.start()
+        assert isinstance(z.proc, subprocess.Popen)
     yield z
     z.close()
 
@@ -122,6 +133,7 @@ def zygote(tmp_path, monkeypatch):
 def test_zygote_forks_fresh_single_threaded_children_with_exactly_the_given_env(zygote, tmp_path):
     info = zygote.wait_ready()
     assert info["threads"] == 1  # numpy's OpenBLAS pool is stopped before any fork
+    assert os.getsid(zygote.pid) == zygote.pid  # a session of its own: a terminal's Ctrl-C goes to the supervisor
     out, err = open(tmp_path / "out", "w"), open(tmp_path / "err", "w")
     env = {"PATH": os.environ["PATH"], "WARM_TEST": "yes"}
     procs = [
@@ -222,25 +234,68 @@ def test_closing_the_socket_ends_the_zygote(zygote):
     assert zygote.proc.returncode == 0
 
 
-def test_launch_starts_the_zygote_before_it_imports_torch(tmp_path):
-    """'launch' starts the zygote from a light pre-parse, before the CLI imports torch, so the two
-    imports overlap; no zygote when the config opts out or cannot be read there."""
+FRESH = """
+import logging, os, sys
+fds = sorted(int(f) for f in os.listdir("/proc/self/fd"))
+handlers = logging.getLogger("elastic_trainer").handlers
+os.write(1, repr((fds, len(handlers), sys.path[0])).encode())
+"""
+
+
+def test_launch_forks_the_zygote_once_it_imported_torch_and_its_workers_start_as_fresh_ones(tmp_path):
+    """'launch' imports torch once and forks the zygote from itself (no second interpreter start
+    or torch import beside the supervisor's); its workers are what a fresh interpreter would be:
+    no descriptor of the supervisor's but 0-2 (3: the listing's own), the CLI's logging set-up
+    undone, the working directory first on sys.path. No zygote when the config opts out or
+    cannot be read there."""
     cfg = tmp_path / "c.toml"
     cfg.write_text("[elastic]\nnproc_per_node = 1\n")
     off = tmp_path / "off.toml"
     off.write_text("[elastic]\nwarm_start = false\n")
+    (tmp_path / "fresh_child.py").write_text(FRESH)
     code = f"""
-import sys
-from elastic_trainer import cli
+import os, sys
+from elastic_trainer import cli, log
+from elastic_trainer.supervisor import warm
+log.setup_logging()
+leak = open({str(tmp_path / "c.toml")!r})  # a descriptor of the supervisor's: not the workers'
 z = cli._early_zygote([{str(cfg)!r}, "--nproc-per-node", "1"])
-print("started", z is not None, "torch", "torch" in sys.modules)
-z.proc.kill(); z.close()
+print("forked", isinstance(z.proc, warm.ForkedChild), "torch", "torch" in sys.modules)
+with open("out", "w") as out:
+    p = z.spawn([sys.executable, "-u", "-m", "fresh_child"], {{"PATH": os.environ["PATH"]}}, stdout=out)
+    print("exit", p.wait(60))
+print(open("out").read())
+z.close()
+print("closed", z.proc.returncode)
 print("off", cli._early_zygote([{str(off)!r}]), cli._early_zygote([{str(cfg)!r}, "--set", "elastic.warm_start=false"]))
 print("unreadable", cli._early_zygote(["--rdzv-id", "x"]), cli._early_zygote([str({str(tmp_path / "missing.toml")!r})]))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=os.getcwd())
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["started True torch False", "off None None", "unreadable None None"]
+    assert out.stdout.splitlines() == [
+        "forked True torch True",
+        "exit 0",
+        repr(([0, 1, 2, 3], 0, str(tmp_path))),
+        "closed 0",
+        "off None None",
+        "unreadable None None",
+    ]
+
+
+def test_a_process_running_a_thread_starts_the_zygote_as_its_own_interpreter(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        z = warm.Zygote(preload=("numpy",)).start(fork=zygote_process.fork)
+    finally:
+        stop.set()
+        t.join()
+    try:
+        assert isinstance(z.proc, subprocess.Popen) and z.wait_ready()["threads"] == 1
+    finally:
+        z.close()
 
 
 def test_closing_the_handler_of_a_worker_that_already_exited_does_not_raise(zygote, tmp_path):
