@@ -193,8 +193,9 @@ EVENTS: tuple[Event, ...] = (
         "workers_started",
         _SUPERVISOR,
         "The agent started this node's worker group.",
-        "warm pids zygote_pid zygote_threads seconds node mono",
+        "warm pids zygote_pid zygote_forked zygote_threads seconds node mono",
         warm="forked from the zygote, `elastic.warm_start`",
+        zygote_forked="the zygote was forked from the supervisor (else started as its own interpreter)",
         seconds="the agent starting the group",
     ),
     _e(

@@ -140,6 +140,7 @@ def _make_agent_class():
                 warm=warm_started,
                 pids=sorted(pids.values()),
                 zygote_pid=zygote.pid if zygote is not None else None,
+                zygote_forked=zygote.forked if zygote is not None else None,
                 zygote_threads=(zygote.info or {}).get("threads") if zygote is not None else None,
                 seconds=round(time.monotonic() - t0, 4),
                 node=node_name(),

@@ -88,6 +88,11 @@ class Zygote:
         return self
 
     @property
+    def forked(self) -> bool:
+        """Forked from this process (else a new interpreter)."""
+        return isinstance(self.proc, ForkedChild)
+
+    @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 

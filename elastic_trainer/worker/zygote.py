@@ -30,6 +30,7 @@ end of file on the socket (the supervisor closed it) ends the zygote too.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -315,6 +316,9 @@ def fork(fd: int, modules: tuple[str, ...] = ()) -> int | None:
         return pid
     code = 1
     try:
+        # Objects of the supervisor's that are garbage already are never collected here: one that
+        # owns a descriptor closed below would otherwise close whatever reuses that number.
+        gc.freeze()
         os.setsid()
         for name in os.listdir("/proc/self/fd"):
             if int(name) not in (0, 1, 2, fd):

@@ -71,6 +71,7 @@ def test_sigkill_restart_is_forked_from_the_zygote_and_resumes_bitwise_with_drop
     _ok(r, tmp_path, "k")
     started = runs.read_events(tmp_path / "k", "workers_started")
     assert [w["warm"] for w in started] == [True, True] and len({w["zygote_pid"] for w in started}) == 1, started
+    assert [w["zygote_forked"] for w in started] == [True, True]  # one torch import on the node, not two
     assert not set(started[0]["pids"]) & set(started[1]["pids"])
     assert not runs.read_events(tmp_path / "k", "warm_start_unavailable")
     (resume,) = runs.read_events(tmp_path / "k", "resume")

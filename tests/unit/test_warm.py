@@ -122,10 +122,10 @@ def zygote(request, tmp_path, monkeypatch):
     if request.param == "forked":
         assert threading.active_count() == 1, f"a thread runs in this test process: {threading.enumerate()}"
         z.start(fork=zygote_process.fork)
-        assert isinstance(z.proc, warm.ForkedChild)
+        assert z.forked
     else:
         z.start()
-        assert isinstance(z.proc, subprocess.Popen)
+        assert isinstance(z.proc, subprocess.Popen) and not z.forked
     yield z
     z.close()
 
