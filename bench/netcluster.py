@@ -2,6 +2,7 @@
 
     python bench/netcluster.py [--config configs/demo-cpu.toml] [--rdzv-conf K=V,...] [--loss PCT]
                                [--rounds 1] [--steady SECONDS] [--phases] [--imports] [--set k=v ...]
+                               [--pin NODE=CPUS ...]
 
 Needs root, iproute2 and nftables (scripts/system-deps.d/50-netns.sh). Builds the namespace
 cluster of tests/fixtures/netcluster.py (store + nodes a, b, c on a bridge, 198.51.100.0/24), runs
@@ -15,13 +16,15 @@ the config with one worker per node, and measures, on one job:
            supervisor being ready, its ``launch`` event: without the interpreter start and imports).
 
 With ``--imports`` it first times what bounds a newcomer's start-up: a fresh interpreter importing
-torch's elastic agent, alone and two at once (a supervisor and its warm-start zygote), on the idle
-machine and while one node trains. With ``--loss PCT`` every host drops PCT % of the packets it
-receives for the whole job, and the script counts b's restarts beyond the four the faults cause
-(false node loss). With ``--steady S`` the first round starts with fault-free windows of S seconds
-at world 2: clean, 2 % loss on every host, every node's link limited to 300 Mbit/s, both, clean
-again; it reports each one's steps/s against the clean ones and any restart or ``node_lost`` (false
-node loss) in them. Prints one JSON line per round and a Markdown table of the medians.
+torch's elastic agent, alone and two at once (what a supervisor and a warm-start zygote of its own
+interpreter would run), on the idle machine and while one node trains. ``--pin a=0 --pin b=0 --pin
+c=1`` runs the nodes on the CPUs given (``taskset``): a newcomer with a core of its own. With
+``--loss PCT`` every host drops PCT % of the packets it receives for the whole job, and the script
+counts b's restarts beyond the four the faults cause (false node loss). With ``--steady S`` the
+first round starts with fault-free windows of S seconds at world 2: clean, 2 % loss on every host,
+every node's link limited to 300 Mbit/s, both, clean again; it reports each one's steps/s against
+the clean ones and any restart or ``node_lost`` (false node loss) in them. Prints one JSON line
+per round and a Markdown table of the medians.
 """
 
 from __future__ import annotations
@@ -176,7 +179,7 @@ def one_round(args, work: Path, data: str, first: bool) -> dict:
     run_dir, cfg, extra = _job_files(args, work, data)
     with netcluster.NetCluster(["store", "a", "b", "c"], tag=f"etb{os.getpid() % 100000}") as cluster:
         job = netcluster.ClusterJob(
-            cluster, runs.CLI, cfg, work, runs.env_for_tests(), runs.REPO, rdzv_conf=args.rdzv_conf
+            cluster, runs.CLI, cfg, work, runs.env_for_tests(), runs.REPO, rdzv_conf=args.rdzv_conf, pin=args.pin
         )
         if args.loss:
             cluster.packet_loss(args.loss)
@@ -244,6 +247,14 @@ def main() -> int:
         action="store_true",
         help="first time the supervisor's torch import alone and two at once, idle and while a node trains",
     )
+    p.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="NODE=CPUS",
+        help="run node NODE (a, b, c) on CPUS only (taskset -c), e.g. --pin a=0 --pin b=0 --pin c=1: a newcomer "
+        "with a core of its own",
+    )
     p.add_argument("--workdir", default=None, help="where the scratch directory goes (kept with --keep)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (logs, events)")
     p.add_argument(
@@ -252,6 +263,7 @@ def main() -> int:
         help="also print when b restarted, rendezvoused, started, resumed, and the grow's newcomer's own phases",
     )
     args = p.parse_args()
+    args.pin = dict(item.split("=", 1) for item in args.pin)
     reason = netcluster.unavailable()
     if reason:
         print(f"virtual cluster unavailable: {reason}", file=sys.stderr)
