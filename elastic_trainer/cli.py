@@ -201,7 +201,8 @@ def _early_zygote(argv: list[str]):
 def _launch(argv: list[str], zygote) -> int:
     from .config import load_config
     from .supervisor import options
-    from .supervisor.launcher import launch
+    from .supervisor.launcher import launch, start_zygote
+    from .worker import zygote as zygote_process
 
     a, explicit = options.parse_explicit(options.launch_parser(), argv)
     bad = [f"--{d.replace('_', '-')}" for d in options.SCRIPT_ONLY if getattr(a, d)]
@@ -214,6 +215,7 @@ def _launch(argv: list[str], zygote) -> int:
     cfg = load_config(a.config, a.overrides)
     config, cmd, cmd_args = _trainer_launch_config(cfg, a, explicit)
     _check_before_start(cfg)
+    zygote = start_zygote(cfg, cmd, cmd_args, early=zygote, fork=zygote_process.fork)
     code = launch(cfg, config, cmd, cmd_args, zygote=zygote)
     _print_closing_summary(cfg, code, argv)
     return code
@@ -308,7 +310,7 @@ def _cmd_run(argv: list[str]) -> int:
             if plan is not None and plan.chosen is not None
             else "no commit to resume",
         )
-        return launch(cfg, config, cmd, cmd_args, zygote=zygote, preload=tuple(a.preload))
+        return launch(cfg, config, cmd, cmd_args, zygote=zygote)
     except BaseException:
         if zygote is not None:
             zygote.close()

@@ -124,18 +124,22 @@ def _rebuilt(loader, sampler: GlobalBatchSampler, seed: int):
 
 
 class WorkerInit:
-    """A ``DataLoader`` worker leaves preemption to its rank: a launcher signals the rank's whole
-    process group (SIGTERM on preemption, SIGINT on Ctrl-C), and a worker *killed* by a signal
-    makes the rank fail (torch's SIGCHLD check) instead of committing its final step. The worker
-    ends quietly instead (exit 0, which torch does not count as a failure): the rank's current
-    step already has its batch, and a preempted rank reads no more. Ignoring the signals would
-    be worse: the interpreter's exit terminates daemonic workers with SIGTERM and joins them.
-    Then the user's ``worker_init_fn`` runs."""
+    """A ``DataLoader`` worker leaves preemption to its rank. A launcher signals the rank's whole
+    process group (SIGTERM on preemption; torch's agent uses ``killpg``): a worker that died then
+    would break a batch the rank is still receiving (its shared-memory descriptor is handed over
+    by the worker) before the rank commits its final step. So the worker moves to a process group
+    of its own and keeps serving; it ends with the rank's iterator (torch's sentinel), when the
+    rank dies (torch's watchdog), or on a signal sent to it alone (a scheduler that signals every
+    process of the job, ``terminate()`` at the rank's exit): then quietly (exit 0, which torch
+    does not count as a failure; a worker *killed* by a signal would fail the rank). Ignoring the
+    signals would be worse: the interpreter's exit terminates daemonic workers with SIGTERM and
+    joins them. Then the user's ``worker_init_fn`` runs."""
 
     def __init__(self, user: Any = None):
         self.user = user
 
     def __call__(self, worker_id: int) -> None:
+        os.setpgid(0, 0)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, _quiet_exit)
         if self.user is not None:

@@ -402,12 +402,12 @@ def run_agent(
             agent.zygote.close()
 
 
-def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, preload: tuple[str, ...] = ()) -> int:
+def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
     """Run this node's supervisor until the job ends. Returns the process exit code.
 
     ``launch_config, cmd, cmd_args``: from :func:`build_launch_config` (the built-in trainer
-    for ``launch``, the user's script for ``run``); ``preload``: modules the warm-start zygote
-    imports besides its own list (``run --preload``)."""
+    for ``launch``, the user's script for ``run``); ``zygote``: the warm-start zygote from
+    :func:`start_zygote`, or None (workers start cold). Closed when the job ends."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     os.makedirs(cfg.run.dir, exist_ok=True)
@@ -421,7 +421,6 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, preload: tupl
     os.environ.setdefault(contract.SHARE_RDZV_STORE_ENV, "1")
     os.environ.setdefault(contract.ENABLE_FILE_TIMER_ENV, "1")
     os.environ.setdefault(contract.TIMER_FILE_ENV, os.path.join(_runtime_dir(cfg), contract.TIMER_FILE))
-    zygote = start_zygote(cfg, cmd, cmd_args, zygote, preload)  # imports torch while this supervisor sets up
     from ..metrics import factory as metrics_factory
 
     server = metrics_factory.start_supervisor_exporter(cfg)
@@ -491,7 +490,9 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, preload: tupl
 
 def start_zygote(cfg: Config, cmd, cmd_args, early=None, preload: tuple[str, ...] = (), fork=None):
     """The warm-start zygote (``elastic.warm_start``) for ``launch``'s trainer or ``run``'s
-    script, or None. ``early``: one the CLI already started; ``fork``: see ``warm.Zygote.start``."""
+    script, or None. ``early``: one already started (kept if it preloads what this entry point
+    needs, else closed); ``preload``: modules besides its own list (``run --preload``); ``fork``:
+    see ``warm.Zygote.start``."""
     from . import warm
 
     modules = warm.preload_for(cmd, cmd_args, options.WORKER_MODULE, tuple(preload))

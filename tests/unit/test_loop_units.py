@@ -107,3 +107,38 @@ def test_step_data_weights_and_the_accumulator():
     )
     assert plain.state is None and plain.next_step()[1] == [0.5]
     assert to_device({"a": [torch.ones(1)], "b": 3}, torch.device("cpu"))["b"] == 3
+
+
+PREEMPTED_RANK = """
+import os, signal, sys
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from elastic_trainer.runtime.loop import StepData
+
+got = []
+signal.signal(signal.SIGTERM, lambda *_: got.append("SIGTERM"))
+loader = DataLoader(TensorDataset(torch.arange(4096.0)), batch_size=4, num_workers=2)
+data = StepData(loader, global_batch=4, micro_batch=2, seed=0, rank=0, world_size=1, device=torch.device("cpu"))
+data.next_step()
+os.killpg(os.getpgid(0), signal.SIGTERM)  # what torch's agent does to a rank at a preemption
+signal.sigtimedwait([], 0)  # a no-op system call: the handler has run on return
+assert got == ["SIGTERM"], got
+for _ in range(20):  # well past what the workers had prefetched
+    data.next_step()
+print("served")
+"""
+
+
+def test_a_preemption_signal_to_the_rank_s_group_leaves_its_dataloader_workers_serving(tmp_path):
+    """The agent signals a rank's whole process group; the rank still reads the rest of its step
+    and commits. Its DataLoader workers are in a group of their own and keep serving (a worker
+    that exited would break a batch the rank is still receiving)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text(PREEMPTED_RANK)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, start_new_session=True
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "served", out.stderr[-3000:]
