@@ -20,7 +20,8 @@ what a writer does, without any of this project's code: ``torch.save`` of a 10 M
 10 MB to a file and ``fsync``. Use a hog with ``:pin`` (so the training thread stays on CPU 0).
 ``:switchN``: the worker's ``sys.setswitchinterval`` set to N µs (Python's default: 5000).
 ``:syncstage``: the stager copies the state on the training thread, inside the save call (no
-stager thread).
+stager thread). ``:dcpstager``: DCP's ``DefaultStager`` (deep copy on every save) instead of
+the kept stager (the comparison before/after it).
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ FIELDS = ["gap_before", "save_call_before", "thread_cpu", "minflt", "nivcsw", "n
 
 def split_variant(v: str) -> tuple[str, dict]:
     """The throughput.py part of a variant and this script's modifiers."""
-    keep, mods = [], {"pin": False, "idle": False, "hog": None, "switch": "", "syncstage": False}
+    keep, mods = [], {"pin": False, "idle": False, "hog": None, "switch": "", "syncstage": False, "dcpstager": False}
     for m in v.split(":"):
-        if m in ("pin", "idle", "syncstage"):
+        if m in ("pin", "idle", "syncstage", "dcpstager"):
             mods[m] = True
         elif m.startswith("switch"):
             mods["switch"] = str(float(m[6:]) / 1e6)
@@ -94,6 +95,7 @@ def one(v: str, steps: int, skip: int, max_seconds: float) -> dict:
     os.environ["ET_STEP_PROBE_IDLE"] = "1" if mods["idle"] else "0"
     os.environ["ET_STEP_PROBE_SWITCH"] = mods["switch"]
     os.environ["ET_STEP_PROBE_SYNC_STAGING"] = "1" if mods["syncstage"] else "0"
+    os.environ["ET_STEP_PROBE_DCP_STAGER"] = "1" if mods["dcpstager"] else "0"
     hog = None
     if mods["hog"]:
         hog = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", HOGS[mods["hog"]], str(probe)])

@@ -16,6 +16,7 @@ worker (stager, upload, commit, gloo) to CPU 1 (``sched_setaffinity`` on native 
 checked at each step start). ``ET_STEP_PROBE_IDLE=1``: every thread but the training thread
 runs under ``SCHED_IDLE``. ``ET_STEP_PROBE_SWITCH=S``: ``sys.setswitchinterval(S)`` in the worker.
 ``ET_STEP_PROBE_PROFILE=1``: cProfile of the save calls after step 11, in ``<dir>/<pid>.save.pstats``.
+``ET_STEP_PROBE_DCP_STAGER=1``: DCP's ``DefaultStager`` (a deep copy every save) instead of ours.
 ``ET_STEP_PROBE_SYNC_STAGING=1``: the stager copies on the training thread, inside the save call.
 """
 
@@ -161,6 +162,12 @@ def _patch(probe: _Probe, step_mod) -> None:
 def _patch_rest(probe: _Probe) -> None:
     import torch
 
+    if os.environ.get("ET_STEP_PROBE_DCP_STAGER") == "1":
+        from torch.distributed.checkpoint.staging import DefaultStager
+
+        from elastic_trainer.checkpoint import staging
+
+        staging.KeptStager = DefaultStager  # savers imports it at the first save
     if os.environ.get("ET_STEP_PROBE_SYNC_STAGING") == "1":
         from elastic_trainer.checkpoint import savers
 
