@@ -28,7 +28,7 @@ from .local_tier import LocalTier
 
 def staging_options(*, cuda: bool, shared_memory: bool):
     """How a save's stager copies the state out (pure; one mechanism for CPU and GPU): always in
-    the background, into buffers it keeps for the next save. CUDA tensors go device → pinned
+    the background, into a staged copy it keeps for the next save (:mod:`.staging`). CUDA tensors go device → pinned
     host memory with non-blocking copies (pinned memory and non-blocking copies need an
     accelerator); ``shared_memory`` (the process writer): buffers in shared memory, handed to
     the writer process as handles instead of being copied on every save (on CUDA: pinned too)."""
@@ -46,7 +46,8 @@ def _failed(e: BaseException) -> tuple[None, Future]:
 
 
 class _Staged:
-    """A stager made on first use and kept (it reuses its buffers from one save to the next)."""
+    """A stager made on first use and kept: it keeps its staged copy of the state from one save
+    to the next and copies the bytes into it (:mod:`.staging`)."""
 
     def __init__(self, cuda: bool, shared_memory: bool):
         self._options = (cuda, shared_memory)
@@ -54,9 +55,9 @@ class _Staged:
 
     def get(self):
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager
+            from .staging import KeptStager
 
-            self._stager = DefaultStager(staging_options(cuda=self._options[0], shared_memory=self._options[1]))
+            self._stager = KeptStager(staging_options(cuda=self._options[0], shared_memory=self._options[1]))
         return self._stager
 
     def close(self) -> None:
