@@ -295,6 +295,11 @@ def serve(sock: socket.socket) -> int:
             _send(sock, {"id": req.get("id"), "pid": pid})
 
 
+def may_fork() -> bool:
+    """Whether this process runs no thread besides this one (after :func:`settle_threads`)."""
+    return threading.active_count() == 1 and settle_threads() == 1
+
+
 def fork(fd: int, modules: tuple[str, ...] = ()) -> int | None:
     """Become the zygote in a child forked from this process (the supervisor, once it imported
     torch): no second interpreter start and no second torch import, which on a node short of
@@ -306,7 +311,7 @@ def fork(fd: int, modules: tuple[str, ...] = ()) -> int | None:
     The child is what ``python -m elastic_trainer.worker.zygote`` would be: its own session,
     no file descriptor but 0, 1, 2 and ``fd``, the entry point's logging set-up undone, the
     working directory first on ``sys.path``."""
-    if threading.active_count() > 1 or settle_threads() > 1:
+    if not may_fork():
         return None
     sys.stdout.flush()
     sys.stderr.flush()

@@ -120,7 +120,10 @@ def zygote(request, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # 'python -m' puts the working directory first on sys.path
     z = warm.Zygote(preload=("numpy",), ready_timeout=120)
     if request.param == "forked":
-        assert threading.active_count() == 1, f"a thread runs in this test process: {threading.enumerate()}"
+        # Earlier tests may leave idle daemon threads here (tqdm's monitor, fsspec's loop) that the
+        # child never touches; the check that refuses to fork a process with threads is tested
+        # on its own (test_a_process_running_a_thread_starts_the_zygote_as_its_own_interpreter).
+        monkeypatch.setattr(zygote_process, "may_fork", lambda: True)
         z.start(fork=zygote_process.fork)
         assert z.forked
     else:
