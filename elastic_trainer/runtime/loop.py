@@ -68,6 +68,8 @@ class StepData:
             self.loader = _rebuilt(data, self.sampler, seed + rank)
         else:
             self.loader = data
+        if isinstance(self.loader, DataLoader) and not isinstance(self.loader.worker_init_fn, WorkerInit):
+            self.loader.worker_init_fn = WorkerInit(self.loader.worker_init_fn)  # before its first iterator
         self.per_step = micro_steps(global_batch, world_size, micro_batch) if self.sampler is not None else 1
         self._it: Iterator | None = None
 
@@ -112,7 +114,7 @@ def _rebuilt(loader, sampler: GlobalBatchSampler, seed: int):
         "collate_fn": loader.collate_fn,
         "pin_memory": loader.pin_memory,
         "timeout": loader.timeout,
-        "worker_init_fn": WorkerInit(loader.worker_init_fn),
+        "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
         "generator": generator,
         "persistent_workers": loader.persistent_workers,
@@ -124,7 +126,8 @@ def _rebuilt(loader, sampler: GlobalBatchSampler, seed: int):
 
 
 class WorkerInit:
-    """A ``DataLoader`` worker leaves preemption to its rank. A launcher signals the rank's whole
+    """The ``worker_init_fn`` every ``DataLoader`` given to the loop gets (rebuilt or not, map-style
+    or iterable), wrapping the user's: a worker leaves preemption to its rank. A launcher signals the rank's whole
     process group (SIGTERM on preemption; torch's agent uses ``killpg``): a worker that died then
     would break a batch the rank is still receiving (its shared-memory descriptor is handed over
     by the worker) before the rank commits its final step. So the worker moves to a process group

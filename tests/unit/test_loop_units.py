@@ -115,9 +115,22 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from elastic_trainer.runtime.loop import StepData
 
+from elastic_trainer.runtime.sampler import GlobalBatchSampler
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(torch.arange(4096.0).split(2))
+
 got = []
 signal.signal(signal.SIGTERM, lambda *_: got.append("SIGTERM"))
-loader = DataLoader(TensorDataset(torch.arange(4096.0)), batch_size=4, num_workers=2)
+dataset = TensorDataset(torch.arange(4096.0))
+loader = {
+    "rebuilt": lambda: DataLoader(dataset, batch_size=4, num_workers=2),
+    "own sampler": lambda: DataLoader(
+        dataset, num_workers=2, batch_sampler=GlobalBatchSampler(4096, 4, 2, seed=0, rank=0, world_size=1)
+    ),
+    "iterable": lambda: DataLoader(Stream(), batch_size=None, num_workers=1),
+}[sys.argv[1]]()
 data = StepData(loader, global_batch=4, micro_batch=2, seed=0, rank=0, world_size=1, device=torch.device("cpu"))
 data.next_step()
 os.killpg(os.getpgid(0), signal.SIGTERM)  # what torch's agent does to a rank at a preemption
@@ -129,16 +142,18 @@ print("served")
 """
 
 
-def test_a_preemption_signal_to_the_rank_s_group_leaves_its_dataloader_workers_serving(tmp_path):
+@pytest.mark.parametrize("loader", ["rebuilt", "own sampler", "iterable"])
+def test_a_preemption_signal_to_the_rank_s_group_leaves_its_dataloader_workers_serving(tmp_path, loader):
     """The agent signals a rank's whole process group; the rank still reads the rest of its step
-    and commits. Its DataLoader workers are in a group of their own and keep serving (a worker
-    that exited would break a batch the rank is still receiving)."""
+    and commits. The workers of any DataLoader it reads (rebuilt, with the user's own global batch
+    sampler, or iterable) are in a group of their own and keep serving (a worker that exited would
+    break a batch the rank is still receiving)."""
     import subprocess
     import sys
 
     script = tmp_path / "rank.py"
     script.write_text(PREEMPTED_RANK)
     out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, start_new_session=True
+        [sys.executable, str(script), loader], capture_output=True, text=True, timeout=120, start_new_session=True
     )
     assert out.returncode == 0 and out.stdout.strip() == "served", out.stderr[-3000:]
