@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from elastic_trainer.checkpoint import integrity
+from elastic_trainer.checkpoint import integrity, layout
 
 
 def make_state(mb: int) -> dict:
@@ -84,9 +84,7 @@ def load_time(state, path, checked) -> float:
     }
     reader = FileSystemReader(path)
     if checked:
-        checks = integrity.Checks.from_manifest(
-            {"files": json.load(open(os.path.join(path, integrity.CHECKSUMS)))["files"]}
-        )
+        checks = layout.Checks.from_manifest({"files": json.load(open(os.path.join(path, layout.CHECKSUMS)))["files"]})
         reader = integrity.verifying(reader, checks)
     t = time.perf_counter()
     dcp.load(target, storage_reader=reader)

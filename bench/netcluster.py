@@ -276,7 +276,7 @@ def main() -> int:
     if args.imports:
         d = tempfile.mkdtemp(prefix="netbench", dir=args.workdir)
         try:
-            from elastic_trainer.worker.data import build_token_file, default_demo_texts
+            from elastic_trainer.worker.tokens import build_token_file, default_demo_texts
 
             build_token_file(default_demo_texts(1 << 20), str(Path(d) / "tokens.bin"))
             print(json.dumps({"import_seconds": import_bound(args, Path(d), str(Path(d) / "tokens.bin"))}), flush=True)
@@ -287,7 +287,7 @@ def main() -> int:
         d = tempfile.mkdtemp(prefix="netbench", dir=args.workdir)
         try:
             data = Path(d) / "tokens.bin"
-            from elastic_trainer.worker.data import build_token_file, default_demo_texts
+            from elastic_trainer.worker.tokens import build_token_file, default_demo_texts
 
             build_token_file(default_demo_texts(1 << 20), str(data))
             r = one_round(args, Path(d), str(data), first=i == 0)

@@ -115,7 +115,7 @@ def main() -> int:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from elastic_trainer.checkpoint import integrity
+    from elastic_trainer.checkpoint import integrity, layout
     from elastic_trainer.storage import fs as storage_fs
     from tests.fixtures.procs import stop_process
 
@@ -155,8 +155,8 @@ def main() -> int:
                 t0 = time.monotonic()
                 dcp.save(state, storage_writer=writer, no_dist=True)
                 samples.setdefault(f"{v}:put", []).append(time.monotonic() - t0)
-                checks = integrity.Checks.from_manifest(
-                    json.loads(storage.read_bytes(storage.join("ckpt", integrity.CHECKSUMS)))
+                checks = layout.Checks.from_manifest(
+                    json.loads(storage.read_bytes(storage.join("ckpt", layout.CHECKSUMS)))
                 )
                 target = {k: torch.empty_like(t) for k, t in state.items()}
                 reader = integrity.verifying(storage.dcp_reader(path), checks)

@@ -344,7 +344,7 @@ def _cmd_config(a) -> int:
 
 
 def _cmd_data(a) -> int:
-    from .worker.data import build_token_file, default_demo_texts
+    from .worker.tokens import build_token_file, default_demo_texts
 
     texts = a.text or default_demo_texts(int(a.limit_mb * (1 << 20)))
     stats = build_token_file(texts, a.out)

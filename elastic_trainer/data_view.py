@@ -68,6 +68,12 @@ def encode(view: list[dict]) -> str:
     return json.dumps(view, sort_keys=True, separators=(",", ":"))
 
 
+def summary(view: list[dict]) -> dict:
+    """What every manifest records of the view: its length and the SHA-256 of its encoding. A
+    view resolved now with the same summary is the recorded one, entry for entry."""
+    return {"files": len(view), "sha256": hashlib.sha256(encode(view).encode()).hexdigest()}
+
+
 def decode(text: str) -> list[dict]:
     view = json.loads(text)
     if not isinstance(view, list) or not all(isinstance(e, dict) and {"path", "size", "id"} <= set(e) for e in view):

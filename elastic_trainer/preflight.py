@@ -8,6 +8,7 @@ import logging
 import os
 import tempfile
 
+from . import data_view
 from .checkpoint import layout
 from .checkpoint.catalog import Catalog, ResumePlan
 from .config import Config, check_run_identity
@@ -69,14 +70,16 @@ def check_storage(cfg: Config) -> tuple[Catalog, ResumePlan | None]:
 def preflight(cfg: Config) -> int | None:
     """``launch``'s checks before any worker starts: :func:`check_storage`, then that the
     checkpoint to resume fits the configured model, run identity and data. Returns the step that
-    would be resumed (None for a fresh start). Raises ConfigError / CheckpointError naming the key."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+    would be resumed (None for a fresh start). Raises ConfigError / CheckpointError naming the key.
+    Imports torch's DCP only when the manifest cannot answer (another model fingerprint, a data
+    view that differs or is not summarised): a node joining a running job asks to join sooner."""
     catalog, plan = check_storage(cfg)
     if plan is None or plan.chosen is None:
         return None
     if plan.chosen.manifest.get("config_fingerprint") != cfg.model_fingerprint():
         # A different architecture is named as such (tensor and shapes) before any config key.
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
         meta = catalog.read_metadata(plan.chosen)
         saved = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         mismatch = layout.compare_shapes(saved, model_shapes(cfg), plan.chosen.step)
@@ -100,10 +103,17 @@ def _check_local_dir(path: str) -> None:
 def _check_data_view(cfg: Config, catalog: Catalog, chosen) -> None:
     """A resume reads the files recorded at the run's first start: stop here, naming the file,
     if one is gone or changed (the workers would stop on the same check)."""
+    from .worker.sources import check_recorded_view, current_view
+
+    recorded = (chosen.manifest.get("summaries") or {}).get("data")
+    try:
+        if recorded is not None and data_view.summary(current_view(cfg)) == recorded:
+            return  # data.path resolves to exactly the recorded files, unchanged: nothing to read
+    except ConfigError:
+        pass  # a file unreadable now: the recorded view names it (or the workers will)
     from torch.distributed.checkpoint.api import CheckpointException
 
     from .checkpoint.state import read_data_view
-    from .worker.sources import check_recorded_view
 
     try:
         recorded = read_data_view(catalog.reader(chosen))

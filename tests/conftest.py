@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def token_file(tmp_path_factory) -> str:
     """A ~1 MB byte-level token file built from the standard library's sources."""
-    from elastic_trainer.worker.data import build_token_file, default_demo_texts
+    from elastic_trainer.worker.tokens import build_token_file, default_demo_texts
 
     path = tmp_path_factory.mktemp("data") / "tokens.bin"
     build_token_file(default_demo_texts(1 << 20), str(path))

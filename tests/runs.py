@@ -78,6 +78,14 @@ def env_for_tests(extra: dict | None = None) -> dict:
     return env
 
 
+def python_c(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -c code`` in a fresh interpreter (the tests' environment, the repository as the
+    working directory): for what a process imports or holds from its start."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env_for_tests(), cwd=REPO
+    )
+
+
 def launch_args(config: Path, *args: str) -> list[str]:
     return [*CLI, "launch", str(config), *args]
 

@@ -32,7 +32,7 @@ from .. import contract
 from ..errors import CheckpointError, FencedError
 from ..events import EventLog
 from ..storage.fs import Storage
-from . import integrity, layout
+from . import layout
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class Catalog:
             plain = {
                 k: v
                 for k, v in files.items()
-                if k not in (layout.MANIFEST, layout.QUARANTINE, layout.WRITER, integrity.CHECKSUMS)
+                if k not in (layout.MANIFEST, layout.QUARANTINE, layout.WRITER, layout.CHECKSUMS)
             }
             out.append(layout.Candidate(step, name, manifest, plain, quarantine, writer))
         return out
@@ -147,8 +147,10 @@ class Catalog:
         problem = self.problem(c)
         if problem:
             raise CheckpointError(f"checkpoint {c.name} is unusable: {problem}")
+        from . import integrity  # torch's DCP: the supervisor's checks before start need none of it
+
         return integrity.verifying(
-            self.storage.dcp_reader(self.storage.join(c.name)), integrity.Checks.from_manifest(c.manifest)
+            self.storage.dcp_reader(self.storage.join(c.name)), layout.Checks.from_manifest(c.manifest)
         )
 
     def read_metadata(self, c: layout.Candidate):
@@ -333,12 +335,11 @@ class Catalog:
             self.check_epoch()
             d = self.storage.join(name)
             try:
-                table = json.loads(self.storage.read_bytes(self.storage.join(name, integrity.CHECKSUMS)))
+                table = json.loads(self.storage.read_bytes(self.storage.join(name, layout.CHECKSUMS)))
                 written = table["files"]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(
-                    f"cannot commit {name}: no readable {integrity.CHECKSUMS} "
-                    f"from DCP's writer ({type(e).__name__}: {e})"
+                    f"cannot commit {name}: no readable {layout.CHECKSUMS} from DCP's writer ({type(e).__name__}: {e})"
                 ) from e
             listed = self.storage.list_files(d)
             problem = layout.commit_problem(written, listed)
@@ -395,7 +396,7 @@ class Catalog:
                     if want is None:
                         continue
                     data = self.storage.read_bytes(self.storage.join(name, rel))
-                    if integrity.digest(data) != int(want):
+                    if layout.digest(data) != int(want):
                         problem = f"file {rel}: checksum mismatch (its bytes are still bad)"
                         break
             if problem:

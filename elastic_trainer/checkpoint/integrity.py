@@ -37,14 +37,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import CheckpointIntegrityError
-
-CHECKSUMS = ".checksums.json"
-METADATA = ".metadata"
-
-
-def digest(data) -> int:
-    """XXH3-64 of ``data`` (any buffer)."""
-    return xxhash.xxh3_64_intdigest(data)
+from .layout import CHECKSUMS, METADATA, Checks, digest
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -247,25 +240,6 @@ def checksummed(writer):
 
 
 # ---------------------------------------------------------------------------------- reading
-@dataclass(frozen=True)
-class Checks:
-    """What a reader verifies, from a verified manifest. Empty ``items`` = legacy (sizes only)."""
-
-    metadata: tuple[int, int] | None  # (size, xxh3) of .metadata
-    items: dict[tuple[str, int], tuple[int, int]]  # (file, offset) -> (length, xxh3)
-
-    @classmethod
-    def from_manifest(cls, manifest: dict[str, Any]) -> Checks:
-        files = manifest.get("files") or {}
-        meta = files.get(METADATA) or {}
-        items = {}
-        for rel, f in files.items():
-            for off, length, h in (f.get("items") or []) if isinstance(f, dict) else []:
-                items[(rel, int(off))] = (int(length), int(h))
-        metadata = (int(meta["size"]), int(meta["xxh3"])) if isinstance(meta, dict) and "xxh3" in meta else None
-        return cls(metadata, items)
-
-
 class _VerifyingReads:
     """Mixin for DCP storage readers: verify ``.metadata`` before unpickling and every item slice."""
 

@@ -20,11 +20,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from .. import contract
 
 MANIFEST = "manifest.json"
 QUARANTINE = "quarantine.json"
 WRITER = ".writer.json"
+CHECKSUMS = ".checksums.json"  # DCP's writer's table of every file and item it wrote (see integrity)
+METADATA = ".metadata"  # DCP's own metadata file
 MANIFEST_VERSION = 2  # the format this version writes
 READABLE_VERSIONS = (2,)  # the formats this version reads; any other stops a resume (exit 2) naming both
 RESERVED_PREFIX = "_"
@@ -311,3 +315,27 @@ def compare_shapes(
             0
         ], f"the checkpoint of step {step} has {extra[0]}, which the model does not (different architecture)"
     return None
+
+
+def digest(data) -> int:
+    """XXH3-64 of ``data`` (any buffer): the checksum of every file and item a checkpoint lists."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What a reader verifies, from a verified manifest. Empty ``items`` = legacy (sizes only)."""
+
+    metadata: tuple[int, int] | None  # (size, xxh3) of .metadata
+    items: dict[tuple[str, int], tuple[int, int]]  # (file, offset) -> (length, xxh3)
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any]) -> Checks:
+        files = manifest.get("files") or {}
+        meta = files.get(METADATA) or {}
+        items = {}
+        for rel, f in files.items():
+            for off, length, h in (f.get("items") or []) if isinstance(f, dict) else []:
+                items[(rel, int(off))] = (int(length), int(h))
+        metadata = (int(meta["size"]), int(meta["xxh3"])) if isinstance(meta, dict) and "xxh3" in meta else None
+        return cls(metadata, items)

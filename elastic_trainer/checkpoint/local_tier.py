@@ -102,7 +102,7 @@ class LocalTier:
         """This rank's proof for its copy of ``step``: every file DCP reported writing is there
         with that size; the sealed manifest is written last. Then retention. Raises on a problem."""
         d = self.rank_dir(epoch, step)
-        with open(os.path.join(d, integrity.CHECKSUMS)) as f:
+        with open(os.path.join(d, layout.CHECKSUMS)) as f:
             written = json.load(f)["files"]
         listed = {n: os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)}
         problem = layout.commit_problem(written, listed)
@@ -194,7 +194,7 @@ class LocalTier:
 
     def reader(self, copy: Copy):
         """A DCP reader of ``copy`` that verifies every byte it reads against its manifest."""
-        return integrity.verifying(self.storage.dcp_reader(copy.path), integrity.Checks.from_manifest(copy.manifest))
+        return integrity.verifying(self.storage.dcp_reader(copy.path), layout.Checks.from_manifest(copy.manifest))
 
     # ------------------------------------------------------------------ housekeeping
     def discard(self, copy: Copy) -> None:

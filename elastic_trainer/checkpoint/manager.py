@@ -64,7 +64,7 @@ from .local_tier import CHAIN_MAX, LocalTier
 from .resume import Decision, LoadResult, LocalLoad
 from .save import Save, SaveState
 from .savers import LocalSaver, RemoteSaver
-from .state import PerRank, state_types
+from .state import PerRank, manifest_summaries, state_types
 
 logger = logging.getLogger(__name__)
 
@@ -408,6 +408,7 @@ class CheckpointManager:
             "finite": True,
             "run_identity": self._run_identity,
             "state_types": self._state_types,
+            "summaries": manifest_summaries(self.states),
             **(meta or {}),
         }
         name = None

@@ -25,7 +25,7 @@ from .. import faults
 from ..errors import CheckpointError, CheckpointIncompatibleError, FencedError, NoUsableCheckpointError
 from ..events import EventLog
 from ..storage.fs import Storage
-from . import compat, integrity
+from . import compat, integrity, layout
 from .agreement import Agreement
 from .catalog import Catalog
 from .load_planner import load_planner
@@ -179,7 +179,7 @@ def load_remote(
             s.expect_world(manifest.get("world_size"))
     mine: tuple[str, str] = ("", "")
     try:
-        reader = integrity.verifying(storage.dcp_reader(storage.join(name)), integrity.Checks.from_manifest(manifest))
+        reader = integrity.verifying(storage.dcp_reader(storage.join(name)), layout.Checks.from_manifest(manifest))
         dcp.load(some, storage_reader=reader, process_group=group, planner=load_planner(some))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
         mine = ("integrity" if compat.is_integrity(e) else "incompatible", compat.one_line(e))

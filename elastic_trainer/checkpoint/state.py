@@ -207,6 +207,12 @@ def state_type(obj: Any) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
+def manifest_summaries(states: dict[str, Stateful]) -> dict[str, Any]:
+    """``{key: summary}`` of the states that define ``manifest_summary()`` (the data view): what
+    the checks before any worker starts read from the manifest instead of loading the checkpoint."""
+    return {key: s.manifest_summary() for key, s in states.items() if hasattr(s, "manifest_summary")}
+
+
 def state_types(states: dict[str, Stateful]) -> dict[str, Any]:
     """``{key: type}`` of the optimizer(s) and scheduler(s) (``{key: {name: type}}`` for a dict of
     them): another optimizer or scheduler type is an incompatibility even when the keys happen to
@@ -332,6 +338,9 @@ class DataViewState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.recorded = data_view.decode(state_dict["files"]) if "files" in state_dict else None
+
+    def manifest_summary(self) -> dict[str, Any]:
+        return data_view.summary(self.view)
 
 
 def read_data_view(storage_reader) -> list[dict] | None:

@@ -38,7 +38,7 @@ import numpy as np
 from .. import data_view
 from ..config import Config, DataConfig
 from ..errors import ConfigError
-from .data import TokenFile, unique_tmp
+from .tokens import TokenFile, unique_tmp
 
 logger = logging.getLogger(__name__)
 

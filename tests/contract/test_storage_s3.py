@@ -206,7 +206,7 @@ def test_parallel_s3_shard_uploads_stay_checksummed_and_verified(s3_server, s3_b
 
     import torch.distributed.checkpoint as dcp
 
-    from elastic_trainer.checkpoint import integrity
+    from elastic_trainer.checkpoint import integrity, layout
     from elastic_trainer.storage import fs as storage_fs
 
     monkeypatch.setattr(storage_fs, "S3_WRITE_THREADS", 3)
@@ -217,9 +217,9 @@ def test_parallel_s3_shard_uploads_stay_checksummed_and_verified(s3_server, s3_b
     dcp.save(state, storage_writer=integrity.checksummed(s.dcp_writer(path)), no_dist=True)
     shards = sorted(f for f in s.list_files(path) if f.endswith(".distcp"))
     assert len(shards) == 3, shards
-    table = json.loads(s.read_bytes(s.join("step-00000001", integrity.CHECKSUMS)))
+    table = json.loads(s.read_bytes(s.join("step-00000001", layout.CHECKSUMS)))
     assert sorted(f for f in table["files"] if f.endswith(".distcp")) == shards
-    checks = integrity.Checks.from_manifest(table)
+    checks = layout.Checks.from_manifest(table)
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(out, storage_reader=integrity.verifying(s.dcp_reader(path), checks), no_dist=True)
     assert all(torch.equal(out[k], state[k]) for k in state)

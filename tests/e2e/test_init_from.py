@@ -46,7 +46,8 @@ def hf_loss_of_first_batch(model_dir, token_file) -> float:
     """transformers' own loss of the pretrained model on the global batch of step 1."""
     import transformers
 
-    from elastic_trainer.worker.data import StepBatches, TokenFile
+    from elastic_trainer.worker.data import StepBatches
+    from elastic_trainer.worker.tokens import TokenFile
 
     (mb,) = StepBatches(TokenFile(token_file, "uint16", SEQ, 512), SEED, GLOBAL, GLOBAL, 1, 0).for_cursor(0)
     window = torch.cat([mb.inputs, mb.targets[:, -1:]], dim=1)  # [B, SEQ+1] tokens; HF shifts the labels itself

@@ -47,6 +47,27 @@ def test_sigkill_and_resume_is_bitwise_identical(tmp_path, token_file, refs):
     assert resume["step"] == 5 and resume["world_size"] == 2
 
 
+def test_launch_s_checks_of_the_commit_to_resume_read_its_manifest_not_torch_s_dcp(refs):
+    """A node joining a running job asks to join sooner: the checks before any worker starts
+    (storage, the commit to resume, run identity, model fingerprint, data view) answer from the
+    sealed manifest, without importing torch's DCP and torch.distributed.tensor (0.6 s). Also
+    proves the manifest's data-view summary is that of the view the workers recorded: otherwise
+    the check falls back to reading the view through DCP."""
+    cfg = refs[2].parent / "c.toml"
+    code = (
+        "import sys\n"
+        "from elastic_trainer.cli import _check_before_start\n"
+        "from elastic_trainer.config import load_config\n"
+        f"step = _check_before_start(load_config({str(cfg)!r}, []))\n"
+        "heavy = [m for m in sys.modules if m.split('.')[:3] in (['torch', 'distributed', 'checkpoint'],"
+        " ['torch', 'distributed', 'tensor'])]\n"
+        "print(step, len(heavy), heavy[:3])\n"
+    )
+    r = runs.python_c(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[:2] == ["10", "0"], r.stdout
+
+
 # Soak: the loss curve across a reshard is proven in every run by tests/e2e/test_ports.py (2 -> 3,
 # two scripts under run) and test_user_models' parquet 2 -> 3; the state after 4 -> 2 and 2 -> 3
 # exactly by tests/dist/test_reshard_state.py.

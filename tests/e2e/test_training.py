@@ -46,7 +46,7 @@ def test_step_records_have_the_contract_fields(by_world):
 
 def test_demo_config_learns(tmp_path):
     data = tmp_path / "demo.bin"
-    from elastic_trainer.worker.data import build_token_file, default_demo_texts
+    from elastic_trainer.worker.tokens import build_token_file, default_demo_texts
 
     build_token_file(default_demo_texts(2 << 20), str(data))
     run_dir = tmp_path / "demo"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer.checkpoint import integrity, layout
+from elastic_trainer.checkpoint import layout
 from elastic_trainer.checkpoint.catalog import Catalog
 from elastic_trainer.storage.fs import open_storage
 from tests import runs
@@ -63,7 +63,7 @@ def _valid_commits(root: Path, key: bytes | None = None) -> dict[int, str]:
 
 def _bytes_match_manifest(d: Path, manifest: dict) -> bool:
     """Every file of a commit hashes to what its manifest says (a full re-read, unlike verify)."""
-    return all(integrity.digest((d / rel).read_bytes()) == int(f["xxh3"]) for rel, f in manifest["files"].items())
+    return all(layout.digest((d / rel).read_bytes()) == int(f["xxh3"]) for rel, f in manifest["files"].items())
 
 
 def _head(root: Path, key: bytes | None = None):
@@ -400,7 +400,7 @@ def test_with_a_key_a_forged_metadata_is_refused_before_unpickling(tmp_path, tok
     evil = pickle.dumps(_Boom(str(marker)))
     (d / ".metadata").write_bytes(evil)
     forged = dict(signed)
-    forged["files"] = dict(signed["files"], **{".metadata": {"size": len(evil), "xxh3": integrity.digest(evil)}})
+    forged["files"] = dict(signed["files"], **{".metadata": {"size": len(evil), "xxh3": layout.digest(evil)}})
     forged["total_bytes"] = sum(f["size"] for f in forged["files"].values())
     forged = layout.seal(forged, None)
     forged["hmac"] = signed["hmac"]  # looks signed; the signature is of the original

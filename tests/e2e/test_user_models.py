@@ -54,7 +54,7 @@ CKPT = {"interval_steps": 5, "keep_last": 5}
 
 def make_corpus(limit_bytes: int = 120_000) -> list[str]:
     """Documents of varying length: paragraphs of the standard library's sources."""
-    from elastic_trainer.worker.data import default_demo_texts
+    from elastic_trainer.worker.tokens import default_demo_texts
 
     docs: list[str] = []
     total = 0

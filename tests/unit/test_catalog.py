@@ -92,7 +92,7 @@ def test_commit_refuses_another_ranks_shard_that_is_not_in_this_storage(tmp_path
     but rank 0's storage does not hold it. The commit is refused."""
     cat = _catalog(tmp_path, "A")
     _write(cat, "step-00000005", 5)
-    table_path = tmp_path / "step-00000005" / integrity.CHECKSUMS
+    table_path = tmp_path / "step-00000005" / layout.CHECKSUMS
     table = json.loads(table_path.read_text())
     table["files"]["__1_0.distcp"] = {"size": 1234, "xxh3": 42, "items": [[0, 1234, 42]]}
     table_path.write_text(json.dumps(table))
@@ -111,7 +111,7 @@ def test_commit_refuses_incomplete_saves(tmp_path, damage):
         shard.write_bytes(shard.read_bytes()[:-1])
         match = "bytes in storage"
     elif damage == "no_checksums":
-        (d / integrity.CHECKSUMS).unlink()
+        (d / layout.CHECKSUMS).unlink()
         match = "no readable .checksums.json"
     else:
         (d / ".metadata").unlink()
@@ -125,7 +125,7 @@ def test_committed_manifest_lists_what_dcp_wrote_and_verifies(tmp_path):
     cat = _catalog(tmp_path, "A")
     name = _save(cat, 5)
     m = json.loads((tmp_path / name / layout.MANIFEST).read_text())
-    table = json.loads((tmp_path / name / integrity.CHECKSUMS).read_text())["files"]
+    table = json.loads((tmp_path / name / layout.CHECKSUMS).read_text())["files"]
     assert m["files"] == table and m["version"] == layout.MANIFEST_VERSION and m["epoch"] == cat.epoch
     assert m["total_bytes"] == sum(f["size"] for f in table.values())
     assert layout.seal_problem(m, None) is None and "hmac" not in m
@@ -181,7 +181,7 @@ def test_with_a_key_a_forged_manifest_is_refused_before_unpickling(tmp_path, mon
     evil = pickle.dumps(_Boom(marker))
     (tmp_path / name / ".metadata").write_bytes(evil)
     forged = dict(signed)
-    forged["files"] = dict(signed["files"], **{".metadata": {"size": len(evil), "xxh3": integrity.digest(evil)}})
+    forged["files"] = dict(signed["files"], **{".metadata": {"size": len(evil), "xxh3": layout.digest(evil)}})
     forged["total_bytes"] = sum(f["size"] for f in forged["files"].values())
     forged = layout.seal(forged, None)  # valid self-checksum, stale/absent HMAC
     mpath.write_text(json.dumps(forged))

@@ -6,7 +6,8 @@ import torch
 
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.runtime.sampler import GlobalOrder, micro_steps, rank_slice
-from elastic_trainer.worker.data import IGNORE_INDEX, StepBatches, TokenFile
+from elastic_trainer.worker.data import IGNORE_INDEX, StepBatches
+from elastic_trainer.worker.tokens import TokenFile
 
 
 @pytest.mark.parametrize("g,w", [(g, w) for g in (1, 7, 10, 16, 33) for w in (1, 2, 3, 4, 5) if g >= w])

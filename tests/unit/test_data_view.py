@@ -9,9 +9,9 @@ import pytest
 from elastic_trainer import data_view
 from elastic_trainer.config import config_from_dict
 from elastic_trainer.errors import ConfigError
-from elastic_trainer.worker import data as data_mod
 from elastic_trainer.worker import sources
-from elastic_trainer.worker.data import TokenFile, scan_max, unique_tmp
+from elastic_trainer.worker import tokens as tokens_mod
+from elastic_trainer.worker.tokens import TokenFile, scan_max, unique_tmp
 
 A = {"path": "/d/a.bin", "size": 10, "id": "x1"}
 B = {"path": "/d/b.bin", "size": 20, "id": "x2"}
@@ -96,7 +96,7 @@ def test_memmap_scan_is_cached_per_file_identity(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, p)
     assert sources.open_source(cfg).max_id == 199
     calls = []
-    monkeypatch.setattr(data_mod, "scan_max", lambda *a, **k: calls.append(a) or 0)
+    monkeypatch.setattr(tokens_mod, "scan_max", lambda *a, **k: calls.append(a) or 0)
     assert sources.open_source(cfg).max_id == 199 and calls == [], "a restart scanned the file again"
     (np.arange(5000) % 250).astype(np.uint16).tofile(p)  # rewritten: size the same, mtime not
     os.utime(p, ns=(1, 1))

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from elastic_trainer.checkpoint import integrity
+from elastic_trainer.checkpoint import integrity, layout
 from elastic_trainer.errors import CheckpointIntegrityError
 
 
@@ -48,11 +48,11 @@ def _save(path: Path, sd: dict | None = None, writer_cls=FileSystemWriter) -> di
 
 
 def _table(path: Path) -> dict:
-    return json.loads((path / integrity.CHECKSUMS).read_text())["files"]
+    return json.loads((path / layout.CHECKSUMS).read_text())["files"]
 
 
-def _checks(path: Path) -> integrity.Checks:
-    return integrity.Checks.from_manifest({"files": _table(path)})
+def _checks(path: Path) -> layout.Checks:
+    return layout.Checks.from_manifest({"files": _table(path)})
 
 
 def _raises_integrity(fn, match: str) -> str:
@@ -81,7 +81,7 @@ def saved(tmp_path) -> tuple[Path, dict]:
 def test_checksums_list_every_item_of_every_file_as_written(saved):
     path, _ = saved
     table = _table(path)
-    on_disk = {p.name for p in path.iterdir()} - {integrity.CHECKSUMS}
+    on_disk = {p.name for p in path.iterdir()} - {layout.CHECKSUMS}
     assert set(table) == on_disk, "every file DCP wrote (shards and .metadata) is listed, nothing else"
     meta = (path / ".metadata").read_bytes()
     assert table[".metadata"] == {"size": len(meta), "xxh3": xxhash.xxh3_64_intdigest(meta)}
@@ -153,7 +153,7 @@ def test_an_item_missing_from_the_manifest_is_refused(saved):
     table = _table(path)
     (shard,) = [n for n in table if n.endswith(".distcp")]
     table[shard]["items"] = table[shard]["items"][1:]
-    checks = integrity.Checks.from_manifest({"files": table})
+    checks = layout.Checks.from_manifest({"files": table})
     _raises_integrity(
         lambda: dcp.load(_empty_like(sd), storage_reader=integrity.verifying(FileSystemReader(str(path)), checks)),
         "item not listed in the manifest",
@@ -272,4 +272,4 @@ def test_checksummed_and_verifying_refuse_unknown_storage_classes():
     with pytest.raises(TypeError, match="no checksummed variant"):
         integrity.checksummed(Other("/x"))
     with pytest.raises(TypeError, match="no verifying variant"):
-        integrity.verifying(object(), integrity.Checks(None, {}))
+        integrity.verifying(object(), layout.Checks(None, {}))

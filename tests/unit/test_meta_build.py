@@ -6,9 +6,6 @@ second of every ``launch``). The first test fails loudly if building the model i
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import torch
 
 from elastic_trainer.models.spec import on_meta
@@ -23,14 +20,7 @@ def test_building_the_model_on_meta_imports_no_dynamo():
         "check_model(ModelConfig(vocab_size=256, seq_len=32, dim=32, n_layers=2, n_heads=2))\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=runs.env_for_tests(),
-        cwd=runs.REPO,
-    )
+    out = runs.python_c(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", (
         "a meta-device build imports torch._dynamo again (see elastic_trainer/models/spec.py)"

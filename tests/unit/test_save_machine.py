@@ -376,7 +376,7 @@ def test_a_rollback_abandons_a_save_still_writing_keeps_its_directory_and_never_
     m.test_saver.release(stuck.name)
     m.test_saver.join(stuck.name)
     m._commit_pool.submit(lambda: None).result(WAIT)  # a commit, had one been (wrongly) started, has run
-    assert m.storage.exists(m.storage.join(stuck.name, integrity.CHECKSUMS))
+    assert m.storage.exists(m.storage.join(stuck.name, layout.CHECKSUMS))
     assert not m.storage.exists(m.storage.join(stuck.name, layout.MANIFEST)) and stuck.state is S.ABANDONED
     assert m.last_committed_step == 10 and not events(m, "checkpoint_committed")[1:]
     m.save(20)  # the same step again after the rollback: a new directory

@@ -39,7 +39,7 @@ def _keep_step5(ckpt: Path, out: Path) -> None:
 
 
 def demo(tmp: Path) -> None:
-    from elastic_trainer.worker.data import build_token_file
+    from elastic_trainer.worker.tokens import build_token_file
 
     os.makedirs(os.path.dirname(DEMO_DATA), exist_ok=True)
     text = tmp / "text.txt"
