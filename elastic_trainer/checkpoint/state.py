@@ -208,9 +208,10 @@ def state_type(obj: Any) -> str:
 
 
 def manifest_summaries(states: dict[str, Stateful]) -> dict[str, Any]:
-    """``{key: summary}`` of the states that define ``manifest_summary()`` (the data view): what
-    the checks before any worker starts read from the manifest instead of loading the checkpoint."""
-    return {key: s.manifest_summary() for key, s in states.items() if hasattr(s, "manifest_summary")}
+    """``{key: summary}`` of the states the checks before any worker starts read from the
+    manifest instead of loading the checkpoint: the data view. (Our own types only: a user's
+    object is never asked for anything but its state.)"""
+    return {key: s.manifest_summary() for key, s in states.items() if isinstance(s, DataViewState)}
 
 
 def state_types(states: dict[str, Stateful]) -> dict[str, Any]:
