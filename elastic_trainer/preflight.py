@@ -105,9 +105,9 @@ def _check_data_view(cfg: Config, catalog: Catalog, chosen) -> None:
     if one is gone or changed (the workers would stop on the same check)."""
     from .worker.sources import check_recorded_view, current_view
 
-    recorded = (chosen.manifest.get("summaries") or {}).get("data")
+    summary = (chosen.manifest.get("summaries") or {}).get("data")
     try:
-        if recorded is not None and data_view.summary(current_view(cfg)) == recorded:
+        if summary is not None and data_view.summary(current_view(cfg)) == summary:
             return  # data.path resolves to exactly the recorded files, unchanged: nothing to read
     except ConfigError:
         pass  # a file unreadable now: the recorded view names it (or the workers will)
