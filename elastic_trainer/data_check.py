@@ -5,15 +5,6 @@ from __future__ import annotations
 from .config import Config
 
 
-def check_recorded_data_view(cfg: Config, recorded: list[dict] | None) -> list[str]:
-    """The resume-side data check: ConfigError naming ``data.path`` and every file of the
-    checkpoint's ``recorded`` view that is gone or changed; returns the files ``data.path``
-    resolves to now that the resume will ignore. Nothing to check for None (no view recorded)."""
-    from .worker.sources import check_recorded_view
-
-    return [] if recorded is None else check_recorded_view(cfg, recorded)
-
-
 def check_data_source(cfg: Config) -> None:
     """Raise ConfigError naming the key if the model factory cannot be imported or names
     unknown shard classes, or the data source is missing or does not fit the model.
