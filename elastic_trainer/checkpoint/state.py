@@ -331,17 +331,28 @@ class DataViewState(Stateful):
     optional_on_load = True
 
     def __init__(self, view: list[dict] | None = None):
-        self.view: list[dict] = list(view or [])
+        self.view = list(view or [])
         self.recorded: list[dict] | None = None
 
+    @property
+    def view(self) -> list[dict]:
+        return self._view
+
+    @view.setter
+    def view(self, view: list[dict]) -> None:
+        # Set once per start; every save then reuses its encoding and summary (no per-save work).
+        self._view = view
+        self._encoded = data_view.encode(view)
+        self._summary = data_view.summary(view)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"files": data_view.encode(self.view)}
+        return {"files": self._encoded}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.recorded = data_view.decode(state_dict["files"]) if "files" in state_dict else None
 
     def manifest_summary(self) -> dict[str, Any]:
-        return data_view.summary(self.view)
+        return self._summary
 
 
 def read_data_view(storage_reader) -> list[dict] | None:
