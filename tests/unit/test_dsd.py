@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from elastic_trainer.checkpoint import dsd
 from elastic_trainer.checkpoint.dsd import StateDicts
+from tests.nested import assert_same_state
 
 
 class Tied(nn.Module):
@@ -39,23 +40,6 @@ def _trained():
     return model, opt
 
 
-def _same(a, b):
-    """Equal nested state: the same keys and types; tensors equal and sharing storage."""
-    assert type(a) is type(b)
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _same(x, y)
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b) and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    else:
-        assert a == b
-
-
 def test_the_private_names_it_uses_exist_with_the_signatures_it_calls():
     # torch renaming or reshaping one of these must fail here, not in a save
     assert list(inspect.signature(dsd._verify_options).parameters)[:3] == ["model", "optims", "optim_only"]
@@ -72,8 +56,8 @@ def test_state_dicts_equal_torch_s_public_functions_and_verify_the_layout_once()
     model, opt = _trained()
     m, o = StateDicts(model), StateDicts(model, opt)
     for _ in range(3):
-        _same(m.model_state_dict(), get_model_state_dict(model))
-        _same(o.optimizer_state_dict(), get_optimizer_state_dict(model, opt))
+        assert_same_state(m.model_state_dict(), get_model_state_dict(model), shares_storage=True)
+        assert_same_state(o.optimizer_state_dict(), get_optimizer_state_dict(model, opt), shares_storage=True)
         opt.step()  # the values move between saves; the layout does not
     assert (m.verified, o.verified) == (1, 1)
     # read afresh: an in-place update is in the next state dict
@@ -97,8 +81,8 @@ def test_a_changed_layout_is_verified_again(change):
         opt.add_param_group({"params": list(model.extra.parameters())})
     else:
         model.body[2] = nn.Linear(6, 6)
-    _same(m.model_state_dict(), get_model_state_dict(model))
+    assert_same_state(m.model_state_dict(), get_model_state_dict(model), shares_storage=True)
     assert m.verified == 2
     if change == "param_group":
-        _same(o.optimizer_state_dict(), get_optimizer_state_dict(model, opt))
+        assert_same_state(o.optimizer_state_dict(), get_optimizer_state_dict(model, opt), shares_storage=True)
         assert o.verified == 2
