@@ -150,6 +150,8 @@ class CheckpointManager:
         self._fenced: str | None = None
         self._generation = 0  # +1 at every load: a commit of a save from before it changes nothing
         self._inflight: Save | None = None
+        # the step's all-reduce about _inflight: (it, settled on every rank, ended well on every rank)
+        self._agreed: tuple[Save | None, bool, bool] | None = None
         self.last_save: Save | None = None  # the newest settled save
         self._drain_deadline: float | None = None  # the exception path's budget, once started
         self._writer_failed = False  # process writer: a save of ours failed; restart the writers before the next
@@ -290,7 +292,7 @@ class CheckpointManager:
         """Before a load: a save still writing (a rollback after its deadline passed) is given up
         on: it is never committed, and its name stays taken. A commit already in progress is
         waited for, so the plan sees it."""
-        save, self._inflight = self._inflight, None
+        save, self._inflight, self._agreed = self._inflight, None, None
         if save is None:
             return
         if save.abandon("a load replaced the state it saves"):
@@ -628,13 +630,21 @@ class CheckpointManager:
         rank (:attr:`last_save` is the one that settled); False when one is still running on
         some rank (it stays in flight)."""
         save = self._inflight
-        if save is None:
-            self.agreement.all_true(True)
-            return True
-        self.wait_for_staging()
-        save.wait(deadline)
-        if not self.agreement.all_true(save.settled):
-            return False
+        agreed, self._agreed = self._agreed, None
+        if agreed is not None and agreed[0] is save and agreed[1]:
+            # this step's all-reduce found it settled on every rank: no collective of its own
+            if save is None:
+                return True
+            everywhere_ok = agreed[2]
+        else:
+            if save is None:
+                self.agreement.all_true(True)
+                return True
+            self.wait_for_staging()
+            save.wait(deadline)
+            if not self.agreement.all_true(save.settled):
+                return False
+            everywhere_ok = None
         self._inflight, self.last_save = None, save
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 0)
         state = save.state
@@ -643,9 +653,25 @@ class CheckpointManager:
             self._writer_failed = save.name is not None and self.remote.uses_writer_process
             if self.rank != 0:
                 logger.warning("checkpoint step %d failed on this rank: %s", save.step, save.error)
-        if save.name is not None and self.agreement.all_true(state in _OK):
+        if everywhere_ok is None and save.name is not None:
+            everywhere_ok = self.agreement.all_true(state in _OK)
+        if save.name is not None and everywhere_ok:
             self._committed.add(save.step)
         return True
+
+    def votes(self) -> tuple[float, float]:
+        """This rank's elements of the step's all-reduce (SUM), about the save in flight: it is
+        not settled here; it settled here but did not end well. :meth:`agreed` takes the sums."""
+        save = self._inflight
+        if save is None:
+            return 0.0, 0.0
+        settled = save.settled  # once settled, a save stays settled in the same state
+        return float(not settled), float(settled and save.state not in _OK)
+
+    def agreed(self, unsettled: float, failed: float) -> None:
+        """The all-reduced :meth:`votes`: when the save in flight is settled on every rank, the
+        next :meth:`settle` (the next save's wait for it) needs no collective of its own."""
+        self._agreed = (self._inflight, unsettled == 0, failed == 0)
 
     def finish(self, timeout: float | None = None) -> bool:
         """Collective: wait for the save in flight to be written and committed, at most
