@@ -43,7 +43,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,20 @@ class SaveStats:
     @property
     def stall(self) -> float:
         return self.wait_previous + self.call + self.staging_wait
+
+
+class _Agreed(NamedTuple):
+    """The step's all-reduce about the save in flight (:meth:`CheckpointManager.agreed`)."""
+
+    save: Save | None
+    settled: bool  # on every rank
+    ok: bool  # ended well on every rank
+    usable: bool  # every rank's writer process (if any) is usable
+
+    @property
+    def clear(self) -> bool:
+        """Nothing to wait for and nothing to restart: the next save starts without a collective."""
+        return self.settled and self.ok and self.usable
 
 
 class CheckpointManager:
@@ -150,8 +164,7 @@ class CheckpointManager:
         self._fenced: str | None = None
         self._generation = 0  # +1 at every load: a commit of a save from before it changes nothing
         self._inflight: Save | None = None
-        # the step's all-reduce about _inflight: (it, settled on every rank, ended well on every rank)
-        self._agreed: tuple[Save | None, bool, bool] | None = None
+        self._agreed: _Agreed | None = None  # the step's all-reduce about _inflight
         self.last_save: Save | None = None  # the newest settled save
         self._drain_deadline: float | None = None  # the exception path's budget, once started
         self._writer_failed = False  # process writer: a save of ours failed; restart the writers before the next
@@ -376,11 +389,12 @@ class CheckpointManager:
         ``remote_every``-th since the last one there."""
         stats = SaveStats(step)
         t0 = time.monotonic()
+        agreed = self._agreed
         settled = self.settle(self._inflight.deadline if self._inflight else None)
         remote = (
             self.local is None or force or blocking or durable or self._saves_since_remote + 1 >= self.cfg.remote_every
         )
-        if self.remote.uses_writer_process and remote:
+        if self.remote.uses_writer_process and remote and not (agreed is not None and agreed.clear):
             settled = self._check_writers()
         stats.wait_previous = time.monotonic() - t0
         self.metrics.histogram("elastic_trainer_checkpoint_wait_previous_seconds", stats.wait_previous)
@@ -481,8 +495,9 @@ class CheckpointManager:
         )
 
     def _check_writers(self) -> bool:
-        """Process writer, every rank, before a save: agree that every rank's writer process is
-        usable; if one died or failed a save, or the previous save is still writing past its
+        """Process writer, every rank, before a save (unless the step's all-reduce already found
+        every rank's writer usable and the previous save settled well): agree that every rank's
+        writer process is usable; if one died or failed a save, or the previous save is still writing past its
         deadline, stop the writers on every rank (the next save starts new ones together).
         Returns whether the previous save is settled after that."""
         stuck = self._inflight is not None
@@ -631,11 +646,11 @@ class CheckpointManager:
         some rank (it stays in flight)."""
         save = self._inflight
         agreed, self._agreed = self._agreed, None
-        if agreed is not None and agreed[0] is save and agreed[1]:
+        if agreed is not None and agreed.save is save and agreed.settled:
             # this step's all-reduce found it settled on every rank: no collective of its own
             if save is None:
                 return True
-            everywhere_ok = agreed[2]
+            everywhere_ok = agreed.ok
         else:
             if save is None:
                 self.agreement.all_true(True)
@@ -659,19 +674,22 @@ class CheckpointManager:
             self._committed.add(save.step)
         return True
 
-    def votes(self) -> tuple[float, float]:
-        """This rank's elements of the step's all-reduce (SUM), about the save in flight: it is
-        not settled here; it settled here but did not end well. :meth:`agreed` takes the sums."""
+    def votes(self) -> tuple[float, float, float]:
+        """This rank's elements of the step's all-reduce (SUM): the save in flight is not settled
+        here; it settled here but did not end well; this rank's writer process is not usable.
+        :meth:`agreed` takes the sums."""
+        unusable = float(self._writer_failed or not self.remote.writers_healthy())
         save = self._inflight
         if save is None:
-            return 0.0, 0.0
+            return 0.0, 0.0, unusable
         settled = save.settled  # once settled, a save stays settled in the same state
-        return float(not settled), float(settled and save.state not in _OK)
+        return float(not settled), float(settled and save.state not in _OK), unusable
 
-    def agreed(self, unsettled: float, failed: float) -> None:
-        """The all-reduced :meth:`votes`: when the save in flight is settled on every rank, the
-        next :meth:`settle` (the next save's wait for it) needs no collective of its own."""
-        self._agreed = (self._inflight, unsettled == 0, failed == 0)
+    def agreed(self, unsettled: float, failed: float, unusable: float) -> None:
+        """The all-reduced :meth:`votes`: when the save in flight is settled on every rank (and
+        every writer process is usable), the next save's wait for it (:meth:`settle`, and the
+        process writer's check) needs no collective of its own."""
+        self._agreed = _Agreed(self._inflight, unsettled == 0, failed == 0, unusable == 0)
 
     def finish(self, timeout: float | None = None) -> bool:
         """Collective: wait for the save in flight to be written and committed, at most

@@ -90,9 +90,9 @@ class StepContext:
         # vote: auto cadence, rank 0's interval
         time_due, vote = ck.cadence.votes(time.monotonic()) if ck is not None else (0.0, 0.0)
         # the save in flight: settled on every rank? (then the next save needs no collective)
-        unsettled, failed = ck.manager.votes() if ck is not None else (0.0, 0.0)
+        unsettled, failed, unusable = ck.manager.votes() if ck is not None else (0.0, 0.0, 0.0)
         t = torch.tensor(
-            [*map(float, sums), float(s.preempt.requested), time_due, fenced, vote, unsettled, failed],
+            [*map(float, sums), float(s.preempt.requested), time_due, fenced, vote, unsettled, failed, unusable],
             dtype=torch.float64,
             device=s.device,
         )
@@ -100,12 +100,12 @@ class StepContext:
         if s.world_size > 1:
             collectives.all_reduce(t)
         self.collective_wait += time.monotonic() - t0
-        *out, preempt, save_due, fenced, vote, unsettled, failed = t.tolist()
+        *out, preempt, save_due, fenced, vote, unsettled, failed, unusable = t.tolist()
         self.preempt, self.save_due, self.fenced = preempt > 0, save_due > 0, fenced > 0
         self._agreed = True
         if ck is not None:
             ck.cadence.agreed(self.step, save_due, vote)
-            ck.manager.agreed(unsettled, failed)
+            ck.manager.agreed(unsettled, failed, unusable)
         return out
 
     def check(self, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None) -> bool:

@@ -340,11 +340,11 @@ def test_a_save_settles_only_when_every_rank_has_settled(make):
     assert m.settle(None) and not m.in_flight and m.last_save is save
 
 
-def _step_agreement(m, others_unsettled=0.0, others_failed=0.0):
+def _step_agreement(m, others_unsettled=0.0, others_failed=0.0, others_unusable=0.0):
     """What ``Step.agree`` does with the manager's votes: the all-reduced sums, the other ranks'
     votes added to this rank's."""
-    unsettled, failed = m.votes()
-    m.agreed(unsettled + others_unsettled, failed + others_failed)
+    unsettled, failed, unusable = m.votes()
+    m.agreed(unsettled + others_unsettled, failed + others_failed, unusable + others_unusable)
 
 
 def test_a_save_settled_on_every_rank_at_the_step_s_all_reduce_needs_no_collective_of_its_own(make):
@@ -355,7 +355,7 @@ def test_a_save_settled_on_every_rank_at_the_step_s_all_reduce_needs_no_collecti
     save = begin(m, 1)
     m.test_saver.release(save.name)
     save.wait(time.monotonic() + WAIT)
-    assert m.votes() == (0.0, 0.0)
+    assert m.votes() == (0.0, 0.0, 0.0)
     _step_agreement(m)
     calls = m.test_agreement.calls
     stats = m.save(2)
@@ -369,6 +369,26 @@ def test_a_save_settled_on_every_rank_at_the_step_s_all_reduce_needs_no_collecti
     assert not m.save(3).skipped and m.test_agreement.calls == calls
 
 
+@pytest.mark.parametrize("elsewhere", ["usable", "unusable"])
+def test_the_process_writer_s_check_rides_on_the_step_s_all_reduce_too(make, elsewhere):
+    m = make()
+    m.test_saver.uses_writer_process = True
+    stopped = []
+    m.test_saver.stop_writers = lambda: stopped.append(1)
+    m.load()
+    save = begin(m, 1)
+    m.test_saver.release(save.name)
+    save.wait(time.monotonic() + WAIT)
+    _step_agreement(m, others_unusable=float(elsewhere == "unusable"))
+    m.test_agreement.others = elsewhere == "usable"  # what that rank answers in the check
+    calls = m.test_agreement.calls
+    assert not m.save(2).skipped and m.is_committed(1)
+    if elsewhere == "usable":
+        assert m.test_agreement.calls == calls and not stopped
+    else:  # another rank's writer died: every rank checks and restarts its writer together
+        assert m.test_agreement.calls > calls and stopped == [1]
+
+
 @pytest.mark.parametrize("case", ["unsettled_here", "unsettled_elsewhere", "failed_elsewhere", "reloaded"])
 def test_without_that_agreement_the_save_settles_as_before(make, case):
     m = make()
@@ -378,7 +398,7 @@ def test_without_that_agreement_the_save_settles_as_before(make, case):
         m.test_saver.release(first.name)
         first.wait(time.monotonic() + WAIT)
     if case == "unsettled_here":
-        assert m.votes() == (1.0, 0.0)
+        assert m.votes() == (1.0, 0.0, 0.0)
     _step_agreement(
         m, others_unsettled=float(case == "unsettled_elsewhere"), others_failed=float(case == "failed_elsewhere")
     )
