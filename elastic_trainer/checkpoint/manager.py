@@ -497,9 +497,9 @@ class CheckpointManager:
     def _check_writers(self) -> bool:
         """Process writer, every rank, before a save (unless the step's all-reduce already found
         every rank's writer usable and the previous save settled well): agree that every rank's
-        writer process is usable; if one died or failed a save, or the previous save is still writing past its
-        deadline, stop the writers on every rank (the next save starts new ones together).
-        Returns whether the previous save is settled after that."""
+        writer process is usable; if one died or failed a save, or the previous save is still
+        writing past its deadline, stop the writers on every rank (the next save starts new ones
+        together). Returns whether the previous save is settled after that."""
         stuck = self._inflight is not None
         ok = self.remote.writers_healthy() and not self._writer_failed and not stuck
         if self.agreement.all_true(ok):
