@@ -646,20 +646,18 @@ class CheckpointManager:
         some rank (it stays in flight)."""
         save = self._inflight
         agreed, self._agreed = self._agreed, None
-        if agreed is not None and agreed.save is save and agreed.settled:
-            # this step's all-reduce found it settled on every rank: no collective of its own
-            if save is None:
-                return True
-            everywhere_ok = agreed.ok
-        else:
-            if save is None:
+        # this step's all-reduce found it settled on every rank: no collective of its own
+        pre_agreed = agreed is not None and agreed.save is save and agreed.settled
+        if save is None:
+            if not pre_agreed:
                 self.agreement.all_true(True)
-                return True
+            return True
+        everywhere_ok = agreed.ok if pre_agreed else None
+        if not pre_agreed:
             self.wait_for_staging()
             save.wait(deadline)
             if not self.agreement.all_true(save.settled):
                 return False
-            everywhere_ok = None
         self._inflight, self.last_save = None, save
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 0)
         state = save.state

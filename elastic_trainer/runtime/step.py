@@ -82,7 +82,8 @@ class StepContext:
 
     def agree(self, *sums: float) -> list[float]:
         """One all-reduce (SUM) of ``sums`` (this rank's shares, e.g. its target-token count) and
-        of the step's flags: preemption requested, the time-based save trigger, fenced. Returns
+        of the step's flags: preemption requested, the time-based save trigger, fenced, and the
+        checkpoint manager's votes on the save in flight (settled, failed, writer usable). Returns
         the global sums. Call at most once per step, on every rank."""
         s = self.session
         ck = self.ckpt
