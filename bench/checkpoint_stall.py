@@ -313,6 +313,12 @@ class _PeerManager:
     def inject_local_faults(self, step: int) -> None:
         pass
 
+    def votes(self) -> tuple[float, float, float]:
+        return 0.0, 0.0, 0.0
+
+    def agreed(self, unsettled: float, failed: float, unusable: float) -> None:
+        pass
+
     def drain_after_failure(self) -> bool:
         return True
 

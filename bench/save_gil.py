@@ -75,6 +75,8 @@ def thread_role(frames: list[str]) -> str:
         return "commit"
     if (
         "AsyncCheckpointExecutor" in tname
+        or "et-upload" in tname
+        or "et-local-upload" in tname
         or "_execute_save_impl" in joined
         or "save_wrapper" in joined
         or "_async_save" in joined

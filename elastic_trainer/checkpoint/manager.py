@@ -43,7 +43,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,20 @@ class SaveStats:
     @property
     def stall(self) -> float:
         return self.wait_previous + self.call + self.staging_wait
+
+
+class _Agreed(NamedTuple):
+    """The step's all-reduce about the save in flight (:meth:`CheckpointManager.agreed`)."""
+
+    save: Save | None
+    settled: bool  # on every rank
+    ok: bool  # ended well on every rank
+    usable: bool  # every rank's writer process (if any) is usable
+
+    @property
+    def clear(self) -> bool:
+        """Nothing to wait for and nothing to restart: the next save starts without a collective."""
+        return self.settled and self.ok and self.usable
 
 
 class CheckpointManager:
@@ -150,6 +164,7 @@ class CheckpointManager:
         self._fenced: str | None = None
         self._generation = 0  # +1 at every load: a commit of a save from before it changes nothing
         self._inflight: Save | None = None
+        self._agreed: _Agreed | None = None  # the step's all-reduce about _inflight
         self.last_save: Save | None = None  # the newest settled save
         self._drain_deadline: float | None = None  # the exception path's budget, once started
         self._writer_failed = False  # process writer: a save of ours failed; restart the writers before the next
@@ -290,7 +305,7 @@ class CheckpointManager:
         """Before a load: a save still writing (a rollback after its deadline passed) is given up
         on: it is never committed, and its name stays taken. A commit already in progress is
         waited for, so the plan sees it."""
-        save, self._inflight = self._inflight, None
+        save, self._inflight, self._agreed = self._inflight, None, None
         if save is None:
             return
         if save.abandon("a load replaced the state it saves"):
@@ -374,11 +389,12 @@ class CheckpointManager:
         ``remote_every``-th since the last one there."""
         stats = SaveStats(step)
         t0 = time.monotonic()
+        agreed = self._agreed
         settled = self.settle(self._inflight.deadline if self._inflight else None)
         remote = (
             self.local is None or force or blocking or durable or self._saves_since_remote + 1 >= self.cfg.remote_every
         )
-        if self.remote.uses_writer_process and remote:
+        if self.remote.uses_writer_process and remote and not (agreed is not None and agreed.clear):
             settled = self._check_writers()
         stats.wait_previous = time.monotonic() - t0
         self.metrics.histogram("elastic_trainer_checkpoint_wait_previous_seconds", stats.wait_previous)
@@ -479,10 +495,11 @@ class CheckpointManager:
         )
 
     def _check_writers(self) -> bool:
-        """Process writer, every rank, before a save: agree that every rank's writer process is
-        usable; if one died or failed a save, or the previous save is still writing past its
-        deadline, stop the writers on every rank (the next save starts new ones together).
-        Returns whether the previous save is settled after that."""
+        """Process writer, every rank, before a save (unless the step's all-reduce already found
+        every rank's writer usable and the previous save settled well): agree that every rank's
+        writer process is usable; if one died or failed a save, or the previous save is still
+        writing past its deadline, stop the writers on every rank (the next save starts new ones
+        together). Returns whether the previous save is settled after that."""
         stuck = self._inflight is not None
         ok = self.remote.writers_healthy() and not self._writer_failed and not stuck
         if self.agreement.all_true(ok):
@@ -628,13 +645,19 @@ class CheckpointManager:
         rank (:attr:`last_save` is the one that settled); False when one is still running on
         some rank (it stays in flight)."""
         save = self._inflight
+        agreed, self._agreed = self._agreed, None
+        # this step's all-reduce found it settled on every rank: no collective of its own
+        pre_agreed = agreed is not None and agreed.save is save and agreed.settled
         if save is None:
-            self.agreement.all_true(True)
+            if not pre_agreed:
+                self.agreement.all_true(True)
             return True
-        self.wait_for_staging()
-        save.wait(deadline)
-        if not self.agreement.all_true(save.settled):
-            return False
+        everywhere_ok = agreed.ok if pre_agreed else None
+        if not pre_agreed:
+            self.wait_for_staging()
+            save.wait(deadline)
+            if not self.agreement.all_true(save.settled):
+                return False
         self._inflight, self.last_save = None, save
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 0)
         state = save.state
@@ -643,9 +666,28 @@ class CheckpointManager:
             self._writer_failed = save.name is not None and self.remote.uses_writer_process
             if self.rank != 0:
                 logger.warning("checkpoint step %d failed on this rank: %s", save.step, save.error)
-        if save.name is not None and self.agreement.all_true(state in _OK):
+        if everywhere_ok is None and save.name is not None:
+            everywhere_ok = self.agreement.all_true(state in _OK)
+        if save.name is not None and everywhere_ok:
             self._committed.add(save.step)
         return True
+
+    def votes(self) -> tuple[float, float, float]:
+        """This rank's elements of the step's all-reduce (SUM): the save in flight is not settled
+        here; it settled here but did not end well; this rank's writer process is not usable.
+        :meth:`agreed` takes the sums."""
+        unusable = float(self._writer_failed or not self.remote.writers_healthy())
+        save = self._inflight
+        if save is None:
+            return 0.0, 0.0, unusable
+        settled = save.settled  # once settled, a save stays settled in the same state
+        return float(not settled), float(settled and save.state not in _OK), unusable
+
+    def agreed(self, unsettled: float, failed: float, unusable: float) -> None:
+        """The all-reduced :meth:`votes`: when the save in flight is settled on every rank (and
+        every writer process is usable), the next save's wait for it (:meth:`settle`, and the
+        process writer's check) needs no collective of its own."""
+        self._agreed = _Agreed(self._inflight, unsettled == 0, failed == 0, unusable == 0)
 
     def finish(self, timeout: float | None = None) -> bool:
         """Collective: wait for the save in flight to be written and committed, at most

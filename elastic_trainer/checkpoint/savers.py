@@ -5,8 +5,9 @@ the state is copied out of the training tensors (None: the call itself copied it
 save), ``written`` once this rank's bytes are written (its exception: why not). ``start`` never
 raises: a save that cannot start is a ``written`` future that failed.
 
-* :class:`RemoteSaver`: a checkpoint.dir directory through DCP (``dcp.save``, or
-  ``dcp.async_save`` on a thread or on a writer process per rank, see :mod:`.writer_process`),
+* :class:`RemoteSaver`: a checkpoint.dir directory through DCP (``dcp.save``, on an upload
+  thread kept between saves when async, or ``dcp.async_save`` on a writer process per rank, see
+  :mod:`.writer_process`),
   with the checksummed writer, a background stager and the plan cache.
 * :class:`LocalSaver`: this rank's copy in the local tier (``checkpoint.local_dir``), no
   collectives.
@@ -14,7 +15,7 @@ raises: a save that cannot start is a ``written`` future that failed.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -43,6 +44,43 @@ def _failed(e: BaseException) -> tuple[None, Future]:
     f: Future = Future()
     f.set_exception(e)
     return None, f
+
+
+class _Uploads:
+    """The thread an async save writes on, kept from one save to the next (DCP's ``async_save``
+    starts a thread per save, and the save call waits for it to start). A save started while the
+    previous upload still runs (an abandoned or stuck one) gets a thread of its own, as with DCP,
+    so it never queues behind it."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._last: Future | None = None
+
+    def start(self, states: dict[str, Stateful], stager, save) -> tuple[Future, Future]:
+        """``dcp.async_save``'s thread path: the states' state dicts are taken on the calling
+        thread and handed to ``stager``; ``save(staged)`` runs on the upload thread once staged.
+        Returns (staging, written)."""
+        state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in states.items()}
+        staging = stager.stage(state_dict)  # a future: the stager copies in the background
+
+        def upload():
+            return save(staging.result())
+
+        if self._last is None or self._last.done():
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix=self._name)
+            self._last = self._pool.submit(upload)
+            return staging, self._last
+        own = ThreadPoolExecutor(1, thread_name_prefix=self._name)
+        written = own.submit(upload)
+        written.add_done_callback(lambda _f: own.shutdown(wait=False))
+        return staging, written
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        self._pool = self._last = None
 
 
 class _Staged:
@@ -89,6 +127,7 @@ class RemoteSaver:
         self.uses_writer_process = writer == "process" and not self.sync
         self._upload_nice = upload_nice
         self._stager = _Staged(cuda_staging, shared_memory=writer == "process")
+        self._uploads = _Uploads("et-upload")
         self._plan_key = save_planner.new_key()  # DCP plan cache of these saves
 
     def start(self, states: dict[str, Stateful], name: str) -> tuple[Future | None, Future]:
@@ -102,20 +141,25 @@ class RemoteSaver:
                 return None, done
             if self._upload_nice:
                 writer.upload_nice = self._upload_nice
+            if not self.uses_writer_process:
+                return self._uploads.start(
+                    states,
+                    self._stager.get(),
+                    lambda staged: dcp.save(staged, storage_writer=writer, process_group=self.group, planner=planner),
+                )
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-            kind = AsyncCheckpointerType.PROCESS if self.uses_writer_process else AsyncCheckpointerType.THREAD
             resp = dcp.async_save(
                 states,
                 storage_writer=writer,
                 process_group=self.group,
                 async_stager=self._stager.get(),
-                async_checkpointer_type=kind,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 planner=planner,
             )
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a save that cannot start is a failed save
             return _failed(e)
-        return getattr(resp, "staging_completion", None), getattr(resp, "upload_completion", resp)
+        return resp.staging_completion, resp.upload_completion
 
     def failed(self) -> None:
         """After a failed save: the ranks' plan caches may be out of step; plan the next afresh."""
@@ -134,6 +178,7 @@ class RemoteSaver:
         save_planner.forget(self._plan_key)
         if self.uses_writer_process:
             writer_process.stop()
+        self._uploads.close()
         self._stager.close()
 
 
@@ -145,6 +190,7 @@ class LocalSaver:
         self.tier = tier
         self.sync = mode == "sync"
         self._stager = _Staged(cuda_staging, shared_memory=False)
+        self._uploads = _Uploads("et-local-upload")
 
     def start(self, states: dict[str, Stateful], epoch: str, step: int) -> tuple[Future | None, Future]:
         try:
@@ -154,10 +200,12 @@ class LocalSaver:
                 done: Future = Future()
                 done.set_result(None)
                 return None, done
-            resp = dcp.async_save(states, storage_writer=writer, no_dist=True, async_stager=self._stager.get())
+            return self._uploads.start(
+                states, self._stager.get(), lambda staged: dcp.save(staged, storage_writer=writer, no_dist=True)
+            )
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - as a failed local copy
             return _failed(e)
-        return getattr(resp, "staging_completion", None), getattr(resp, "upload_completion", resp)
 
     def close(self) -> None:
+        self._uploads.close()
         self._stager.close()

@@ -1,7 +1,8 @@
 """``Stateful`` adapters: the only things the checkpoint manager saves and loads.
 
 Model and optimizer go through ``torch.distributed.checkpoint.state_dict``
-(``get_state_dict``/``set_state_dict``): FQN-keyed, sharded DTensors, so DCP can reshard them
+(``get_state_dict``/``set_state_dict``; saving keeps the model's verified layout between saves,
+:mod:`.dsd`): FQN-keyed, sharded DTensors, so DCP can reshard them
 at load time. A raw ``optimizer.state_dict()`` of sharded parameters keys state by parameter
 index and mis-maps it after a reshard (the classic "loss spike after resume").
 
@@ -20,24 +21,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import data_view
+from .dsd import StateDicts
 
 
 class ModelState(Stateful):
     def __init__(self, model: nn.Module):
         self.model = model
+        self._dicts = StateDicts(model)
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return self._dicts.model_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=True))
@@ -47,9 +44,10 @@ class OptimizerState(Stateful):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model = model
         self.optimizer = optimizer
+        self._dicts = StateDicts(model, optimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return self._dicts.optimizer_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)

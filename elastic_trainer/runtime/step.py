@@ -82,15 +82,18 @@ class StepContext:
 
     def agree(self, *sums: float) -> list[float]:
         """One all-reduce (SUM) of ``sums`` (this rank's shares, e.g. its target-token count) and
-        of the step's flags: preemption requested, the time-based save trigger, fenced. Returns
+        of the step's flags: preemption requested, the time-based save trigger, fenced, and the
+        checkpoint manager's votes on the save in flight (settled, failed, writer usable). Returns
         the global sums. Call at most once per step, on every rank."""
         s = self.session
         ck = self.ckpt
         fenced = float(ck is not None and ck.manager.fenced is not None)
         # vote: auto cadence, rank 0's interval
         time_due, vote = ck.cadence.votes(time.monotonic()) if ck is not None else (0.0, 0.0)
+        # the save in flight: settled on every rank? (then the next save needs no collective)
+        unsettled, failed, unusable = ck.manager.votes() if ck is not None else (0.0, 0.0, 0.0)
         t = torch.tensor(
-            [*map(float, sums), float(s.preempt.requested), time_due, fenced, vote],
+            [*map(float, sums), float(s.preempt.requested), time_due, fenced, vote, unsettled, failed, unusable],
             dtype=torch.float64,
             device=s.device,
         )
@@ -98,11 +101,12 @@ class StepContext:
         if s.world_size > 1:
             collectives.all_reduce(t)
         self.collective_wait += time.monotonic() - t0
-        *out, preempt, save_due, fenced, vote = t.tolist()
+        *out, preempt, save_due, fenced, vote, unsettled, failed, unusable = t.tolist()
         self.preempt, self.save_due, self.fenced = preempt > 0, save_due > 0, fenced > 0
         self._agreed = True
         if ck is not None:
             ck.cadence.agreed(self.step, save_due, vote)
+            ck.manager.agreed(unsettled, failed, unusable)
         return out
 
     def check(self, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None) -> bool:

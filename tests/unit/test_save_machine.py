@@ -340,6 +340,84 @@ def test_a_save_settles_only_when_every_rank_has_settled(make):
     assert m.settle(None) and not m.in_flight and m.last_save is save
 
 
+def _step_agreement(m, others_unsettled=0.0, others_failed=0.0, others_unusable=0.0):
+    """What ``Step.agree`` does with the manager's votes: the all-reduced sums, the other ranks'
+    votes added to this rank's."""
+    unsettled, failed, unusable = m.votes()
+    m.agreed(unsettled + others_unsettled, failed + others_failed, unusable + others_unusable)
+
+
+def test_a_save_settled_on_every_rank_at_the_step_s_all_reduce_needs_no_collective_of_its_own(make):
+    """The next save's wait for the previous one rides on the step's all-reduce: no collective,
+    so the save call neither adds a round trip nor waits for the slowest rank."""
+    m = make()
+    m.load()
+    save = begin(m, 1)
+    m.test_saver.release(save.name)
+    save.wait(time.monotonic() + WAIT)
+    assert m.votes() == (0.0, 0.0, 0.0)
+    _step_agreement(m)
+    calls = m.test_agreement.calls
+    stats = m.save(2)
+    assert not stats.skipped and m.test_agreement.calls == calls, "the save made a collective call"
+    assert m.last_save is save and m.is_committed(1)
+    # a step with nothing in flight on any rank: no barrier either
+    m.test_saver.release(m._inflight.name)
+    assert m.finish() is True
+    _step_agreement(m)
+    calls = m.test_agreement.calls
+    assert not m.save(3).skipped and m.test_agreement.calls == calls
+
+
+@pytest.mark.parametrize("elsewhere", ["usable", "unusable"])
+def test_the_process_writer_s_check_rides_on_the_step_s_all_reduce_too(make, elsewhere):
+    m = make()
+    m.test_saver.uses_writer_process = True
+    stopped = []
+    m.test_saver.stop_writers = lambda: stopped.append(1)
+    m.load()
+    save = begin(m, 1)
+    m.test_saver.release(save.name)
+    save.wait(time.monotonic() + WAIT)
+    _step_agreement(m, others_unusable=float(elsewhere == "unusable"))
+    m.test_agreement.others = elsewhere == "usable"  # what that rank answers in the check
+    calls = m.test_agreement.calls
+    assert not m.save(2).skipped and m.is_committed(1)
+    if elsewhere == "usable":
+        assert m.test_agreement.calls == calls and not stopped
+    else:  # another rank's writer died: every rank checks and restarts its writer together
+        assert m.test_agreement.calls > calls and stopped == [1]
+
+
+@pytest.mark.parametrize("case", ["unsettled_here", "unsettled_elsewhere", "failed_elsewhere", "reloaded"])
+def test_without_that_agreement_the_save_settles_as_before(make, case):
+    m = make()
+    m.load()
+    first = begin(m, 1)
+    if case != "unsettled_here":
+        m.test_saver.release(first.name)
+        first.wait(time.monotonic() + WAIT)
+    if case == "unsettled_here":
+        assert m.votes() == (1.0, 0.0, 0.0)
+    _step_agreement(
+        m, others_unsettled=float(case == "unsettled_elsewhere"), others_failed=float(case == "failed_elsewhere")
+    )
+    if case == "unsettled_here":
+        m.test_saver.release(first.name)
+    if case == "reloaded":
+        m.load(resume="latest")  # the agreement was about a save the load has since settled or abandoned
+        assert m._agreed is None
+    calls = m.test_agreement.calls
+    m.save(2)
+    if case == "failed_elsewhere":  # settled everywhere, but another rank's part failed: not committed
+        assert m.test_agreement.calls == calls and not m.is_committed(1)
+    else:
+        assert m.test_agreement.calls > calls, "settled without asking the other ranks"
+        if case != "reloaded":
+            assert m.is_committed(1)
+    assert m._agreed is None, "an agreement is used at most once"
+
+
 # ------------------------------------------------------------------ the races
 def test_a_step_counts_as_committed_only_once_agreed_and_a_failed_one_is_saved_again(make):
     """Before: a step was "committed" once its save started, so a failed save of the final

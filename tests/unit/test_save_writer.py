@@ -43,3 +43,61 @@ def test_checkpoint_writer_is_checked_where_the_config_is_built(checkpoint, mess
 def test_checkpoint_writer_defaults_to_thread_and_accepts_process():
     assert config_from_dict({}).checkpoint.writer == "thread"
     assert config_from_dict({"checkpoint": {"writer": "process"}}).checkpoint.writer == "process"
+
+
+class _Stateful:
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"v": self.value}
+
+    def load_state_dict(self, sd):
+        self.value = sd["v"]
+
+
+class _NowStager:
+    def stage(self, sd):
+        from concurrent.futures import Future
+
+        f = Future()
+        f.set_result(dict(sd))
+        return f
+
+
+def test_uploads_reuse_one_thread_and_a_save_beside_a_stuck_upload_gets_its_own():
+    import threading
+
+    from elastic_trainer.checkpoint.savers import _Uploads
+
+    release = threading.Event()
+    seen: list[tuple[str, dict]] = []
+
+    def save(stuck):
+        def run(staged):
+            if stuck:
+                assert release.wait(30)
+            seen.append((threading.get_ident(), staged))
+            return staged
+
+        return run
+
+    up = _Uploads("t-upload")
+    try:
+        names = []
+        for i in range(3):  # one after the other: one thread, kept
+            staging, written = up.start({"a": _Stateful(i), "plain": i}, _NowStager(), save(False))
+            assert staging.result(5) == {"a": {"v": i}, "plain": i}  # state dicts taken on the caller
+            assert written.result(5) == {"a": {"v": i}, "plain": i}
+            names.append(seen[-1][0])
+        assert len(set(names)) == 1
+        _, stuck = up.start({"a": _Stateful("stuck")}, _NowStager(), save(True))
+        _, beside = up.start({"a": _Stateful("next")}, _NowStager(), save(False))
+        assert beside.result(10) == {"a": {"v": "next"}}  # did not queue behind the stuck upload
+        assert not stuck.done()
+        assert seen[-1][0] != names[0]
+        release.set()
+        assert stuck.result(10) == {"a": {"v": "stuck"}}
+    finally:
+        release.set()
+        up.close()

@@ -14,6 +14,7 @@ import torch
 from elastic_trainer.checkpoint.savers import staging_options
 from elastic_trainer.checkpoint.staging import KeptStager
 from tests import runs
+from tests.nested import assert_same_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,24 +41,6 @@ def _tensors(x, path=""):
             yield from _tensors(v, f"{path}/{i}")
 
 
-def _assert_same_values(staged, src):
-    assert type(staged) is type(src)
-    if isinstance(src, torch.Tensor):
-        assert staged.shape == src.shape and staged.dtype == src.dtype
-        assert torch.equal(staged, src)
-        assert staged.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
-    elif isinstance(src, dict):
-        assert staged.keys() == src.keys()
-        for k in src:
-            _assert_same_values(staged[k], src[k])
-    elif isinstance(src, (list, tuple)):
-        assert len(staged) == len(src)
-        for a, b in zip(staged, src, strict=True):
-            _assert_same_values(a, b)
-    else:
-        assert staged == src
-
-
 def _stage(stager, sd):
     out = stager.stage(sd)
     return out.result(timeout=30) if isinstance(out, Future) else out
@@ -69,7 +52,7 @@ def test_later_saves_copy_into_the_kept_copy_which_training_never_touches(shared
     try:
         sd = _state()
         first = _stage(stager, sd)
-        _assert_same_values(first, sd)
+        assert_same_state(first, sd, shares_storage=False)
         kept = dict(_tensors(first))
         assert all(t.is_shared() == shared for t in kept.values())
         for _, t in _tensors(sd):  # the training step mutates its tensors in place
@@ -77,7 +60,7 @@ def test_later_saves_copy_into_the_kept_copy_which_training_never_touches(shared
         sd["optim"]["param_groups"][0]["lr"] = 0.05
         sd["sched"]["state"] = '{"last_epoch": 4}'
         second = _stage(stager, sd)
-        _assert_same_values(second, sd)
+        assert_same_state(second, sd, shares_storage=False)
         assert stager.deep_copies == 1
         assert all(t is kept[p] for p, t in _tensors(second)), "the kept buffers are reused"
         before = {p: t.clone() for p, t in _tensors(second)}
@@ -116,10 +99,10 @@ def test_a_state_whose_layout_changed_is_deep_copied_anew_never_copied_into_a_st
         _stage(stager, sd)
         change(sd)
         staged = _stage(stager, sd)
-        _assert_same_values(staged, sd)
+        assert_same_state(staged, sd, shares_storage=False)
         assert stager.deep_copies == 2
         again = _stage(stager, sd)  # the new layout is kept in turn
-        _assert_same_values(again, sd)
+        assert_same_state(again, sd, shares_storage=False)
         assert stager.deep_copies == 2
     finally:
         stager.close()
