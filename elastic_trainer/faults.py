@@ -20,18 +20,25 @@ Enabled only through ``ELASTIC_TRAINER_INJECT_FAULT``, a comma-separated list of
 * ``slow`` — rank R sleeps ``seconds=X`` (default 0.2) at the start of every step from S on (a
   straggler: ``slow@rank=1,step=1,seconds=0.3``).
 
-``restart`` defaults to 0 (only the first incarnation). Never set this in production.
+``restart`` defaults to 0 (only the first incarnation). ``committed=N`` (``raise``, ``kill``,
+``hang``): the fault waits, at most :data:`COMMITTED_WAIT_SECONDS`, until the commit of step N is
+in checkpoint.dir before it fires, so a test that kills a worker after a save resumes from that
+save on any machine, however slow its background upload. Never set this in production.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import contract
+
+logger = logging.getLogger(__name__)
 
 KINDS = (
     "raise",
@@ -45,6 +52,7 @@ KINDS = (
     "lose_local",
     "corrupt_local",
 )
+COMMITTED_WAIT_SECONDS = 30.0  # ``committed=N``: the longest wait for that commit before firing
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,7 @@ class Fault:
     step: int
     restart: int = 0
     seconds: float = 0.2
+    committed: int | None = None  # fire only once the commit of this step is in checkpoint.dir
 
 
 def parse(spec: str) -> list[Fault]:
@@ -70,6 +79,7 @@ def parse(spec: str) -> list[Fault]:
                 int(kv.get("step", 0)),
                 int(kv.get("restart", 0)),
                 float(kv.get("seconds", 0.2)),
+                int(kv["committed"]) if "committed" in kv else None,
             )
         )
     return faults
@@ -83,23 +93,41 @@ def _active() -> list[Fault]:
 _FIRED: set[Fault] = set()  # one-shot faults (``nan``) that already fired in this process
 
 
-def active(kind: str, step: int) -> bool:
-    """Whether a fault of ``kind`` is configured at ``step`` for this rank and incarnation."""
+def _match(kind: str, step: int) -> Fault | None:
+    """The fault of ``kind`` configured at ``step`` for this rank and incarnation, if any."""
     faults = _active()
     if not faults:
-        return False
+        return None
     rank = int(os.environ.get(contract.RANK_ENV, "0"))
     restart = int(os.environ.get(contract.RESTART_COUNT_ENV, "0"))
     for f in faults:
         if f.kind == kind and f.rank == rank and f.step == step and f.restart == restart and f not in _FIRED:
             if kind == "nan":
                 _FIRED.add(f)
-            return True
-    return False
+            return f
+    return None
 
 
-def maybe_inject(kind: str, step: int) -> None:
-    """Trigger a configured fault of ``kind`` at ``step`` for this rank and incarnation."""
+def active(kind: str, step: int) -> bool:
+    """Whether a fault of ``kind`` is configured at ``step`` for this rank and incarnation."""
+    return _match(kind, step) is not None
+
+
+def _wait_committed(f: Fault, committed: Callable[[int], bool] | None) -> None:
+    """``committed=N``: wait (bounded) until ``committed(N)`` says step N's commit is in storage."""
+    if f.committed is None or committed is None:
+        return
+    deadline = time.monotonic() + COMMITTED_WAIT_SECONDS
+    while not committed(f.committed):
+        if time.monotonic() >= deadline:
+            logger.warning("fault %s fires without the commit of step %d it waited for", f.kind, f.committed)
+            return
+        time.sleep(0.05)
+
+
+def maybe_inject(kind: str, step: int, committed: Callable[[int], bool] | None = None) -> None:
+    """Trigger a configured fault of ``kind`` at ``step`` for this rank and incarnation.
+    ``committed(N)``: whether step N's commit is in checkpoint.dir (for ``committed=N``)."""
     if kind == "slow":
         rank = int(os.environ.get(contract.RANK_ENV, "0"))
         restart = int(os.environ.get(contract.RESTART_COUNT_ENV, "0"))
@@ -107,8 +135,10 @@ def maybe_inject(kind: str, step: int) -> None:
             if f.kind == "slow" and f.rank == rank and f.step <= step and f.restart == restart:
                 time.sleep(f.seconds)
         return
-    if not active(kind, step):
+    f = _match(kind, step)
+    if f is None:
         return
+    _wait_committed(f, committed)
     if kind == "raise":
         raise RuntimeError(f"injected failure on rank {os.environ.get(contract.RANK_ENV, '0')} at step {step}")
     if kind == "hang":

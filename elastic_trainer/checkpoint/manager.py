@@ -725,6 +725,13 @@ class CheckpointManager:
             logger.warning("step failed: letting the save already in flight finish (at most %.0fs)", DRAIN_SECONDS)
         return save.name is not None and save.wait(self._drain_deadline) in _OK
 
+    def commit_visible(self, step: int) -> bool:
+        """Fault injection (tests, any rank): whether a commit of ``step`` is in checkpoint.dir."""
+        return any(
+            layout.parse_step_dir(name) == step and self.storage.exists(self.storage.join(name, layout.MANIFEST))
+            for name in self.storage.list_dirs()
+        )
+
     def inject_local_faults(self, step: int) -> None:
         """Fault injection (tests): lose or corrupt this rank's local copies at ``step``."""
         if self.local is not None:

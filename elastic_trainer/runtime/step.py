@@ -52,8 +52,9 @@ class StepContext:
         self._scope = self.session.watchdog(f"step-{self.step}")
         self._scope.__enter__()
         try:
+            committed = self.ckpt.manager.commit_visible if self.ckpt is not None else None
             for kind in ("raise", "kill", "hang", "slow"):
-                faults.maybe_inject(kind, self.step)
+                faults.maybe_inject(kind, self.step, committed)
             if self.ckpt is not None:
                 self.ckpt.manager.inject_local_faults(self.step)
         except BaseException as e:

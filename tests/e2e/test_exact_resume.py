@@ -27,8 +27,8 @@ STEPS = 10
 HF_CONFIG = REPO / "tests" / "data" / "hf" / "tiny-llama"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 # Saves at 3, 6, 9, 10. Rank 1 dies at the start of step 6 (resume from 3), then rank 0 of the
-# restarted group at the start of step 9 (resume from 6).
-TWO_KILLS = "kill@rank=1,step=6;kill@rank=0,step=9,restart=1"
+# restarted group at the start of step 9 (resume from 6); each once that save has committed.
+TWO_KILLS = "kill@rank=1,step=6,committed=3;kill@rank=0,step=9,restart=1,committed=6"
 
 
 def _launch(cfg: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -127,7 +127,7 @@ def test_a_glob_that_gains_a_file_resumes_on_the_files_of_the_first_start(tmp_pa
 
     run = tmp_path / "run"
     cfg = write_config(tmp_path / "c.toml", str(data_dir / "*.parquet"), run, data=data)
-    r = _launch(cfg, {"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8"})  # no restarts: the job ends
+    r = _launch(cfg, {"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8,committed=5"})  # no restarts: the job ends
     assert r.returncode != 0 and (run / "ckpt" / "step-00000005" / "manifest.json").exists()
     added = data_dir / "part-2.parquet"
     shutil.copy(shards[2], added)  # sorts last: without the frozen view, the stream would grow

@@ -66,7 +66,7 @@ def test_sigkill_restart_is_forked_from_the_zygote_and_resumes_bitwise_with_drop
     """Warm restarts for 'run': both generations are forked from the zygote (fresh PIDs), which
     preloaded the script's imports; the resume is bitwise equal to the uninterrupted run."""
     r = run_script(
-        tmp_path, "k", "--steps", "12", max_restarts=1, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8"}
+        tmp_path, "k", "--steps", "12", max_restarts=1, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8,committed=5"}
     )
     _ok(r, tmp_path, "k")
     started = runs.read_events(tmp_path / "k", "workers_started")
@@ -156,7 +156,7 @@ def test_plain_torchrun_restart_resumes_exactly(tmp_path, reference):
         "import os, time\nif os.environ.get('RANK') == '0' and "
         "os.environ.get('TORCHELASTIC_RESTART_COUNT') == '1':\n    time.sleep(4)\n"
     )
-    env = runs.env_for_tests({"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8"})
+    env = runs.env_for_tests({"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8,committed=5"})
     env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
     args = [
         sys.executable,

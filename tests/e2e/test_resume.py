@@ -35,7 +35,7 @@ def _committed_steps(ckpt: Path) -> list[int]:
 
 def test_sigkill_and_resume_is_bitwise_identical(tmp_path, token_file, refs):
     cfg = runs.write_config(tmp_path / "c.toml", token_file, tmp_path / "run", elastic={"max_restarts": 1})
-    _launch_ok(cfg, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8"})
+    _launch_ok(cfg, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8,committed=5"})
     assert runs.step_losses(tmp_path / "run") == runs.step_losses(refs[2])
     restart = runs.read_events(tmp_path / "run", "restart")
     assert len(restart) == 1 and restart[0]["reason"] == "worker_failure"

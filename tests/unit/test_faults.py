@@ -1,0 +1,48 @@
+"""Fault injection's ``committed=N``: a fault waits for that commit before it fires (bounded)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_trainer import contract, faults
+
+
+@pytest.fixture
+def rank1(monkeypatch):
+    monkeypatch.setenv(contract.RANK_ENV, "1")
+    monkeypatch.setenv(contract.RESTART_COUNT_ENV, "0")
+
+
+def test_parse_reads_the_commit_a_fault_waits_for():
+    (kill, slow) = faults.parse("kill@rank=1,step=7,committed=5;slow@rank=0,step=1,seconds=0.3")
+    assert (kill.kind, kill.rank, kill.step, kill.committed) == ("kill", 1, 7, 5)
+    assert slow.committed is None and slow.seconds == 0.3
+
+
+def test_a_fault_fires_only_once_the_commit_it_waits_for_is_visible(monkeypatch, rank1):
+    monkeypatch.setenv(contract.INJECT_FAULT_ENV, "raise@rank=1,step=7,committed=5")
+    asked = []
+
+    def committed(step: int) -> bool:
+        asked.append(step)
+        return len(asked) >= 3  # visible at the third look
+
+    faults.maybe_inject("raise", 6, committed)  # another step: nothing, not even a look
+    assert asked == []
+    with pytest.raises(RuntimeError, match="injected failure on rank 1 at step 7"):
+        faults.maybe_inject("raise", 7, committed)
+    assert asked == [5, 5, 5]
+
+
+def test_a_commit_that_never_lands_delays_the_fault_only_to_its_bound(monkeypatch, rank1, caplog):
+    monkeypatch.setenv(contract.INJECT_FAULT_ENV, "raise@rank=1,step=7,committed=5")
+    monkeypatch.setattr(faults, "COMMITTED_WAIT_SECONDS", 0.2)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        faults.maybe_inject("raise", 7, lambda step: False)
+    assert "without the commit of step 5" in caplog.text
+
+
+def test_without_committed_a_fault_fires_at_once(monkeypatch, rank1):
+    monkeypatch.setenv(contract.INJECT_FAULT_ENV, "raise@rank=1,step=7")
+    with pytest.raises(RuntimeError):
+        faults.maybe_inject("raise", 7, lambda step: pytest.fail("no commit to wait for"))
