@@ -66,7 +66,12 @@ def test_sigkill_restart_is_forked_from_the_zygote_and_resumes_bitwise_with_drop
     """Warm restarts for 'run': both generations are forked from the zygote (fresh PIDs), which
     preloaded the script's imports; the resume is bitwise equal to the uninterrupted run."""
     r = run_script(
-        tmp_path, "k", "--steps", "12", max_restarts=1, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8,committed=5"}
+        tmp_path,
+        "k",
+        "--steps",
+        "12",
+        max_restarts=1,
+        env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8,committed=5"},
     )
     _ok(r, tmp_path, "k")
     started = runs.read_events(tmp_path / "k", "workers_started")
