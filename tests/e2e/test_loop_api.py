@@ -131,7 +131,12 @@ def test_the_own_script_s3_command_writes_to_the_configured_root(tmp_path, s3_se
         "--steps",
         "5",
     ]
-    r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
+    try:
+        r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
+    except subprocess.TimeoutExpired as e:  # say where it stood: its events and its log's end
+        events = [(ev.get("event"), ev.get("step")) for ev in runs.read_events(tmp_path / "runs" / "train_fsdp")]
+        log = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        pytest.fail(f"still running after {e.timeout:.0f}s; events {events}; log:\n{log[-4000:]}")
     assert r.returncode == 0, r.stderr[-3000:]
     fs = s3_server.fs()
     assert sorted(p.rsplit("/", 2)[-2] for p in fs.glob(f"{s3_bucket}/run/step-*/manifest.json")) == ["step-00000005"]
