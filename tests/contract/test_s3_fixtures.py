@@ -8,13 +8,15 @@ are ``TEST_CONFIG_KWARGS`` / ``TEST_S3FS_RETRIES`` from ``tests/fixtures/s3.py``
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import urllib.request
 
 import botocore.exceptions
 import pytest
 
-from tests.fixtures.s3 import TEST_CONFIG_KWARGS, make_fs
+from tests.fixtures.s3 import LOOPBACK, TEST_CONFIG_KWARGS, VOLUME_MAX, make_fs
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(120)]
 
@@ -144,3 +146,17 @@ def test_dropped_connections_without_end_surface_as_botocore_error(s3_server, s3
     with pytest.raises(botocore.exceptions.ConnectionClosedError):
         fs.pipe_file(f"{s3_bucket}/never", b"data")
     assert 2 <= fault_proxy.faulted["PUT"] < 100
+
+
+def test_the_server_has_room_for_a_bucket_per_test_whatever_the_disk_s_free_space(s3_server):
+    """Every bucket is a collection with volumes of its own: the server's volume budget is fixed
+    (SeaweedFS mini would otherwise allow one volume per free GiB of disk, too few for the suite's
+    buckets on a fuller disk), and 10 more buckets, each written, fit beside the suite's."""
+    with urllib.request.urlopen(f"http://{LOOPBACK}:{s3_server.ports['master']}/dir/status", timeout=10) as r:
+        topology = json.load(r)["Topology"]
+    assert topology["Max"] == VOLUME_MAX, topology
+    fs = s3_server.fs()
+    for _ in range(10):
+        bucket = s3_server.make_bucket()
+        fs.pipe_file(f"{bucket}/object", b"ok")
+        assert fs.cat_file(f"{bucket}/object") == b"ok"
