@@ -1,7 +1,7 @@
 """Fault injection by (kind, rank, step, restart) for the chaos suite and tests.
 
 Enabled only through ``ELASTIC_TRAINER_INJECT_FAULT``, a comma-separated list of
-``KIND@rank=R,step=S[,restart=N]`` entries separated by ``;``. Kinds:
+``KIND@rank=R,step=S[,restart=N][,committed=N]`` entries separated by ``;``. Kinds:
 
 * ``raise``   — raise RuntimeError at the start of step S on rank R;
 * ``kill``    — SIGKILL this worker at the start of step S;
