@@ -313,6 +313,9 @@ class _PeerManager:
     def inject_local_faults(self, step: int) -> None:
         pass
 
+    def commit_visible(self, step: int) -> bool:  # fault injection only: none in the benchmark
+        return False
+
     def votes(self) -> tuple[float, float, float]:
         return 0.0, 0.0, 0.0
 

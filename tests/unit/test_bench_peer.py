@@ -1,0 +1,29 @@
+"""bench/checkpoint_stall.py drives torchtitan's CheckpointManager through our training step with
+a stand-in for our manager (``_PeerManager``): every attribute the step context reads of its
+checkpointer's manager must exist on the stand-in, or the side-by-side benchmark breaks at its
+first step."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+
+from tests import runs
+
+
+def _manager_attributes_read_by_the_step() -> set[str]:
+    tree = ast.parse((runs.REPO / "elastic_trainer" / "runtime" / "step.py").read_text())
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "manager"
+    }
+
+
+def test_the_torchtitan_stand_in_has_every_manager_attribute_the_step_reads():
+    spec = importlib.util.spec_from_file_location("checkpoint_stall", runs.REPO / "bench" / "checkpoint_stall.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    used = _manager_attributes_read_by_the_step()
+    assert {"votes", "agreed", "commit_visible", "inject_local_faults"} <= used, used  # the walk finds them
+    assert not {name for name in used if not hasattr(bench._PeerManager, name)}  # noqa: SLF001
