@@ -17,7 +17,7 @@ import json
 import logging
 import sys
 
-from . import log
+from . import exit_codes, log
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointStopError, ConfigError, StorageError
 
 logger = logging.getLogger("elastic_trainer.cli")
@@ -415,5 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def entry() -> None:
+    """The ``elastic-trainer`` command: :func:`main`, its code the process's exit code (through
+    :func:`exit_codes.exit_now`: torch's daemon threads cannot turn it into an abort)."""
+    exit_codes.exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -5,6 +5,12 @@ exists in storage. 2, 65 and 73 are terminal: every rank reaches them alike and 
 only repeat them, so the supervisor does not restart the group for them.
 """
 
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
 OK = 0
 FAILED = 1
 # bad input, named: configuration, storage, or a checkpoint the code cannot take (or none of its commits loads); nothing
@@ -22,3 +28,20 @@ PREEMPTED = 75  # EX_TEMPFAIL: preemption checkpoint of the final step committed
 PREEMPTED_UNCOMMITTED = 76
 
 TERMINAL = frozenset({CONFIG, NONFINITE, FENCED})
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with ``code`` as the interpreter's exit would (``atexit`` handlers, then
+    flushed output) but without its teardown. Torch keeps daemon threads of its own (the
+    rendezvous keep-alive calls the store every few seconds); one that is inside a store call
+    when the interpreter finalizes aborts the process on its way back (SIGABRT, "terminate
+    called without an active exception"), replacing the exit code already decided and
+    reported. Every process of ours that torch's threads may run in ends here."""
+    try:
+        import atexit
+
+        atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter's exit runs (logging's flush, multiprocessing's)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)

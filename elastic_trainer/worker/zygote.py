@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 
-from .. import contract, log
+from .. import contract, exit_codes, log
 
 # What every worker needs, whatever it runs: torch, its distributed pieces and DCP.
 TORCH_PRELOAD = (
@@ -207,14 +207,7 @@ def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int) -
         sys.excepthook(*sys.exc_info())  # the module's own hook, if it installed one (elastic_trainer's Session does)
         code = 1
     finally:
-        try:
-            import atexit
-
-            atexit._run_exitfuncs()  # as the interpreter's exit would (a script's own handlers, multiprocessing's)
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        exit_codes.exit_now(code)  # a script's own atexit handlers run, as the interpreter's exit would
 
 
 def _unbuffered(fd: int, like):
