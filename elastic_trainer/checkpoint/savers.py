@@ -95,7 +95,10 @@ class _Staged:
         if self._stager is None:
             from .staging import KeptStager
 
-            self._stager = KeptStager(staging_options(cuda=self._options[0], shared_memory=self._options[1]))
+            cuda, shared_memory = self._options
+            self._stager = KeptStager(
+                staging_options(cuda=cuda, shared_memory=shared_memory), for_writer_process=shared_memory
+            )
         return self._stager
 
     def close(self) -> None:

@@ -19,6 +19,10 @@ one is settled, as with DCP's own reused buffers. With ``use_async_staging`` the
 thread of its own (the caller waits on the returned future before mutating the state); CUDA
 tensors are copied device → pinned host with non-blocking copies on that thread's current stream
 (ordered after the training's kernels), then the device is synchronised.
+
+For the process writer (``for_writer_process``) a staged state is a
+:class:`.writer_process.Shipment`: the writer process is given the kept copy's tensors once and
+reads every later save's bytes through them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
+
+from . import writer_process
 
 
 class _Mismatch(Exception):
@@ -81,8 +87,10 @@ class KeptStager:
 
     _synchronize_after_execute = False
 
-    def __init__(self, options: StagingOptions):
+    def __init__(self, options: StagingOptions, *, for_writer_process: bool = False):
         self._deep = DefaultStager(dataclasses.replace(options, use_async_staging=False))
+        self._for_writer_process = for_writer_process  # stage() returns writer_process.Shipment
+        self._shipping: writer_process.Kept | None = None
         self._executor = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="et-stager") if options.use_async_staging else None
         )
@@ -99,8 +107,12 @@ class KeptStager:
             return self._stage(state_dict)
         return self._executor.submit(self._stage, state_dict)
 
+    def _stage(self, state_dict: dict[str, Any]) -> Any:
+        staged = self._staged(state_dict)
+        return self._shipping.shipment(staged) if self._shipping is not None else staged
+
     @torch.no_grad()
-    def _stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def _staged(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         if self._kept is not None:
             try:
                 staged = copy_into(state_dict, self._kept, self._non_blocking)
@@ -110,9 +122,11 @@ class KeptStager:
                 if self._non_blocking:
                     torch.accelerator.synchronize()
                 return staged
-        self._kept = None
+        self._kept = self._shipping = None
         staged = self._deep.stage(state_dict)
         self._kept = staged
+        if self._for_writer_process:
+            self._shipping = writer_process.Kept(staged)
         self.deep_copies += 1
         return staged
 
@@ -123,4 +137,4 @@ class KeptStager:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._deep.close()
-        self._kept = None
+        self._kept = self._shipping = None
