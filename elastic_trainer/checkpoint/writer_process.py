@@ -101,15 +101,15 @@ _sent: dict[int, weakref.ref] = {}  # kept copy id → the writer (DCP's slot ob
 _received: dict[int, list] = {}  # in the writer process: kept copy id → its tensors (the newest copy only)
 
 
-def _walk(value: Any, leaf) -> Any:
-    """``value`` (a state dict) with ``leaf(t)`` in place of every tensor."""
-    if isinstance(value, torch.Tensor):
+def _walk(value: Any, kind: type, leaf) -> Any:
+    """``value`` (a state dict) with ``leaf(x)`` in place of every ``x`` of type ``kind``."""
+    if isinstance(value, kind):
         return leaf(value)
     if isinstance(value, dict):
-        out = {k: _walk(v, leaf) for k, v in value.items()}
+        out = {k: _walk(v, kind, leaf) for k, v in value.items()}
         return out if type(value) is dict else type(value)(out)
     if type(value) in (list, tuple):
-        return type(value)(_walk(v, leaf) for v in value)
+        return type(value)(_walk(v, kind, leaf) for v in value)
     return value
 
 
@@ -120,12 +120,14 @@ class Kept:
     def __init__(self, staged: Any):
         self.id = next(_ids)
         self.tensors: list[torch.Tensor] = []
-        _walk(staged, self.tensors.append)
+        _walk(staged, torch.Tensor, self.tensors.append)
         self._index = {id(t): i for i, t in enumerate(self.tensors)}
 
     def shipment(self, staged: Any) -> Shipment:
         """``staged`` (a state whose tensors are this copy's) ready for the writer process."""
-        return Shipment(self, _walk(staged, lambda t: _Ref(self._index[id(t)]) if id(t) in self._index else t))
+        return Shipment(
+            self, _walk(staged, torch.Tensor, lambda t: _Ref(self._index[id(t)]) if id(t) in self._index else t)
+        )
 
 
 class Shipment:
@@ -155,15 +157,4 @@ def _unship(kept_id: int, tensors: list | None, skeleton: Any) -> Any:
     held = _received.get(kept_id)
     if held is None:  # the writer dies of it (the save fails) and every rank's writer is replaced
         raise RuntimeError(f"checkpoint writer: staged copy {kept_id} was never received (holding {list(_received)})")
-    return _fill(skeleton, held)
-
-
-def _fill(value: Any, tensors: list) -> Any:
-    if isinstance(value, _Ref):
-        return tensors[value.index]
-    if isinstance(value, dict):
-        out = {k: _fill(v, tensors) for k, v in value.items()}
-        return out if type(value) is dict else type(value)(out)
-    if type(value) in (list, tuple):
-        return type(value)(_fill(v, tensors) for v in value)
-    return value
+    return _walk(skeleton, _Ref, lambda ref: held[ref.index])
