@@ -66,6 +66,7 @@ def test_the_writer_gets_the_kept_tensors_once_and_reads_each_save_s_bytes_throu
     ours, theirs = ctx.Pipe()
     writer = ctx.Process(target=_writer, args=(theirs,), daemon=True)
     writer.start()
+
     class Slot:  # what DCP's writer slot holds: a new object for every writer process
         pass
 
