@@ -2,7 +2,8 @@
 
 The supervisor exits with what the workers reported: 75 only when a commit of the final step
 exists in storage. 2, 65 and 73 are terminal: every rank reaches them alike and a restart would
-only repeat them, so the supervisor does not restart the group for them.
+only repeat them, so the supervisor does not restart the group for them. :func:`exit_now` is how
+the command and the processes forked from the zygote end with their code.
 """
 
 from __future__ import annotations

@@ -47,6 +47,23 @@ def test_sigkill_and_resume_is_bitwise_identical(tmp_path, token_file, refs):
     assert resume["step"] == 5 and resume["world_size"] == 2
 
 
+def test_the_process_writer_s_saves_resume_bitwise_after_sigkill(tmp_path, token_file, refs):
+    """``checkpoint.writer = "process"``: the save of step 6 is the writer processes' third of the
+    same kept staged copy (its tensors handed over once, at step 2; steps 4 and 6 sent as
+    references to them). A worker SIGKILLed at step 8 resumes from step 6, bitwise."""
+    cfg = runs.write_config(
+        tmp_path / "c.toml",
+        token_file,
+        tmp_path / "run",
+        checkpoint={"writer": "process", "interval_steps": 2},
+        elastic={"max_restarts": 1},
+    )
+    _launch_ok(cfg, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8,committed=6"})
+    assert runs.step_losses(tmp_path / "run") == runs.step_losses(refs[2])
+    (resume,) = runs.read_events(tmp_path / "run", "resume")
+    assert resume["step"] == 6 and resume["world_size"] == 2
+
+
 def test_launch_s_checks_of_the_commit_to_resume_read_its_manifest_not_torch_s_dcp(refs):
     """A node joining a running job asks to join sooner: the checks before any worker starts
     (storage, the commit to resume, run identity, model fingerprint, data view) answer from the
