@@ -33,9 +33,24 @@ def _committed_steps(ckpt: Path) -> list[int]:
     return sorted(layout.parse_step_dir(p.name) for p in ckpt.glob("step-*") if (p / "manifest.json").exists())
 
 
-def test_sigkill_and_resume_is_bitwise_identical(tmp_path, token_file, refs):
-    cfg = runs.write_config(tmp_path / "c.toml", token_file, tmp_path / "run", elastic={"max_restarts": 1})
-    _launch_ok(cfg, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8,committed=5"})
+@pytest.mark.parametrize(
+    "writer, interval, resumed",
+    [
+        ("thread", 5, 5),
+        # the save of step 6 is the writer processes' third of the same kept staged copy (its
+        # tensors handed over once, at step 2; steps 4 and 6 sent as references to them)
+        ("process", 2, 6),
+    ],
+)
+def test_sigkill_and_resume_is_bitwise_identical(tmp_path, token_file, refs, writer, interval, resumed):
+    cfg = runs.write_config(
+        tmp_path / "c.toml",
+        token_file,
+        tmp_path / "run",
+        checkpoint={"writer": writer, "interval_steps": interval},
+        elastic={"max_restarts": 1},
+    )
+    _launch_ok(cfg, env={"ELASTIC_TRAINER_INJECT_FAULT": f"kill@rank=1,step=8,committed={resumed}"})
     assert runs.step_losses(tmp_path / "run") == runs.step_losses(refs[2])
     restart = runs.read_events(tmp_path / "run", "restart")
     assert len(restart) == 1 and restart[0]["reason"] == "worker_failure"
@@ -44,24 +59,7 @@ def test_sigkill_and_resume_is_bitwise_identical(tmp_path, token_file, refs):
         f"the restart names the SIGKILLed rank 1 (one node: local = global rank): {restart[0]['failures']}"
     )
     (resume,) = runs.read_events(tmp_path / "run", "resume")
-    assert resume["step"] == 5 and resume["world_size"] == 2
-
-
-def test_the_process_writer_s_saves_resume_bitwise_after_sigkill(tmp_path, token_file, refs):
-    """``checkpoint.writer = "process"``: the save of step 6 is the writer processes' third of the
-    same kept staged copy (its tensors handed over once, at step 2; steps 4 and 6 sent as
-    references to them). A worker SIGKILLed at step 8 resumes from step 6, bitwise."""
-    cfg = runs.write_config(
-        tmp_path / "c.toml",
-        token_file,
-        tmp_path / "run",
-        checkpoint={"writer": "process", "interval_steps": 2},
-        elastic={"max_restarts": 1},
-    )
-    _launch_ok(cfg, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8,committed=6"})
-    assert runs.step_losses(tmp_path / "run") == runs.step_losses(refs[2])
-    (resume,) = runs.read_events(tmp_path / "run", "resume")
-    assert resume["step"] == 6 and resume["world_size"] == 2
+    assert resume["step"] == resumed and resume["world_size"] == 2
 
 
 def test_launch_s_checks_of_the_commit_to_resume_read_its_manifest_not_torch_s_dcp(refs):
