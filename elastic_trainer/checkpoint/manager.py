@@ -168,6 +168,7 @@ class CheckpointManager:
         self.last_save: Save | None = None  # the newest settled save
         self._drain_deadline: float | None = None  # the exception path's budget, once started
         self._writer_failed = False  # process writer: a save of ours failed; restart the writers before the next
+        self._writers_started = False  # process writer: started at the first step's agreement (every rank at once)
         self._loaded_step: int | None = None
         self._loaded_tier: str | None = None
         self._parent: str | None = None  # the checkpoint the current state descends from
@@ -686,8 +687,12 @@ class CheckpointManager:
     def agreed(self, unsettled: float, failed: float, unusable: float) -> None:
         """The all-reduced :meth:`votes`: when the save in flight is settled on every rank (and
         every writer process is usable), the next save's wait for it (:meth:`settle`, and the
-        process writer's check) needs no collective of its own."""
+        process writer's check) needs no collective of its own. The first call starts the
+        writer processes (``checkpoint.writer = "process"``), so the first save need not."""
         self._agreed = _Agreed(self._inflight, unsettled == 0, failed == 0, unusable == 0)
+        if not self._writers_started:  # the first step: every rank here together, before any save
+            self._writers_started = True
+            self.remote.start_writers()
 
     def finish(self, timeout: float | None = None) -> bool:
         """Collective: wait for the save in flight to be written and committed, at most

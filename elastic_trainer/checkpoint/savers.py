@@ -15,6 +15,7 @@ raises: a save that cannot start is a ``written`` future that failed.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch.distributed as dist
@@ -25,6 +26,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..storage.fs import Storage
 from . import integrity, save_planner, writer_process
 from .local_tier import LocalTier
+
+logger = logging.getLogger(__name__)
 
 
 def staging_options(*, cuda: bool, shared_memory: bool):
@@ -152,6 +155,7 @@ class RemoteSaver:
                 )
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+            writer_process.wait_started()
             resp = dcp.async_save(
                 states,
                 storage_writer=writer,
@@ -167,6 +171,16 @@ class RemoteSaver:
     def failed(self) -> None:
         """After a failed save: the ranks' plan caches may be out of step; plan the next afresh."""
         save_planner.forget(self._plan_key)
+
+    def start_writers(self) -> None:
+        """Every rank together, before the first save: start the writer processes now (in the
+        background) instead of at that save. A start that cannot begin is left to the save."""
+        if not self.uses_writer_process:
+            return
+        try:
+            writer_process.prestart(self.group)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank gets DCP's exchange's error
+            logger.warning("the checkpoint writer processes start at the first save instead: %s", e)
 
     def writers_healthy(self) -> bool:
         """This rank's writer process is usable (always, without one)."""

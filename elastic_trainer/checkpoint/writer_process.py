@@ -19,6 +19,17 @@ save of the same copy sends the state's structure with a reference in place of e
 every value that is not a tensor, as before. The stager copies each save's bytes into those same
 buffers (:mod:`.staging`), so the writer reads the new bytes through the mapping it already has.
 
+DCP starts the writer at the first save, in the background: a few seconds of importing torch in
+a new interpreter, so the first save commits that much later, and on busy cores that start runs
+beside training steps. :func:`prestart` starts it earlier, at a point every rank reaches
+together (the manager calls it at its first step's agreement, before any save): DCP's own
+exchange of the writers' rendezvous address on the checkpoint group, then DCP's start of the
+process on a thread of ours, which puts it into DCP's slot when it is up. A save waits for a
+start still under way (:func:`wait_started`, bounded; then the save fails). A start that failed
+makes :func:`healthy` false, so the ranks agree to :func:`stop` every writer; the next save then
+starts new ones the way DCP's first save does. :func:`stop` also ends a start under way (its
+process is killed, it never enters the slot).
+
 DCP keeps its writer process in one module-level slot (``_CHECKPOINT_PROCESS``) that it never
 resets: a writer that died would fail every later save. The manager therefore asks
 :func:`healthy` before each save, agrees on the answers of every rank (a writer group with one
@@ -30,13 +41,18 @@ save instead of one that blocks every later save.
 
 Private torch API used here, and only here (``tests/dist/test_writer_process.py`` fails loudly
 when torch changes it): ``torch.distributed.checkpoint._async_process_executor``'s
-``_CHECKPOINT_PROCESS`` slot and its ``_save_process`` (a ``multiprocessing.Process``).
+``_CHECKPOINT_PROCESS`` slot and its ``_save_process`` (a ``multiprocessing.Process``),
+``_ProcessGroupInitInfo``, and ``_AsyncCheckpointProcess``'s constructor taken in its steps
+(``ctx``, ``_process_pipe``, ``_save_process``, ``_checkpointing_subprocess``,
+``_wait_for_response``, ``_CheckpointSaveProcessControlOpts.INIT_COMPLETE``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing
+import threading
 import weakref
 from typing import Any, NamedTuple
 
@@ -46,6 +62,8 @@ from torch.distributed.checkpoint import _async_process_executor as _executor
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_SECONDS = 5.0
+START_WAIT_SECONDS = 60.0  # a save waits this long at most for a writer started ahead of it
+_INIT_TIMEOUT_SECONDS = 1800.0  # DCP's own wait for a new writer (gloo's default init timeout)
 
 
 def _writer():
@@ -64,8 +82,10 @@ def started() -> bool:
 
 
 def healthy() -> bool:
-    """False when this process's writer process was started and is no longer alive (None yet:
-    healthy, the next save starts it)."""
+    """False when this process's writer process was started and is no longer alive, or its
+    start ahead of the first save failed (None yet, or a start under way: healthy)."""
+    if _starting is not None and _starting.failed():
+        return False
     proc = _process()
     return proc is None or proc.is_alive()
 
@@ -75,9 +95,99 @@ def pid() -> int | None:
     return None if proc is None else proc.pid
 
 
+class _Start:
+    """A writer process being started ahead of the first save, on a thread of its own: DCP's
+    ``_AsyncCheckpointProcess`` constructor in its steps (spawn the process, wait for it to
+    report ready), so that :meth:`cancel` can reach the process while it starts."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, info):
+        self.error: BaseException | None = None
+        self._cancelled = False
+        self._process = None
+        self._thread = threading.Thread(target=self._run, args=(info,), name="et-writer-start", daemon=True)
+        self._thread.start()
+
+    def _run(self, info) -> None:
+        cls = _executor._AsyncCheckpointProcess
+        writer = cls.__new__(cls)
+        writer.ctx = multiprocessing.get_context("spawn")
+        writer._process_pipe, child_end = writer.ctx.Pipe()
+        writer._save_process = writer.ctx.Process(
+            target=cls._checkpointing_subprocess, args=(info, child_end), daemon=True
+        )
+        try:
+            with self._lock:
+                if self._cancelled:
+                    return
+                self._process = writer._save_process
+                writer._save_process.start()
+            child_end.close()  # the writer's death then ends the wait below
+            ready = writer._wait_for_response(timeout=_INIT_TIMEOUT_SECONDS)
+            if ready != _executor._CheckpointSaveProcessControlOpts.INIT_COMPLETE:
+                raise RuntimeError(f"the checkpoint writer process answered {ready!r} to its start")
+            with self._lock:
+                if not self._cancelled:
+                    _executor._CHECKPOINT_PROCESS = writer
+                    return
+        except BaseException as e:  # noqa: BLE001 - reported by wait_started / healthy
+            self.error = e
+        if writer._save_process.pid is not None:
+            writer._save_process.kill()
+            writer._save_process.join(STOP_TIMEOUT_SECONDS)
+
+    def wait(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def failed(self) -> bool:
+        return not self._thread.is_alive() and self.error is not None
+
+    def cancel(self) -> None:
+        """The start never enters DCP's slot; the process it started is killed."""
+        with self._lock:
+            self._cancelled = True
+            proc = self._process
+        if proc is not None:
+            proc.kill()  # DCP's wait for it then ends
+        self._thread.join(STOP_TIMEOUT_SECONDS)
+
+
+_starting: _Start | None = None
+
+
+def prestart(group) -> None:
+    """Every rank together, a collective on ``group`` (the checkpoint group, as DCP's first save
+    uses): start this process's writer process now, in the background, instead of at the first
+    save. Nothing to start when one is already there or under way."""
+    global _starting
+    info = _executor._ProcessGroupInitInfo(group)  # on every rank, whatever it decides below
+    if _writer() is None and _starting is None:
+        _starting = _Start(info)
+
+
+def wait_started(timeout: float = START_WAIT_SECONDS) -> None:
+    """Before a save: wait for a start under way (:func:`prestart`); RuntimeError when it failed
+    or is not done within ``timeout`` (the save fails; the ranks then replace every writer)."""
+    global _starting
+    start = _starting
+    if start is None:
+        return
+    if not start.wait(timeout):
+        raise RuntimeError(f"the checkpoint writer process did not start within {timeout:.0f}s")
+    if start.error is not None:
+        raise RuntimeError(f"the checkpoint writer process did not start: {start.error}")
+    _starting = None
+
+
 def stop() -> None:
-    """End this process's writer process (a save it is running fails) and empty DCP's slot, so
-    that the next save starts a new one. Never raises."""
+    """End this process's writer process (a save it is running fails) and a start under way, and
+    empty DCP's slot, so that the next save starts a new one. Never raises."""
+    global _starting
+    start, _starting = _starting, None
+    if start is not None:
+        start.cancel()
     proc = _process()
     _executor._CHECKPOINT_PROCESS = None
     if proc is None:

@@ -7,7 +7,9 @@ saves is replaced before the next save (agreed by every rank, ``checkpoint_write
 and that save commits; a writer killed while it writes fails that save visibly
 (``checkpoint_failed``, ``finish`` → False) and the next save, on fresh writers, commits; a writer
 stuck (SIGSTOP) past the save's deadline is stopped on every rank at the next save, which fails the
-stuck save and commits. Also
+stuck save and commits. The writers start at the first step's agreement, before any save, and
+that save uses them; a start stopped while under way leaves no process behind; a start that
+fails on one rank gets every rank's writer replaced before the save, which commits. Also
 the private torch seam of ``checkpoint/writer_process.py`` (fails loudly when torch moves it).
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import signal
 import time
@@ -106,8 +109,14 @@ def _scenario(rank, world, root):
     mgr.close()
     out["stopped"] = not writer_process.started()
     # every committed step loads back exactly through the verifying reader
+    out["loaded"] = _loaded_back(manager, holder, mesh, (1, 2, 3, 5, 7))
+    return out
+
+
+def _loaded_back(manager, holder: _Tensors, mesh, steps) -> dict[int, bool]:
+    """Per step: a new manager resumes it and the state equals what was saved at it."""
     loaded = {}
-    for step in (1, 2, 3, 5, 7):
+    for step in steps:
         holder.t = {k: torch.zeros_like(v) for k, v in _state(mesh, 0.0).items()}
         m = manager()
         res = m.load(resume=str(step))
@@ -119,8 +128,7 @@ def _scenario(rank, world, root):
             )
         )
         m.close()
-    out["loaded"] = loaded
-    return out
+    return loaded
 
 
 def test_process_writer_commits_checksummed_saves_and_restarts_a_dead_writer(tmp_path):
@@ -154,3 +162,100 @@ def test_process_writer_commits_checksummed_saves_and_restarts_a_dead_writer(tmp
     )
     items = [i for f in manifest["files"].values() for i in f.get("items", [])]
     assert items and all(len(i) == 3 for i in items), "per-item checksums written by the writer process"
+
+
+def _agree(mgr) -> None:
+    """What every rank gets from the step's all-reduce (``runtime/step.py``: ``Step.agree``)."""
+    t = torch.tensor(mgr.votes(), dtype=torch.float64)
+    dist.all_reduce(t)
+    mgr.agreed(*t.tolist())
+
+
+def _writer_children() -> list:
+    """This process's writer processes, started or being started (its only children here)."""
+    return multiprocessing.active_children()
+
+
+def _prestart_scenario(rank, world, root):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic_trainer.checkpoint import writer_process
+    from elastic_trainer.config import config_from_dict
+    from elastic_trainer.events import EventLog
+    from tests.dist.workloads import TINY, one_state_manager
+
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = config_from_dict({**TINY, "checkpoint": {"dir": root, "mode": "async", "writer": "process", "keep_last": 10}})
+    holder = _Tensors(_state(mesh, 0.0))
+    group = dist.new_group(backend="gloo")
+    events = EventLog(os.path.join(root, "events.jsonl") if rank == 0 else None)
+    out = {}
+
+    def manager():
+        m = one_state_manager(cfg.checkpoint, root, holder, rank, world, group, events=events)
+        m.load()
+        return m
+
+    def save(mgr, step: int) -> bool:
+        holder.t = _state(mesh, float(step))
+        _agree(mgr)
+        mgr.save(step)
+        mgr.wait_for_staging()
+        return mgr.finish(timeout=120)
+
+    mgr = manager()
+    out["none_before_first_step"] = writer_process.pid() is None and not _writer_children()
+    _agree(mgr)  # the first step
+    writer_process.wait_started(60)
+    first_pid = writer_process.pid()
+    out["up_before_save"] = first_pid is not None and writer_process.healthy()
+    out["first"] = save(mgr, 1)
+    out["same_writer"] = writer_process.pid() == first_pid
+    mgr.close()
+    out["closed"] = not writer_process.started() and not _writer_children()
+
+    mgr = manager()  # a start stopped while under way
+    _agree(mgr)
+    out["was_starting"] = writer_process.pid() is None
+    mgr.close()
+    out["cancelled"] = not writer_process.started() and not _writer_children()
+
+    mgr = manager()  # a start that fails on rank 1
+    _agree(mgr)
+    if rank == 1:
+        deadline = time.monotonic() + 30
+        while not _writer_children() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for p in _writer_children():
+            p.kill()
+        deadline = time.monotonic() + 30
+        while writer_process.healthy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out["start_failed"] = not writer_process.healthy()
+    out["after_failed_start"] = save(mgr, 2)
+    out["replaced"] = writer_process.pid() not in (None, first_pid)
+    # rank 0's start, waiting for a rank-1 writer that never came, was stopped, its process killed
+    out["only_the_new_writer"] = [p.pid for p in _writer_children()] == [writer_process.pid()]
+    mgr.close()
+    out["loaded"] = _loaded_back(
+        lambda: one_state_manager(cfg.checkpoint, root, holder, rank, world, group), holder, mesh, (1, 2)
+    )
+    return out
+
+
+def test_the_writers_start_at_the_first_step_and_a_failed_or_stopped_start_is_replaced(tmp_path):
+    root = str(tmp_path / "ckpt")
+    os.makedirs(root)
+    results = run_ranks(_prestart_scenario, 2, root, timeout=300, daemon=False)
+    for r in results:
+        assert r["none_before_first_step"] and r["up_before_save"] and r["first"] and r["same_writer"], r
+        assert r["closed"] and r["was_starting"] and r["cancelled"], r
+        assert r["after_failed_start"] and r["replaced"] and r["only_the_new_writer"], r
+        assert r["loaded"] == {1: True, 2: True}, r
+    assert results[1]["start_failed"], results[1]
+    events = [json.loads(line) for line in open(os.path.join(root, "events.jsonl"))]
+    names = [(e["event"], e.get("step")) for e in events if e["event"].startswith("checkpoint_")]
+    assert [s for n, s in names if n == "checkpoint_committed"] == [1, 2], names
+    assert not [s for n, s in names if n == "checkpoint_failed"], names
+    restarts = [e["reason"] for e in events if e["event"] == "checkpoint_writer_restarted"]
+    assert restarts == ["a writer process died or failed a save"], restarts

@@ -110,6 +110,9 @@ class GatedSaver:
     def failed(self):
         self.failures_seen += 1
 
+    def start_writers(self):
+        pass
+
     def writers_healthy(self):
         return True
 
