@@ -23,6 +23,10 @@ the steps it did.
   ``--skip`` warm-up steps; then the median over the repeats.
 * wall tokens/s: global tokens of steps ``skip+1..S`` / time between their events; this one
   includes what happens between steps (the async checkpoint calls).
+* paired wall ratio: per repeat, a variant's wall tokens/s ÷ the first variant's in the same
+  repeat (the runs next to each other in time, so drift in the machine's load over the
+  invocation cancels), median over the repeats. The unpaired ratio (medians ÷ median) is
+  printed beside it.
 * blocked per save / overlapped step: see :func:`save_overlap` (from the step and
   ``checkpoint_committed`` events). On a GPU node (``train.device = "auto"`` picks CUDA) the
   same command measures the CUDA staging path (device → pinned host).
@@ -258,14 +262,18 @@ def main() -> int:
     info["loadavg_end"] = loadavg()
     info["wall_seconds"] = round(time.monotonic() - t0, 1)
     summary = {}
+    base_of = {r["repeat"]: r["wall_tokens_per_s"] for r in results if r["variant"] == variants[0]}
     for v in variants:
         n = parse_variant(v)[0]
         rs = [r for r in results if r["variant"] == v]
+        paired = [r["wall_tokens_per_s"] / base_of[r["repeat"]] for r in rs]
         summary[v] = {
             "nproc": n,
             "tokens_per_s": median(r["tokens_per_s_median"] for r in rs),
             "tokens_per_s_runs": [r["tokens_per_s_median"] for r in rs],
             "wall_tokens_per_s": median(r["wall_tokens_per_s"] for r in rs),
+            "wall_paired_ratio": median(paired),
+            "wall_paired_ratios": paired,
             "step_time": median(r["step_time_median"] for r in rs),
             "peak_rss_by_rank_max": {k: max(r["peak_rss_by_rank"][k] for r in rs) for k in range(n)},
             "peak_rss_by_rank_median": {k: median(r["peak_rss_by_rank"][k] for r in rs) for k in range(n)},
@@ -304,7 +312,8 @@ def main() -> int:
                 f"{s['tokens_per_s'] / base:.2f}",
                 f"{s['wall_tokens_per_s']:,.0f}",
                 f"{s['wall_tokens_per_s'] / wall_base:.3f}",
-                ", ".join(f"{r['wall_tokens_per_s'] / wall_base:.3f}" for r in results if r["variant"] == v),
+                f"{s['wall_paired_ratio']:.3f}",
+                ", ".join(f"{x:.3f}" for x in s["wall_paired_ratios"]),
                 f"{s['blocked_per_save'] * 1000:.1f}",
                 f"{s['overlapped_step_ratio']:.2f}",
                 f"{s['step_time'] * 1000:.0f}",
@@ -322,7 +331,8 @@ def main() -> int:
                 f"÷ {variants[0]}",
                 "wall tokens/s",
                 f"wall ÷ {variants[0]}",
-                f"wall per run ÷ {variants[0]}",
+                f"wall ÷ {variants[0]}, paired (median)",
+                "paired per repeat",
                 "blocked ms per save",
                 "overlapped step ÷ median step",
                 "step ms",
