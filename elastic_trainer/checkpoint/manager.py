@@ -168,7 +168,7 @@ class CheckpointManager:
         self.last_save: Save | None = None  # the newest settled save
         self._drain_deadline: float | None = None  # the exception path's budget, once started
         self._writer_failed = False  # process writer: a save of ours failed; restart the writers before the next
-        self._writers_started = False  # process writer: started at the first step's agreement (every rank at once)
+        self._writers_started = False  # process writer: started at the first agreement or save (all ranks)
         self._loaded_step: int | None = None
         self._loaded_tier: str | None = None
         self._parent: str | None = None  # the checkpoint the current state descends from
@@ -390,6 +390,7 @@ class CheckpointManager:
         ``remote_every``-th since the last one there."""
         stats = SaveStats(step)
         t0 = time.monotonic()
+        self._writers_started = True  # a save before the first step starts them itself (DCP's way)
         agreed = self._agreed
         settled = self.settle(self._inflight.deadline if self._inflight else None)
         remote = (

@@ -9,7 +9,8 @@ and that save commits; a writer killed while it writes fails that save visibly
 stuck (SIGSTOP) past the save's deadline is stopped on every rank at the next save, which fails the
 stuck save and commits. The writers start at the first step's agreement, before any save, and
 that save uses them; a start stopped while under way leaves no process behind; a start that
-fails on one rank gets every rank's writer replaced before the save, which commits. Also
+fails on one rank gets every rank's writer replaced before the save, which commits; a save
+before the first step starts them itself and that step starts no second one. Also
 the private torch seam of ``checkpoint/writer_process.py`` (fails loudly when torch moves it).
 """
 
@@ -237,8 +238,18 @@ def _prestart_scenario(rank, world, root):
     # rank 0's start, waiting for a rank-1 writer that never came, was stopped, its process killed
     out["only_the_new_writer"] = [p.pid for p in _writer_children()] == [writer_process.pid()]
     mgr.close()
+
+    mgr = manager()  # a save before the first step starts the writers itself; that step starts none
+    holder.t = _state(mesh, 3.0)
+    mgr.save(3)
+    _agree(mgr)  # while DCP is still starting the writer of save 3
+    out["no_second_start"] = writer_process._starting is None
+    mgr.wait_for_staging()
+    out["saved_before_first_step"] = mgr.finish(timeout=120)
+    out["one_writer"] = len(_writer_children()) == 1
+    mgr.close()
     out["loaded"] = _loaded_back(
-        lambda: one_state_manager(cfg.checkpoint, root, holder, rank, world, group), holder, mesh, (1, 2)
+        lambda: one_state_manager(cfg.checkpoint, root, holder, rank, world, group), holder, mesh, (1, 2, 3)
     )
     return out
 
@@ -251,11 +262,12 @@ def test_the_writers_start_at_the_first_step_and_a_failed_or_stopped_start_is_re
         assert r["none_before_first_step"] and r["up_before_save"] and r["first"] and r["same_writer"], r
         assert r["closed"] and r["was_starting"] and r["cancelled"], r
         assert r["after_failed_start"] and r["replaced"] and r["only_the_new_writer"], r
-        assert r["loaded"] == {1: True, 2: True}, r
+        assert r["saved_before_first_step"] and r["no_second_start"] and r["one_writer"], r
+        assert r["loaded"] == {1: True, 2: True, 3: True}, r
     assert results[1]["start_failed"], results[1]
     events = [json.loads(line) for line in open(os.path.join(root, "events.jsonl"))]
     names = [(e["event"], e.get("step")) for e in events if e["event"].startswith("checkpoint_")]
-    assert [s for n, s in names if n == "checkpoint_committed"] == [1, 2], names
+    assert [s for n, s in names if n == "checkpoint_committed"] == [1, 2, 3], names
     assert not [s for n, s in names if n == "checkpoint_failed"], names
     restarts = [e["reason"] for e in events if e["event"] == "checkpoint_writer_restarted"]
     assert restarts == ["a writer process died or failed a save"], restarts
