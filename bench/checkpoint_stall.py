@@ -1,4 +1,4 @@
-"""Training-loop stall per checkpoint: async save vs synchronous DCP vs full state dict (issue #3).
+"""Training-loop stall per checkpoint: async save vs synchronous DCP vs full state dict.
 
     python bench/checkpoint_stall.py [--rounds 3] [--every 20] [--dim 768 --layers 13]
                                      [--seq-len 64 --global-batch 2] [--json-out F]
@@ -740,7 +740,7 @@ def print_report(out: dict) -> None:
     )
     print()
     print(
-        f"targets (issue #3): async ≤ 0.05 × sync: {r['async_over_sync']:.3f} (÷ sync without CRC32s: "
+        f"targets (earlier goals): async ≤ 0.05 × sync: {r['async_over_sync']:.3f} (÷ sync without CRC32s: "
         f"{r['async_over_sync_nocrc']:.3f}) {'met' if r['async_over_sync'] <= 0.05 else 'MISSED'}; "
         f"async ≤ 2 × floor: {r['async_over_floor']:.2f} {'met' if r['async_over_floor'] <= 2 else 'MISSED'}; "
         f"throughput ratio ≥ 0.97: {r['throughput_ckpt_over_none']:.3f} "
@@ -752,7 +752,7 @@ def print_report(out: dict) -> None:
         ours = m["stall_B:thread"] if "stall_B:thread" in m else m["async_stall"]
         extra = m.get("after_B:thread", float("nan")) - m["step_A"]
         print(
-            "targets (issue #14): blocked ≤ 0.005 × sync: "
+            "targets: blocked ≤ 0.005 × sync: "
             f"{ours / m['sync']:.4f} {'met' if ours / m['sync'] <= 0.005 else 'MISSED'}; "
             f"≤ 0.5 × best peer ({best:.3f}s): {ours / best:.2f} {'met' if ours / best <= 0.5 else 'MISSED'}; "
             "extra time of the overlapped step ≤ 0.25 × sync: "

@@ -1,4 +1,4 @@
-"""Cost of checkpoint integrity (issue #10), side by side in one run: checksummed vs plain DCP.
+"""Cost of checkpoint integrity, side by side in one run: checksummed vs plain DCP.
 
 For a state of ``--mb`` MiB (fp32 tensors, the shape mix of a transformer + AdamW), alternating
 rounds in one process (world 1, gloo), local disk:

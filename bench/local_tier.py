@@ -1,4 +1,4 @@
-"""Local-tier load ÷ object-store load of the same checkpoint, through the checkpoint manager (issue #14).
+"""Local-tier load ÷ object-store load of the same checkpoint, through the checkpoint manager.
 
     python bench/local_tier.py [--mb 512] [--tensors 16] [--rounds 3] [--local-dir /dev/shm/...] [--json-out F]
 

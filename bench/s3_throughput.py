@@ -1,4 +1,4 @@
-"""S3 checkpoint upload/download throughput vs raw s3fs put/get of the same bytes (issue #14, item 5).
+"""S3 checkpoint upload/download throughput vs raw s3fs put/get of the same bytes.
 
     python bench/s3_throughput.py [--mb 512] [--tensors 16] [--rounds 3] [--variants default,...] [--json-out F]
 

@@ -1,4 +1,4 @@
-"""Demo throughput (tokens/s) at 1 and 2 workers, and peak memory per rank (issue #2).
+"""Demo throughput (tokens/s) at 1 and 2 workers, and peak memory per rank.
 
     python bench/throughput.py [--steps 120] [--max-seconds 90] [--repeats 3] [--variants 1,2,1:omp1]
                                [--config configs/demo-cpu.toml] [--set k=v ...] [--json-out F]

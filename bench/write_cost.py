@@ -1,4 +1,4 @@
-"""CPU-seconds per GB a DCP checkpoint write costs, per writer variant (issue #14, item 2).
+"""CPU-seconds per GB a DCP checkpoint write costs, per writer variant.
 
     python bench/write_cost.py [--mb 1024] [--tensors 32] [--rounds 3] [--json-out F]
 
