@@ -100,9 +100,8 @@ class _Start:
     ``_AsyncCheckpointProcess`` constructor in its steps (spawn the process, wait for it to
     report ready), so that :meth:`cancel` can reach the process while it starts."""
 
-    _lock = threading.Lock()
-
     def __init__(self, info):
+        self._lock = threading.Lock()  # between the start's thread and cancel
         self.error: BaseException | None = None
         self._cancelled = False
         self._process = None

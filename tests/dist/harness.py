@@ -42,13 +42,13 @@ def _entry(fn, rank, world, port, args, queue, environ):
 
         import torch
 
-        # A fresh interpreter seeds torch's and numpy's global generators at random; a fork would
-        # share the server's. (Python's random reseeds itself in a forked child.)
-        torch.seed()
         # The fork server imported torch before OMP_NUM_THREADS=1 was set here: its thread pool
         # would be the machine's size, and two ranks would run 2 × cores compute threads
         # (torchrun exports the variable before a worker imports torch; the zygote sets it too).
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        # A fresh interpreter seeds torch's and numpy's global generators at random; a fork would
+        # share the server's. (Python's random reseeds itself in a forked child.)
+        torch.seed()
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         dist.init_process_group("gloo", rank=rank, world_size=world)
