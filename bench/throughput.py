@@ -23,10 +23,12 @@ the steps it did.
   ``--skip`` warm-up steps; then the median over the repeats.
 * wall tokens/s: global tokens of steps ``skip+1..S`` / time between their events; this one
   includes what happens between steps (the async checkpoint calls).
-* paired wall ratio: per repeat, a variant's wall tokens/s ÷ the first variant's in the same
+* paired wall ratio: per repeat, a variant's wall tokens/s ÷ that of its *baseline* in the same
   repeat (the runs next to each other in time, so drift in the machine's load over the
-  invocation cancels), median over the repeats. The unpaired ratio (medians ÷ median) is
-  printed beside it.
+  invocation cancels), median over the repeats. A variant's baseline is the first variant
+  listed with the same number of workers (list the no-save run first: ``1:omp1:every0,
+  1:omp1:every10,2:every0,2:every10`` compares each save run with the no-save run of its
+  worker count). The unpaired ratio (medians ÷ median) is printed beside it.
 * blocked per save / overlapped step: see :func:`save_overlap` (from the step and
   ``checkpoint_committed`` events). On a GPU node (``train.device = "auto"`` picks CUDA) the
   same command measures the CUDA staging path (device → pinned host).
@@ -262,13 +264,19 @@ def main() -> int:
     info["loadavg_end"] = loadavg()
     info["wall_seconds"] = round(time.monotonic() - t0, 1)
     summary = {}
-    base_of = {r["repeat"]: r["wall_tokens_per_s"] for r in results if r["variant"] == variants[0]}
+    baseline = {}  # workers -> the first variant listed with that many
+    for v in variants:
+        baseline.setdefault(parse_variant(v)[0], v)
+    base_of = {
+        (r["nproc"], r["repeat"]): r["wall_tokens_per_s"] for r in results if r["variant"] == baseline[r["nproc"]]
+    }
     for v in variants:
         n = parse_variant(v)[0]
         rs = [r for r in results if r["variant"] == v]
-        paired = [r["wall_tokens_per_s"] / base_of[r["repeat"]] for r in rs]
+        paired = [r["wall_tokens_per_s"] / base_of[(n, r["repeat"])] for r in rs]
         summary[v] = {
             "nproc": n,
+            "baseline": baseline[n],
             "tokens_per_s": median(r["tokens_per_s_median"] for r in rs),
             "tokens_per_s_runs": [r["tokens_per_s_median"] for r in rs],
             "wall_tokens_per_s": median(r["wall_tokens_per_s"] for r in rs),
@@ -298,15 +306,15 @@ def main() -> int:
     )
     print()
     rows = []
-    base = summary[variants[0]]["tokens_per_s"]
-    wall_base = summary[variants[0]]["wall_tokens_per_s"]
     for v in variants:
         s = summary[v]
         n = s["nproc"]
+        base, wall_base = summary[s["baseline"]]["tokens_per_s"], summary[s["baseline"]]["wall_tokens_per_s"]
         rss = ", ".join(f"{s['peak_rss_by_rank_max'][k] / 2**20:.0f}" for k in range(n))
         rows.append(
             [
                 v,
+                s["baseline"],
                 f"{s['tokens_per_s']:,.0f}",
                 ", ".join(f"{x:,.0f}" for x in s["tokens_per_s_runs"]),
                 f"{s['tokens_per_s'] / base:.2f}",
@@ -325,13 +333,14 @@ def main() -> int:
     print(
         table(
             [
-                "workers",
+                "variant",
+                "baseline",
                 "tokens/s (median)",
                 "per run",
-                f"÷ {variants[0]}",
+                "÷ baseline",
                 "wall tokens/s",
-                f"wall ÷ {variants[0]}",
-                f"wall ÷ {variants[0]}, paired (median)",
+                "wall ÷ baseline",
+                "wall ÷ baseline, paired (median)",
                 "paired per repeat",
                 "blocked ms per save",
                 "overlapped step ÷ median step",
