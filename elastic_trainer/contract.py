@@ -358,6 +358,13 @@ EVENTS: tuple[Event, ...] = (
         step="the save in flight, if any",
     ),
     _e(
+        "checkpoint_writer_fallback",
+        _RANK0,
+        "`checkpoint.writer = \"process\"` could not stage a rank's state in the node's shared memory "
+        "(`/dev/shm` too small; that save failed): every rank writes with the thread writer from the next save on.",
+        "writer reason",
+    ),
+    _e(
         "checkpoint_local_saved",
         _RANK0,
         "Rank 0's local-tier copy committed; every rank commits its own.",

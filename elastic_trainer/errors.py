@@ -31,6 +31,11 @@ class CheckpointError(ElasticTrainerError):
     """A checkpoint is unusable (missing files, truncated shard, wrong model)."""
 
 
+class SharedMemoryFullError(CheckpointError):
+    """A rank's state does not fit in the node's shared memory (``/dev/shm``), where the process
+    writer (``checkpoint.writer = "process"``) stages it."""
+
+
 class CheckpointMismatchError(CheckpointError, ValueError):
     """A checkpoint does not fit the configured model. ``key`` names the state-dict key or config key."""
 

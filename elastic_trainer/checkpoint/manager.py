@@ -501,18 +501,27 @@ class CheckpointManager:
         every rank's writer usable and the previous save settled well): agree that every rank's
         writer process is usable; if one died or failed a save, or the previous save is still
         writing past its deadline, stop the writers on every rank (the next save starts new ones
-        together). Returns whether the previous save is settled after that."""
+        together). If a rank's state did not fit in shared memory, new writers would fail the same
+        way: every rank writes with the thread writer from then on (``checkpoint_writer_fallback``).
+        Returns whether the previous save is settled after that."""
         stuck = self._inflight is not None
         ok = self.remote.writers_healthy() and not self._writer_failed and not stuck
         if self.agreement.all_true(ok):
             return True
-        why = "still writing past its deadline" if stuck else "a writer process died or failed a save"
-        logger.warning("restarting the checkpoint writer processes: %s", why)
-        if self.rank == 0:
-            self.events.emit(
-                "checkpoint_writer_restarted", reason=why, step=self._inflight.step if self._inflight else None
-            )
-        self.remote.stop_writers()
+        if not self.agreement.all_true(not self.remote.out_of_shared_memory()):
+            why = "a rank's state does not fit in the node's shared memory (/dev/shm)"
+            logger.error('checkpoint.writer = "process": %s; writing with the thread writer from now on', why)
+            if self.rank == 0:
+                self.events.emit("checkpoint_writer_fallback", writer="thread", reason=why)
+            self.remote.use_thread_writer()
+        else:
+            why = "still writing past its deadline" if stuck else "a writer process died or failed a save"
+            logger.warning("restarting the checkpoint writer processes: %s", why)
+            if self.rank == 0:
+                self.events.emit(
+                    "checkpoint_writer_restarted", reason=why, step=self._inflight.step if self._inflight else None
+                )
+            self.remote.stop_writers()
         self._writer_failed = False
         # the stopped writer failed that save: wait for it to say so
         return self.settle(time.monotonic() + writer_process.STOP_TIMEOUT_SECONDS * 2)

@@ -104,6 +104,9 @@ class _Staged:
             )
         return self._stager
 
+    def out_of_shared_memory(self) -> bool:
+        return self._stager is not None and self._stager.out_of_shared_memory
+
     def close(self) -> None:
         if self._stager is not None:
             self._stager.close()
@@ -132,6 +135,7 @@ class RemoteSaver:
         self.sync = mode == "sync"
         self.uses_writer_process = writer == "process" and not self.sync
         self._upload_nice = upload_nice
+        self._cuda_staging = cuda_staging
         self._stager = _Staged(cuda_staging, shared_memory=writer == "process")
         self._uploads = _Uploads("et-upload")
         self._plan_key = save_planner.new_key()  # DCP plan cache of these saves
@@ -185,6 +189,19 @@ class RemoteSaver:
     def writers_healthy(self) -> bool:
         """This rank's writer process is usable (always, without one)."""
         return not self.uses_writer_process or writer_process.healthy()
+
+    def out_of_shared_memory(self) -> bool:
+        """This rank's process-writer staging found no room for the state in shared memory."""
+        return self.uses_writer_process and self._stager.out_of_shared_memory()
+
+    def use_thread_writer(self) -> None:
+        """Every rank together: stop the writer processes and write every later async save on the
+        upload thread, staged in ordinary memory (the process writer cannot stage the state)."""
+        writer_process.stop()
+        self.uses_writer_process = False
+        self._stager.close()
+        self._stager = _Staged(self._cuda_staging, shared_memory=False)
+        save_planner.forget(self._plan_key)
 
     def stop_writers(self) -> None:
         """Every rank together: stop the writer processes (the next save starts new ones)."""

@@ -22,13 +22,17 @@ tensors are copied device → pinned host with non-blocking copies on that threa
 
 For the process writer (``for_writer_process``) a staged state is a
 :class:`.writer_process.Shipment`: the writer process is given the kept copy's tensors once and
-reads every later save's bytes through them.
+reads every later save's bytes through them. Its kept copy lives in shared memory: a state that
+does not fit in the node's ``/dev/shm`` (torch allocates it up front, so this is an error, never a
+SIGBUS later) fails the staging with :class:`~elastic_trainer.errors.SharedMemoryFullError`, which
+names what was needed and what was free, and :attr:`KeptStager.out_of_shared_memory` says so.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -36,7 +40,30 @@ import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
+from ..errors import SharedMemoryFullError
 from . import writer_process
+
+SHM = "/dev/shm"  # where torch's shared-memory tensors live on Linux (shm_open)
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, DTensor):
+        return _tensor_bytes(value.to_local())
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _shm_free() -> str:
+    try:
+        st = os.statvfs(SHM)
+    except OSError:
+        return f"{SHM} not found"
+    return f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free in {SHM}"
 
 
 class _Mismatch(Exception):
@@ -95,8 +122,10 @@ class KeptStager:
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="et-stager") if options.use_async_staging else None
         )
         self._non_blocking = options.use_non_blocking_copy
+        self._shared_memory = options.use_shared_memory
         self._kept: Any = None
         self.deep_copies = 0
+        self.out_of_shared_memory = False  # a deep copy into shared memory found no room
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -123,12 +152,26 @@ class KeptStager:
                     torch.accelerator.synchronize()
                 return staged
         self._kept = self._shipping = None
-        staged = self._deep.stage(state_dict)
+        staged = self._deep_copy(state_dict)
         self._kept = staged
         if self._for_writer_process:
             self._shipping = writer_process.Kept(staged)
         self.deep_copies += 1
         return staged
+
+    def _deep_copy(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self._deep.stage(state_dict)
+        except RuntimeError as e:
+            if not (self._shared_memory and "shared memory" in str(e)):
+                raise
+            self.out_of_shared_memory = True
+            raise SharedMemoryFullError(
+                f"this rank's state ({_tensor_bytes(state_dict) / 2**20:.0f} MiB) does not fit in shared memory "
+                f"({_shm_free()}), where checkpoint.writer = 'process' stages it: give the node more shared "
+                "memory (on Kubernetes: an emptyDir with medium Memory at /dev/shm) or use checkpoint.writer = "
+                f"'thread' (torch: {e})"
+            ) from e
 
     def synchronize_staging(self) -> None:
         """Nothing to do: the caller waits on the future :meth:`stage` returned."""

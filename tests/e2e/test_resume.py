@@ -1,8 +1,10 @@
 """Checkpoint/resume end to end: exact resume after SIGKILL, resharding resume, the failure
 path, corrupt checkpoints, a different model, explicit resume, preemption."""
 
+import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -60,6 +62,37 @@ def test_sigkill_and_resume_is_bitwise_identical(tmp_path, token_file, refs, wri
     )
     (resume,) = runs.read_events(tmp_path / "run", "resume")
     assert resume["step"] == resumed and resume["world_size"] == 2
+
+
+def test_a_process_writer_without_room_in_shared_memory_falls_back_to_the_thread_writer(tmp_path, token_file, refs):
+    """The process writer stages each rank's state in /dev/shm. With a 1 MiB /dev/shm (a mount
+    namespace of its own) the first save fails naming the shortage, every rank switches to the
+    thread writer together, and the later saves commit; training is untouched."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare: a mount namespace with a small /dev/shm")
+    cfg = runs.write_config(
+        tmp_path / "c.toml", token_file, tmp_path / "run", checkpoint={"writer": "process", "interval_steps": 3}
+    )
+    small_shm = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"', "sh"]
+    with open(cfg.with_suffix(".log"), "ab") as log:
+        r = subprocess.run(
+            [*small_shm, *runs.launch_args(cfg, "--nproc-per-node", "2")],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=runs.env_for_tests(),
+            cwd=runs.REPO,
+            timeout=240,
+        )
+    assert r.returncode == 0, cfg.with_suffix(".log").read_text()[-4000:]
+    run = tmp_path / "run"
+    failed = runs.read_events(run, "checkpoint_failed")
+    assert [f["step"] for f in failed] == [3], failed
+    assert "SharedMemoryFullError" in failed[0]["error"] and "MiB free in /dev/shm" in failed[0]["error"], failed
+    fallback = runs.read_events(run, "checkpoint_writer_fallback")
+    assert [f["writer"] for f in fallback] == ["thread"], fallback
+    assert runs.read_events(run, "checkpoint_writer_restarted") == []
+    assert _committed_steps(tmp_path / "run" / "ckpt") == [6, 9, 10]
+    assert runs.step_losses(run) == runs.step_losses(refs[2])
 
 
 def test_launch_s_checks_of_the_commit_to_resume_read_its_manifest_not_torch_s_dcp(refs):

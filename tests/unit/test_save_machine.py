@@ -119,6 +119,12 @@ class GatedSaver:
     def stop_writers(self):
         pass
 
+    def out_of_shared_memory(self):
+        return False
+
+    def use_thread_writer(self):
+        self.uses_writer_process = False
+
     def close(self):
         for staged, go, _ in self._gates.values():
             staged.set()
@@ -127,15 +133,17 @@ class GatedSaver:
 
 class ScriptedAgreement:
     """One rank's view of the agreement; ``others`` is what the other ranks answer to
-    ``all_true`` (True: they agree with this rank)."""
+    ``all_true`` (True: they agree with this rank), ``answers`` their answers to the next calls
+    in turn (then ``others`` again)."""
 
     def __init__(self):
         self.others = True
+        self.answers: list[bool] = []
         self.calls = 0
 
     def all_true(self, flag, *, control=True):
         self.calls += 1
-        return bool(flag) and self.others
+        return bool(flag) and (self.answers.pop(0) if self.answers else self.others)
 
     def broadcast(self, obj):
         return obj
@@ -372,7 +380,7 @@ def test_a_save_settled_on_every_rank_at_the_step_s_all_reduce_needs_no_collecti
     assert not m.save(3).skipped and m.test_agreement.calls == calls
 
 
-@pytest.mark.parametrize("elsewhere", ["usable", "unusable"])
+@pytest.mark.parametrize("elsewhere", ["usable", "unusable", "out_of_shared_memory"])
 def test_the_process_writer_s_check_rides_on_the_step_s_all_reduce_too(make, elsewhere):
     m = make()
     m.test_saver.uses_writer_process = True
@@ -382,14 +390,20 @@ def test_the_process_writer_s_check_rides_on_the_step_s_all_reduce_too(make, els
     save = begin(m, 1)
     m.test_saver.release(save.name)
     save.wait(time.monotonic() + WAIT)
-    _step_agreement(m, others_unusable=float(elsewhere == "unusable"))
-    m.test_agreement.others = elsewhere == "usable"  # what that rank answers in the check
+    _step_agreement(m, others_unusable=float(elsewhere != "usable"))
+    if elsewhere != "usable":  # that rank's answers: its writer is unusable; its state fits in shared memory
+        m.test_agreement.answers = [False, elsewhere == "unusable"]
     calls = m.test_agreement.calls
     assert not m.save(2).skipped and m.is_committed(1)
+    fallback = events(m, "checkpoint_writer_fallback")
     if elsewhere == "usable":
-        assert m.test_agreement.calls == calls and not stopped
-    else:  # another rank's writer died: every rank checks and restarts its writer together
-        assert m.test_agreement.calls > calls and stopped == [1]
+        assert m.test_agreement.calls == calls and not stopped and not fallback
+    elif elsewhere == "unusable":  # another rank's writer died: every rank checks and restarts its writer together
+        assert m.test_agreement.calls > calls and stopped == [1] and not fallback
+        assert m.test_saver.uses_writer_process
+    else:  # new writers could not stage that rank's state either: every rank goes on with the thread writer
+        assert not stopped and [e["writer"] for e in fallback] == ["thread"]
+        assert not m.test_saver.uses_writer_process
 
 
 @pytest.mark.parametrize("case", ["unsettled_here", "unsettled_elsewhere", "failed_elsewhere", "reloaded"])
