@@ -32,6 +32,10 @@ the steps it did.
 * blocked per save / overlapped step: see :func:`save_overlap` (from the step and
   ``checkpoint_committed`` events). On a GPU node (``train.device = "auto"`` picks CUDA) the
   same command measures the CUDA staging path (device → pinned host).
+* CPU of the run: user + system CPU-seconds of the whole process tree (supervisor, workers, writer
+  processes: every process reaped), start-up included; *extra CPU per save*: per repeat, the
+  run's CPU minus its baseline's (scaled to the same number of steps), ÷ its saves, median over
+  the repeats. On cores that training keeps busy, this is the time training loses per save.
 * peak RSS per rank: ``VmHWM`` (the kernel's high-water mark of resident memory) of each worker
   process, read from ``/proc/PID/status`` every 0.2 s while it runs (the mark only grows, so the
   last read is the peak up to at most 0.2 s before the process exits); the rank is read from
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -82,6 +87,13 @@ def _threads(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def _children_cpu() -> float:
+    """CPU-seconds (user + system) of every process this one has reaped, with what each of those
+    reaped in turn: a run's whole process tree (supervisor, workers, writer processes)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def parse_variant(v: str) -> tuple[int, str | None, int | None, list[str]]:
@@ -148,6 +160,7 @@ def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[st
     if omp is not None:
         env["OMP_NUM_THREADS"] = omp
     log = open(work / "launch.log", "ab")
+    cpu0 = _children_cpu()
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
     peak: dict[int, int] = {}
@@ -187,6 +200,7 @@ def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[st
         if proc.poll() is None:
             runs.stop(proc)
     wall = time.monotonic() - t0
+    cpu = _children_cpu() - cpu0
     if proc.returncode not in (0, 75) or (proc.returncode == 75) != stopped:
         raise RuntimeError(f"{variant} run exited {proc.returncode} (log: {work / 'launch.log'})")
     ev = runs.read_events(run_dir, "step")
@@ -219,6 +233,8 @@ def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[st
         "supervisor_peak_rss": sup_peak,
         "worker_env": worker_env,
         "launch_wall_seconds": wall,
+        "cpu_seconds": cpu,
+        "saves": len(saved),
         **overlap,
         "steps": len(by_step),
     }
@@ -267,13 +283,17 @@ def main() -> int:
     baseline = {}  # workers -> the first variant listed with that many
     for v in variants:
         baseline.setdefault(parse_variant(v)[0], v)
-    base_of = {
-        (r["nproc"], r["repeat"]): r["wall_tokens_per_s"] for r in results if r["variant"] == baseline[r["nproc"]]
-    }
+    base_of = {(r["nproc"], r["repeat"]): r for r in results if r["variant"] == baseline[r["nproc"]]}
     for v in variants:
         n = parse_variant(v)[0]
         rs = [r for r in results if r["variant"] == v]
-        paired = [r["wall_tokens_per_s"] / base_of[(n, r["repeat"])] for r in rs]
+        paired = [r["wall_tokens_per_s"] / base_of[(n, r["repeat"])]["wall_tokens_per_s"] for r in rs]
+        # the process tree's CPU beyond its baseline's (scaled to the same steps), per save
+        cpu_per_save = [
+            (r["cpu_seconds"] - (b := base_of[(n, r["repeat"])])["cpu_seconds"] * r["steps"] / b["steps"]) / r["saves"]
+            for r in rs
+            if r["saves"]
+        ]
         summary[v] = {
             "nproc": n,
             "baseline": baseline[n],
@@ -282,6 +302,8 @@ def main() -> int:
             "wall_tokens_per_s": median(r["wall_tokens_per_s"] for r in rs),
             "wall_paired_ratio": median(paired),
             "wall_paired_ratios": paired,
+            "cpu_seconds": median(r["cpu_seconds"] for r in rs),
+            "extra_cpu_per_save": median(cpu_per_save) if cpu_per_save else float("nan"),
             "step_time": median(r["step_time_median"] for r in rs),
             "peak_rss_by_rank_max": {k: max(r["peak_rss_by_rank"][k] for r in rs) for k in range(n)},
             "peak_rss_by_rank_median": {k: median(r["peak_rss_by_rank"][k] for r in rs) for k in range(n)},
@@ -323,6 +345,8 @@ def main() -> int:
                 f"{s['wall_paired_ratio']:.3f}",
                 ", ".join(f"{x:.3f}" for x in s["wall_paired_ratios"]),
                 f"{s['blocked_per_save'] * 1000:.1f}",
+                f"{s['cpu_seconds']:.1f}",
+                f"{s['extra_cpu_per_save'] * 1000:.0f}",
                 f"{s['overlapped_step_ratio']:.2f}",
                 f"{s['step_time'] * 1000:.0f}",
                 rss,
@@ -343,6 +367,8 @@ def main() -> int:
                 "wall ÷ baseline, paired (median)",
                 "paired per repeat",
                 "blocked ms per save",
+                "CPU-s of the run (all processes)",
+                "extra CPU-ms per save (paired)",
                 "overlapped step ÷ median step",
                 "step ms",
                 "peak RSS per rank MiB (max of runs)",
