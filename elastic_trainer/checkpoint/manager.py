@@ -69,6 +69,10 @@ from .state import PerRank, manifest_summaries, state_types
 logger = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 10.0  # how long the exception path waits for a save already uploading
+# settle: the ranks agree at least this often while a save is still writing somewhere, so a rank
+# whose part is done never waits in a collective for longer (it would time out at the training
+# group's timeout, elastic.hang_timeout_seconds >= 5, while the other waits up to the save's deadline)
+SETTLE_POLL_SECONDS = 1.0
 _OK = (SaveState.COMMITTED, SaveState.WRITTEN)  # a save's ends that mean "this rank's part is done"
 
 
@@ -654,7 +658,10 @@ class CheckpointManager:
         """Collective: wait for the save in flight (and, on rank 0, its commit) until ``deadline``
         (``time.monotonic()``; None: no limit). True when no save is in flight any more on any
         rank (:attr:`last_save` is the one that settled); False when one is still running on
-        some rank (it stays in flight)."""
+        some rank past its deadline (it stays in flight). While one is running somewhere, the
+        ranks agree every :data:`SETTLE_POLL_SECONDS` whether all are done and whether any is past
+        its deadline: a rank whose part ended (or failed early) waits with the others, never in
+        one long collective."""
         save = self._inflight
         agreed, self._agreed = self._agreed, None
         # this step's all-reduce found it settled on every rank: no collective of its own
@@ -666,9 +673,13 @@ class CheckpointManager:
         everywhere_ok = agreed.ok if pre_agreed else None
         if not pre_agreed:
             self.wait_for_staging()
-            save.wait(deadline)
-            if not self.agreement.all_true(save.settled):
-                return False
+            while True:
+                poll = time.monotonic() + SETTLE_POLL_SECONDS
+                save.wait(poll if deadline is None else min(poll, deadline))
+                if self.agreement.all_true(save.settled):
+                    break
+                if not self.agreement.all_true(deadline is None or time.monotonic() < deadline):
+                    return False
         self._inflight, self.last_save = None, save
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 0)
         state = save.state

@@ -27,18 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist.harness import run_ranks
-
-
-class _Tensors:
-    def __init__(self, t: dict):
-        self.t = t
-
-    def state_dict(self):
-        return dict(self.t)
-
-    def load_state_dict(self, sd):
-        for k, v in sd.items():
-            self.t[k].copy_(v)
+from tests.dist.workloads import Tensors as _Tensors
 
 
 def _state(mesh, base: float, rows: int = 64) -> dict:

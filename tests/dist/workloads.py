@@ -318,6 +318,20 @@ def loop_api_losses(rank, world, root, micro_batch, workers):
     return {"losses": losses, "sizes": sizes, "code": ckpt.exit_code}
 
 
+class Tensors:
+    """A ``Stateful`` holding a dict of tensors (``t``), loaded back in place."""
+
+    def __init__(self, t: dict):
+        self.t = t
+
+    def state_dict(self):
+        return dict(self.t)
+
+    def load_state_dict(self, sd):
+        for k, v in sd.items():
+            self.t[k].copy_(v)
+
+
 def one_state_manager(ccfg, root: str, obj, rank: int, world: int, group, **kw):
     """A CheckpointManager of one Stateful (``{"model": obj}``) on a 1-D mesh of ``world`` ranks."""
     from elastic_trainer.checkpoint.manager import CheckpointManager
