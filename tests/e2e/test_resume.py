@@ -65,15 +65,16 @@ def test_sigkill_and_resume_is_bitwise_identical(tmp_path, token_file, refs, wri
 
 
 def test_a_process_writer_without_room_in_shared_memory_falls_back_to_the_thread_writer(tmp_path, token_file, refs):
-    """The process writer stages each rank's state in /dev/shm. With a 1 MiB /dev/shm (a mount
-    namespace of its own) the first save fails naming the shortage, every rank switches to the
-    thread writer together, and the later saves commit; training is untouched."""
+    """The process writer stages each rank's state in /dev/shm. With a 64 KiB /dev/shm (a mount
+    namespace of its own; each rank's state is ~200 KiB, so neither rank's copy fits) the first
+    save fails naming the shortage, every rank switches to the thread writer together, and the
+    later saves commit; training is untouched."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare: a mount namespace with a small /dev/shm")
     cfg = runs.write_config(
         tmp_path / "c.toml", token_file, tmp_path / "run", checkpoint={"writer": "process", "interval_steps": 3}
     )
-    small_shm = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"', "sh"]
+    small_shm = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64k tmpfs /dev/shm && exec "$@"', "sh"]
     with open(cfg.with_suffix(".log"), "ab") as log:
         r = subprocess.run(
             [*small_shm, *runs.launch_args(cfg, "--nproc-per-node", "2")],
