@@ -58,12 +58,16 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB = {n:,} bytes"
+
+
 def _shm_free() -> str:
     try:
         st = os.statvfs(SHM)
     except OSError:
         return f"{SHM} not found"
-    return f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free in {SHM}"
+    return f"{_size(st.f_bavail * st.f_frsize)} free in {SHM}"
 
 
 class _Mismatch(Exception):
@@ -167,7 +171,7 @@ class KeptStager:
                 raise
             self.out_of_shared_memory = True
             raise SharedMemoryFullError(
-                f"this rank's state ({_tensor_bytes(state_dict) / 2**20:.0f} MiB) does not fit in shared memory "
+                f"this rank's state ({_size(_tensor_bytes(state_dict))}) does not fit in shared memory "
                 f"({_shm_free()}), where checkpoint.writer = 'process' stages it: give the node more shared "
                 "memory (on Kubernetes: an emptyDir with medium Memory at /dev/shm) or use checkpoint.writer = "
                 f"'thread' (torch: {e})"

@@ -2,6 +2,7 @@
 path, corrupt checkpoints, a different model, explicit resume, preemption."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -88,7 +89,10 @@ def test_a_process_writer_without_room_in_shared_memory_falls_back_to_the_thread
     run = tmp_path / "run"
     failed = runs.read_events(run, "checkpoint_failed")
     assert [f["step"] for f in failed] == [3], failed
-    assert "SharedMemoryFullError" in failed[0]["error"] and "MiB free in /dev/shm" in failed[0]["error"], failed
+    error = failed[0]["error"]
+    assert "SharedMemoryFullError" in error and "bytes free in /dev/shm" in error, failed
+    needed = int(re.search(r"this rank's state \([\d.]+ MiB = ([\d,]+) bytes\)", error).group(1).replace(",", ""))
+    assert needed > 64 << 10, error  # the bytes of the state, named exactly (more than the 64 KiB mounted)
     fallback = runs.read_events(run, "checkpoint_writer_fallback")
     assert [f["writer"] for f in fallback] == ["thread"], fallback
     assert runs.read_events(run, "checkpoint_writer_restarted") == []
