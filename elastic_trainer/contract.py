@@ -353,7 +353,8 @@ EVENTS: tuple[Event, ...] = (
         "checkpoint_writer_restarted",
         _RANK0,
         '`checkpoint.writer = "process"` replaced every rank\'s writer process before a save (one died or failed '
-        "a save, or a save was still writing past its deadline).",
+        "a save, a save was still writing past its deadline, or a save that failed on another rank was still being "
+        "written).",
         "reason step",
         step="the save in flight, if any",
     ),

@@ -396,11 +396,24 @@ class CheckpointManager:
         t0 = time.monotonic()
         self._writers_started = True  # a save before the first step starts them itself (DCP's way)
         agreed = self._agreed
-        settled = self.settle(self._inflight.deadline if self._inflight else None)
+        # process writer: the save in flight failed on some rank while others still write it: their
+        # writers wait in DCP's collectives for writers that never join (a rank that could not stage
+        # it): stop every writer now rather than wait for its deadline
+        doomed = (
+            self.remote.uses_writer_process
+            and agreed is not None
+            and agreed.save is self._inflight is not None
+            and not agreed.settled
+            and not agreed.ok
+        )
+        if doomed:
+            settled = self._check_writers(doomed=True)
+        else:
+            settled = self.settle(self._inflight.deadline if self._inflight else None)
         remote = (
             self.local is None or force or blocking or durable or self._saves_since_remote + 1 >= self.cfg.remote_every
         )
-        if self.remote.uses_writer_process and remote and not (agreed is not None and agreed.clear):
+        if self.remote.uses_writer_process and remote and not doomed and not (agreed is not None and agreed.clear):
             settled = self._check_writers()
         stats.wait_previous = time.monotonic() - t0
         self.metrics.histogram("elastic_trainer_checkpoint_wait_previous_seconds", stats.wait_previous)
@@ -500,14 +513,15 @@ class CheckpointManager:
             SaveState.COMMITTED if committed else SaveState.FAILED, error="" if committed else "local copy failed"
         )
 
-    def _check_writers(self) -> bool:
+    def _check_writers(self, doomed: bool = False) -> bool:
         """Process writer, every rank, before a save (unless the step's all-reduce already found
         every rank's writer usable and the previous save settled well): agree that every rank's
         writer process is usable; if one died or failed a save, or the previous save is still
         writing past its deadline, stop the writers on every rank (the next save starts new ones
         together). If a rank's state did not fit in shared memory, new writers would fail the same
         way: every rank writes with the thread writer from then on (``checkpoint_writer_fallback``).
-        Returns whether the previous save is settled after that."""
+        ``doomed``: the save in flight already failed on some rank (agreed), and the ranks still
+        writing it are stopped at once. Returns whether the previous save is settled after that."""
         stuck = self._inflight is not None
         ok = self.remote.writers_healthy() and not self._writer_failed and not stuck
         if self.agreement.all_true(ok):
@@ -519,7 +533,13 @@ class CheckpointManager:
                 self.events.emit("checkpoint_writer_fallback", writer="thread", reason=why)
             self.remote.use_thread_writer()
         else:
-            why = "still writing past its deadline" if stuck else "a writer process died or failed a save"
+            why = (
+                "a save that failed on another rank was still being written"
+                if doomed
+                else "still writing past its deadline"
+                if stuck
+                else "a writer process died or failed a save"
+            )
             logger.warning("restarting the checkpoint writer processes: %s", why)
             if self.rank == 0:
                 self.events.emit(

@@ -121,10 +121,15 @@ def _loaded_back(manager, holder: _Tensors, mesh, steps) -> dict[int, bool]:
     return loaded
 
 
-def test_process_writer_commits_checksummed_saves_and_restarts_a_dead_writer(tmp_path):
+def _run(scenario, tmp_path) -> tuple[str, list]:
+    """``scenario`` on 2 gloo ranks that may start writer processes, in a new checkpoint root."""
     root = str(tmp_path / "ckpt")
     os.makedirs(root)
-    results = run_ranks(_scenario, 2, root, timeout=300, daemon=False)
+    return root, run_ranks(scenario, 2, root, timeout=300, daemon=False)
+
+
+def test_process_writer_commits_checksummed_saves_and_restarts_a_dead_writer(tmp_path):
+    root, results = _run(_scenario, tmp_path)
     for r in results:
         assert (
             r["first"]
@@ -244,9 +249,7 @@ def _prestart_scenario(rank, world, root):
 
 
 def test_the_writers_start_at_the_first_step_and_a_failed_or_stopped_start_is_replaced(tmp_path):
-    root = str(tmp_path / "ckpt")
-    os.makedirs(root)
-    results = run_ranks(_prestart_scenario, 2, root, timeout=300, daemon=False)
+    root, results = _run(_prestart_scenario, tmp_path)
     for r in results:
         assert r["none_before_first_step"] and r["up_before_save"] and r["first"] and r["same_writer"], r
         assert r["closed"] and r["was_starting"] and r["cancelled"], r
@@ -260,3 +263,66 @@ def test_the_writers_start_at_the_first_step_and_a_failed_or_stopped_start_is_re
     assert not [s for n, s in names if n == "checkpoint_failed"], names
     restarts = [e["reason"] for e in events if e["event"] == "checkpoint_writer_restarted"]
     assert restarts == ["a writer process died or failed a save"], restarts
+
+
+def _one_rank_out_of_shm_scenario(rank, world, root):
+    """Rank 1 cannot stage save 1 in shared memory (torch's error, raised by the copy); rank 0
+    stages it and its writer waits in DCP's collectives for rank 1's writer, which never gets the
+    request. The next save stops every writer at once (not at save 1's 600 s deadline), every
+    rank goes on with the thread writer, and that save commits."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic_trainer.checkpoint import writer_process
+    from elastic_trainer.config import config_from_dict
+    from elastic_trainer.events import EventLog
+    from tests.dist.workloads import TINY, one_state_manager
+
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = config_from_dict({**TINY, "checkpoint": {"dir": root, "mode": "async", "writer": "process", "keep_last": 10}})
+    holder = _Tensors(_state(mesh, 0.0))
+    group = dist.new_group(backend="gloo")
+    events = EventLog(os.path.join(root, "events.jsonl") if rank == 0 else None)
+    mgr = one_state_manager(cfg.checkpoint, root, holder, rank, world, group, events=events)
+    mgr.load()
+    _agree(mgr)  # the first step starts the writers
+    writer_process.wait_started(60)
+    if rank == 1:
+        stager = mgr.remote._stager.get()
+
+        def no_room(state_dict):
+            raise RuntimeError("unable to allocate shared memory(shm) for file </torch_0_1>: No space left on device")
+
+        stager._deep.stage = no_room
+    out = {}
+    holder.t = _state(mesh, 1.0)
+    mgr.save(1)
+    mgr.wait_for_staging()
+    if rank == 1:  # its save failed at staging; rank 0's writer waits for rank 1's
+        out["failed_here"] = mgr._inflight.wait(time.monotonic() + 30).name
+    _agree(mgr)  # the next step's all-reduce: failed on one rank, still written on another
+    t0 = time.monotonic()
+    holder.t = _state(mesh, 2.0)
+    mgr.save(2)
+    out["save_call"] = time.monotonic() - t0
+    mgr.wait_for_staging()
+    out["second"] = mgr.finish(timeout=120)
+    out["thread_writer"] = not mgr.remote.uses_writer_process and not _writer_children()
+    mgr.close()
+    out["loaded"] = _loaded_back(
+        lambda: one_state_manager(cfg.checkpoint, root, holder, rank, world, group), holder, mesh, (2,)
+    )
+    return out
+
+
+def test_one_rank_without_shared_memory_stops_every_writer_at_the_next_save(tmp_path):
+    root, results = _run(_one_rank_out_of_shm_scenario, tmp_path)
+    for r in results:
+        assert r["second"] and r["thread_writer"] and r["loaded"] == {2: True}, r
+        assert r["save_call"] < 60, r  # not save 1's deadline (600 s)
+    assert results[1]["failed_here"] == "FAILED", results[1]
+    events = [json.loads(line) for line in open(os.path.join(root, "events.jsonl"))]
+    names = [(e["event"], e.get("step")) for e in events if e["event"].startswith("checkpoint_")]
+    assert [s for n, s in names if n == "checkpoint_committed"] == [2], names
+    assert [s for n, s in names if n == "checkpoint_failed"] == [1], names
+    (fallback,) = [e for e in events if e["event"] == "checkpoint_writer_fallback"]
+    assert fallback["writer"] == "thread" and "shared memory" in fallback["reason"], fallback
