@@ -617,6 +617,11 @@ def print_report(out: dict) -> None:
     )
     print(f"command: {info['command']}")
     print()
+
+    def vs_sync(label: str, key: str) -> list[str]:
+        """A floor's row: its median, samples and ratio to the synchronous save."""
+        return [label, f"{m[key]:.3f}", fmt(s[key]), f"{m[key] / m['sync']:.3f}", ""]
+
     rows = [
         [
             "(a) async save (ours): save() + wait_for_staging()",
@@ -662,34 +667,10 @@ def print_report(out: dict) -> None:
             "",
             f"{m['floor_copy'] / m['floor_clone']:.2f}",
         ],
-        [
-            "floor: write() of a rank's bytes to the checkpoint's file system + fsync (wall)",
-            f"{m['floor_write']:.3f}",
-            fmt(s["floor_write"]),
-            f"{m['floor_write'] / m['sync']:.3f}",
-            "",
-        ],
-        [
-            "  CPU of the writing thread (user + kernel)",
-            f"{m['floor_write_cpu']:.3f}",
-            fmt(s["floor_write_cpu"]),
-            f"{m['floor_write_cpu'] / m['sync']:.3f}",
-            "",
-        ],
-        [
-            "floor: XXH3 of a rank's bytes (CPU)",
-            f"{m['floor_hash_cpu']:.3f}",
-            fmt(s["floor_hash_cpu"]),
-            f"{m['floor_hash_cpu'] / m['sync']:.3f}",
-            "",
-        ],
-        [
-            "floor: an async save's byte work (copy_ + XXH3 + write CPU)",
-            f"{m['floor_bytes_cpu']:.3f}",
-            fmt(s["floor_bytes_cpu"]),
-            f"{m['floor_bytes_cpu'] / m['sync']:.3f}",
-            "",
-        ],
+        vs_sync("floor: write() of a rank's bytes to the checkpoint's file system + fsync (wall)", "floor_write"),
+        vs_sync("  CPU of the writing thread (user + kernel)", "floor_write_cpu"),
+        vs_sync("floor: XXH3 of a rank's bytes (CPU)", "floor_hash_cpu"),
+        vs_sync("floor: an async save's byte work (copy_ + XXH3 + write CPU)", "floor_bytes_cpu"),
     ]
     print(table(["training thread blocked per checkpoint", "median s", "samples s", "÷ sync", "÷ copy floor"], rows))
     print()

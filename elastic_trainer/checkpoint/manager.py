@@ -401,20 +401,21 @@ class CheckpointManager:
         # it): stop every writer now rather than wait for its deadline
         doomed = (
             self.remote.uses_writer_process
+            and self._inflight is not None
             and agreed is not None
-            and agreed.save is self._inflight is not None
+            and agreed.save is self._inflight
             and not agreed.settled
             and not agreed.ok
+        )
+        remote = (
+            self.local is None or force or blocking or durable or self._saves_since_remote + 1 >= self.cfg.remote_every
         )
         if doomed:
             settled = self._check_writers(doomed=True)
         else:
             settled = self.settle(self._inflight.deadline if self._inflight else None)
-        remote = (
-            self.local is None or force or blocking or durable or self._saves_since_remote + 1 >= self.cfg.remote_every
-        )
-        if self.remote.uses_writer_process and remote and not doomed and not (agreed is not None and agreed.clear):
-            settled = self._check_writers()
+            if self.remote.uses_writer_process and remote and not (agreed is not None and agreed.clear):
+                settled = self._check_writers()
         stats.wait_previous = time.monotonic() - t0
         self.metrics.histogram("elastic_trainer_checkpoint_wait_previous_seconds", stats.wait_previous)
         if not settled:
