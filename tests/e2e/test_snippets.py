@@ -95,10 +95,10 @@ def test_the_package_docstring_shows_the_five_call_block_of_the_docs():
     )
 
 
-def _run(tmp_path: Path, script: Path, run_dir: Path, ckpt: Path, nproc: int, steps: int):
+def _run(tmp_path: Path, script: Path, run_dir: Path, ckpt: Path, nproc: int, steps: int, *flags: str):
     env = runs.env_for_tests({"SNIPPET_STEPS": str(steps)})
     return subprocess.run(
-        runs.run_args(run_dir, ckpt, nproc=nproc, max_restarts=0) + [str(script)],
+        runs.run_args(run_dir, ckpt, *flags, nproc=nproc, max_restarts=0) + [str(script)],
         capture_output=True,
         text=True,
         env=env,
@@ -123,6 +123,11 @@ def test_the_five_call_block_runs_at_one_two_and_three_workers_and_resumes_at_an
     got.update(runs.step_losses(tmp_path / "three"))
     assert sorted(ref) == sorted(got) == list(range(1, 7))
     assert all(runs.close_rel(ref[k], got[k], 1e-5) for k in ref), (ref, got)
+    # what the loop uses of train.* is never silently replaced: the recorded global batch, and
+    # a micro-batch that disagrees with the DataLoader's batch_size, stop with exit 2 naming the key
+    for key, value, ckpt in (("global_batch_size", 24, "ckpt"), ("micro_batch_size", 2, "fresh")):
+        r = _run(tmp_path, script, tmp_path / key, tmp_path / ckpt, 1, 8, "--set", f"train.{key}={value}")
+        assert r.returncode == 2 and f"train.{key}" in r.stderr, (key, r.stderr[-3000:])
 
 
 def test_the_lower_level_block_runs_at_one_and_two_workers(tmp_path):
