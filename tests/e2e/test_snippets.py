@@ -1,9 +1,10 @@
-"""The documented snippets of the loop API run as written: the five-call block of
-docs/own-script.md (the package docstring shows the same text) and its lower-level loop, pasted
+"""The documented snippets run as written. The five-call block of docs/own-script.md (the
+package docstring shows the same text) and its lower-level loop, pasted
 into a script that defines only what the documents say is the user's (a model with ``Block``s, a
 map-style dataset, a ``collate_fn``, a loss, a plain ``DataLoader(batch_size=8)``), under
 ``elastic-trainer run`` with the default config: at 1, 2 and 3 workers with the loop body
-unchanged, and a resume at another world size continues the run (within 1e-5, no dropout)."""
+unchanged, and a resume at another world size continues the run (within 1e-5, no dropout). The
+``train.*`` table of docs/own-script.md names every key; docs/own-model.md's factory builds."""
 
 from __future__ import annotations
 
@@ -138,3 +139,40 @@ def test_the_lower_level_block_runs_at_one_and_two_workers(tmp_path):
         r = _run(tmp_path, script, tmp_path / f"run{nproc}", tmp_path / f"ckpt{nproc}", nproc, 3)
         assert r.returncode == 0, r.stderr[-3000:]
         assert sorted(runs.step_losses(tmp_path / f"run{nproc}")) == [1, 2, 3]
+
+
+def test_the_train_key_table_of_the_docs_names_every_train_key():
+    import dataclasses
+
+    from elastic_trainer.config import TrainConfig
+
+    table = DOC.read_text().split("**Which `train.*` keys your loop uses.**", 1)[1].split("\n\n", 2)[1]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `train.")]
+    named = {k.strip("` ") for row in rows for k in row.split(",")}
+    keys = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert {k.removeprefix("train.") for k in named} == keys
+
+
+def test_the_own_model_factory_block_builds_shards_and_runs(tmp_path, monkeypatch):
+    """docs/own-model.md's factory and its [model] table, as the built-in trainer takes them."""
+    import importlib
+    import tomllib
+
+    import torch
+
+    from elastic_trainer.config import config_from_dict
+    from elastic_trainer.models.spec import on_meta
+    from elastic_trainer.worker import parallel
+    from elastic_trainer.worker.model_factory import build_model_spec
+
+    text = (runs.REPO / "docs" / "own-model.md").read_text().split("## In under 20 lines", 1)[1]
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    table = tomllib.loads(text.split("```toml\n", 1)[1].split("```", 1)[0])
+    (tmp_path / "mymodels.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = config_from_dict(table)
+    with on_meta():
+        spec = build_model_spec(cfg.model)
+    assert [c.__name__ for c in parallel.resolve_shard_classes(spec.model, spec.shard_modules)] == ["Layer"]
+    logits = importlib.import_module("mymodels").build(cfg.model)(torch.zeros(2, 8, dtype=torch.long))
+    assert logits.shape == (2, 8, cfg.model.vocab_size)
