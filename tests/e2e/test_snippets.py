@@ -64,7 +64,7 @@ def compute_loss(model, batch):
     return F.mse_loss(model(batch["x"]), batch["y"])
 
 
-def batch_for(step):  # the lower-level loop's data: this rank's share, its loss summed to the global mean
+def batch_for(step):  # the lower-level loop's data: this rank's part of a fixed global batch of 4
     g = torch.Generator().manual_seed(step)
     x = torch.randn(4, 16, generator=g)[session.rank :: session.world_size]
     return {"x": x, "y": x.sum(1, keepdim=True).sin()}
