@@ -38,7 +38,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from .. import contract
+from .. import contract, faults
 from ..errors import ConfigError
 from ..runtime import Checkpointer, init
 from ..runtime.epochs import EpochBatchSampler
@@ -73,6 +73,8 @@ class Accelerator(accelerate.Accelerator):
         if pc is not None and pc.total_limit:
             overrides.append(f"checkpoint.keep_last={pc.total_limit}")
         self.session = init(overrides=overrides)
+        if self.session.device.type == "cpu":  # Accelerate's MULTI_CPU (DDP over gloo) on the session's group
+            kwargs["cpu"] = True
         super().__init__(*args, **kwargs)
         self._train_loader: Any = None
         self._sampler: EpochBatchSampler | None = None
@@ -258,6 +260,7 @@ class Accelerator(accelerate.Accelerator):
         if ck.state.step > 0:
             ck._save(ck.state.step, meta={"loss": self._last_loss, "output_dir": output_dir})
             self._saved_step = ck.state.step
+            faults.maybe_inject("kill_in_save", ck.state.step)
         return ck.storage.describe()
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
