@@ -4,8 +4,9 @@ tests/unit/test_accelerate_api.py fails loudly when an Accelerate release change
 
 * ``AcceleratedOptimizer.optimizer`` / ``AcceleratedScheduler.scheduler``: the wrapped torch
   objects (their ``state_dict`` is what the checkpoint holds);
-* ``AcceleratedScheduler.split_batches`` / ``step_with_optimizer``: with it set, one ``scheduler.step()`` steps the wrapped
-  scheduler once (else ``num_processes`` times: a schedule that changed with the world size);
+* ``AcceleratedScheduler.split_batches`` / ``step_with_optimizer`` / ``gradient_state``: with
+  ``split_batches`` set, one ``scheduler.step()`` steps the wrapped scheduler once (else
+  ``num_processes`` times: a schedule that changed with the world size);
 * ``DataLoaderShard(dataset, device=, batch_sampler=, _non_blocking=, **DataLoader kwargs)`` and
   its ``__iter__``: the training loader is built as one directly, around our batch sampler (which
   already gives each rank its share), and runs the step boundary before each batch.
