@@ -73,6 +73,12 @@ class Accelerator(accelerate.Accelerator):
         if pc is not None and pc.total_limit:
             overrides.append(f"checkpoint.keep_last={pc.total_limit}")
         self.session = init(overrides=overrides)
+        if self.session.cfg.train.on_nonfinite != "stop":
+            raise ConfigError(
+                "train.on_nonfinite",
+                "only 'stop' is served under Accelerate: a rollback restarts the loop's iteration, "
+                "which the script owns",
+            )
         if self.session.device.type == "cpu":  # Accelerate's MULTI_CPU (DDP over gloo) on the session's group
             kwargs["cpu"] = True
         super().__init__(*args, **kwargs)
@@ -128,7 +134,7 @@ class Accelerator(accelerate.Accelerator):
         rebuilt = _rebuilt(loader, self._sampler, s.cfg.train.seed + s.rank)
         rebuilt.worker_init_fn = WorkerInit(rebuilt.worker_init_fn)
         put = self.device_placement if device_placement is None else device_placement
-        prepared = _api.train_loader(rebuilt, self.device if put else None, self.non_blocking, self._end_step)
+        prepared = _api.train_loader(rebuilt, self.device if put else None, self.non_blocking, self._next_batch)
         self._dataloaders.append(prepared)
         self._train_loader = prepared
         return prepared
@@ -188,6 +194,12 @@ class Accelerator(accelerate.Accelerator):
         self._grad_norm = super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         return self._grad_norm
 
+    def _next_batch(self) -> None:
+        """A batch of the training loader is handed out: the previous step ends, this one begins
+        (its forward pass inside the hang watchdog)."""
+        self._end_step()
+        self._begin_step()
+
     def _begin_step(self) -> Any:
         if self._ctx is None:
             ck = self._checkpointer()
@@ -212,8 +224,6 @@ class Accelerator(accelerate.Accelerator):
             code = ck._preempt_exit()
         elif ctx.nonfinite:
             code = ck._on_nonfinite(ctx.step, ctx.loss, ctx.grad_norm, self._sampler)
-            if code is None:
-                raise RuntimeError("train.on_nonfinite = rollback is not served under Accelerate: use stop")
         if code is not None:
             self._ended = True
             ck._close(code)

@@ -147,6 +147,24 @@ def test_plain_python_is_a_world_of_one_and_resumes(tmp_path):
     assert resume["step"] == 4 and not [x for x in r.stdout.splitlines() if x.startswith("{")]
 
 
+def test_a_nan_loss_stops_with_65_before_the_optimizer_step_and_nothing_after_is_committed(tmp_path):
+    out = tmp_path / "nan"
+    args = [
+        sys.executable,
+        str(runs.REPO / "tests" / "e2e" / "run_scripts" / "accelerate_fsdp2.py"),
+        str(out),
+        "9",
+        "5",
+    ]
+    r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+    assert r.returncode == 65, r.stderr[-4000:]
+    (ev,) = runs.read_events(out, "nonfinite")
+    assert ev["step"] == 5 and ev["action"] == "stop"
+    (stop,) = runs.read_events(out, "nonfinite_stop")
+    assert stop["last_finite_step"] == 4
+    assert _valid_commits(out / "checkpoints") == [3]
+
+
 @pytest.mark.soak  # three more launches; every run covers the same machinery with the DDP model above
 def test_a_model_sharded_with_fully_shard_before_prepare_checkpoints_and_reshards_2_to_3(tmp_path):
     """FSDP2 through Accelerate on CPU: the user's ``fully_shard`` model is not wrapped in DDP;

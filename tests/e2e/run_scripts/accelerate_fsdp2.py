@@ -1,5 +1,6 @@
 """An Accelerate loop over a model the user sharded with ``fully_shard`` before ``prepare`` (on
-CPU Accelerate would wrap a plain model in DDP): ``python accelerate_fsdp2.py PROJECT_DIR STEPS``."""
+CPU Accelerate would wrap a plain model in DDP): ``python accelerate_fsdp2.py PROJECT_DIR STEPS
+[NAN_AT]`` (the loss of step NAN_AT made NaN)."""
 
 import sys
 
@@ -24,9 +25,11 @@ if __name__ == "__main__":
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     accelerator.load_state()
     steps, done = int(sys.argv[2]), accelerator.completed_steps
+    nan_at = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     while done < steps:
         for x, y in loader:
-            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss * float("nan") if done + 1 == nan_at else loss)
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
