@@ -1,0 +1,189 @@
+"""A Hugging Face Accelerate script (examples/accelerate_clm.py: prepare, accumulate, backward,
+clip_grad_norm_, register_for_checkpointing, save_state/load_state, skip_first_batches) on
+elastic_trainer by its one changed import, with the real ``accelerate`` package on CPU (gloo, DDP).
+
+Under ``elastic-trainer run``: SIGKILL of a worker → bitwise resume; SIGTERM → 75 with the final
+step committed, then 3 workers continue within 1e-5; ``total_limit`` kept through a kill in the
+middle of a save; the newest commit corrupted at the same size → fallback, bitwise. Under
+``accelerate launch``: the same losses as under ``run``. Plain ``python script.py`` works.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from elastic_trainer.checkpoint.catalog import Catalog
+from elastic_trainer.storage.fs import open_storage
+from tests import runs
+from tests.fixtures.procs import free_port
+
+pytest.importorskip("accelerate")
+
+SCRIPT = str(runs.REPO / "examples" / "accelerate_clm.py")
+STEPS = ["--steps", "12", "--save-every", "3", "--total-limit", "2"]
+
+
+def run_script(tmp, name: str, *script_args: str, nproc: int = 2, env=None, max_restarts: int = 0):
+    run_dir = tmp / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = tmp / (name + "-ckpt")
+    args = runs.run_args(run_dir, ckpt, SCRIPT, *script_args, nproc=nproc, max_restarts=max_restarts)
+    with open(run_dir / "run.log", "ab") as out:
+        r = subprocess.run(
+            args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(env), cwd=runs.REPO, timeout=240
+        )
+    return r, run_dir, ckpt
+
+
+def _log(run_dir) -> str:
+    return (run_dir / "run.log").read_text()[-4000:]
+
+
+def _valid_commits(root) -> list[int]:
+    cat = Catalog(open_storage(str(root)))
+    return sorted(c.step for c in cat.scan() if cat.problem(c) is None)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("acc-ref")
+    r, run_dir, ckpt = run_script(tmp, "ref", *STEPS)
+    assert r.returncode == 0, _log(run_dir)
+    losses = runs.step_losses(run_dir)
+    assert sorted(losses) == list(range(1, 13))
+    assert _valid_commits(ckpt) == [9, 12], "total_limit = 2 keeps the two newest verified commits"
+    return losses
+
+
+def test_sigkill_of_a_worker_resumes_bitwise(tmp_path, reference):
+    r, run_dir, _ = run_script(
+        tmp_path, "k", *STEPS, max_restarts=1, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=8,committed=6"}
+    )
+    assert r.returncode == 0, _log(run_dir)
+    (resume,) = runs.read_events(run_dir, "resume")
+    assert resume["step"] == 6 and resume["rng"] == "restored"
+    assert runs.step_losses(run_dir) == reference
+
+
+def test_sigterm_commits_the_final_step_then_three_workers_continue_within_1e_5(tmp_path, reference):
+    run_dir, ckpt = tmp_path / "p", tmp_path / "p-ckpt"
+    run_dir.mkdir()
+    args = runs.run_args(run_dir, ckpt, SCRIPT, *STEPS)
+    slow = {"ELASTIC_TRAINER_INJECT_FAULT": "slow@rank=0,step=1,seconds=0.15"}  # time to signal mid-run
+    code = runs.signal_at_step(args, run_dir, 3, env=slow)
+    (pre,) = runs.read_events(run_dir, "preempted")
+    assert code == 75 and pre["committed"] is True, _log(run_dir)
+    done = pre["step"]
+    assert done < 12 and Catalog(open_storage(str(ckpt))).head().step == done
+    r, _, _ = run_script(tmp_path, "p", *STEPS, nproc=3)
+    assert r.returncode == 0, _log(run_dir)
+    (reshard,) = runs.read_events(run_dir, "reshard")
+    assert reshard["from_world_size"] == 2 and reshard["to_world_size"] == 3
+    got = runs.step_losses(run_dir)
+    assert set(range(done + 1, 13)) <= set(got)  # the preempted step's own event is not written
+    for step in range(done + 1, 13):  # the same samples and learning rate at every step: the global batch is kept
+        assert runs.close_rel(got[step], reference[step], 1e-5), (step, got[step], reference[step])
+
+
+def test_kill_mid_save_keeps_total_limit_and_a_corrupted_newest_commit_falls_back_bitwise(tmp_path, reference):
+    r, run_dir, ckpt = run_script(
+        tmp_path, "c", *STEPS, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill_in_save@rank=1,step=9"}
+    )
+    assert r.returncode != 0
+    commits = _valid_commits(ckpt)
+    assert commits == [3, 6] or commits == [6, 9], commits  # killed mid-save of 9: still total_limit verified
+    newest = ckpt / f"step-{commits[-1]:08d}"
+    shard = newest / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 64] = bytes(b ^ 0xFF for b in data[mid : mid + 64])
+    shard.write_bytes(bytes(data))
+    (run_dir / "events.jsonl").unlink()
+    r, _, _ = run_script(tmp_path, "c", *STEPS)
+    assert r.returncode == 0, _log(run_dir)
+    assert commits[-1] in [e["step"] for e in runs.read_events(run_dir, "checkpoint_skipped")]
+    (resume,) = runs.read_events(run_dir, "resume")
+    assert resume["step"] == commits[-2]
+    assert runs.step_losses(run_dir) == {s: reference[s] for s in range(commits[-2] + 1, 13)}
+
+
+def test_accelerate_launch_gives_the_same_losses(tmp_path, reference):
+    out = tmp_path / "al"
+    args = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "2",
+        "--multi_gpu",  # torchrun under the hood; on a machine without GPUs the processes train on CPU
+        "--main_process_port",
+        str(free_port()),
+        SCRIPT,
+        *STEPS,
+        "--output-dir",
+        str(out),
+    ]
+    r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert runs.step_losses(out) == reference
+    assert _valid_commits(out / "checkpoints") == [9, 12]
+
+
+def test_plain_python_is_a_world_of_one_and_resumes(tmp_path):
+    out = tmp_path / "py"
+    args = [sys.executable, SCRIPT, "--steps", "4", "--save-every", "2", "--output-dir", str(out)]
+    r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    printed = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert [p["step"] for p in printed] == [1, 2, 3, 4]
+    assert _valid_commits(out / "checkpoints") == [2, 4]
+    r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    (resume,) = runs.read_events(out, "resume")
+    assert resume["step"] == 4 and not [x for x in r.stdout.splitlines() if x.startswith("{")]
+
+
+def test_a_nan_loss_stops_with_65_before_the_optimizer_step_and_nothing_after_is_committed(tmp_path):
+    out = tmp_path / "nan"
+    args = [
+        sys.executable,
+        str(runs.REPO / "tests" / "e2e" / "run_scripts" / "accelerate_fsdp2.py"),
+        str(out),
+        "9",
+        "5",
+    ]
+    r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+    assert r.returncode == 65, r.stderr[-4000:]
+    (ev,) = runs.read_events(out, "nonfinite")
+    assert ev["step"] == 5 and ev["action"] == "stop"
+    (stop,) = runs.read_events(out, "nonfinite_stop")
+    assert stop["last_finite_step"] == 4
+    assert _valid_commits(out / "checkpoints") == [3]
+
+
+@pytest.mark.soak  # three more launches; every run covers the same machinery with the DDP model above
+def test_a_model_sharded_with_fully_shard_before_prepare_checkpoints_and_reshards_2_to_3(tmp_path):
+    """FSDP2 through Accelerate on CPU: the user's ``fully_shard`` model is not wrapped in DDP;
+    its DTensor shards are committed by 2 workers and resumed by 3 (within 1e-5 of 2 throughout)."""
+    script = str(runs.REPO / "tests" / "e2e" / "run_scripts" / "accelerate_fsdp2.py")
+
+    def torchrun(out, nproc: int, steps: int) -> None:
+        args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        args += ["--master-port", str(free_port()), script, str(out), str(steps)]
+        r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+        assert r.returncode == 0, r.stderr[-4000:]
+
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    torchrun(ref, 2, 9)
+    torchrun(out, 2, 6)
+    torchrun(out, 3, 9)
+    (reshard,) = runs.read_events(out, "reshard")
+    assert reshard["step"] == 6 and reshard["to_world_size"] == 3
+    want, got = runs.step_losses(ref), runs.step_losses(out)
+    assert sorted(got) == sorted(want) == list(range(1, 10))
+    for step in range(1, 10):
+        assert runs.close_rel(got[step], want[step], 1e-5), (step, got[step], want[step])
