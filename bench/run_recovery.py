@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import loadavg, machine_info, median, table  # noqa: E402
+from bench.common import loadavg, machine_info, median, parse_with_smoke, table  # noqa: E402
 from tests import runs  # noqa: E402
 
 VARIANTS = ("launch", "run", "run-cold", "torchrun")
@@ -190,11 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--interval", type=int, default=5, help="checkpoint.interval_steps")
     ap.add_argument("--phases", action="store_true", help="print each recovery's timeline")
-    ap.add_argument("--smoke", action="store_true", help="one quick repeat of run and torchrun (CI)")
     ap.add_argument("--json-out")
-    a = ap.parse_args(argv)
-    if a.smoke:
-        a.repeats, a.variants, a.interval, a.phases = 1, "run,torchrun", 2, True
+    a = parse_with_smoke(ap, ["--repeats", "1", "--variants", "run,torchrun", "--interval", "2", "--phases"], argv)
     variants = a.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
     if bad or "torchrun" not in variants:
