@@ -130,7 +130,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--max-seconds", type=float, default=60)
     ap.add_argument("--json-out")
-    a = parse_with_smoke(ap, ["--variants", "1:omp1:every2", "--steps", "6", "--skip", "1", "--max-seconds", "30"])
+    a = parse_with_smoke(ap, ["--variants", "1:omp1:every2", "--steps", "6", "--skip", "1", "--max-seconds", "240"])
     variants = a.variants.split(",")
     for v in variants:
         throughput.parse_variant(split_variant(v)[0])
