@@ -2,16 +2,25 @@
 
 The public API for your own training loop (semantic versioning applies to these names only)::
 
+    import torch
+    from torch.utils.data import DataLoader
+
     import elastic_trainer as et
 
-    session = et.init()                                   # process groups, events, metrics, preemption
-    model = session.shard(build_model(), [Block])         # FSDP2, bottom-up
-    ckpt = et.Checkpointer(session, model=model, optimizer=opt, scheduler=sched, data=loader)
-    for step, batch in ckpt.steps(total_steps):           # resume, agree, save when due, truthful exit
-        loss = compute_loss(model, batch); loss.backward()
-        ckpt.optimizer_step(loss)                         # staging wait, clip, non-finite guard, step
+    session = et.init()                                            # 1. process groups, events, metrics, preemption
+    model = session.shard(build_model(), [Block])                  # 2. fully_shard each Block, then the root
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=100)
+    loader = DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=collate)
+    ckpt = et.Checkpointer(session, model=model, optimizer=opt, scheduler=sched, data=loader)  # 3.
+    for step, batch in ckpt.steps(total_steps):                    # 4. resume, agree, save when due, truthful exit
+        loss = compute_loss(model, batch)                          # this batch's mean loss
+        ckpt.optimizer_step(loss)                                  # 5. backward; at a step's end: guard, step
 
-See docs/own-script.md. Names resolve lazily, so ``import elastic_trainer`` stays cheap.
+``batch`` is one batch of your ``DataLoader`` (its ``batch_size`` is the micro-batch) at every world
+size; ``ckpt.optimizer_step(loss)`` does the backward pass (no ``loss.backward()`` of your own)
+and, after a step's last batch, the optimizer step. See docs/own-script.md. Names resolve lazily,
+so ``import elastic_trainer`` stays cheap.
 """
 
 from __future__ import annotations

@@ -86,7 +86,6 @@ def main() -> None:
         overrides=[
             "checkpoint.interval_steps=5",
             "train.global_batch_size=8",
-            "train.micro_batch_size=8",
             f"train.mixed_precision={'bf16' if args.mixed_precision else 'fp32'}",
             *args.overrides,
         ]
@@ -99,7 +98,7 @@ def main() -> None:
     ckpt = et.Checkpointer(session, model=model, optimizer=optim, data=loader)
     for _, tokens in ckpt.steps(args.steps):
         logits = model(tokens[:, :-1])
-        ckpt.optimizer_step(F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
+        ckpt.optimizer_step(F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()), max_norm=1.0)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,6 @@ def main() -> None:
         overrides=[
             "checkpoint.interval_steps=5",
             "train.global_batch_size=8",
-            "train.micro_batch_size=8",
             *args.overrides,
         ]
     )
@@ -75,7 +74,7 @@ def main() -> None:
     loader = DataLoader(train, batch_size=8, collate_fn=default_data_collator)
     ckpt = et.Checkpointer(session, model=model, optimizer=optimizer, scheduler=scheduler, data=loader)
     for _, batch in ckpt.steps(args.steps):
-        ckpt.optimizer_step(model(**batch).loss)
+        ckpt.optimizer_step(model(**batch).loss, max_norm=1.0)
 
 
 if __name__ == "__main__":

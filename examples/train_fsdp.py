@@ -75,7 +75,6 @@ def main() -> None:
         overrides=[
             "checkpoint.interval_steps=5",
             "train.global_batch_size=12",
-            "train.micro_batch_size=12",
             *a.overrides,
         ]
     )
@@ -90,10 +89,10 @@ def main() -> None:
     ckpt = et.Checkpointer(session, model=model, optimizer=opt, scheduler=sched, data=loader)
     # 4. resume, agree, save when due, preemption and fencing, a truthful exit code
     for step, (x, y) in ckpt.steps(a.steps):
-        loss = F.mse_loss(model(x), y)  # this micro-batch's mean: it counts with its share of the global batch
-        # 5. backward, staging wait, clip, non-finite guard, optimizer and scheduler step, zero_grad
-        ckpt.optimizer_step(loss)
-        if step % 10 == 0:
+        loss = F.mse_loss(model(x), y)  # this batch's mean: it counts with its share of the global batch
+        # 5. backward, staging wait, clipping, non-finite guard, optimizer and scheduler step, zero_grad;
+        # the step's global loss after its last batch (None while a step accumulates more batches)
+        if ckpt.optimizer_step(loss, max_norm=1.0) is not None and step % 10 == 0:
             evaluate(model, data, session.rank, step)
 
 

@@ -7,8 +7,8 @@ of the user's, e.g. a :class:`~elastic_trainer.runtime.sampler.GlobalBatchSample
 what a loop needs around it: resume events, the agreed preemption exit (75 only when the final
 step is committed), non-finite rollback, the fenced exit, and the run's end.
 
-Its public methods are the loop API: :meth:`steps` (with :meth:`backward`,
-:meth:`optimizer_step`, :meth:`record` and :meth:`request_stop` inside it), and for a loop that
+Its public methods are the loop API: :meth:`steps` (with :meth:`optimizer_step`, :meth:`record`
+and :meth:`request_stop` inside it), and for a loop that
 keeps its own iteration, :meth:`resume` and :meth:`end_of_step` around ``session.step``. All
 methods that touch collectives must be called on every rank in the same order.
 """
@@ -40,12 +40,18 @@ from ..checkpoint.state import (
     TrainState,
     check_state_name,
 )
-from ..config import check_run_identity
+from ..config import TrainConfig, check_run_identity
+from ..errors import ConfigError
 from ..storage.fs import open_storage
 from .loop import Accumulator, StepData
 from .session import Session
 
 logger = logging.getLogger(__name__)
+
+BACKWARD_TWICE = (
+    "a backward pass ran before ckpt.optimizer_step(loss), which does the backward itself "
+    "(weighted by the batch's share of the global batch): remove loss.backward()"
+)
 
 
 def shape_fingerprint(model: nn.Module) -> str:
@@ -78,11 +84,13 @@ class Checkpointer:
         (event ``state_added``) instead of stopping the resume.
 
         ``data``: for :meth:`steps`, a ``DataLoader`` (over a map-style dataset it is made world-size
-        invariant: see :mod:`.loop`) or any iterable of batches; its state is checkpointed.
+        invariant: see :mod:`.loop`; its ``batch_size`` is the micro-batch) or any iterable of
+        batches; its state is checkpointed.
 
         ``run_identity``: the settings that define the run (a resume with any of them changed
         is refused naming the key, unless ``checkpoint.allow_changes`` names it); the built-in
-        trainer passes ``Config.run_identity()``."""
+        trainer passes ``Config.run_identity()``. Default: with a ``DataLoader`` made world-size
+        invariant, ``train.global_batch_size`` and ``train.seed`` (they fix the sample order)."""
         self.session = session
         session.checkpointer = self  # its exception path lets this one's in-flight save land
         cfg = session.cfg
@@ -113,7 +121,6 @@ class Checkpointer:
             else StepData(
                 data,
                 global_batch=t.global_batch_size,
-                micro_batch=t.micro_batch_size,
                 seed=t.seed,
                 rank=session.rank,
                 world_size=session.world_size,
@@ -122,6 +129,16 @@ class Checkpointer:
         )
         if self.data is not None and self.data.state is not None:
             states["sampler"] = self.data.state
+        if self.data is not None and self.data.sampler is not None:
+            micro = self.data.sampler.micro_batch_size
+            if t.micro_batch_size not in (micro, TrainConfig.micro_batch_size):
+                raise ConfigError(
+                    "train.micro_batch_size",
+                    f"{t.micro_batch_size}, but the DataLoader's batch_size ({micro}) is this loop's micro-batch: "
+                    f"make them agree (DataLoader(batch_size={t.micro_batch_size})) or leave the key out",
+                )
+            if run_identity is None:
+                run_identity = {"train.global_batch_size": t.global_batch_size, "train.seed": t.seed}
         for name, obj in (extra or {}).items():
             check_state_name(name)
             if name in states:
@@ -161,6 +178,8 @@ class Checkpointer:
         self._restartable = True  # False: the run ended for a cause a restart cannot change (marker for the supervisor)
         self._final_saved: int | None = None  # the step of the run's final save, once started
         self._acc: Accumulator | None = None  # the step in progress under steps()
+        # the current batch under steps(): its loss weight, its index in the step, whether it ends the step
+        self._weight, self._index, self._last = 0.0, 0, True
         self._ctx = None
         self._stop_requested = False
         self.exit_code: int | None = None  # how steps() ended
@@ -246,14 +265,18 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ the loop
     def steps(self, total_steps: int, *, exit_on_stop: bool = True) -> Iterator[tuple[int, Any]]:
-        """The training loop: ``for step, batch in ckpt.steps(total): ...`` then one
-        :meth:`optimizer_step` per step. Resumes first (unless :meth:`resume` was called), then
-        runs each step in the step context (hang watchdog, agreed preemption and fencing), saves
-        on the cadence (``checkpoint.interval_steps``/``interval_seconds``/``auto``, and the final
-        step), applies the non-finite policy (``train.on_nonfinite``) and, at the end, waits for
-        the final commit. ``batch`` is this rank's batch of the step, on ``session.device``; when
-        ``train.micro_batch_size`` is smaller than a rank's share it is the list of the step's
-        micro-batches (call :meth:`backward` for each, then ``optimizer_step()``).
+        """The training loop: ``for step, batch in ckpt.steps(total): ...`` with one
+        :meth:`optimizer_step` per ``batch``. Resumes first (unless :meth:`resume` was called),
+        then runs each step in the step context (hang watchdog, agreed preemption and fencing),
+        saves on the cadence (``checkpoint.interval_steps``/``interval_seconds``/``auto``, and the
+        final step), applies the non-finite policy (``train.on_nonfinite``) and, at the end, waits
+        for the final commit.
+
+        ``batch`` is one batch as the ``DataLoader`` yields it (at most its ``batch_size`` samples),
+        on ``session.device``, at every world size. A step is ``train.global_batch_size`` samples
+        over all ranks: when a rank's share is larger than the loader's ``batch_size`` the same
+        ``step`` comes with several batches (gradient accumulation), the optimizer stepping after
+        the last one; how many depends on the world size, the loop body does not.
 
         The loop ends after ``total_steps``, or earlier on preemption (75/76), fencing (73), a
         non-finite stop (65) or :meth:`request_stop`. ``exit_code`` holds the code; when it is not
@@ -270,11 +293,13 @@ class Checkpointer:
                     break
                 step += 1
                 with self.session.step(step, checkpointer=self) as s:
-                    batches, weights = self.data.next_step()
-                    self._ctx, self._acc = s, Accumulator(weights, self.session.device)
-                    yield step, batches[0] if len(batches) == 1 else batches
-                    if self._ctx is not None:
-                        raise RuntimeError(f"step {step}: call ckpt.optimizer_step(loss) once per step")
+                    self._ctx, self._acc = s, Accumulator(self.session.device)
+                    for i in range(self.data.per_step):
+                        batch, self._weight = self.data.next_batch()
+                        self._index, self._last = i, i == self.data.per_step - 1
+                        yield step, batch
+                        if self._acc is not None and self._acc.count == i:
+                            raise RuntimeError(f"step {step}: call ckpt.optimizer_step(loss) once per batch")
                 code = self.end_of_step(s, step, total_steps)
                 if s.nonfinite and code is None:  # rolled back: continue after the restored step
                     step = self.state.step
@@ -285,33 +310,38 @@ class Checkpointer:
         if code != exit_codes.OK and exit_on_stop:
             raise SystemExit(code)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """One micro-batch's backward pass under :meth:`steps`: ``loss`` (the micro-batch's mean
-        loss) counts with the micro-batch's share of the global batch."""
-        if self._acc is None:
-            raise RuntimeError("ckpt.backward() belongs inside 'for step, batch in ckpt.steps(...)'")
-        self._acc.backward(loss)
-
-    def optimizer_step(self, loss: torch.Tensor | None = None) -> float | None:
-        """End of a step under :meth:`steps`: ``loss`` (if given) goes through :meth:`backward`;
-        then gradient clipping (``train.grad_clip``) to the global norm, the staging wait and the
-        agreed non-finite guard (``StepContext.check``), every optimizer's and scheduler's step
-        (``ReduceLROnPlateau`` on the global loss), the data cursor, and ``zero_grad``. Returns the
-        global loss."""
+    def optimizer_step(self, loss: torch.Tensor, *, max_norm: float | None = None) -> float | None:
+        """The end of each ``batch`` under :meth:`steps`: the backward pass of ``loss`` (the
+        batch's mean loss, weighted by its share of the global batch; do not call
+        ``loss.backward()`` yourself: a backward pass before this call is refused). After the
+        step's last batch: gradient clipping to ``max_norm`` (global norm; none unless given),
+        the staging wait and the agreed non-finite guard (``StepContext.check``), every
+        optimizer's and scheduler's step (``ReduceLROnPlateau`` on the global loss), the data
+        cursor and ``zero_grad``; returns the step's global loss. Before it (more batches of the
+        same step to come): None."""
         s, acc = self._ctx, self._acc
-        if s is None or acc is None:
+        if s is None or acc is None or acc.count != self._index:
             raise RuntimeError(
-                "ckpt.optimizer_step() belongs inside 'for step, batch in ckpt.steps(...)', once per step"
+                "ckpt.optimizer_step(loss) belongs inside 'for step, batch in ckpt.steps(...)', once per batch"
             )
-        if loss is not None:
-            acc.backward(loss)
-        if not acc.complete:
-            raise RuntimeError(
-                f"step {s.step}: {len(acc.weights)} micro-batch(es) without a backward pass: "
-                "call ckpt.backward(loss) for each"
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"ckpt.optimizer_step(loss) takes the batch's loss tensor (got {type(loss).__name__}) "
+                "and does its backward pass"
             )
-        clip = self.session.cfg.train.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        if acc.count == 0 and any(p.grad is not None for p in self.model.parameters()):
+            raise RuntimeError(BACKWARD_TWICE)
+        try:
+            acc.backward(loss, self._weight)
+        except RuntimeError as e:
+            if "second time" in str(e):
+                raise RuntimeError(BACKWARD_TWICE) from e
+            raise
+        if not self._last:
+            return None
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), max_norm if max_norm is not None else float("inf")
+        )
         if s.check(acc.loss, grad_norm):
             for opt in self.optimizers:
                 opt.step()
@@ -468,7 +498,8 @@ class Checkpointer:
         data state (else the train state's cursor is)."""
         s = self.session
         cursor = sampler.cursor if sampler is not None else self.state.cursor
-        sample_range = [cursor, cursor + (global_batch_size or s.cfg.train.global_batch_size)]
+        size = global_batch_size or (sampler.global_batch_size if sampler is not None else None)
+        sample_range = [cursor, cursor + (size or s.cfg.train.global_batch_size)]
         mode = s.cfg.train.on_nonfinite
         s.events.emit("nonfinite", step=step, loss=loss, grad_norm=grad_norm, sample_range=sample_range, action=mode)
         s.metrics.counter("elastic_trainer_train_nonfinite_events_total")

@@ -4,13 +4,15 @@ and the per-step bookkeeping of micro-batches and their loss weights.
 A ``DataLoader`` over a map-style dataset is rebuilt with the same dataset, ``collate_fn``, worker
 processes, ``pin_memory`` and the rest, but with a :class:`~.sampler.GlobalBatchSampler` as its
 ``batch_sampler``: a seeded global order, a constant global batch (``train.global_batch_size``) split
-across ranks, the same number of micro-batches (``train.micro_batch_size``) on every rank, zero-weight
-padding where a rank has fewer samples, and a cursor that is checkpointed and reshards. Each
-micro-batch's loss counts with weight ``n / global_batch`` (``n`` its real samples), so the gradient
-summed over ranks is that of the global mean, at any world size.
+across ranks, micro-batches of at most the loader's own ``batch_size``, the same number of them on
+every rank, zero-weight padding where a rank has fewer samples, and a cursor that is checkpointed
+and reshards. Each micro-batch's loss counts with weight ``n / global_batch`` (``n`` its real
+samples), so the gradient summed over ranks is that of the global mean, at any world size. A loader
+with a sampler or batch sampler of its own (other than a ``GlobalBatchSampler``) is refused: the
+loop would have to replace it.
 
 Any other iterable (an ``IterableDataset``, a streaming loader) is read as it comes, one batch per
-micro-batch, each weighted ``1 / world_size``; it is not world-size invariant, and it resumes exactly
+step, each weighted ``1 / world_size``; it is not world-size invariant, and it resumes exactly
 only if it is ``Stateful`` (e.g. torchdata's ``StatefulDataLoader``, saved per rank).
 """
 
@@ -19,12 +21,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from ..errors import ConfigError
 from .sampler import GlobalBatchSampler, micro_steps
 
 
@@ -49,7 +51,6 @@ class StepData:
         data: Any,
         *,
         global_batch: int,
-        micro_batch: int,
         seed: int,
         rank: int,
         world_size: int,
@@ -64,14 +65,18 @@ class StepData:
             self.sampler, self.loader = data.batch_sampler, data
         elif isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
             self.sampler = GlobalBatchSampler(
-                len(data.dataset), global_batch, micro_batch, seed=seed, rank=rank, world_size=world_size
+                len(data.dataset), global_batch, micro_batch_of(data), seed=seed, rank=rank, world_size=world_size
             )
             self.loader = _rebuilt(data, self.sampler, seed + rank)
         else:
             self.loader = data
         if isinstance(self.loader, DataLoader) and not isinstance(self.loader.worker_init_fn, WorkerInit):
             self.loader.worker_init_fn = WorkerInit(self.loader.worker_init_fn)  # before its first iterator
-        self.per_step = micro_steps(global_batch, world_size, micro_batch) if self.sampler is not None else 1
+        self.per_step = (
+            micro_steps(self.sampler.global_batch_size, world_size, self.sampler.micro_batch_size)
+            if self.sampler is not None
+            else 1
+        )
         self._it: Iterator | None = None
 
     @property
@@ -92,14 +97,35 @@ class StepData:
         worker processes (a DataLoader iterator shuts its workers down when it is collected)."""
         self._it = None
 
-    def next_step(self) -> tuple[list[Any], list[float]]:
-        """This rank's micro-batches of the next step (on the device) and the weight of each one's loss."""
+    def next_batch(self) -> tuple[Any, float]:
+        """This rank's next micro-batch (on the device) and the weight of its loss."""
         if self._it is None:
             self._it = iter(self.loader)
-        batches = [to_device(next(self._it), self.device) for _ in range(self.per_step)]
+        batch = to_device(next(self._it), self.device)
         if self.sampler is None:
-            return batches, [1.0 / self.world_size] * len(batches)
-        return batches, [self.sampler.pop_weight() / self.sampler.global_batch_size for _ in batches]
+            return batch, 1.0 / self.world_size
+        return batch, self.sampler.pop_weight() / self.sampler.global_batch_size
+
+
+def micro_batch_of(loader) -> int:
+    """The micro-batch of a user's map-style ``DataLoader``: its ``batch_size``. A loader that
+    samples its own way (``sampler=``, ``batch_sampler=``, ``batch_size=None``) is refused rather
+    than silently re-sampled."""
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        raise ConfigError(
+            "Checkpointer(data=)",
+            "the DataLoader needs a batch_size (the micro-batch) and no batch_sampler of its own: the loop "
+            "samples with a GlobalBatchSampler (or pass one as batch_sampler=)",
+        )
+    if type(loader.sampler) not in (SequentialSampler, RandomSampler):
+        raise ConfigError(
+            "Checkpointer(data=)",
+            f"DataLoader(sampler={type(loader.sampler).__name__}): the loop samples every rank's share "
+            "itself (a seeded global order, train.seed): drop the sampler",
+        )
+    return loader.batch_size
 
 
 def _rebuilt(loader, sampler: GlobalBatchSampler, seed: int):
@@ -174,19 +200,11 @@ def _die_with_parent(parent: int) -> None:
 class Accumulator:
     """One step's backward passes: each micro-batch's loss scaled by its weight, summed."""
 
-    def __init__(self, weights: list[float], device: torch.device):
-        self.weights = deque(weights)
+    def __init__(self, device: torch.device):
+        self.count = 0
         self.loss = torch.zeros((), dtype=torch.float64, device=device)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        if not self.weights:
-            raise RuntimeError(
-                "more backward passes than micro-batches in this step: one ckpt.backward(loss) per micro-batch"
-            )
-        w = self.weights.popleft()
-        (loss * w).backward()
-        self.loss += loss.detach().to(torch.float64) * w
-
-    @property
-    def complete(self) -> bool:
-        return not self.weights
+    def backward(self, loss: torch.Tensor, weight: float) -> None:
+        (loss * weight).backward()
+        self.loss += loss.detach().to(torch.float64) * weight
+        self.count += 1

@@ -9,6 +9,7 @@ rank, before anything else collective.
 from __future__ import annotations
 
 import contextlib
+import copy
 import faulthandler
 import functools
 import json
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .. import contract, exit_codes, log
-from ..config import Config, TrainConfig, apply_overrides, config_from_dict, load_config, read_toml, run_name
+from ..config import Config, TrainConfig, apply_overrides, config_from_dict, read_toml, run_name
 from ..errors import CheckpointStopError, ConfigError, FencedError
 from ..events import EventLog
 from ..metrics import factory as metrics_factory
@@ -149,6 +150,15 @@ def init_distributed(train: TrainConfig, timeout_seconds: float, ckpt_timeout_se
 SUPERVISED_KEYS = (("run", "dir"), ("checkpoint", "dir"))  # what the supervisor itself uses of the script's config
 
 
+def _set_in(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The sections of ``cfg`` with only the values that differ from the defaults."""
+    default = Config().to_dict()
+    return {
+        section: {k: v for k, v in values.items() if default[section].get(k) != v}
+        for section, values in cfg.to_dict().items()
+    }
+
+
 def _same_place(path: str) -> str:
     """A path compared as a place: local paths absolute (a URI with a scheme as it is)."""
     return path if "://" in path else os.path.abspath(path)
@@ -157,26 +167,29 @@ def _same_place(path: str) -> str:
 def resolve_config(
     config: str | os.PathLike | Config | dict | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> Config:
-    """The rank's config. Without a supervisor: ``config`` (a path, a Config or a dict), else the
-    defaults, with ``overrides`` (``section.key=value``) on top; the paths it does not set are
+    """The rank's config. ``config`` is a TOML path, a dict of sections, or a :class:`Config` (whose
+    values other than the defaults count as set), with ``overrides`` (``section.key=value``) on top.
+    Without a supervisor: that, over the defaults; the paths it does not set are
     ``runs/<script name>`` and ``runs/<script name>/checkpoints`` (as ``elastic-trainer run``
     derives them). Under the supervisor (``launch``/``run``): the supervisor's config, then the
-    script's file and overrides on top; ``run.dir`` and ``checkpoint.dir`` must agree with the
-    supervisor's (it writes the event log, fences and watches commits there): a script that asks
-    for others stops with ConfigError before its first step."""
+    script's on top; ``run.dir`` and ``checkpoint.dir`` must agree with the supervisor's (it
+    writes the event log, fences and watches commits there): a script that asks for others stops
+    with ConfigError before its first step."""
     if isinstance(config, Config):
-        return config
-    if isinstance(config, dict):
-        return config_from_dict(config)
+        mine = _set_in(config)
+    elif isinstance(config, dict):
+        mine = copy.deepcopy(config)
+    else:
+        mine = read_toml(config)
+    mine = apply_overrides(mine, overrides)
     raw = os.environ.get(contract.CONFIG_ENV)
     if not raw:
-        return load_config(
-            config,
-            overrides,
-            name=run_name(config) or run_name(sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else None),
+        path = config if not isinstance(config, (Config, dict)) else None
+        return config_from_dict(
+            mine,
+            name=run_name(path) or run_name(sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else None),
         )
     base = json.loads(raw)
-    mine = apply_overrides(read_toml(config), overrides)
     for section, key in SUPERVISED_KEYS:
         want = (mine.get(section) or {}).get(key)
         have = base[section][key]

@@ -351,17 +351,20 @@ def _run(fd: int, modules, parent: int) -> int:
     sock = socket.socket(fileno=fd)
     t0 = time.monotonic()
     missing = preload(modules)
-    _send(
-        sock,
-        {
-            "ready": os.getpid(),
-            "threads": settle_threads(),
-            "preload_seconds": round(time.monotonic() - t0, 3),
-            "missing": missing,
-            **_initialised(),
-        },
-    )
-    return serve(sock)
+    try:
+        _send(
+            sock,
+            {
+                "ready": os.getpid(),
+                "threads": settle_threads(),
+                "preload_seconds": round(time.monotonic() - t0, 3),
+                "missing": missing,
+                **_initialised(),
+            },
+        )
+        return serve(sock)
+    except (ConnectionResetError, BrokenPipeError):  # the supervisor left (e.g. it refused a config): so do we
+        return 0
 
 
 def main() -> int:

@@ -1,7 +1,8 @@
 """The loop API (``ckpt.steps`` + ``ckpt.optimizer_step``) over a user's plain ``DataLoader``
 (worker processes, its own ``collate_fn``) is world-size invariant: the same global batch, each
 micro-batch's mean loss weighted by its share, padding micro-batches counting zero, gradient
-accumulation through ``ckpt.backward``."""
+accumulation handled by the loop (``batch`` is one batch of the loader's ``batch_size`` at every
+world size), a backward pass of the user's own refused by name."""
 
 from .harness import run_ranks
 from .workloads import loop_api_losses
@@ -14,6 +15,7 @@ def test_the_same_losses_at_one_two_and_three_ranks_with_accumulation_and_paddin
     # 3/3/2 a rank: 2 micro-batches, one of them padding on rank 2
     three = run_ranks(loop_api_losses, 3, str(tmp_path), 2, 0)
     assert one["code"] == 0 and one["sizes"][0] == [2, 2, 2, 2]
+    assert "remove loss.backward()" in one["refused"] and "remove loss.backward()" in three[0]["refused"]
     assert two[0]["sizes"][0] == [4] and three[2]["sizes"][0] == [2, 1], three[2]["sizes"][0]
     assert two[1]["losses"] == two[0]["losses"] and three[0]["losses"] == three[1]["losses"] == three[2]["losses"], (
         "every rank sees the global loss"

@@ -288,8 +288,9 @@ def _collate(items):
 
 
 def loop_api_losses(rank, world, root, micro_batch, workers):
-    """The five-call loop over a plain DataLoader (worker processes, a collate_fn): the global
-    losses of 6 steps, and the per-rank micro-batch sizes seen."""
+    """The five-call loop over a plain DataLoader (worker processes, a collate_fn) whose
+    ``batch_size`` is the micro-batch: the global losses of 6 steps, the per-rank batch sizes seen
+    in each step, and the refusal of a backward pass the loop did not run."""
     import torch.nn.functional as F
     from torch import nn
 
@@ -299,23 +300,30 @@ def loop_api_losses(rank, world, root, micro_batch, workers):
         {
             "run": {"dir": f"{root}/run-{world}"},
             "checkpoint": {"dir": f"{root}/ckpt-{world}", "interval_steps": 0},
-            "train": {"global_batch_size": 8, "micro_batch_size": micro_batch, "seed": 5},
+            "train": {"global_batch_size": 8, "seed": 5},
             "metrics": {"port": 0},
         }
     )
     torch.manual_seed(0)
     model = session.shard(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)), [nn.Linear])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = torch.utils.data.DataLoader(_Pairs(), batch_size=3, num_workers=workers, collate_fn=_collate)
+    loader = torch.utils.data.DataLoader(_Pairs(), batch_size=micro_batch, num_workers=workers, collate_fn=_collate)
     ckpt = et.Checkpointer(session, model=model, optimizer=opt, data=loader)
-    losses, sizes = [], []
-    for _, batch in ckpt.steps(6, exit_on_stop=False):
-        micro = batch if isinstance(batch, list) else [batch]
-        for mb in micro[:-1]:
-            ckpt.backward(F.mse_loss(model(mb["x"]), mb["y"]))
-        sizes.append([mb["n"] for mb in micro])
-        losses.append(ckpt.optimizer_step(F.mse_loss(model(micro[-1]["x"]), micro[-1]["y"])))
-    return {"losses": losses, "sizes": sizes, "code": ckpt.exit_code}
+    losses, sizes, refused = [], {}, None
+    for step, batch in ckpt.steps(6, exit_on_stop=False):
+        sizes.setdefault(step, []).append(batch["n"])
+        loss = F.mse_loss(model(batch["x"]), batch["y"])
+        if step == 6 and refused is None:  # the wrong usage: a backward of its own first
+            loss.backward(retain_graph=True)
+            try:
+                ckpt.optimizer_step(loss)
+            except RuntimeError as e:
+                refused = str(e)
+            opt.zero_grad(set_to_none=True)
+        done = ckpt.optimizer_step(loss)
+        if done is not None:
+            losses.append(done)
+    return {"losses": losses, "sizes": list(sizes.values()), "code": ckpt.exit_code, "refused": refused}
 
 
 class Tensors:

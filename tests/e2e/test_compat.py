@@ -211,9 +211,33 @@ def test_run_checks_storage_and_local_dir_before_any_worker_starts(tmp_path):
         r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=120)
         key = "checkpoint.local_dir" if "local_dir" in what else "checkpoint.dir"
         assert r.returncode == 2 and f"config error at '{key}'" in r.stderr, (what, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr + r.stdout, (what, r.stderr[-2000:])
         assert not runs.read_events(run_dir, "start") and not runs.read_events(run_dir, "workers_started"), (
             f"{what}: no worker may start"
         )
+
+
+def test_a_launch_refused_before_training_prints_one_line_and_no_traceback(tmp_path, token_file):
+    """``launch`` with an unreachable S3 endpoint: exit 2 and the one line naming the problem;
+    the warm-start zygote (forked before the check) leaves quietly with its supervisor."""
+    config = runs.write_config(
+        tmp_path / "c.toml",
+        token_file,
+        tmp_path / "run",
+        "s3://nobucket/x",
+        checkpoint={
+            "s3_endpoint_url": f"http://127.0.0.1:{_closed_port()}",
+            "storage_timeout_seconds": 2,
+            "storage_retries": 0,
+        },
+    )
+    env = runs.env_for_tests(
+        {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}
+    )
+    r = subprocess.run(runs.launch_args(config), capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and "config error at 'checkpoint.dir': cannot access s3://nobucket/x" in lines[0], lines
 
 
 def _closed_port() -> int:

@@ -42,6 +42,8 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 from kubernetes_validate import utils as kv_utils  # noqa: E402
 from referencing import Registry, Resource  # noqa: E402
 
+from elastic_trainer import exit_codes  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 DATA = REPO / "tests" / "data"
@@ -855,10 +857,10 @@ def test_no_literal_credentials_in_rendered_objects(tree: Path):
 def test_s3_credentials_come_from_the_secret(tree: Path):
     for where, template in pod_templates(render(tree)):
         env = env_of(trainer_container(template))
-        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
             ref = env[key]["valueFrom"]["secretKeyRef"]
-            assert ref == {"name": SECRET_NAME, "key": key}, where
-        assert env["AWS_DEFAULT_REGION"]["valueFrom"]["secretKeyRef"].get("optional") is True
+            # optional: a pod with S3 access through its service account (IRSA) starts without the Secret
+            assert ref == {"name": SECRET_NAME, "key": key, "optional": True}, where
 
 
 def test_no_credentials_in_any_file_and_example_secret_not_deployed():
@@ -1000,8 +1002,11 @@ def test_overlay_uses_its_image_variant(tree: Path):
 # --------------------------------------------------------------------------- exit codes
 
 POD_FAILURE_CASES = [
-    # (exit code, pod conditions, action)
+    # (exit code, pod conditions, action): the README's exit codes that are never restarted fail the Job
     (EXIT_CONFIG, (), "FailJob"),
+    (exit_codes.NONFINITE, (), "FailJob"),
+    (exit_codes.FENCED, (), "FailJob"),
+    (exit_codes.FINAL_SAVE_FAILED, (), "Count"),
     (EXIT_PREEMPTED, (), "Ignore"),
     (1, (), "Count"),
     (137, (), "Count"),
@@ -1012,7 +1017,8 @@ POD_FAILURE_CASES = [
 @pytest.mark.parametrize("tree", [t for t in TREES if variant(t) != "pytorchjob"], ids=_rel)
 @pytest.mark.parametrize("exit_code,conditions,action", POD_FAILURE_CASES)
 def test_job_pod_failure_policy(tree: Path, exit_code: int, conditions: tuple[str, ...], action: str):
-    """Exit 2 (bad config) fails the Job at once; 75 (preempted, checkpoint committed) and
+    """Exit 2 (bad config), 65 (non-finite stop) and 73 (fenced) fail the Job at once, as the
+    README says they are not restarted; 75 (preempted, checkpoint committed) and
     evictions replace the pod for free; anything else counts against backoffLimit."""
     objs = render(tree)
     jobs = [o["spec"] for o in objs if o["kind"] == "Job"]
@@ -1025,6 +1031,22 @@ def test_job_pod_failure_policy(tree: Path, exit_code: int, conditions: tuple[st
     # The rule is scoped to the trainer container: an init container's exit 2 is not a config error.
     if exit_code == EXIT_CONFIG:
         assert pod_failure_action(job["podFailurePolicy"], "make-demo-data", exit_code) == "Count"
+
+
+def readme_never_restarted() -> set[int]:
+    """The exit codes the README's table says are never restarted."""
+    text = (REPO / "README.md").read_text().split("Exit codes of `launch` and `run`", 1)[1].split("\n\n", 1)[0]
+    parts = re.split(r"`(\d+)` ", " ".join(text.split()))[1:]
+    return {
+        int(code)
+        for code, say in zip(parts[::2], parts[1::2], strict=True)
+        if "not restarted" in say or "never restarted" in say
+    }
+
+
+def test_the_failjob_codes_are_the_readmes_never_restarted_codes():
+    assert readme_never_restarted() == {EXIT_CONFIG, exit_codes.NONFINITE, exit_codes.FENCED}
+    assert {c for c, _, action in POD_FAILURE_CASES if action == "FailJob"} == readme_never_restarted()
 
 
 def test_pod_failure_action_rules():

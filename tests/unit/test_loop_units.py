@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from elastic_trainer import exit_codes
-from elastic_trainer.config import load_config, run_name
+from elastic_trainer.config import Config, TrainConfig, load_config, run_name
 from elastic_trainer.contract import CONFIG_ENV
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.runtime.loop import Accumulator, StepData, to_device
 from elastic_trainer.runtime.sampler import GlobalBatchSampler
 from elastic_trainer.runtime.session import PreemptionFlag, resolve_config
 from elastic_trainer.supervisor import policy
+from tests import runs
 
 
 def test_paths_are_derived_from_the_script_or_config_name_never_the_demo():
@@ -49,6 +50,19 @@ def test_under_a_supervisor_the_script_merges_on_top_but_may_not_move_the_paths(
     assert resolve_config(str(job)).train.steps == 99 and resolve_config(str(job)).checkpoint.dir == "s3://bucket/a", (
         "a file merges, never replaces"
     )
+    for given in ({"train": {"steps": 99}}, Config(train=TrainConfig(steps=99))):  # a dict or Config: the same way
+        cfg = resolve_config(given, ["train.seed=3"])
+        assert (cfg.train.steps, cfg.train.seed, cfg.checkpoint.dir) == (99, 3, "s3://bucket/a"), given
+    with pytest.raises(ConfigError, match="run.dir"):
+        resolve_config({"run": {"dir": "runs/other"}})
+
+
+def test_a_dict_or_config_without_a_supervisor_takes_overrides_and_the_script_s_paths(monkeypatch):
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    monkeypatch.setattr("sys.argv", ["my_train.py"])
+    for given in ({"train": {"steps": 9}}, Config(train=TrainConfig(steps=9))):
+        cfg = resolve_config(given, ["train.seed=3"])
+        assert (cfg.train.steps, cfg.train.seed, cfg.run.dir) == (9, 3, "runs/my_train"), given
 
 
 def test_a_first_sigint_is_a_preemption_and_a_second_interrupts():
@@ -85,28 +99,40 @@ def test_the_sampler_as_a_batch_sampler_yields_micro_batches_ahead_without_movin
 
 def test_step_data_weights_and_the_accumulator():
     ds = torch.utils.data.TensorDataset(torch.arange(20.0).reshape(20, 1))
-    loader = torch.utils.data.DataLoader(ds, batch_size=4)
-    data = StepData(loader, global_batch=6, micro_batch=2, seed=0, rank=0, world_size=2, device=torch.device("cpu"))
+    loader = torch.utils.data.DataLoader(ds, batch_size=2)  # the loader's batch_size is the micro-batch
+    data = StepData(loader, global_batch=6, seed=0, rank=0, world_size=2, device=torch.device("cpu"))
     assert data.state is data.sampler and data.loader is not loader and data.loader.generator is not None
-    batches, weights = data.next_step()
-    assert [len(b[0]) for b in batches] == [2, 1] and weights == [2 / 6, 1 / 6]
+    assert data.per_step == 2
+    (a, wa), (b, wb) = data.next_batch(), data.next_batch()
+    assert [len(a[0]), len(b[0])] == [2, 1] and [wa, wb] == [2 / 6, 1 / 6]
     w = torch.ones(1, requires_grad=True)
-    acc = Accumulator(weights, torch.device("cpu"))
-    acc.backward((w * 3).sum())
-    assert not acc.complete
-    acc.backward((w * 6).sum())
+    acc = Accumulator(torch.device("cpu"))
+    acc.backward((w * 3).sum(), wa)
+    acc.backward((w * 6).sum(), wb)
     assert (
-        acc.complete
+        acc.count == 2
         and float(acc.loss) == pytest.approx(3 * 2 / 6 + 6 / 6)
         and float(w.grad) == pytest.approx(3 * 2 / 6 + 6 * 1 / 6)
     )
-    with pytest.raises(RuntimeError, match="more backward passes"):
-        acc.backward(w.sum())
-    plain = StepData(
-        [{"x": torch.ones(2)}], global_batch=6, micro_batch=2, seed=0, rank=0, world_size=2, device=torch.device("cpu")
-    )
-    assert plain.state is None and plain.next_step()[1] == [0.5]
+    plain = StepData([{"x": torch.ones(2)}], global_batch=6, seed=0, rank=0, world_size=2, device=torch.device("cpu"))
+    assert plain.state is None and plain.per_step == 1 and plain.next_batch()[1] == 0.5
     assert to_device({"a": [torch.ones(1)], "b": 3}, torch.device("cpu"))["b"] == 3
+
+
+def test_a_loader_that_samples_its_own_way_is_refused_not_replaced():
+    ds = torch.utils.data.TensorDataset(torch.arange(8.0))
+    cpu = torch.device("cpu")
+    for loader in (
+        torch.utils.data.DataLoader(ds, batch_size=None),
+        torch.utils.data.DataLoader(ds, sampler=torch.utils.data.SubsetRandomSampler(range(4)), batch_size=2),
+        torch.utils.data.DataLoader(
+            ds, batch_sampler=torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(ds), 2, False)
+        ),
+    ):
+        with pytest.raises(ConfigError, match="Checkpointer\\(data=\\)"):
+            StepData(loader, global_batch=4, seed=0, rank=0, world_size=1, device=cpu)
+    shuffled = torch.utils.data.DataLoader(ds, batch_size=3, shuffle=True)
+    assert StepData(shuffled, global_batch=4, seed=0, rank=0, world_size=1, device=cpu).sampler.micro_batch_size == 3
 
 
 PREEMPTED_RANK = """
@@ -131,13 +157,13 @@ loader = {
     ),
     "iterable": lambda: DataLoader(Stream(), batch_size=None, num_workers=1),
 }[sys.argv[1]]()
-data = StepData(loader, global_batch=4, micro_batch=2, seed=0, rank=0, world_size=1, device=torch.device("cpu"))
-data.next_step()
+data = StepData(loader, global_batch=4, seed=0, rank=0, world_size=1, device=torch.device("cpu"))
+data.next_batch(), data.next_batch()  # both workers have started (and left the rank's process group)
 os.killpg(os.getpgid(0), signal.SIGTERM)  # what torch's agent does to a rank at a preemption
 signal.sigtimedwait([], 0)  # a no-op system call: the handler has run on return
 assert got == ["SIGTERM"], got
 for _ in range(20):  # well past what the workers had prefetched
-    data.next_step()
+    data.next_batch()
 print("served")
 """
 
@@ -154,6 +180,11 @@ def test_a_preemption_signal_to_the_rank_s_group_leaves_its_dataloader_workers_s
     script = tmp_path / "rank.py"
     script.write_text(PREEMPTED_RANK)
     out = subprocess.run(
-        [sys.executable, str(script), loader], capture_output=True, text=True, timeout=120, start_new_session=True
+        [sys.executable, str(script), loader],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+        env=runs.env_for_tests(),  # this checkout's elastic_trainer
     )
     assert out.returncode == 0 and out.stdout.strip() == "served", out.stderr[-3000:]
