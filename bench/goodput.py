@@ -184,7 +184,7 @@ def main() -> int:
         action="store_true",
         help="with --table-from: goodput from each run's event log with the current ledger",
     )
-    a = parse_with_smoke(ap, ["--minutes", "0.2", "--kill-every", "6", *TINY_DEMO])
+    a = parse_with_smoke(ap, ["--minutes", "0.1", "--kill-every", "3", *TINY_DEMO])
     if a.table_from:
         results = []
         for f in a.table_from:
