@@ -51,7 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import loadavg, machine_info, median, table  # noqa: E402
+from bench.common import loadavg, machine_info, median, parse_with_smoke, table  # noqa: E402
 
 
 def _rank_main(rank: int, world: int, o: dict) -> dict:
@@ -543,7 +543,25 @@ def main() -> int:
         "--skip-sync", action="store_true", help="only the A/B blocks (no sync, full-state-dict or floor comparisons)"
     )
     ap.add_argument("--json-out")
-    a = ap.parse_args()
+    a = parse_with_smoke(
+        ap,
+        [
+            "--rounds",
+            "1",
+            "--every",
+            "2",
+            "--dim",
+            "64",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--seq-len",
+            "16",
+            "--warmup-steps",
+            "1",
+        ],  # fmt: skip
+    )
 
     from tests.dist.harness import run_ranks
 

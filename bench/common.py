@@ -67,3 +67,26 @@ def table(header: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
+
+
+def parse_with_smoke(ap, tiny: list[str], argv: list[str] | None = None):
+    """``ap.parse_args`` with a ``--smoke`` flag: tiny sizes, one repeat, seconds — it proves the
+    script still runs (CI runs every script so), not a figure. ``tiny``: the flags it stands for,
+    put before the command line's own (which still win)."""
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: check that the script runs (CI)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return ap.parse_args([*tiny, *argv] if "--smoke" in argv else argv)
+
+
+# a tiny demo model for smoke runs of the scripts that launch configs/demo-cpu.toml
+TINY_DEMO = [
+    *("--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2", "--set", "model.seq_len=32"),
+    *(
+        "--set",
+        "train.global_batch_size=4",
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        "checkpoint.interval_steps=2",
+    ),
+]

@@ -18,6 +18,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import parse_with_smoke  # noqa: E402
 
 LOADS = {
     "idle": None,
@@ -33,7 +38,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--inner", type=int, default=15, help="loops timed per sample (median)")
-    a = ap.parse_args()
+    a = parse_with_smoke(ap, ["--repeats", "1", "--inner", "1"])
     import torch
 
     torch.set_num_threads(1)

@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import TINY_DEMO, parse_with_smoke  # noqa: E402
 from elastic_trainer.report import account  # noqa: E402
 from tests import runs  # noqa: E402
 
@@ -183,7 +184,7 @@ def main() -> int:
         action="store_true",
         help="with --table-from: goodput from each run's event log with the current ledger",
     )
-    a = ap.parse_args()
+    a = parse_with_smoke(ap, ["--minutes", "0.1", "--kill-every", "3", *TINY_DEMO])
     if a.table_from:
         results = []
         for f in a.table_from:

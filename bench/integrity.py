@@ -31,6 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import parse_with_smoke  # noqa: E402
 from elastic_trainer.checkpoint import integrity, layout
 
 
@@ -96,7 +98,7 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None)
-    a = ap.parse_args()
+    a = parse_with_smoke(ap, ["--mb", "4", "--rounds", "1"])
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")

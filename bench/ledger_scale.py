@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import parse_with_smoke  # noqa: E402
 from elastic_trainer.goodput import Ledger
 
 
@@ -53,7 +54,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=1_000_000)
     ap.add_argument("--save-every", type=int, default=10)
-    a = ap.parse_args()
+    a = parse_with_smoke(ap, ["--steps", "2000"])
     early_at = max(1, a.steps // 100)
     ledger, cpu, early, t = feed(a.steps, a.save_every, early_at, traced=False)
     late = result_seconds(ledger, t + 1)

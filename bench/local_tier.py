@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import loadavg, median, table  # noqa: E402
+from bench.common import loadavg, median, parse_with_smoke, table  # noqa: E402
 from bench.s3_throughput import setup  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--local-dir", default="")
     ap.add_argument("--json-out")
-    a = ap.parse_args()
+    a = parse_with_smoke(ap, ["--mb", "4", "--tensors", "2", "--rounds", "1"])
 
     import torch
 

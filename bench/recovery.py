@@ -40,6 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import TINY_DEMO, parse_with_smoke  # noqa: E402
 from tests import runs  # noqa: E402
 
 PHASES = ("detect", "stop", "rendezvous", "spawn", "init", "load", "first_step")
@@ -179,7 +180,7 @@ def main() -> int:
     ap.add_argument("--kill-gap", type=float, default=65.0, help="seconds between a restart and the next kill")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--json-out", help="write the results here")
-    a = ap.parse_args()
+    a = parse_with_smoke(ap, ["--kills", "1", "--modes", "warm", "--kill-gap", "0", *TINY_DEMO])
     ensure_data(REPO / "runs/data/demo.bin")
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"cold", "warm"}:

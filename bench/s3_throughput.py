@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import loadavg, machine_info, median, table  # noqa: E402
+from bench.common import loadavg, machine_info, median, parse_with_smoke, table  # noqa: E402
 
 
 def start_seaweedfs(root: Path):
@@ -110,7 +110,7 @@ def main() -> int:
         "NAME=VALUE+... of the S3_* constants in storage/fs.py, e.g. S3_WRITE_THREADS=4",
     )
     ap.add_argument("--json-out")
-    a = ap.parse_args()
+    a = parse_with_smoke(ap, ["--mb", "4", "--tensors", "2", "--rounds", "1"])
 
     import torch
     import torch.distributed.checkpoint as dcp

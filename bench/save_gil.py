@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
 import shutil
 import signal
@@ -37,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import loadavg, machine_info, table  # noqa: E402
+from bench.common import TINY_DEMO, loadavg, machine_info, parse_with_smoke, table  # noqa: E402
 from bench.throughput import parse_variant  # noqa: E402
 from tests import runs  # noqa: E402
 
@@ -235,7 +236,11 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=250, help="samples per second")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--json-out")
-    a = ap.parse_args()
+    a = parse_with_smoke(ap, ["--variants", "2", "--warmup", "2", "--seconds", "1", "--every", "2", *TINY_DEMO])
+    spy = shutil.which("py-spy") or Path(sys.executable).with_name("py-spy")
+    if a.smoke and not os.path.exists(spy):
+        print("py-spy is not installed: nothing to sample (smoke run skipped)")
+        return 0
     info = machine_info()
     info["loadavg_start"] = loadavg()
     info["command"] = " ".join(["python", *sys.argv])

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import throughput  # noqa: E402
-from bench.common import loadavg, machine_info, median, table  # noqa: E402
+from bench.common import loadavg, machine_info, median, parse_with_smoke, table  # noqa: E402
 
 HOGS = {
     "save": "import torch,xxhash,os,sys; torch.set_num_threads(1)\n"
@@ -130,7 +130,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--max-seconds", type=float, default=60)
     ap.add_argument("--json-out")
-    a = ap.parse_args()
+    a = parse_with_smoke(ap, ["--variants", "1:omp1:every2", "--steps", "6", "--skip", "1", "--max-seconds", "240"])
     variants = a.variants.split(",")
     for v in variants:
         throughput.parse_variant(split_variant(v)[0])

@@ -60,7 +60,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import loadavg, machine_info, median, table, vm_hwm_bytes  # noqa: E402
+from bench.common import TINY_DEMO, loadavg, machine_info, median, parse_with_smoke, table, vm_hwm_bytes  # noqa: E402
 from tests import runs  # noqa: E402
 
 
@@ -252,7 +252,7 @@ def main() -> int:
         "--max-seconds", type=float, default=90, help="stop a run (SIGTERM) after this long; measured on the steps done"
     )
     ap.add_argument("--json-out")
-    a = ap.parse_args()
+    a = parse_with_smoke(ap, ["--steps", "6", "--skip", "1", "--repeats", "1", "--variants", "1", *TINY_DEMO])
     data = REPO / "runs/data/demo.bin"
     if not data.exists():
         subprocess.run([*runs.CLI, "data", "build", "--out", str(data)], check=True, cwd=REPO, env=runs.env_for_tests())

@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import loadavg, machine_info, median, table  # noqa: E402
+from bench.common import loadavg, machine_info, median, parse_with_smoke, table  # noqa: E402
 
 VARIANTS = ["torch-default", "ours", "ours-threads2", "no-crc-no-hash"]
 
@@ -78,7 +78,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json-out")
-    a = ap.parse_args()
+    a = parse_with_smoke(ap, ["--mb", "8", "--tensors", "2", "--rounds", "1"])
 
     import torch
     import torch.distributed.checkpoint as dcp

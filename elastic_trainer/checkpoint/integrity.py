@@ -117,16 +117,23 @@ class _HashingFS:
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):
-        with self._inner.create_stream(path, mode) as raw:
-            if "w" not in mode:
-                yield raw
-                return
-            rec = _FileRecord()
-            with self._lock:
-                self.records[os.path.basename(os.fspath(path))] = rec
-            stream = _HashingStream(raw, rec)
-            yield stream
-            stream.tell()
+        try:
+            with self._inner.create_stream(path, mode) as raw:
+                if "w" not in mode:
+                    yield raw
+                    return
+                rec = _FileRecord()
+                with self._lock:
+                    self.records[os.path.basename(os.fspath(path))] = rec
+                stream = _HashingStream(raw, rec)
+                yield stream
+                stream.tell()
+        except OSError as e:
+            if e.filename is not None or e.errno is None:
+                raise
+            # a write that found the disk full names no file; DCP hands the error to every rank
+            # pickled, without its frames: the file goes into the error itself
+            raise OSError(e.errno, e.strerror, os.fspath(path)) from e
 
     def record(self, name: str) -> _FileRecord | None:
         with self._lock:

@@ -56,7 +56,7 @@ from ..errors import CheckpointError, FencedError, NoUsableCheckpointError
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
-from . import layout, writer_process
+from . import failure, layout, writer_process
 from . import resume as resume_plan
 from .agreement import Agreement
 from .catalog import Catalog, checkpoint_key
@@ -497,7 +497,10 @@ class CheckpointManager:
         to commit on its commit thread; an abandoned save goes nowhere."""
         save.staged()
         exc = written.exception()
-        error = "" if exc is None else f"{type(exc).__name__}: {exc}"
+        error = ""
+        if exc is not None:
+            error, save.permanent = failure.describe(exc), failure.permanent(exc)
+            logger.error("checkpoint step %d: writing failed", save.step, exc_info=exc)
         if self.rank != 0:
             save.advance(SaveState.FAILED if exc is not None else SaveState.WRITTEN, error=error)
         elif exc is not None:
@@ -632,7 +635,8 @@ class CheckpointManager:
             save.advance(SaveState.FENCED, error=str(e))
             return
         except Exception as e:  # noqa: BLE001 - a failed commit is a failed save
-            error = f"commit: {type(e).__name__}: {e}"
+            error, save.permanent = f"commit: {failure.describe(e)}", failure.permanent(e)
+            logger.error("checkpoint step %d: commit failed", save.step, exc_info=e)
             self._report_failure(save, error)
             save.advance(SaveState.FAILED, error=error)
             return
@@ -754,6 +758,17 @@ class CheckpointManager:
         with self._lock:
             mine = self.rank != 0 or (self._last_committed == step and self._fenced is None)
         return self.agreement.all_true(mine)
+
+    def failed_permanently(self) -> str | None:
+        """Collective, after :meth:`settle`: the cause of the last save's failure when it failed on
+        some rank for a cause a restart cannot change (no space, no permission, a read-only file
+        system, a quota, a missing bucket; see :mod:`.failure`), else None. Agreed by every rank;
+        the cause is the first such rank's line."""
+        save = self.last_save
+        mine = save.error if save is not None and save.state not in _OK and save.permanent else None
+        if self.agreement.all_true(mine is None):
+            return None
+        return next(c for c in self.agreement.gather(mine) if c is not None)
 
     def fenced_everywhere(self) -> bool:
         """Collective: rank 0's answer to "did a newer launch fence our commits?", agreed by

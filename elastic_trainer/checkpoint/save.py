@@ -71,6 +71,7 @@ class Save:
         self._cond = threading.Condition(threading.Lock())
         self._state = SaveState.WRITING if staged else SaveState.STAGING
         self.error = ""  # why it FAILED / was FENCED / ABANDONED
+        self.permanent = False  # it FAILED for a cause a restart cannot change (checkpoint.failure.permanent)
         self.manifest: dict[str, Any] | None = None  # rank 0, once COMMITTED to checkpoint.dir
         self.local: Future | None = None  # the local copy beside a checkpoint.dir save (best effort) -> bool
         self.stagings: list[Future | None] = []  # the savers' "state copied out" futures

@@ -175,6 +175,7 @@ class Checkpointer:
         self._total_steps: int | None = None  # the final step's save is always durable
         self._resumed = False
         self._closed = False
+        self._restartable = True  # False: the run ended for a cause a restart cannot change (marker for the supervisor)
         self._final_saved: int | None = None  # the step of the run's final save, once started
         self._acc: Accumulator | None = None  # the step in progress under steps()
         # the current batch under steps(): its loss weight, its index in the step, whether it ends the step
@@ -429,10 +430,20 @@ class Checkpointer:
         if final is None or (settled and m.committed_everywhere(final)):
             return exit_codes.OK
         reason = "the save or its commit failed" if settled else "still writing after checkpoint.save_timeout_seconds"
+        cause = m.failed_permanently() if settled else None
+        if cause is not None:
+            reason = f"the save failed for a cause a restart cannot change: {cause}"
+        self._restartable = cause is None
         logger.error(
             "final checkpoint of step %d not committed (%s); exiting %d", final, reason, exit_codes.FINAL_SAVE_FAILED
         )
-        s.events.emit("final_checkpoint_failed", step=final, reason=reason, last_committed_step=m.last_committed_step)
+        s.events.emit(
+            "final_checkpoint_failed",
+            step=final,
+            reason=reason,
+            last_committed_step=m.last_committed_step,
+            restartable=cause is None,
+        )
         return exit_codes.FINAL_SAVE_FAILED
 
     def _preempt_exit(self) -> int:
@@ -535,12 +546,21 @@ class Checkpointer:
                 tokens_seen=self.state.tokens_seen,
                 last_committed_step=self.manager.last_committed_step,
             )
-        elif s.rank == 0:
-            os.makedirs(s.cfg.run.dir, exist_ok=True)
-            with open(os.path.join(s.cfg.run.dir, contract.PREEMPT_MARKER), "w") as f:
-                json.dump(
-                    {"step": self.state.step, "exit_code": code, "committed_step": self.manager.last_committed_step}, f
-                )
+        else:
+            if s.rank == 0:
+                os.makedirs(s.cfg.run.dir, exist_ok=True)
+                with open(os.path.join(s.cfg.run.dir, contract.PREEMPT_MARKER), "w") as f:
+                    json.dump(
+                        {
+                            "step": self.state.step,
+                            "exit_code": code,
+                            "committed_step": self.manager.last_committed_step,
+                            "restartable": self._restartable,
+                        },
+                        f,
+                    )
+            if not self._restartable:  # no rank exits before the marker that tells the supervisor not to restart
+                self.manager.agreement.all_true(True)
         self.manager.close(finished=code == exit_codes.OK)
 
     # ------------------------------------------------------------------ the earlier lower-level API

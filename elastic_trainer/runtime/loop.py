@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -162,12 +163,17 @@ class WorkerInit:
     process of the job, ``terminate()`` at the rank's exit): then quietly (exit 0, which torch
     does not count as a failure; a worker *killed* by a signal would fail the rank). Ignoring the
     signals would be worse: the interpreter's exit terminates daemonic workers with SIGTERM and
-    joins them. Then the user's ``worker_init_fn`` runs."""
+    joins them. A worker dies with its rank (``PR_SET_PDEATHSIG``): it holds copies of the rank's
+    sockets (forked after the process group was made), and while it lives a peer blocked in a
+    collective with the dead rank sees no error (torch's own check of the parent runs every 5 s).
+    Then the user's ``worker_init_fn`` runs."""
 
     def __init__(self, user: Any = None):
         self.user = user
 
     def __call__(self, worker_id: int) -> None:
+        parent = os.getppid()
+        _die_with_parent(parent)
         os.setpgid(0, 0)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, _quiet_exit)
@@ -177,6 +183,18 @@ class WorkerInit:
 
 def _quiet_exit(signum, frame) -> None:
     os._exit(0)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when ``parent`` dies (Linux; elsewhere torch's 5 s check remains)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the call
+        os._exit(0)
 
 
 class Accumulator:

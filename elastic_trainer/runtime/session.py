@@ -224,7 +224,8 @@ class Session:
         and ends the process with its code. Otherwise the traceback as usual; then, if a save is
         still uploading after the bounded drain, leave at once with exit 1 instead of waiting in
         the interpreter's exit for the upload thread while the other ranks block in a collective
-        (the job must exit, or restart, within seconds)."""
+        (the job must exit, or restart, within seconds); else exit 1 after the ``atexit``
+        handlers, without the interpreter's teardown."""
         code = exit_code_for(exc) if exc is not None else exit_codes.FAILED
         if code != exit_codes.FAILED:
             if self.rank == 0:
@@ -235,18 +236,22 @@ class Session:
                     stream.flush()
             os._exit(code)
         previous(exc_type, exc, tb)
-        ck = self.checkpointer
-        if ck is None or issubclass(exc_type, KeyboardInterrupt) or ck.manager.drain_after_failure():
+        if issubclass(exc_type, KeyboardInterrupt):
             return
-        logger.error(
-            "rank %d: a save is still uploading after the failure; "
-            "exiting without it (the previous commit stays the latest)",
-            self.rank,
-        )
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(exit_codes.FAILED)
+        ck = self.checkpointer
+        if ck is not None and not ck.manager.drain_after_failure():
+            logger.error(
+                "rank %d: a save is still uploading after the failure; "
+                "exiting without it (the previous commit stays the latest)",
+                self.rank,
+            )
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(exit_codes.FAILED)
+        # Not through the interpreter's teardown: collecting torch's objects takes a second or
+        # more on a loaded machine, while the restart waits for this process to be gone.
+        exit_codes.exit_now(exit_codes.FAILED)
 
     @property
     def rank(self) -> int:

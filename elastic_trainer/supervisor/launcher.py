@@ -84,11 +84,19 @@ def _make_agent_class():
                     self._node_lost = None
                 return RunResult(state=worker_group.state)
             if result.is_failed() and self._remaining_restarts > 0:
-                code = policy.terminal_code([f.exitcode for f in result.failures.values()])
-                if code is not None:  # non-finite stop / fenced: restarting would only repeat it
+                code = policy.terminal_code([f.exitcode for f in result.failures.values()], self._marker())
+                if code is not None:  # non-finite stop / fenced / storage full: restarting would only repeat it
                     self.events.emit("job_stopped", exit_code=code, failures=policy.describe_failures(result.failures))
                     self._remaining_restarts = 0
             return result
+
+        def _marker(self) -> dict | None:
+            """Rank 0's marker (how the run ended), or None."""
+            try:
+                with open(self.preempt_marker) as f:
+                    return json.load(f)
+            except (TypeError, OSError, ValueError):
+                return None
 
         def _liveness_verdict(self, result):
             """A silent peer or this node cut off (see :mod:`.liveness`), or None."""

@@ -33,13 +33,17 @@ def backoff_may_apply(previous: int, healthy_seconds: float, reset_after: float 
     return restart_backoff(failure_streak(previous, healthy_seconds, reset_after=reset_after)) > 0
 
 
-def terminal_code(worker_exit_codes: list[int | None]) -> int | None:
+def terminal_code(worker_exit_codes: list[int | None], marker: dict | None = None) -> int | None:
     """The terminal exit code (non-finite stop, fenced) when every failed worker reported the
-    same one: the group is not restarted for it. None otherwise."""
+    same one: the group is not restarted for it. None otherwise. A failed final save (74) is
+    terminal when rank 0's ``marker`` says a restart cannot change its cause (``restartable``
+    false: no space, permission denied, ...)."""
     codes = set(worker_exit_codes)
     if len(codes) == 1:
         (code,) = codes
         if code in exit_codes.TERMINAL:
+            return code
+        if code == exit_codes.FINAL_SAVE_FAILED and (marker or {}).get("restartable") is False:
             return code
     return None
 

@@ -69,6 +69,20 @@ def test_terminal_codes_stop_restarts(codes, terminal):
 
 
 @pytest.mark.parametrize(
+    "codes, marker, terminal",
+    [
+        ([74, 74], {"exit_code": 74, "restartable": False}, 74),  # disk full: a restart cannot make room
+        ([74, 74], {"exit_code": 74, "restartable": True}, None),  # transient: restart as before
+        ([74, 74], {"exit_code": 74}, None),  # a marker of an earlier version
+        ([74, 74], None, None),
+        ([74, 1], {"exit_code": 74, "restartable": False}, None),
+    ],
+)
+def test_a_final_save_that_failed_for_good_is_terminal(codes, marker, terminal):
+    assert policy.terminal_code(codes, marker) == terminal
+
+
+@pytest.mark.parametrize(
     "failed, before, after, refund",
     [
         (True, 2, 1, True),

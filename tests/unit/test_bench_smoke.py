@@ -1,0 +1,59 @@
+"""Benchmarks that cannot rot: every script in bench/ runs its smoke mode (tiny sizes, one repeat).
+
+A script whose smoke run fails no longer runs, and its figures in BENCHMARKS.md can no longer be
+re-measured. Adding a script to bench/ is one line in :data:`SMOKE` (its arguments); a script
+missing from it fails :func:`test_every_bench_script_has_a_smoke_run`.
+"""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import runs
+
+BENCH = runs.REPO / "bench"
+HELPERS = {"common.py", "step_probe.py"}  # imported by the scripts (step_probe through step_phases.py)
+
+# script -> its smoke command's arguments; each one's smoke mode skips what this machine lacks
+# (py-spy, network namespaces) and optional peers (torchtitan)
+SMOKE: dict[str, list[str]] = {
+    "checkpoint_stall.py": ["--smoke"],
+    "core_interference.py": ["--smoke"],
+    "goodput.py": ["--smoke"],
+    "integrity.py": ["--smoke"],
+    "ledger_scale.py": ["--smoke"],
+    "local_tier.py": ["--smoke"],
+    "netcluster.py": ["--smoke"],
+    "recovery.py": ["--smoke"],
+    "run_recovery.py": ["--smoke"],
+    "s3_throughput.py": ["--smoke"],
+    "save_gil.py": ["--smoke"],
+    "step_phases.py": ["--smoke"],
+    "throughput.py": ["--smoke"],
+    "write_cost.py": ["--smoke"],
+}
+
+
+def test_every_bench_script_has_a_smoke_run():
+    scripts = {p.name for p in BENCH.glob("*.py")} - HELPERS
+    assert scripts == set(SMOKE), (
+        f"bench scripts without a smoke run: {sorted(scripts - set(SMOKE))}; "
+        f"smoke runs of scripts that are gone: {sorted(set(SMOKE) - scripts)}"
+    )
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_bench_script_smoke_run(script, tmp_path):
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, str(BENCH / script), *SMOKE[script]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=runs.REPO,
+        env=runs.env_for_tests(),
+    )
+    print(f"{script} --smoke: {time.monotonic() - t0:.1f}s")
+    assert r.returncode == 0, f"{script} no longer runs:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
