@@ -19,6 +19,7 @@ HELPERS = {"common.py", "step_probe.py"}  # imported by the scripts (step_probe 
 # script -> its smoke command's arguments; each one's smoke mode skips what this machine lacks
 # (py-spy, network namespaces) and optional peers (torchtitan)
 SMOKE: dict[str, list[str]] = {
+    "accelerate_checkpoint.py": ["--smoke"],
     "checkpoint_stall.py": ["--smoke"],
     "core_interference.py": ["--smoke"],
     "goodput.py": ["--smoke"],
