@@ -150,9 +150,12 @@ def test_sigterm_commits_the_final_step_and_a_corrupted_newest_commit_falls_back
 
 
 def test_a_layer_added_exits_2_naming_the_key_and_quarantines_nothing(tmp_path):
-    _ok(run_script(tmp_path, "c", "--steps", "3"), tmp_path, "c")
+    export = tmp_path / "export"
+    _ok(run_script(tmp_path, "c", "--steps", "3", env={"EXPORT_TO": str(export)}), tmp_path, "c")
     ckpt = tmp_path / "c-ckpt"
     before = commits(ckpt)
+    assert list(before) == ["step-00000003"], before
+    assert (export / ".metadata").exists() and (export / "meta.pt").exists(), "trainer.save_checkpoint still exports"
     r = run_script(tmp_path, "c", "--steps", "6", "--layers", "3")
     log = (tmp_path / "c" / "run.log").read_text()
     assert r.returncode == 2, log[-4000:]

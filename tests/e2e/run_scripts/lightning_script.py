@@ -2,8 +2,9 @@
 
     lightning_script.py SAMPLES_DIR [the example's arguments]
 
-Each rank appends ``{"step", "rank", "ids"}`` per training step to ``SAMPLES_DIR/samples-<rank>.jsonl``:
-the global sample order a resume must continue.
+Each rank appends ``{"step", "rank", "ids"}`` per training step to
+``SAMPLES_DIR/samples-<rank>.jsonl``: the global sample order a resume must continue. With
+``EXPORT_TO`` set, ``trainer.save_checkpoint(EXPORT_TO)`` runs at the end of the fit.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class Recorded(example.CausalLM):
             f.write(json.dumps({"step": self.trainer.global_step + 1, "rank": self.global_rank, "ids": ids.tolist()}))
             f.write("\n")
         return super().training_step(tokens, batch_idx)
+
+    def on_fit_end(self):
+        if os.environ.get("EXPORT_TO"):
+            self.trainer.save_checkpoint(os.environ["EXPORT_TO"])
 
 
 if __name__ == "__main__":
