@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -143,26 +144,28 @@ def worker(o: argparse.Namespace) -> None:
         strategy.session.close()
 
 
-def run_mode(mode: str, o: argparse.Namespace, root: Path) -> dict:
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def launch(mode: str, o: argparse.Namespace, root: Path, launcher: list[str], tries: int = 1) -> Path:
+    """Run ``mode``'s workers under ``launcher`` to the end (up to ``tries`` times: a failed try is
+    counted in ``work/failed``); returns their work directory."""
     work = Path(tempfile.mkdtemp(prefix=mode.replace("+", "-") + "-", dir=root))
-    args = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        __file__,
-        "--worker",
-        mode,
-        "--work",
-        str(work),
-        *(f"--{k}={getattr(o, k)}" for k in OPTIONS),
-    ]
+    args = [*launcher, __file__, "--worker", mode, "--work", str(work), *(f"--{k}={getattr(o, k)}" for k in OPTIONS)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
-    if r.returncode != 0:
-        raise SystemExit(f"{mode} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    for attempt in range(tries):
+        r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
+        if r.returncode == 0:
+            (work / "failed").write_text(str(attempt))
+            return work
+        print(f"{mode} failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        for leftover in work.iterdir():
+            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    raise SystemExit(f"{mode} failed {tries} times:\n{r.stderr[-3000:]}")
+
+
+def run_mode(mode: str, o: argparse.Namespace, root: Path) -> dict:
+    work = launch(mode, o, root, [*TORCHRUN, "--nproc-per-node", "2"])
     ranks = [json.loads((work / f"timing-{i}.json").read_text()) for i in range(2)]
     blocked = [max(x) for x in zip(*(rk["blocked"] for rk in ranks), strict=True)]  # the slowest rank per save
     return {"wall": max(rk["wall"] for rk in ranks), "blocked": blocked}
@@ -172,12 +175,11 @@ def run_recovery(mode: str, o: argparse.Namespace, root: Path) -> dict:
     """SIGKILL rank 1 mid-run; seconds from the kill to the first step after the restart and to
     the end of the killed step, redone. Lightning: ``torchrun --max-restarts 1`` and
     ``fit(ckpt_path="last")``; ours: ``elastic-trainer run --max-restarts 1`` with the strategy."""
-    work = Path(tempfile.mkdtemp(prefix=mode + "-", dir=root))
-    worker_args = [__file__, "--worker", mode, "--work", str(work), *(f"--{k}={getattr(o, k)}" for k in OPTIONS)]
     common = ["--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2"]
     if mode == "recover-lightning":
-        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", *common, *worker_args]
+        launcher = [*TORCHRUN, *common]
     else:
+        work = Path(tempfile.mkdtemp(prefix="ours-dirs-", dir=root))
         sets = {
             "run.dir": work / "run",
             "checkpoint.dir": work / "ckpt",
@@ -186,13 +188,10 @@ def run_recovery(mode: str, o: argparse.Namespace, root: Path) -> dict:
             "train.global_batch_size": o.batch,
             "checkpoint.writer": o.writer,
         }
-        args = [sys.executable, "-m", "elastic_trainer.cli", "run", *(f"--set={k}={v}" for k, v in sets.items())]
+        launcher = [sys.executable, "-m", "elastic_trainer.cli", "run", *(f"--set={k}={v}" for k, v in sets.items())]
         # a user's script imports lightning at its top, which the zygote preloads; this one imports it in worker()
-        args += [*common, "--preload", "lightning.pytorch", *worker_args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
-    if r.returncode != 0:
-        raise SystemExit(f"{mode} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        launcher += [*common, "--preload", "lightning.pytorch"]
+    work = launch(mode, o, root, launcher, tries=3)
     killed = float((work / "killed").read_text())
     after = [json.loads(line) for line in (work / "timeline.jsonl").read_text().splitlines()]
     after = [x for x in after if x["restart"] == 1]
@@ -201,7 +200,46 @@ def run_recovery(mode: str, o: argparse.Namespace, root: Path) -> dict:
         "first_step": after[0]["t"] - killed,
         "killed_step_redone": redone["t"] - killed,
         "resumed_from": after[0]["step"] - 1,
+        "failed_tries": int((work / "failed").read_text()),
     }
+
+
+def throughput_report(results: dict[str, list[dict]], o: argparse.Namespace) -> dict:
+    wall = {m: median(r["wall"] for r in results[m]) for m in MODES}
+    blocked = {m: median(b for r in results[m] for b in r["blocked"]) for m in ("lightning+save", "ours+save")}
+    ratio = {"lightning": wall["lightning"] / wall["lightning+save"], "ours": wall["ours"] / wall["ours+save"]}
+    header = ["strategy", "blocked per save (s)", "window, no saves (s)", f"window, save every {o.every} (s)", "ratio"]
+    rows = [
+        [n, f"{blocked[n + '+save']:.3f}", f"{wall[n]:.2f}", f"{wall[n + '+save']:.2f}", f"{ratio[n]:.3f}"]
+        for n in ("lightning", "ours")
+    ]
+    print(table(header, rows))
+    print(f"blocked per save, ours / Lightning's: {blocked['ours+save'] / blocked['lightning+save']:.3f}")
+    return {
+        "wall_seconds": wall,
+        "blocked_per_save_seconds": blocked,
+        "blocked_ratio_ours_over_lightning": blocked["ours+save"] / blocked["lightning+save"],
+        "throughput_with_saves_over_none": ratio,
+    }
+
+
+def recovery_report(recovered: dict[str, list[dict]]) -> dict:
+    redone = {m: median(r["killed_step_redone"] for r in recovered[m]) for m in RECOVERY}
+    header = ["after a SIGKILLed worker", "to the first step (s)", "to the killed step, redone (s)", "resumed from"]
+    rows = [
+        [
+            LABELS[m],
+            f"{median(r['first_step'] for r in recovered[m]):.2f}",
+            f"{redone[m]:.2f}",
+            ", ".join(str(r["resumed_from"]) for r in recovered[m]),
+        ]
+        for m in RECOVERY
+    ]
+    print(table(header, rows))
+    ratio = redone["recover-ours"] / redone["recover-lightning"]
+    failed = sum(r["failed_tries"] for r in recovered["recover-lightning"])
+    print(f"recovery (the killed step redone), ours / Lightning's: {ratio:.3f}; torchrun tries that failed: {failed}")
+    return {"recovery_seconds": recovered, "recovery_ratio_ours_over_lightning": ratio}
 
 
 def main() -> int:
@@ -219,6 +257,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8, help="global batch (2 workers)")
     p.add_argument("--writer", choices=("thread", "process"), default="process", help="ours: checkpoint.writer")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--only", choices=("throughput", "recovery"), help="run one half of the comparison")
     p.add_argument("--json", help="write the results here too")
     o = p.parse_args()
     if o.worker:
@@ -232,59 +271,16 @@ def main() -> int:
     recovered: dict[str, list[dict]] = {m: [] for m in RECOVERY}
     with tempfile.TemporaryDirectory(prefix="lightning-bench-") as root:
         for _ in range(o.repeats):
-            for mode in MODES:
+            for mode in MODES if o.only != "recovery" else ():
                 results[mode].append(run_mode(mode, o, Path(root)))
-            for mode in RECOVERY:
+            for mode in RECOVERY if o.only != "throughput" else ():
                 recovered[mode].append(run_recovery(mode, o, Path(root)))
-    wall = {m: median(r["wall"] for r in results[m]) for m in MODES}
-    blocked = {m: median(b for r in results[m] for b in r["blocked"]) for m in ("lightning+save", "ours+save")}
-    out = {
-        "machine": info,
-        "loadavg_after": loadavg(),
-        "options": {k: getattr(o, k) for k in OPTIONS},
-        "repeats": o.repeats,
-        "wall_seconds": wall,
-        "blocked_per_save_seconds": blocked,
-        "blocked_ratio_ours_over_lightning": blocked["ours+save"] / blocked["lightning+save"],
-        "recovery_seconds": recovered,
-        "recovery_ratio_ours_over_lightning": median(r["killed_step_redone"] for r in recovered["recover-ours"])
-        / median(r["killed_step_redone"] for r in recovered["recover-lightning"]),
-        "throughput_with_saves_over_none": {
-            "lightning": wall["lightning"] / wall["lightning+save"],
-            "ours": wall["ours"] / wall["ours+save"],
-        },
-    }
-    print(
-        table(
-            ["strategy", "blocked per save (s)", "window, no saves (s)", f"window, save every {o.every} (s)", "ratio"],
-            [
-                [
-                    name,
-                    f"{blocked[name + '+save']:.3f}",
-                    f"{wall[name]:.2f}",
-                    f"{wall[name + '+save']:.2f}",
-                    f"{out['throughput_with_saves_over_none'][name]:.3f}",
-                ]
-                for name in ("lightning", "ours")
-            ],
-        )
-    )
-    print(f"blocked per save, ours / Lightning's: {out['blocked_ratio_ours_over_lightning']:.3f}")
-    print(
-        table(
-            ["after a SIGKILLed worker", "to the first step (s)", "to the killed step, redone (s)", "resumed from"],
-            [
-                [
-                    'torchrun + ckpt_path="last"' if mode == "recover-lightning" else "elastic-trainer run + Strategy",
-                    f"{median(r['first_step'] for r in recovered[mode]):.2f}",
-                    f"{median(r['killed_step_redone'] for r in recovered[mode]):.2f}",
-                    ", ".join(str(r["resumed_from"]) for r in recovered[mode]),
-                ]
-                for mode in RECOVERY
-            ],
-        )
-    )
-    print(f"recovery (the killed step redone), ours / Lightning's: {out['recovery_ratio_ours_over_lightning']:.3f}")
+    out: dict = {"machine": info, "loadavg_after": loadavg(), "options": {k: getattr(o, k) for k in OPTIONS}}
+    out["repeats"] = o.repeats
+    if o.only != "recovery":
+        out.update(throughput_report(results, o))
+    if o.only != "throughput":
+        out.update(recovery_report(recovered))
     if o.json:
         Path(o.json).write_text(json.dumps(out, indent=2))
     return 0
