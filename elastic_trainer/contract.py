@@ -54,6 +54,7 @@ USE_AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 RANK_ENV = "RANK"
 LOCAL_RANK_ENV = "LOCAL_RANK"
 WORLD_SIZE_ENV = "WORLD_SIZE"
+LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
 GROUP_RANK_ENV = "GROUP_RANK"
 MASTER_ADDR_ENV = "MASTER_ADDR"
 MASTER_PORT_ENV = "MASTER_PORT"
@@ -82,6 +83,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(RANK_ENV, _AGENT, "workers", "Global rank."),
     EnvVar(LOCAL_RANK_ENV, _AGENT, "workers, zygote", "Rank on this node."),
     EnvVar(WORLD_SIZE_ENV, _AGENT, "workers", "Number of workers in the group."),
+    EnvVar(LOCAL_WORLD_SIZE_ENV, _AGENT, "workers", "Workers on this node (the Lightning strategy's devices)."),
     EnvVar(GROUP_RANK_ENV, _AGENT, "log lines", "This node's rank in the group."),
     EnvVar(MASTER_ADDR_ENV, _AGENT, "workers", "Host of the group's store."),
     EnvVar(MASTER_PORT_ENV, _AGENT, "workers", "Port of the group's store."),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv in the repo root and install everything: torch first, then the project with its
-# extras (default test,hf: the tests also train a tiny transformers Llama), then, when running as
-# root, the system components the tests start (Prometheus, SLURM, kustomize, hadolint).
+# extras (default test,hf,lightning,accelerate: the tests also train a tiny transformers Llama, a
+# Lightning module and an Accelerate loop), then, when running as root, the system components the
+# tests start (Prometheus, SLURM, kustomize, hadolint).
 # Idempotent. pip's output goes to .venv/setup.log and is shown only when a step fails.
 #
 # Choosing the torch build (the project needs torch>=2.13):
@@ -16,7 +17,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-EXTRAS="${ELASTIC_TRAINER_EXTRAS:-test,hf}"
+EXTRAS="${ELASTIC_TRAINER_EXTRAS:-test,hf,lightning,accelerate}"
 PY="${PYTHON:-python3}"
 TORCH="${ELASTIC_TRAINER_TORCH:-torch==2.13.0}"
 TORCH_INDEX="${ELASTIC_TRAINER_TORCH_INDEX_URL:-}"

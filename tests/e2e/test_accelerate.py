@@ -21,8 +21,6 @@ from elastic_trainer.storage.fs import open_storage
 from tests import runs
 from tests.fixtures.procs import free_port
 
-pytest.importorskip("accelerate")
-
 SCRIPT = str(runs.REPO / "examples" / "accelerate_clm.py")
 STEPS = ["--steps", "12", "--save-every", "3", "--total-limit", "2"]
 

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import inspect
 
+import accelerate
 import pytest
 import torch
+from accelerate.data_loader import DataLoaderShard
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.state import AcceleratorState, GradientState
 
-accelerate = pytest.importorskip("accelerate")
-
-from accelerate.data_loader import DataLoaderShard  # noqa: E402
-from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
-from accelerate.scheduler import AcceleratedScheduler  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
-
-from elastic_trainer.accelerate import _api  # noqa: E402
-from elastic_trainer.runtime.epochs import EpochBatchSampler  # noqa: E402
+from elastic_trainer.accelerate import _api
+from elastic_trainer.runtime.epochs import EpochBatchSampler
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ SMOKE: dict[str, list[str]] = {
     "goodput.py": ["--smoke"],
     "integrity.py": ["--smoke"],
     "ledger_scale.py": ["--smoke"],
+    "lightning_checkpoint.py": ["--smoke"],
     "local_tier.py": ["--smoke"],
     "netcluster.py": ["--smoke"],
     "recovery.py": ["--smoke"],

@@ -1,0 +1,35 @@
+"""The only private Lightning API :mod:`elastic_trainer.lightning` uses, in one place.
+
+Lightning offers no public hook for "resume from this state without a ``ckpt_path``" nor for
+"give me the Trainer's own state (loops, callbacks, precision plugin, hyper-parameters) without
+the weights". Both live on the Trainer's checkpoint connector:
+
+* :func:`trainer_state`: ``trainer._checkpoint_connector.dump_checkpoint(weights_only=False)``, the
+  dict ``trainer.save_checkpoint`` writes (the strategy leaves the weights and optimizer states
+  out: ours are saved sharded beside it);
+* :func:`restore_trainer_state`: sets ``trainer._checkpoint_connector._loaded_checkpoint``, which the
+  Trainer's own restore (``Trainer._run``: ``strategy.setup`` → ``_restore_modules_and_callbacks`` →
+  ``restore_training_state`` → ``resume_end``, for a strategy with
+  ``restore_checkpoint_after_setup``) then applies exactly as for ``fit(ckpt_path=...)``.
+
+``tests/unit/test_lightning_private.py`` fails loudly when a Lightning release changes either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+
+def trainer_state(trainer: pl.Trainer) -> dict[str, Any]:
+    """What ``trainer.save_checkpoint`` would write, hooks included (``on_save_checkpoint`` of the
+    module and callbacks run)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def restore_trainer_state(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Have the Trainer restore ``checkpoint`` (loops, callbacks, precision plugin, LR schedulers,
+    the module's ``on_load_checkpoint``) in its own restore step of this ``fit``, which follows
+    ``strategy.setup``."""
+    trainer._checkpoint_connector._loaded_checkpoint = checkpoint
