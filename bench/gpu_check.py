@@ -52,13 +52,13 @@ class Skip(Exception):
 
 def _sizes(device: str, world: int) -> dict:
     if device == "cuda":
-        # 12 bytes/parameter (fp32 + AdamW moments): dim 2048 x 20 layers ~ 1.0e9 parameters total,
-        # >= 1 GiB of state per rank up to 8 ranks.
-        return {"steps": 40, "every": 10, "model": {}, "stall": ["--dim", "2048", "--layers", "20", "--heads", "16"]}
+        # 12 bytes/parameter (fp32 + AdamW moments); the demo GPT's ~12 dim^2 parameters per layer:
+        # dim 1024 x 8 layers per rank ~ 100M parameters, ~1.2 GiB of state per rank.
+        stall = ["--dim", "1024", "--layers", str(8 * world), "--heads", "16", "--rounds", "2", "--every", "10"]
+        return {"steps": 40, "every": 10, "stall": stall}
     return {
         "steps": 8,
         "every": 3,
-        "model": {},
         "stall": ["--dim", "64", "--layers", "2", "--heads", "2", "--rounds", "1", "--every", "3", "--skip-sync"],
     }
 

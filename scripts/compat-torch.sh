@@ -39,4 +39,11 @@ COMPAT_TESTS=(
   tests/e2e/test_run.py::test_crash_is_restarted_then_exhausts_restarts
   tests/e2e/test_gpu_check.py::test_dry_run_reshards_and_reports_every_step
 )
-exec "$VENV/bin/python" -m pytest -p no:cacheprovider -ra -m "not soak" "${COMPAT_TESTS[@]}" "$@"
+# Not on torch 2.11: the process writer (its test does not finish there: checkpoint.writer =
+# "process" is supported from torch 2.13) and the stale-plan-cache control (its stand-in planner
+# follows torch 2.13's plan-cache protocol; on 2.11 every save with it fails).
+NOT_ON_OLD_TORCH=(
+  --ignore=tests/dist/test_writer_process.py
+  --deselect=tests/dist/test_plan_cache.py::test_a_stale_plan_cache_is_caught_by_the_same_check
+)
+exec "$VENV/bin/python" -m pytest -p no:cacheprovider -ra -m "not soak" "${NOT_ON_OLD_TORCH[@]}" "${COMPAT_TESTS[@]}" "$@"
