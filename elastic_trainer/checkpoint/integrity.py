@@ -301,8 +301,9 @@ else:  # pragma: no cover
 def load(state_dict: dict, reader, **kwargs: Any) -> None:
     """``dcp.load`` through a :func:`verifying` reader; a refused ``.metadata`` is the error raised.
 
-    torch < 2.13's ``dcp.load`` catches ``read_metadata``'s exception and fails with
-    ``AssertionError("metadata is None")``, which names no integrity problem; the reader keeps its
+    torch 2.11's ``dcp.load`` catches ``read_metadata``'s exception and fails with
+    ``AssertionError("metadata is None")``, which names no integrity problem (2.12 names it in that
+    message; 2.13 raises it); the reader keeps its
     refusal and it is raised here (from DCP's error), so the load fails the same way on every
     supported torch."""
     try:

@@ -46,7 +46,7 @@ def build_launch_config(cfg: Config, args, explicit: set[str], env=None):
 
 
 def agent_takes_shutdown_timeout() -> bool:
-    """Whether torch's agent takes ``shutdown_timeout`` (torch >= 2.13). Before, its constructor has
+    """Whether torch's agent takes ``shutdown_timeout`` (torch >= 2.12). torch 2.11's constructor has
     no such argument and ``_shutdown(death_sig)`` closes the workers with the process context's
     default grace: the subclass below keeps the timeout and closes them with it itself
     (``tests/unit/test_launcher_seams.py`` pins which torch does what)."""
@@ -227,7 +227,7 @@ def _make_agent_class():
             try:
                 if takes_timeout:
                     super()._shutdown(death_sig, timeout)
-                else:  # torch < 2.13's _shutdown(death_sig), with the timeout
+                else:  # torch 2.11's _shutdown(death_sig), with the timeout
                     if self._health_check_server is not None:
                         self._health_check_server.stop()
                         self._health_check_server = None

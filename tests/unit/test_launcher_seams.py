@@ -1,7 +1,7 @@
 """supervisor/launcher.py and options.py: the agent's private shutdown, pinned per torch release.
 
-torch >= 2.13's ``LocalElasticAgent`` takes ``shutdown_timeout`` and ``_shutdown(death_sig, timeout)``;
-torch 2.11/2.12's takes neither and torchrun has no ``--shutdown-timeout``: the supervisor's agent
+torch >= 2.12's ``LocalElasticAgent`` takes ``shutdown_timeout`` and ``_shutdown(death_sig, timeout)``;
+torch 2.11's takes neither and its torchrun has no ``--shutdown-timeout``: the supervisor's agent
 then closes the workers' process context with the timeout itself. A torch that changes either
 shape fails here, not in a shutdown."""
 
@@ -15,10 +15,10 @@ from torch.distributed.elastic.multiprocessing.api import PContext
 
 from elastic_trainer.supervisor import launcher, options
 
-NEW = torch.__version__ >= "2.13"
+NEW = torch.__version__ >= "2.12"
 
 
-def test_the_agent_s_shutdown_takes_a_timeout_exactly_from_torch_2_13():
+def test_the_agent_s_shutdown_takes_a_timeout_exactly_from_torch_2_12():
     assert launcher.agent_takes_shutdown_timeout() is NEW
     params = list(inspect.signature(LocalElasticAgent._shutdown).parameters)
     assert params == (["self", "death_sig", "timeout"] if NEW else ["self", "death_sig"])
