@@ -23,7 +23,8 @@ Steps:
   training blocked per save and the overlapped step's extra time vs synchronous ``dcp.save``,
   thread vs process writer (and torchtitan's manager when importable);
 * ``own_loop`` and ``port_*`` — ``examples/train_fsdp.py`` and both ports under ``elastic-trainer run``;
-* ``lightning`` / ``accelerate`` — the framework integrations, skipped when not installed.
+* ``lightning`` / ``accelerate`` — the framework integrations' examples (``examples/lightning_fsdp2.py``,
+  ``examples/accelerate_clm.py``) under ``run`` on the device; skipped when the framework is not installed.
 """
 
 from __future__ import annotations
@@ -211,21 +212,15 @@ class Check:
             raise Skip("not installed: transformers")
         return self._run_script("port_hf", "hf_causal_lm.py", "--steps", "10")
 
-    def _integration(self, module: str) -> dict:
-        if importlib.util.find_spec(module) is None:
-            raise Skip(f"not installed: {module}")
-        # the integration's own check (its module provides it once it lands)
-        mod = importlib.import_module(module)
-        check = getattr(mod, "gpu_check", None)
-        if check is None:
-            raise Skip(f"{module} has no gpu_check()")
-        return check(device=self.device, work=str(self.work / module.rsplit(".", 1)[-1]))
-
     def lightning(self) -> dict:
-        return self._integration("elastic_trainer.lightning")
+        if importlib.util.find_spec("lightning") is None:
+            raise Skip("not installed: lightning")
+        return self._run_script("lightning", "lightning_fsdp2.py", "--steps", "10", "--devices", str(self.world))
 
     def accelerate(self) -> dict:
-        return self._integration("elastic_trainer.accelerate")
+        if importlib.util.find_spec("accelerate") is None or importlib.util.find_spec("transformers") is None:
+            raise Skip("not installed: accelerate or transformers")
+        return self._run_script("accelerate", "accelerate_clm.py", "--steps", "10")
 
 
 STEPS = (
