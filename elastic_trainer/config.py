@@ -390,6 +390,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
     return data
 
 
+# The oldest torch whose writer process (DCP's process executor) the process writer is proven on:
+# on torch 2.11 its saves do not finish.
+PROCESS_WRITER_MIN_TORCH = (2, 13)
+
+
+def _torch_release() -> tuple[int, int]:
+    """The installed torch's (major, minor), read from its package metadata (no torch import)."""
+    from importlib.metadata import version
+
+    major, minor = version("torch").split(".")[:2]
+    return int(major), int(re.match(r"\d+", minor).group())
+
+
 def _require(cond: bool, key: str, message: str) -> None:
     if not cond:
         raise ConfigError(key, message)
@@ -549,6 +562,12 @@ def validate(cfg: Config) -> None:
         c.writer == "thread" or not c.dir.startswith("memory://"),
         "checkpoint.writer",
         "process needs storage another process can reach; memory:// lives in one process",
+    )
+    _require(
+        c.writer == "thread" or _torch_release() >= PROCESS_WRITER_MIN_TORCH,
+        "checkpoint.writer",
+        f"process needs torch>={'.'.join(map(str, PROCESS_WRITER_MIN_TORCH))} (installed: "
+        f"{'.'.join(map(str, _torch_release()))}); use thread",
     )
     _require(c.preempt_grace_seconds > 0, "checkpoint.preempt_grace_seconds", "must be > 0")
     _require(c.storage_timeout_seconds > 0, "checkpoint.storage_timeout_seconds", "must be > 0")

@@ -3,9 +3,10 @@
 # extras (default test,hf,lightning,accelerate: the tests also train a tiny transformers Llama, a
 # Lightning module and an Accelerate loop), then, when running as root, the system components the
 # tests start (Prometheus, SLURM, kustomize, hadolint).
-# Idempotent. pip's output goes to .venv/setup.log and is shown only when a step fails.
+# ELASTIC_TRAINER_VENV names another virtualenv (default .venv). Idempotent. pip's output goes to
+# the venv's setup.log and is shown only when a step fails.
 #
-# Choosing the torch build (the project needs torch>=2.13):
+# Choosing the torch build (the project needs torch>=2.11; the suite runs on 2.13.0):
 #   ELASTIC_TRAINER_TORCH            what to install for torch: a requirement ("torch==2.13.0",
 #                                    the default; "torch>=2.13") or a wheel file/URL
 #   ELASTIC_TRAINER_TORCH_INDEX_URL  the package index for torch only, e.g.
@@ -21,10 +22,11 @@ EXTRAS="${ELASTIC_TRAINER_EXTRAS:-test,hf,lightning,accelerate}"
 PY="${PYTHON:-python3}"
 TORCH="${ELASTIC_TRAINER_TORCH:-torch==2.13.0}"
 TORCH_INDEX="${ELASTIC_TRAINER_TORCH_INDEX_URL:-}"
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+VENV="${ELASTIC_TRAINER_VENV:-.venv}"
+if [ ! -x "$VENV"/bin/python ]; then
+  "$PY" -m venv "$VENV"
 fi
-LOG=.venv/setup.log
+LOG="$VENV"/setup.log
 : > "$LOG"
 step() {  # step DESCRIPTION CMD...: run CMD with its output in $LOG; show the log if it fails
   local what="$1"; shift
@@ -36,15 +38,15 @@ step() {  # step DESCRIPTION CMD...: run CMD with its output in $LOG; show the l
   fi
 }
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-.venv/bin/python -m pip install -q --upgrade pip >> "$LOG" 2>&1 || true
+"$VENV"/bin/python -m pip install -q --upgrade pip >> "$LOG" 2>&1 || true
 # pip keeps an installed torch that already satisfies the choice (no download, no index query).
-step "installing torch ($TORCH)" .venv/bin/pip install -q ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH"
+step "installing torch ($TORCH)" "$VENV"/bin/pip install -q ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH"
 if [ -n "$EXTRAS" ]; then
-  step "installing elastic-trainer[$EXTRAS]" .venv/bin/pip install -q -e ".[${EXTRAS}]"
+  step "installing elastic-trainer[$EXTRAS]" "$VENV"/bin/pip install -q -e ".[${EXTRAS}]"
 else
-  step "installing elastic-trainer" .venv/bin/pip install -q -e .
+  step "installing elastic-trainer" "$VENV"/bin/pip install -q -e .
 fi
-.venv/bin/python -c "import torch, elastic_trainer; print('set-up done: .venv with torch', torch.__version__, '| elastic_trainer', elastic_trainer.__version__)"
+"$VENV"/bin/python -c "import torch, elastic_trainer; print('set-up done: $VENV with torch', torch.__version__, '| elastic_trainer', elastic_trainer.__version__)"
 if [ "${ELASTIC_TRAINER_SYSTEM_DEPS:-1}" = "1" ] && [ "$(id -u)" = "0" ]; then
   for f in scripts/system-deps.d/*.sh; do
     [ -e "$f" ] || continue

@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -251,6 +253,7 @@ class _VerifyingReads:
     """Mixin for DCP storage readers: verify ``.metadata`` before unpickling and every item slice."""
 
     checks: Checks = Checks(None, {})
+    refused: CheckpointIntegrityError | None = None  # the .metadata refusal, for :func:`load`
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -259,9 +262,13 @@ class _VerifyingReads:
         if self.checks.metadata is not None:
             size, want = self.checks.metadata
             if len(data) != size:
-                raise CheckpointIntegrityError(f".metadata has {len(data)} bytes, the manifest says {size}")
-            if digest(data) != want:
-                raise CheckpointIntegrityError(".metadata checksum mismatch (corrupted): refused before unpickling")
+                self.refused = CheckpointIntegrityError(f".metadata has {len(data)} bytes, the manifest says {size}")
+            elif digest(data) != want:
+                self.refused = CheckpointIntegrityError(
+                    ".metadata checksum mismatch (corrupted): refused before unpickling"
+                )
+            if self.refused is not None:
+                raise self.refused
         metadata = pickle.loads(data)  # noqa: S301 - verified against the (optionally signed) manifest above
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
@@ -296,6 +303,23 @@ if _FsspecReader is not None:
 
 else:  # pragma: no cover
     VerifyingFsspecReader = None  # type: ignore[assignment,misc]
+
+
+def load(state_dict: dict, reader, **kwargs: Any) -> None:
+    """``dcp.load`` through a :func:`verifying` reader; a refused ``.metadata`` is the error raised.
+
+    torch 2.11's ``dcp.load`` catches ``read_metadata``'s exception and fails with
+    ``AssertionError("metadata is None")``, which names no integrity problem (2.12 names it in that
+    message; 2.13 raises it); the reader keeps its
+    refusal and it is raised here (from DCP's error), so the load fails the same way on every
+    supported torch."""
+    try:
+        dcp.load(state_dict, storage_reader=reader, **kwargs)
+    except (Exception, CheckpointException) as e:
+        refused = getattr(reader, "refused", None)
+        if refused is None or refused is e:
+            raise
+        raise refused from e
 
 
 def verifying(reader, checks: Checks):

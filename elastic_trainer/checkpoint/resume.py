@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -180,7 +179,7 @@ def load_remote(
     mine: tuple[str, str] = ("", "")
     try:
         reader = integrity.verifying(storage.dcp_reader(storage.join(name)), layout.Checks.from_manifest(manifest))
-        dcp.load(some, storage_reader=reader, process_group=group, planner=load_planner(some))
+        integrity.load(some, reader, process_group=group, planner=load_planner(some))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
         mine = ("integrity" if compat.is_integrity(e) else "incompatible", compat.one_line(e))
     if agreement.all_true(not mine[0], control=False):
@@ -245,7 +244,7 @@ def load_local(
     faults.maybe_inject("kill_in_load", copy.step)
     error = ""
     try:
-        dcp.load(states, storage_reader=tier.reader(copy), planner=load_planner(states), no_dist=True)
+        integrity.load(states, tier.reader(copy), planner=load_planner(states), no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
         error = f"{type(e).__name__}: {e}"[:2000]
     if not agreement.all_true(not error, control=False):

@@ -26,6 +26,10 @@ reads every later save's bytes through them. Its kept copy lives in shared memor
 does not fit in the node's ``/dev/shm`` (torch allocates it up front, so this is an error, never a
 SIGBUS later) fails the staging with :class:`~elastic_trainer.errors.SharedMemoryFullError`, which
 names what was needed and what was free, and :attr:`KeptStager.out_of_shared_memory` says so.
+
+torch < 2.13's ``DefaultStager`` closes its state-dict stager after each ``stage`` (clearing the
+copy table a later deep copy needs: ``KeyError: <class 'type'>``), so there a deep copy takes a new
+``DefaultStager`` (:data:`STAGER_SINGLE_USE`; ``tests/unit/test_staging.py`` pins which torch does what).
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import SharedMemoryFullError
 from . import writer_process
+
+# torch < 2.13: a DefaultStager stages once (see the module's docstring)
+STAGER_SINGLE_USE = torch.__version__ < "2.13"
 
 SHM = "/dev/shm"  # where torch's shared-memory tensors live on Linux (shm_open)
 
@@ -119,7 +126,8 @@ class KeptStager:
     _synchronize_after_execute = False
 
     def __init__(self, options: StagingOptions, *, for_writer_process: bool = False):
-        self._deep = DefaultStager(dataclasses.replace(options, use_async_staging=False))
+        self._deep_options = dataclasses.replace(options, use_async_staging=False)
+        self._deep = DefaultStager(self._deep_options)
         self._for_writer_process = for_writer_process  # stage() returns writer_process.Shipment
         self._shipping: writer_process.Kept | None = None
         self._executor = (
@@ -164,6 +172,9 @@ class KeptStager:
         return staged
 
     def _deep_copy(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if STAGER_SINGLE_USE and self.deep_copies:
+            self._deep.close()
+            self._deep = DefaultStager(self._deep_options)
         try:
             return self._deep.stage(state_dict)
         except RuntimeError as e:

@@ -45,12 +45,32 @@ def build_launch_config(cfg: Config, args, explicit: set[str], env=None):
     )
 
 
+def agent_takes_shutdown_timeout() -> bool:
+    """Whether torch's agent takes ``shutdown_timeout`` (torch >= 2.12). torch 2.11's constructor has
+    no such argument and ``_shutdown(death_sig)`` closes the workers with the process context's
+    default grace: the subclass below keeps the timeout and closes them with it itself
+    (``tests/unit/test_launcher_seams.py`` pins which torch does what)."""
+    import inspect
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    return "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
+
+
 def _make_agent_class():
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    takes_timeout = agent_takes_shutdown_timeout()
 
     class SupervisedAgent(LocalElasticAgent):
         """LocalElasticAgent that records each restart (reason, exit codes, failing ranks from
         torch's ``@record`` error files) and backs off between failure restarts."""
+
+        def __init__(self, *args, shutdown_timeout: int = 30, **kwargs):
+            if takes_timeout:
+                kwargs["shutdown_timeout"] = shutdown_timeout
+            super().__init__(*args, **kwargs)
+            self._shutdown_timeout = shutdown_timeout
 
         events: EventLog = EventLog(None)
         metrics: MetricsSink = NullSink()
@@ -202,7 +222,7 @@ def _make_agent_class():
                         pass
             self._shutdown(timeout=policy.stop_grace_seconds(failed=failed, preempt_shutdown=self._shutdown_timeout))
 
-        def _shutdown(self, death_sig=signal.SIGTERM, timeout=30):
+        def _shutdown(self, death_sig=signal.SIGTERM, timeout=None):
             """Stop the workers first, the hang watchdog after them.
 
             torch stops the file-timer watchdog (and deletes its FIFO) *before* signalling the
@@ -210,9 +230,17 @@ def _make_agent_class():
             inside a watchdog scope then fails with ``BrokenPipeError`` instead of committing.
             A second signal interrupts this wait (``SignalException``); the watchdog is then left
             to the agent's next ``_shutdown``, which waits for the workers again."""
+            timeout = self._shutdown_timeout if timeout is None else timeout
             watchdog, self._worker_watchdog = self._worker_watchdog, None
             try:
-                super()._shutdown(death_sig, timeout)
+                if takes_timeout:
+                    super()._shutdown(death_sig, timeout)
+                else:  # torch 2.11's _shutdown(death_sig), with the timeout
+                    if self._health_check_server is not None:
+                        self._health_check_server.stop()
+                        self._health_check_server = None
+                    if self._pcontext:
+                        self._pcontext.close(death_sig, timeout)
             except BaseException:
                 self._worker_watchdog = watchdog
                 raise

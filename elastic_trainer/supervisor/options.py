@@ -77,9 +77,15 @@ def torchrun_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def _get_args_parser() -> argparse.ArgumentParser:
+    """torchrun's parser; torch 2.11's has no ``--shutdown-timeout``: added with torch 2.12's
+    meaning (``PET_SHUTDOWN_TIMEOUT``; :func:`launch_config` applies it)."""
+    from torch.distributed.argparse_util import env
     from torch.distributed.run import get_args_parser
 
-    return get_args_parser()
+    p = get_args_parser()
+    if "--shutdown-timeout" not in p._option_string_actions:  # noqa: SLF001 - stdlib argparse
+        p.add_argument("--shutdown-timeout", "--shutdown_timeout", action=env, type=int, default=None)
+    return p
 
 
 def option_dests() -> list[str]:
@@ -318,6 +324,8 @@ def launch_config(
         logger.debug(
             "OMP_NUM_THREADS=1 for every worker (torchrun's default with several workers per node); set it to choose"
         )
+    if not hasattr(config, "shutdown_timeout"):  # torch 2.11's LaunchConfig: the option's value
+        config.shutdown_timeout = 30 if args.shutdown_timeout is None else args.shutdown_timeout
     if "shutdown_timeout" not in explicit and env_var("shutdown_timeout") not in env:
         config.shutdown_timeout = shutdown_timeout
     if "signals_to_handle" not in explicit and env_var("signals_to_handle") not in env:

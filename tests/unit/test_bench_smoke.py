@@ -15,6 +15,7 @@ from tests import runs
 
 BENCH = runs.REPO / "bench"
 HELPERS = {"common.py", "step_probe.py"}  # imported by the scripts (step_probe through step_phases.py)
+ELSEWHERE = {"gpu_check.py": "tests/e2e/test_gpu_check.py"}  # its --device cpu dry run has tests of its own
 
 # script -> its smoke command's arguments; each one's smoke mode skips what this machine lacks
 # (py-spy, network namespaces) and optional peers (torchtitan)
@@ -39,7 +40,8 @@ SMOKE: dict[str, list[str]] = {
 
 
 def test_every_bench_script_has_a_smoke_run():
-    scripts = {p.name for p in BENCH.glob("*.py")} - HELPERS
+    scripts = {p.name for p in BENCH.glob("*.py")} - HELPERS - set(ELSEWHERE)
+    assert all((runs.REPO / test).exists() for test in ELSEWHERE.values())
     assert scripts == set(SMOKE), (
         f"bench scripts without a smoke run: {sorted(scripts - set(SMOKE))}; "
         f"smoke runs of scripts that are gone: {sorted(set(SMOKE) - scripts)}"

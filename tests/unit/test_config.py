@@ -75,6 +75,18 @@ def test_bad_values_name_the_key(data, key, fragment):
     assert f"'{key}'" in str(e.value) and fragment in str(e.value)
 
 
+def test_the_process_writer_on_a_torch_it_does_not_finish_on_is_refused_by_name(monkeypatch):
+    from elastic_trainer import config
+
+    assert config_from_dict({"checkpoint": {"writer": "process"}}).checkpoint.writer == "process"  # this torch
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "2.11.0+cu130")
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"checkpoint": {"writer": "process"}})
+    assert e.value.key == "checkpoint.writer" and "torch>=2.13 (installed: 2.11)" in str(e.value)
+    assert config_from_dict({}).checkpoint.writer == "thread"  # the default stays valid there
+    assert config._torch_release() == (2, 11)
+
+
 def test_global_batch_that_cannot_be_split():
     cfg = config_from_dict({"train": {"global_batch_size": 2, "micro_batch_size": 1}})
     with pytest.raises(ConfigError, match="train.global_batch_size.*cannot be split across 3 ranks"):

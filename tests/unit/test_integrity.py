@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic_trainer.checkpoint import integrity, layout
 from elastic_trainer.errors import CheckpointIntegrityError
@@ -183,7 +184,7 @@ def test_metadata_is_verified_before_it_is_unpickled(saved, tmp_path):
     reader = integrity.verifying(FileSystemReader(str(path)), checks)
     _raises_integrity(reader.read_metadata, "refused before unpickling")
     _raises_integrity(
-        lambda: dcp.load(_empty_like(sd), storage_reader=integrity.verifying(FileSystemReader(str(path)), checks)),
+        lambda: integrity.load(_empty_like(sd), integrity.verifying(FileSystemReader(str(path)), checks)),
         "before unpickling",
     )
     assert not marker.exists(), "the forged .metadata was unpickled"
@@ -195,6 +196,19 @@ def test_metadata_is_verified_before_it_is_unpickled(saved, tmp_path):
     with pytest.raises(Exception):  # noqa: B017 - whatever the padded pickle does after running
         FileSystemReader(str(path)).read_metadata()
     assert marker.exists()
+
+
+def test_dcp_load_hides_a_refused_metadata_on_torch_2_11(saved):
+    # integrity.load's reason: torch 2.11 catches read_metadata's error and reports only "metadata
+    # is None"; 2.12 names it in that message, 2.13 raises it. A torch that changes this fails here.
+    path, sd = saved
+    (path / ".metadata").write_bytes(b"\0" * (path / ".metadata").stat().st_size)
+    reader = integrity.verifying(FileSystemReader(str(path)), _checks(path))
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(_empty_like(sd), storage_reader=reader)
+    hidden = "metadata is None" in repr(e.value) and "refused before unpickling" not in repr(e.value)
+    assert hidden == (torch.__version__ < "2.12"), repr(e.value)
+    assert isinstance(reader.refused, CheckpointIntegrityError)
 
 
 def test_plain_torch_reader_and_format_utils_still_read_it(saved, tmp_path):

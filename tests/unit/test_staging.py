@@ -4,6 +4,7 @@ state whose layout changed is deep-copied anew (never broadcast or cast into a s
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from concurrent.futures import Future
@@ -149,3 +150,22 @@ def test_dtensors_are_copied_into_the_kept_copy_and_a_new_placement_is_deep_copi
         [sys.executable, "-c", _DTENSOR_CHILD], capture_output=True, text=True, timeout=100, env=runs.env_for_tests()
     )
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_torch_s_default_stager_is_single_use_exactly_where_staging_takes_a_new_one():
+    # staging.STAGER_SINGLE_USE: torch < 2.13's DefaultStager clears its copy table after a stage (a
+    # second deep copy of an object fails), 2.13 keeps it. A torch that changes this fails here.
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from elastic_trainer.checkpoint import staging
+
+    options = dataclasses.replace(staging_options(cuda=False, shared_memory=False), use_async_staging=False)
+    stager = DefaultStager(options)
+    state = {"t": torch.ones(2), "step": 3, "kind": torch.float32, "cls": torch.nn.Linear}
+    assert_same_state(stager.stage(state), state, shares_storage=False)
+    try:
+        again = stager.stage(state)
+    except KeyError:
+        again = None
+    assert (again is None) == staging.STAGER_SINGLE_USE == (torch.__version__ < "2.13"), again
+    stager.close()

@@ -321,13 +321,17 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def test_version():
+    from importlib.metadata import version
+
     import torch
 
     import elastic_trainer
 
     r = cli("--version")
     assert r.returncode == 0
-    assert r.stdout.strip() == f"elastic-trainer {elastic_trainer.__version__} (torch {torch.__version__})"
+    # the installed distribution's version (PyPI's CUDA wheels: "2.11.0" for torch "2.11.0+cu130")
+    assert r.stdout.strip() == f"elastic-trainer {elastic_trainer.__version__} (torch {version('torch')})"
+    assert torch.__version__.split("+")[0] == version("torch").split("+")[0]
 
 
 def test_launch_rejects_script_only_flags_and_stray_positionals(tmp_path):
