@@ -1,8 +1,8 @@
 """Lightning's own sharded checkpointing vs elastic_trainer's strategy, side by side in one run.
 
 The same ``LightningModule`` (examples/lightning_fsdp2.py's causal LM, sized by ``--dim``/``--layers``),
-the same ``Trainer`` settings, 2 gloo workers under ``torchrun`` on CPU, four configurations run
-interleaved ``--repeats`` times:
+the same ``Trainer`` settings, ``--nproc`` gloo workers (2) under ``torchrun`` on CPU, four
+configurations run interleaved ``--repeats`` times:
 
 * ``lightning``: ``ModelParallelStrategy`` (FSDP2), no saves;
 * ``lightning+save``: the same, ``trainer.save_checkpoint`` every ``--every`` steps (what
@@ -16,7 +16,8 @@ wall time of the measured window (``--steps`` after ``--warmup``) with saves vs 
 strategy. Ratios are what to read (the machine is shared).
 
     python bench/lightning_checkpoint.py                 # the BENCHMARKS.md configuration
-    python bench/lightning_checkpoint.py --smoke         # tiny, seconds: the script still works
+    python bench/lightning_checkpoint.py --smoke         # seconds: each code path once (one worker,
+                                                         # a tiny model; the ratios are not figures)
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def kill_step(o: argparse.Namespace) -> int:
 
 def worker(o: argparse.Namespace) -> None:
     """One rank of one configuration (under a launcher): train, time every step, write the timings.
-    The recovery modes SIGKILL rank 1 before step :func:`kill_step` of the first incarnation and
+    The recovery modes SIGKILL the last rank before step :func:`kill_step` of the first incarnation and
     record every step's end (rank 0) in ``timeline.jsonl``."""
     import signal
 
@@ -62,6 +63,7 @@ def worker(o: argparse.Namespace) -> None:
     ours, saving = "ours" in o.worker, o.worker.endswith("+save")
     work = Path(o.work)
     rank, restart = int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    nproc = int(os.environ.get("WORLD_SIZE", "1"))
 
     class Clock(L.Callback):
         def __init__(self):
@@ -69,7 +71,7 @@ def worker(o: argparse.Namespace) -> None:
             self.blocked: list[float] = []
 
         def on_train_batch_start(self, trainer, *args):
-            if recovery and restart == 0 and rank == 1 and trainer.global_step + 1 == kill_step(o):
+            if recovery and restart == 0 and rank == nproc - 1 and trainer.global_step + 1 == kill_step(o):
                 (work / "killed").write_text(str(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -106,7 +108,7 @@ def worker(o: argparse.Namespace) -> None:
         from lightning.pytorch.callbacks import ModelCheckpoint
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        strategy = ModelParallelStrategy(data_parallel_size=nproc, tensor_parallel_size=1)
         if recovery:  # Lightning's own fault tolerance: a last checkpoint every N steps, fit(ckpt_path="last")
             callbacks.append(
                 ModelCheckpoint(
@@ -117,7 +119,7 @@ def worker(o: argparse.Namespace) -> None:
     L.seed_everything(0)
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=nproc,
         strategy=strategy,
         max_steps=total,
         callbacks=callbacks,
@@ -130,7 +132,7 @@ def worker(o: argparse.Namespace) -> None:
         vocab=o.vocab, dim=o.dim, layers=o.layers, heads=4, seq_len=o.seq, dropout=0.0, steps=total
     )
     data = example.Tokens(o.batch * (total + 1), o.seq + 1, o.vocab)
-    loader = DataLoader(data, batch_size=o.batch // 2)
+    loader = DataLoader(data, batch_size=o.batch // nproc)
     trainer.fit(model, loader, ckpt_path="last" if o.worker == "recover-lightning" else None)
     if recovery:
         return
@@ -165,17 +167,17 @@ def launch(mode: str, o: argparse.Namespace, root: Path, launcher: list[str], tr
 
 
 def run_mode(mode: str, o: argparse.Namespace, root: Path) -> dict:
-    work = launch(mode, o, root, [*TORCHRUN, "--nproc-per-node", "2"])
-    ranks = [json.loads((work / f"timing-{i}.json").read_text()) for i in range(2)]
+    work = launch(mode, o, root, [*TORCHRUN, "--nproc-per-node", str(o.nproc)])
+    ranks = [json.loads((work / f"timing-{i}.json").read_text()) for i in range(o.nproc)]
     blocked = [max(x) for x in zip(*(rk["blocked"] for rk in ranks), strict=True)]  # the slowest rank per save
     return {"wall": max(rk["wall"] for rk in ranks), "blocked": blocked}
 
 
 def run_recovery(mode: str, o: argparse.Namespace, root: Path) -> dict:
-    """SIGKILL rank 1 mid-run; seconds from the kill to the first step after the restart and to
+    """SIGKILL the last rank mid-run; seconds from the kill to the first step after the restart and to
     the end of the killed step, redone. Lightning: ``torchrun --max-restarts 1`` and
     ``fit(ckpt_path="last")``; ours: ``elastic-trainer run --max-restarts 1`` with the strategy."""
-    common = ["--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2"]
+    common = ["--nproc-per-node", str(o.nproc), "--max-restarts", "1", "--monitor-interval", "0.2"]
     if mode == "recover-lightning":
         launcher = [*TORCHRUN, *common]
     else:
@@ -254,7 +256,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="global batch (2 workers)")
+    p.add_argument("--batch", type=int, default=8, help="global batch (split over the workers)")
+    p.add_argument("--nproc", type=int, default=2, help="workers (gloo, CPU)")
     p.add_argument("--writer", choices=("thread", "process"), default="process", help="ours: checkpoint.writer")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--only", choices=("throughput", "recovery"), help="run one half of the comparison")
@@ -263,17 +266,19 @@ def main() -> int:
     if o.worker:
         worker(o)
         return 0
-    if o.smoke:
-        o.steps, o.warmup, o.every, o.dim, o.layers, o.vocab, o.seq, o.repeats = 10, 2, 5, 32, 1, 64, 16, 1
-        o.writer = "thread"  # no writer processes to start
+    modes, recovery = MODES, RECOVERY
+    if o.smoke:  # each code path once: both strategies saving, our recovery; one worker, a tiny model
+        o.steps, o.warmup, o.every, o.dim, o.layers, o.vocab, o.seq = 4, 1, 2, 32, 1, 64, 16
+        o.nproc, o.repeats, o.writer = 1, 1, "thread"  # no writer processes to start
+        modes, recovery = ("lightning+save", "ours+save"), ("recover-ours",)
     info = machine_info()
     results: dict[str, list[dict]] = {m: [] for m in MODES}
     recovered: dict[str, list[dict]] = {m: [] for m in RECOVERY}
     with tempfile.TemporaryDirectory(prefix="lightning-bench-") as root:
         for _ in range(o.repeats):
-            for mode in MODES if o.only != "recovery" else ():
+            for mode in modes if o.only != "recovery" else ():
                 results[mode].append(run_mode(mode, o, Path(root)))
-            for mode in RECOVERY if o.only != "throughput" else ():
+            for mode in recovery if o.only != "throughput" else ():
                 recovered[mode].append(run_recovery(mode, o, Path(root)))
     out: dict = {"machine": info, "loadavg_after": loadavg(), "options": {k: getattr(o, k) for k in OPTIONS}}
     out["repeats"] = o.repeats
