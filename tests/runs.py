@@ -113,13 +113,23 @@ def run_args(run_dir, ckpt_dir, *flags: str, nproc: int = 2, max_restarts: int |
 
 
 def run_launch(
-    config: Path, *args: str, timeout: float = 240, env: dict | None = None, log: Path | None = None
+    config: Path,
+    *args: str,
+    timeout: float = 240,
+    env: dict | None = None,
+    log: Path | None = None,
+    tmpfs: tuple[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run ``elastic-trainer launch`` to completion."""
+    """Run ``elastic-trainer launch`` to completion. ``tmpfs=(path, size)``: in a mount namespace of
+    its own where ``path`` is a tmpfs of ``size`` (e.g. ``"64k"``): a small /dev/shm, a full disk."""
     log = log or config.with_suffix(".log")
+    prefix = []
+    if tmpfs is not None:
+        path, size = tmpfs
+        prefix = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs {path} && exec "$@"', "sh"]
     with open(log, "ab") as out:
         proc = subprocess.run(
-            launch_args(config, *args),
+            [*prefix, *launch_args(config, *args)],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env_for_tests(env),

@@ -5,7 +5,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -75,16 +74,7 @@ def test_a_process_writer_without_room_in_shared_memory_falls_back_to_the_thread
     cfg = runs.write_config(
         tmp_path / "c.toml", token_file, tmp_path / "run", checkpoint={"writer": "process", "interval_steps": 3}
     )
-    small_shm = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64k tmpfs /dev/shm && exec "$@"', "sh"]
-    with open(cfg.with_suffix(".log"), "ab") as log:
-        r = subprocess.run(
-            [*small_shm, *runs.launch_args(cfg, "--nproc-per-node", "2")],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=runs.env_for_tests(),
-            cwd=runs.REPO,
-            timeout=240,
-        )
+    r = runs.run_launch(cfg, "--nproc-per-node", "2", tmpfs=("/dev/shm", "64k"))
     assert r.returncode == 0, cfg.with_suffix(".log").read_text()[-4000:]
     run = tmp_path / "run"
     failed = runs.read_events(run, "checkpoint_failed")

@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import subprocess
 
 import pytest
 
@@ -28,16 +27,7 @@ def test_a_full_checkpoint_file_system_ends_74_at_once_naming_the_cause(tmp_path
         checkpoint={"interval_steps": 2, "keep_last": 10},
         elastic={"max_restarts": 2},
     )
-    small = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=1200k tmpfs {ckpt} && exec "$@"', "sh"]
-    with open(cfg.with_suffix(".log"), "ab") as log:
-        r = subprocess.run(
-            [*small, *runs.launch_args(cfg, "--nproc-per-node", "2")],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=runs.env_for_tests(),
-            cwd=runs.REPO,
-            timeout=240,
-        )
+    r = runs.run_launch(cfg, "--nproc-per-node", "2", tmpfs=(str(ckpt), "1200k"))
     text = cfg.with_suffix(".log").read_text()
     assert r.returncode == 74, text[-4000:]
     assert runs.read_events(run, "restart") == [], "a restart cannot make room: the group is not restarted"
