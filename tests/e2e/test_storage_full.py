@@ -36,9 +36,11 @@ def test_a_full_checkpoint_file_system_ends_74_at_once_naming_the_cause(tmp_path
     failed = runs.read_events(run, "checkpoint_failed")
     assert committed and failed, (committed, failed)
     for f in failed:
-        first = f["error"].splitlines()[0]
-        assert "No space left on device" in first and "Errno 28" in first and ".distcp" in first, f
-        assert "Traceback" not in f["error"], f
+        assert len(f["error"].strip().splitlines()) == 1 and "Traceback" not in f["error"], f  # one line
+    # which write meets the full disk first varies; a short write inside torch.save's zip writer reaches
+    # us as torch's own RuntimeError ("unexpected pos"), its errno lost: the others name errno and file
+    named = [f for f in failed if "[Errno 28] No space left on device" in f["error"] and ".distcp" in f["error"]]
+    assert named and named[-1]["step"] == 12, failed
     (fin,) = runs.read_events(run, "final_checkpoint_failed")
     assert fin["step"] == 12 and fin["restartable"] is False and "No space left on device" in fin["reason"], fin
     (stopped,) = runs.read_events(run, "job_stopped")
