@@ -22,6 +22,7 @@ writers' ``fs`` attribute and the one-segment-per-item ``tell()`` pattern of ``_
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -70,13 +71,20 @@ class _HashingStream(io.RawIOBase):
 
     def write(self, b) -> int:
         view = memoryview(b).cast("B")  # DCP hands out tensor storages and BytesIO buffers
-        n = self._raw.write(view)
-        n = len(view) if n is None else n
-        part = view[:n]
-        self._seg.update(part)
-        self._rec.hasher.update(part)
-        self._rec.size += n
-        return n
+        done = 0
+        while done < len(view):
+            # a short write (a disk that fills writes what fits) is continued, so the next call raises
+            # the errno (ENOSPC, EDQUOT) instead of torch's writer failing on a short count
+            n = self._raw.write(view[done:])
+            n = len(view) - done if n is None else n
+            if n <= 0:
+                raise OSError(errno.EIO, "write accepted no bytes")
+            part = view[done : done + n]
+            self._seg.update(part)
+            self._rec.hasher.update(part)
+            self._rec.size += n
+            done += n
+        return done
 
     def tell(self) -> int:
         if self._rec.size > self._seg_start:
