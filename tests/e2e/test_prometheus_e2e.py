@@ -48,7 +48,7 @@ def test_prometheus_scrapes_a_run_through_a_worker_kill(tmp_path, token_file, pr
         # 1. Training metrics arrive through Prometheus.
         runs.wait_event(run_dir, "checkpoint_committed", 60, sup)
         assert prom.wait_value("elastic_trainer_checkpoint_last_committed_step", lambda v: v >= 10, 15) >= 10
-        assert prom.wait_value("elastic_trainer_world_size", lambda v: v == 2, 10) == 2
+        assert prom.wait_value("elastic_trainer_world_size", lambda v: v == 2, 20) == 2
         step = prom.wait_value("elastic_trainer_train_step", lambda v: v >= 1, 10)
         loss = prom.value("elastic_trainer_train_loss")
         assert loss is not None and 0 < loss < 10
