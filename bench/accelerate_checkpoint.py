@@ -98,7 +98,7 @@ def worker(a: argparse.Namespace) -> None:
                 if step == total:
                     break
         # ours: the manager's record per save (the call + the next step's staging wait)
-        stats = acc._ckpt.manager._save_stats if ours and saving else []
+        stats = acc._ckpt.manager._save_stats if ours and saving else []  # noqa: SLF001 - measured from the inside
         blocked = [s.stall for s in stats] if stats else calls
         parts = [[s.wait_previous, s.call, s.staging_wait] for s in stats]  # ours: where the blocked time went
         state_mb = sum(t.numel() * t.element_size() for t in model.parameters()) / 1e6

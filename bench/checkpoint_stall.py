@@ -48,10 +48,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import loadavg, machine_info, median, parse_with_smoke, table  # noqa: E402
+from bench.common import REPO, loadavg, machine_info, median, parse_with_smoke, table
 
 
 def _rank_main(rank: int, world: int, o: dict) -> dict:
@@ -183,7 +182,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
             if save and i == 0:
                 stats = mgr.save(step)
                 marks = {"save_returned": time.monotonic() - t0}
-                save = mgr._inflight
+                save = mgr._inflight  # noqa: SLF001 - timing the save in flight from the inside
                 for name, f in (("staged", save.stagings[0] if save.stagings else None), ("uploaded", save.written)):
                     if f is not None:
                         f.add_done_callback(
@@ -614,7 +613,10 @@ def main() -> int:
 def print_report(out: dict) -> None:
     m, r, mod, info = out["median"], out["ratios"], out["model"], out["info"]
     s = out["samples"]
-    fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+
+    def fmt(xs) -> str:
+        return ", ".join(f"{x:.3f}" for x in xs)
+
     print()
     print(
         f"machine: {info['nproc']} CPUs ({info['cpu']}), "

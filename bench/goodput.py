@@ -31,12 +31,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import TINY_DEMO, parse_with_smoke  # noqa: E402
-from elastic_trainer.report import account  # noqa: E402
-from tests import runs  # noqa: E402
+from bench.common import REPO, TINY_DEMO, parse_with_smoke
+from elastic_trainer.report import account
+from tests import runs
 
 
 def run_once(config: str, minutes: float, kill_every: float, seed: int, overrides: list[str]) -> dict:

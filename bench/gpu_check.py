@@ -40,11 +40,10 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine_info, table  # noqa: E402
-from tests import runs  # noqa: E402
+from bench.common import REPO, machine_info, table
+from tests import runs
 
 
 class Skip(Exception):

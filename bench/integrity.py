@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import parse_with_smoke  # noqa: E402
+from bench.common import parse_with_smoke
 from elastic_trainer.checkpoint import integrity, layout
 
 

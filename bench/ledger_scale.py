@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import parse_with_smoke  # noqa: E402
+from bench.common import parse_with_smoke
 from elastic_trainer.goodput import Ledger
 
 

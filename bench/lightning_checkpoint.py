@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from bench.common import REPO, loadavg, machine_info, median, table  # noqa: E402
+from bench.common import REPO, loadavg, machine_info, median, table
 
 MODES = ("lightning", "lightning+save", "ours", "ours+save")
 RECOVERY = ("recover-lightning", "recover-ours")
@@ -137,7 +137,7 @@ def worker(o: argparse.Namespace) -> None:
     if recovery:
         return
     if ours and saving:
-        stats = strategy.ckpt.manager._save_stats  # the manager's per-save record (call + staging wait)
+        stats = strategy.ckpt.manager._save_stats  # noqa: SLF001 - the manager's per-save record (call + staging wait)
         clock.blocked = [s.stall for s in stats if s.step < total]
     window = clock.ends[o.warmup - 1 : total]  # from the end of the warm-up to the end of step total
     out = {"wall": window[-1] - window[0], "blocked": clock.blocked, "steps": len(window) - 1}

@@ -28,11 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import loadavg, median, parse_with_smoke, table  # noqa: E402
-from bench.s3_throughput import setup  # noqa: E402
+from bench.common import loadavg, median, parse_with_smoke, table
+from bench.s3_throughput import setup
 
 
 class _Tensors:

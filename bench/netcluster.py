@@ -40,12 +40,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import loadavg, machine_info, parse_with_smoke  # noqa: E402
-from tests import runs  # noqa: E402
-from tests.fixtures import netcluster  # noqa: E402
+from bench.common import REPO, loadavg, machine_info, parse_with_smoke
+from tests import runs
+from tests.fixtures import netcluster
 
 MEASURES = ("silent", "rejoin", "shrink", "grow", "grow_from_ready")
 

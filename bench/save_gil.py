@@ -35,12 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import TINY_DEMO, loadavg, machine_info, parse_with_smoke, table  # noqa: E402
-from bench.throughput import parse_variant  # noqa: E402
-from tests import runs  # noqa: E402
+from bench.common import REPO, TINY_DEMO, loadavg, machine_info, parse_with_smoke, table
+from bench.throughput import parse_variant
+from tests import runs
 
 # (category, markers): a frame "function (file:line)" matches when a marker is a substring of it.
 CATEGORIES = (

@@ -35,11 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import throughput  # noqa: E402
-from bench.common import loadavg, machine_info, median, parse_with_smoke, table  # noqa: E402
+from bench import throughput
+from bench.common import REPO, loadavg, machine_info, median, parse_with_smoke, table
 
 HOGS = {
     "save": "import torch,xxhash,os,sys; torch.set_num_threads(1)\n"

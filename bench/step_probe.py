@@ -145,7 +145,7 @@ def _wrap(owner, name: str, before=None, after=None) -> None:
 
 def _patch(probe: _Probe, step_mod) -> None:
     sc = step_mod.StepContext
-    enter, emit = sc.__enter__, sc._emit
+    enter, emit = sc.__enter__, sc._emit  # noqa: SLF001 - the probe wraps the step's tail
 
     def _enter(self):
         probe.start(self.step)
@@ -156,7 +156,7 @@ def _patch(probe: _Probe, step_mod) -> None:
         emit(self)
         probe.end()
 
-    sc.__enter__, sc._emit = _enter, _emit
+    sc.__enter__, sc._emit = _enter, _emit  # noqa: SLF001 - the probe wraps the step's tail
 
 
 def _patch_rest(probe: _Probe) -> None:

@@ -57,11 +57,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import TINY_DEMO, loadavg, machine_info, median, parse_with_smoke, table, vm_hwm_bytes  # noqa: E402
-from tests import runs  # noqa: E402
+from bench.common import REPO, TINY_DEMO, loadavg, machine_info, median, parse_with_smoke, table, vm_hwm_bytes
+from tests import runs
 
 
 def _environ(pid: int) -> dict[str, str]:

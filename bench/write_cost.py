@@ -28,10 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import loadavg, machine_info, median, parse_with_smoke, table  # noqa: E402
+from bench.common import loadavg, machine_info, median, parse_with_smoke, table
 
 VARIANTS = ["torch-default", "ours", "ours-threads2", "no-crc-no-hash"]
 

@@ -189,8 +189,8 @@ def _early_zygote(argv: list[str]):
         return None
     # The supervisor's own torch imports, which it needs to join the rendezvous: done once, here,
     # and the zygote forked from this process then imports only the trainer on top.
-    import torch.distributed.elastic.agent.server.local_elastic_agent  # noqa: F401
-    import torch.distributed.run  # noqa: F401
+    import torch.distributed.elastic.agent.server.local_elastic_agent
+    import torch.distributed.run  # noqa: F401 - imported to be loaded in the processes forked from this one
 
     from .supervisor.warm import Zygote
     from .worker import zygote

@@ -24,6 +24,10 @@ class _PrefixFilter(logging.Filter):
         return True
 
 
+class _Handler(logging.StreamHandler):
+    """The handler :func:`setup_logging` adds (what :func:`forget_setup` removes)."""
+
+
 def setup_logging(level: str | int | None = None) -> None:
     """Entry points (the CLI, the worker, ``elastic_trainer.init``) call this. Only the
     ``elastic_trainer`` logger gets a handler, and only when it has none yet: a program that
@@ -33,8 +37,7 @@ def setup_logging(level: str | int | None = None) -> None:
     logger = logging.getLogger("elastic_trainer")
     if logger.handlers:
         return
-    handler = logging.StreamHandler(sys.stderr)
-    handler._et = True  # type: ignore[attr-defined]
+    handler = _Handler(sys.stderr)
     handler.addFilter(_PrefixFilter())
     handler.setFormatter(
         logging.Formatter(
@@ -50,7 +53,7 @@ def forget_setup() -> None:
     """Undo :func:`setup_logging` in a process forked from an entry point that is to behave as a
     fresh interpreter (the warm-start zygote): its workers set logging up themselves."""
     logger = logging.getLogger("elastic_trainer")
-    ours = [h for h in logger.handlers if getattr(h, "_et", False)]
+    ours = [h for h in logger.handlers if isinstance(h, _Handler)]
     if not ours:
         return
     for handler in ours:

@@ -51,7 +51,10 @@ def kept_steps(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's summary (steps, tokens, restarts, checkpoints, goodput). Pure."""
     kept = kept_steps(events)
-    by = lambda name: [e for e in events if e.get("event") == name]  # noqa: E731
+
+    def by(name: str) -> list[dict[str, Any]]:
+        return [e for e in events if e.get("event") == name]
+
     finished = by("finished")
     exits = by("supervisor_exit")
     if finished:

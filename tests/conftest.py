@@ -6,6 +6,11 @@ test directory can use them. Each fixture starts only the processes it needs on
 """
 
 import importlib.util
+import os
+
+import pytest
+
+from elastic_trainer.events import EventLog
 
 _FIXTURE_MODULES = [
     "tests.fixtures.procs",
@@ -17,13 +22,6 @@ _FIXTURE_MODULES = [
 ]
 
 pytest_plugins = [m for m in _FIXTURE_MODULES if importlib.util.find_spec(m) is not None]
-
-
-import os  # noqa: E402
-
-import pytest  # noqa: E402
-
-from elastic_trainer.events import EventLog  # noqa: E402
 
 # Every event an in-process test makes the code write must fit the catalogue (contract.EVENTS).
 EventLog.check = True

@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import accelerate
@@ -53,14 +54,14 @@ class _BatchLayout(Stateful):
     (same on every rank): a resume at another world size keeps both, so the data order, the
     gradient and the learning rate are the ones of the uninterrupted run."""
 
-    def __init__(self, acc: Accelerator):
-        self.acc = acc
+    def __init__(self, get: Callable[[], dict[str, int]], set_: Callable[[dict[str, int]], None]):
+        self._get, self._set = get, set_
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layout": json.dumps(self.acc._layout)}
+        return {"layout": json.dumps(self._get())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.acc._set_layout(json.loads(state_dict["layout"]))
+        self._set(json.loads(state_dict["layout"]))
 
 
 class Accelerator(accelerate.Accelerator):
@@ -219,14 +220,14 @@ class Accelerator(accelerate.Accelerator):
         ck = self._checkpointer()
         code = None
         if ctx.fenced:
-            code = ck._fenced_exit()
+            code = ck._fenced_exit()  # noqa: SLF001 - our Checkpointer's end path
         elif ctx.preempt:
-            code = ck._preempt_exit()
+            code = ck._preempt_exit()  # noqa: SLF001 - our Checkpointer's end path
         elif ctx.nonfinite:
-            code = ck._on_nonfinite(ctx.step, ctx.loss, ctx.grad_norm, self._sampler)
+            code = ck._on_nonfinite(ctx.step, ctx.loss, ctx.grad_norm, self._sampler)  # noqa: SLF001 - our Checkpointer's end path
         if code is not None:
             self._ended = True
-            ck._close(code)
+            ck._close(code)  # noqa: SLF001 - our Checkpointer's end path
             raise SystemExit(code)
 
     # ------------------------------------------------------------------ checkpoints
@@ -240,7 +241,7 @@ class Accelerator(accelerate.Accelerator):
             extra: dict[str, Stateful] = {f"custom_{i}": obj for i, obj in enumerate(self._custom_objects)}
             if self._sampler is not None:
                 extra["sampler"] = self._sampler
-                extra["batch_layout"] = _BatchLayout(self)
+                extra["batch_layout"] = _BatchLayout(lambda: self._layout, self._set_layout)
             if self.scaler is not None:
                 extra["grad_scaler"] = self.scaler
             self._ckpt = Checkpointer(
@@ -268,7 +269,7 @@ class Accelerator(accelerate.Accelerator):
         self._end_step()
         ck = self._checkpointer()
         if ck.state.step > 0:
-            ck._save(ck.state.step, meta={"loss": self._last_loss, "output_dir": output_dir})
+            ck._save(ck.state.step, meta={"loss": self._last_loss, "output_dir": output_dir})  # noqa: SLF001 - our Checkpointer's end path
             self._saved_step = ck.state.step
             faults.maybe_inject("kill_in_save", ck.state.step)
         return ck.storage.describe()
@@ -314,9 +315,9 @@ class Accelerator(accelerate.Accelerator):
         self._end_step()
         self._ended = True
         ck = self._ckpt
-        ck._final_saved = self._saved_step  # the run's last save must commit (else 74)
-        code = ck._finish()
-        ck._close(code)
+        ck._final_saved = self._saved_step  # noqa: SLF001 - our Checkpointer's end path; the last save must commit (else 74)
+        code = ck._finish()  # noqa: SLF001 - our Checkpointer's end path
+        ck._close(code)  # noqa: SLF001 - our Checkpointer's end path
         return code
 
     def _at_exit(self) -> None:

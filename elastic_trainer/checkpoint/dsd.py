@@ -22,11 +22,11 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import state_dict as _dsd
 
-_gc_context = _dsd._gc_context  # noqa: SLF001 - see the module docstring
-_verify_options = _dsd._verify_options  # noqa: SLF001
-_verify_state_dict = _dsd._verify_state_dict  # noqa: SLF001
-_get_model_state_dict = _dsd._get_model_state_dict  # noqa: SLF001
-_get_optim_state_dict = _dsd._get_optim_state_dict  # noqa: SLF001
+_gc_context = _dsd._gc_context
+_verify_options = _dsd._verify_options
+_verify_state_dict = _dsd._verify_state_dict
+_get_model_state_dict = _dsd._get_model_state_dict
+_get_optim_state_dict = _dsd._get_optim_state_dict
 
 
 class StateDicts:

@@ -608,7 +608,7 @@ class CheckpointManager:
             try:
                 if staging is not None:
                     staging.result()
-            except (Exception, CheckpointException):  # noqa: BLE001 - the upload future carries the same failure
+            except (Exception, CheckpointException):  # the upload future carries the same failure
                 logger.exception("staging of step %d failed", save.step)
         save.staged()
         waited = time.monotonic() - t0
@@ -634,7 +634,7 @@ class CheckpointManager:
             self._set_fenced(str(e), save.step)
             save.advance(SaveState.FENCED, error=str(e))
             return
-        except Exception as e:  # noqa: BLE001 - a failed commit is a failed save
+        except Exception as e:  # a failed commit is a failed save
             error, save.permanent = f"commit: {failure.describe(e)}", failure.permanent(e)
             logger.error("checkpoint step %d: commit failed", save.step, exc_info=e)
             self._report_failure(save, error)

@@ -113,7 +113,7 @@ class Strategy(ModelParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         s = self.session
-        _check_supported(trainer, s)
+        _check_supported(trainer, s, self._asked_tp)
         module = self.lightning_module
         _sum_reduction(module)
         optimizers = list(self.optimizers)
@@ -263,24 +263,24 @@ class _Hooks(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        self.strategy._check(optimizer)
+        self.strategy._check(optimizer)  # noqa: SLF001 - the strategy's own callback
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self.strategy._step_done(trainer)
+        self.strategy._step_done(trainer)  # noqa: SLF001 - the strategy's own callback
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The fit ended without the final step (resumed at the end, an early stop): wait for the
         last save; the run's end is recorded."""
         st = self.strategy
-        if st.ckpt is not None and not st._ended:
-            st._ended = True
+        if st.ckpt is not None and not st._ended:  # noqa: SLF001 - the strategy's own callback
+            st._ended = True  # noqa: SLF001 - the strategy's own callback
             code = st.ckpt.end_of_step(None, st.ckpt.state.step, st.ckpt.state.step)
             if code != exit_codes.OK:
                 raise SystemExit(code)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """An exception starts no checkpoint: a save already uploading gets its bounded drain."""
-        self.strategy._end_step(exception)
+        self.strategy._end_step(exception)  # noqa: SLF001 - the strategy's own callback
 
 
 class _TrainerState(Stateful):
@@ -296,11 +296,11 @@ class _TrainerState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         import io
 
-        self.strategy._state_only = True
+        self.strategy._state_only = True  # noqa: SLF001 - the strategy's own state object
         try:
             state = private.trainer_state(self.trainer)
         finally:
-            self.strategy._state_only = False
+            self.strategy._state_only = False  # noqa: SLF001 - the strategy's own state object
         for key in ("state_dict", "optimizer_states", "lr_schedulers"):
             state.pop(key, None)
         buf = io.BytesIO()
@@ -366,12 +366,12 @@ def _sum_reduction(module: torch.nn.Module) -> None:
             m.set_force_sum_reduction_for_comms(True)
 
 
-def _check_supported(trainer: pl.Trainer, session: Session) -> None:
+def _check_supported(trainer: pl.Trainer, session: Session, asked_tp: Any) -> None:
     """What this strategy does not serve stops before the first step (exit 2), by name."""
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
     problems = []
-    if trainer.strategy._asked_tp not in ("auto", 1):
+    if asked_tp not in ("auto", 1):
         problems.append(("tensor_parallel_size", "tensor parallelism is not served: every rank is data-parallel"))
     if any(isinstance(c, OnExceptionCheckpoint) for c in trainer.callbacks):
         problems.append(

@@ -199,15 +199,23 @@ class NodeCollector:
 class SupervisorExporter:
     """The node's HTTP endpoint plus the supervisor's own sink. ``stop()`` is idempotent."""
 
-    def __init__(
-        self, path: str, sink: MetricsSink, registry, httpd=None, thread=None, collector: NodeCollector | None = None
-    ):
+    def __init__(self, path: str, sink: MetricsSink, registry, collector: NodeCollector | None = None):
         self.path = path
         self.sink = sink
         self.registry = registry
-        self._httpd = httpd
-        self._thread = thread
+        self._httpd = None
+        self._thread = None
         self._collector = collector
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve the node's aggregate on ``host:port``. A port that cannot be bound is logged as an
+        error; training continues without metrics."""
+        try:
+            self._httpd, self._thread = prometheus_client.start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            logger.error("metrics endpoint %s:%d not started (%s); training continues without it", host, port, e)
+        else:
+            logger.info("metrics: http://%s:%d/metrics (files in %s)", host, port, self.path)
 
     def before_collect(self, hook) -> None:
         """Run ``hook()`` at each scrape, before the files are aggregated (e.g. to set gauges
@@ -270,11 +278,5 @@ def start_supervisor_exporter(cfg: Config, *, serve: bool = True) -> SupervisorE
     sink.gauge("elastic_trainer_build_info", 1, {"version": _version(), "torch_version": _torch_version()})
     exporter = SupervisorExporter(path, sink, registry, collector=collector)
     if serve:
-        host, port = cfg.metrics.host, cfg.metrics.port
-        try:
-            exporter._httpd, exporter._thread = prometheus_client.start_http_server(port, addr=host, registry=registry)
-        except OSError as e:
-            logger.error("metrics endpoint %s:%d not started (%s); training continues without it", host, port, e)
-        else:
-            logger.info("metrics: http://%s:%d/metrics (files in %s)", host, port, path)
+        exporter.serve(cfg.metrics.host, cfg.metrics.port)
     return exporter

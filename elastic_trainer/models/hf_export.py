@@ -87,7 +87,7 @@ def hf_config_and_weights(weights: dict[str, torch.Tensor], model: ModelConfig) 
     config = load_hf_config(model.hf_config)
     transformers = _require_transformers()
     if not getattr(config, "architectures", None):
-        config.architectures = [transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__]  # noqa: SLF001
+        config.architectures = [transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
     weights = dict(weights)
     if getattr(config, "tie_word_embeddings", False):
         weights.pop("lm_head.weight", None)  # tied to the input embedding; safetensors refuses shared storage

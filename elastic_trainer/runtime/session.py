@@ -326,12 +326,11 @@ def init(
     events = EventLog(os.path.join(cfg.run.dir, contract.EVENTS_FILE), enabled=d.rank == 0)
     metrics = metrics_factory.worker_sink(cfg, rank=d.rank)
     metrics.gauge("elastic_trainer_world_size", d.world_size)
-    session = Session(cfg, d, events, metrics, preempt)
-    sys.excepthook = functools.partial(session._uncaught, sys.excepthook)
     timer_file = os.environ.get(contract.TIMER_FILE_ENV)
+    session = Session(cfg, d, events, metrics, preempt, _watchdog=bool(timer_file))
+    sys.excepthook = functools.partial(session._uncaught, sys.excepthook)  # noqa: SLF001 - init installs the Session's own hook
     if timer_file:
         from torch.distributed.elastic import timer
 
         timer.configure(timer.FileTimerClient(timer_file))
-        session._watchdog = True
     return session

@@ -167,7 +167,7 @@ def launch_parser(prog: str = "elastic-trainer launch") -> argparse.ArgumentPars
     for action in actions:
         if action.dest in (*SCRIPT_ONLY, "module"):
             action.help = argparse.SUPPRESS
-        group._add_action(action)  # noqa: SLF001
+        group._add_action(action)  # noqa: SLF001 - stdlib argparse: the group takes torchrun's action as it is
     return p
 
 
@@ -209,8 +209,8 @@ def parse_explicit(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[ar
     """Parse ``argv``; return the namespace (CLI > PET_* > default) and the dests given on the
     command line. Uses a first pass where every default is :data:`UNSET`."""
     probe = argparse.Namespace(
-        **{a.dest: UNSET for a in parser._actions if a.dest not in ("help", "overrides", "preload")}
-    )  # noqa: SLF001
+        **{a.dest: UNSET for a in parser._actions if a.dest not in ("help", "overrides", "preload")}  # noqa: SLF001 - stdlib argparse
+    )
     parser.parse_args(argv, namespace=probe)
     explicit = {k for k, v in vars(probe).items() if v is not UNSET}
     return parser.parse_args(argv), explicit

@@ -33,13 +33,13 @@ def install(handler, poll_seconds: float) -> None:
     holder = getattr(handler, "_state_holder", None)
     if holder is None or not hasattr(holder, "_cache_duration"):
         return
-    holder._cache_duration = poll_seconds  # noqa: SLF001 - see the module docstring
+    holder._cache_duration = poll_seconds
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    torch_delay = getattr(dynamic_rendezvous._delay, "torch_delay", dynamic_rendezvous._delay)  # noqa: SLF001
+    torch_delay = getattr(dynamic_rendezvous._delay, "torch_delay", dynamic_rendezvous._delay)
 
     def _delay(seconds):
         torch_delay(poll_seconds if seconds == TORCH_POLL_SECONDS else seconds)
 
     _delay.torch_delay = torch_delay
-    dynamic_rendezvous._delay = _delay  # noqa: SLF001
+    dynamic_rendezvous._delay = _delay

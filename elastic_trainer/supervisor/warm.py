@@ -336,7 +336,10 @@ def script_imports(path: str) -> list[str]:
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.append(node.module)
-    own = lambda top: os.path.exists(os.path.join(here, top + ".py")) or os.path.isdir(os.path.join(here, top))  # noqa: E731
+
+    def own(top: str) -> bool:
+        return os.path.exists(os.path.join(here, top + ".py")) or os.path.isdir(os.path.join(here, top))
+
     return [n for n in _unique(names) if n != "__future__" and not own(n.split(".")[0])]
 
 

@@ -81,7 +81,7 @@ def resolve_files(path: str, key: str = "data.path") -> list[str]:
 
 def _pyarrow():
     try:
-        import pyarrow  # noqa: F401
+        import pyarrow  # noqa: F401 - only whether it imports
     except ImportError:
         raise ConfigError(
             "data.format",

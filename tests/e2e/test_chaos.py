@@ -93,7 +93,10 @@ def recoveries(events: list[dict]) -> list[dict]:
             continue  # no step yet, none after, or a second restart of the same outage
         last_seen = before[-1]["time"]
         window = [x for x in events[i:] if x["time"] <= after[0]["time"]]
-        first = lambda name, window=window: next((x for x in window if x["event"] == name), None)  # noqa: E731
+
+        def first(name, window=window):
+            return next((x for x in window if x["event"] == name), None)
+
         rdzv, start, resume = first("rendezvous"), first("start"), first("resume")
         rec = {
             "reason": e.get("reason", "relaunch"),

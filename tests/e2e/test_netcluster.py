@@ -233,14 +233,14 @@ def test_slow_lossy_object_store(netcluster, token_file, tmp_path):
     time is bounded by the save deadline, not the hang watchdog), and training goes on."""
     from tests.fixtures import s3 as s3fix
 
-    weed = s3fix._weed_binary()  # noqa: SLF001 - the S3 fixture's own binary lookup
+    weed = s3fix.weed_binary()
     if weed is None:
         pytest.skip("SeaweedFS `weed` binary not installed")
     cluster = netcluster(["store", "a", "b", "s3"])
     addr, root = cluster.addr("s3"), tmp_path / "seaweedfs"
     (root / "data").mkdir(parents=True)
     key, secret = "AKNETCLUSTER", "netcluster-secret-key"
-    s3fix._write_identity(root / "s3.json", key, secret)  # noqa: SLF001
+    s3fix.write_identity(root / "s3.json", key, secret)
     names = [
         "master",
         "master_grpc",
@@ -254,7 +254,7 @@ def test_slow_lossy_object_store(netcluster, token_file, tmp_path):
         "admin_grpc",
     ]
     ports = {n: 18000 + i for i, n in enumerate(names)}  # inside the s3 host's own namespace
-    cluster.popen("s3", s3fix._weed_argv(weed, root, root / "s3.json", ports, ip=addr), tmp_path / "weed.log", cwd=root)  # noqa: SLF001
+    cluster.popen("s3", s3fix.weed_argv(weed, root, root / "s3.json", ports, ip=addr), tmp_path / "weed.log", cwd=root)
     endpoint = f"http://{addr}:{ports['s3']}"
     env = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": s3fix.REGION}
     make_bucket = (

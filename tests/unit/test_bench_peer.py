@@ -26,4 +26,4 @@ def test_the_torchtitan_stand_in_has_every_manager_attribute_the_step_reads():
     spec.loader.exec_module(bench)
     used = _manager_attributes_read_by_the_step()
     assert {"votes", "agreed", "commit_visible", "inject_local_faults"} <= used, used  # the walk finds them
-    assert not {name for name in used if not hasattr(bench._PeerManager, name)}  # noqa: SLF001
+    assert not {name for name in used if not hasattr(bench._PeerManager, name)}

@@ -8,6 +8,8 @@ import math
 import pytest
 
 from elastic_trainer.checkpoint import cadence
+from elastic_trainer.config import load_config
+from elastic_trainer.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -51,9 +53,6 @@ def test_failure_rate_prior_and_observations():
 
 
 # --- checkpoint.interval_steps = "auto" -----------------------------------------------------------
-
-from elastic_trainer.config import load_config  # noqa: E402
-from elastic_trainer.errors import ConfigError  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -102,7 +102,7 @@ def test_checksums_list_every_item_of_every_file_as_written(saved):
         assert pos == len(data)
         n_items += len(f["items"])
     # Every item DCP's metadata points at is listed with exactly its (offset, length).
-    md = pickle.loads(meta)  # our own file
+    md = pickle.loads(meta)  # noqa: S301 - our own file, just written
     listed = {(n, off, length) for n in shards for off, length, _ in table[n]["items"]}
     assert {(s.relative_path, s.offset, s.length) for s in md.storage_data.values()} == listed
     assert n_items == len(md.storage_data)

@@ -36,13 +36,13 @@ from typing import Any
 
 import pytest
 
+from elastic_trainer import exit_codes
+
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
-from kubernetes_validate import utils as kv_utils  # noqa: E402
-from referencing import Registry, Resource  # noqa: E402
-
-from elastic_trainer import exit_codes  # noqa: E402
+kv_utils = pytest.importorskip("kubernetes_validate.utils")
+from referencing import Registry, Resource  # noqa: E402 - jsonschema's own dependency: after its importorskip
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"

@@ -94,9 +94,9 @@ def test_torch_private_rendezvous_state():
         assert t0 <= liveness.last_contact(h) <= time.monotonic()
 
         # A second participant whose heartbeat stopped 10 s ago, written through torch's own holder.
-        holder = h._state_holder  # noqa: SLF001 - the private state liveness depends on
+        holder = h._state_holder
         state = holder.state
-        ghost = type(h._this_node)("198.51.100.9", 1, 0)  # noqa: SLF001
+        ghost = type(h._this_node)("198.51.100.9", 1, 0)
         state.participants[ghost] = 1
         state.last_heartbeats[ghost] = datetime.now(UTC) - timedelta(seconds=10)
         assert isinstance(state.wait_list, set) and isinstance(state.redundancy_list, set)

@@ -21,9 +21,9 @@ def torch_delay():
     """torch's own ``_delay``, put back after the test (install() replaces it process-wide)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    own = getattr(dynamic_rendezvous._delay, "torch_delay", dynamic_rendezvous._delay)  # noqa: SLF001
+    own = getattr(dynamic_rendezvous._delay, "torch_delay", dynamic_rendezvous._delay)
     yield own
-    dynamic_rendezvous._delay = own  # noqa: SLF001
+    dynamic_rendezvous._delay = own
 
 
 @pytest.fixture
@@ -46,18 +46,18 @@ def test_torch_private_rendezvous_polling(store, torch_delay):
     (and ``_delay(seconds=(0, 0.3))`` before a node's first join)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    loop = inspect.getsource(dynamic_rendezvous._DistributedRendezvousOpExecutor.run)  # noqa: SLF001
+    loop = inspect.getsource(dynamic_rendezvous._DistributedRendezvousOpExecutor.run)
     assert "if action == _Action.SYNC:" in loop and "_delay(seconds=1)" in loop, loop
     assert "_delay(seconds=(0, 0.3))" in inspect.getsource(dynamic_rendezvous.DynamicRendezvousHandler.next_rendezvous)
     h = _handler(store, "round-poll-private")
     try:
-        assert h._state_holder._cache_duration == round_poll.TORCH_POLL_SECONDS  # noqa: SLF001
+        assert h._state_holder._cache_duration == round_poll.TORCH_POLL_SECONDS
         round_poll.install(h, 0.2)
         round_poll.install(h, 0.2)  # idempotent: one layer over torch's own
-        assert h._state_holder._cache_duration == 0.2  # noqa: SLF001
-        assert dynamic_rendezvous._delay.torch_delay is torch_delay  # noqa: SLF001
+        assert h._state_holder._cache_duration == 0.2
+        assert dynamic_rendezvous._delay.torch_delay is torch_delay
         t0 = time.monotonic()
-        dynamic_rendezvous._delay(seconds=1)  # noqa: SLF001
+        dynamic_rendezvous._delay(seconds=1)
         assert 0.15 <= time.monotonic() - t0 < 0.8
     finally:
         h.shutdown()

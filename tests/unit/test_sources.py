@@ -9,14 +9,14 @@ import os
 import numpy as np
 import pytest
 
+from elastic_trainer.config import config_from_dict
+from elastic_trainer.errors import ConfigError
+from elastic_trainer.worker import sources
+from elastic_trainer.worker.data import IGNORE_INDEX, StepBatches
+
 pa = pytest.importorskip("pyarrow")
 pytest.importorskip("tokenizers")
-import pyarrow.parquet as pq  # noqa: E402
-
-from elastic_trainer.config import config_from_dict  # noqa: E402
-from elastic_trainer.errors import ConfigError  # noqa: E402
-from elastic_trainer.worker import sources  # noqa: E402
-from elastic_trainer.worker.data import IGNORE_INDEX, StepBatches  # noqa: E402
+pq = pytest.importorskip("pyarrow.parquet")
 
 DOCS = [
     f"document {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][j % 4] for j in range(i % 7 + 1))

@@ -23,12 +23,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from tests import runs
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 DEMO_DATA = "/tmp/elastic-trainer-golden/demo-tokens.bin"
-sys.path.insert(0, str(REPO))
-
-from tests import runs  # noqa: E402
 
 
 def _keep_step5(ckpt: Path, out: Path) -> None:

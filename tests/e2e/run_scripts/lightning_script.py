@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 
-import lightning_fsdp2 as example  # noqa: E402
+import lightning_fsdp2 as example
 
 SAMPLES_DIR = sys.argv.pop(1)
 
