@@ -20,11 +20,23 @@ from typing import Any, Literal
 
 from .errors import ConfigError
 
+# The closed sets of words a key takes (checked with its section, the message listing them).
+DataFormat = Literal["memmap", "text", "tokens"]
+TokenDtype = Literal["uint16", "uint32"]
+MixedPrecision = Literal["auto", "fp32", "bf16"]
+Device = Literal["auto", "cpu", "cuda"]
+OnNonfinite = Literal["stop", "rollback"]
+SaveMode = Literal["async", "sync"]
+Writer = Literal["thread", "process"]
+
 
 @dataclass(frozen=True)
 class RunConfig:
     dir: str = "runs/demo"
     name: str = "elastic-trainer"
+
+    def validate(self, cfg: Config) -> None:
+        _require(bool(self.dir), "run.dir", "must not be empty")
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,28 @@ class ModelConfig:
     init_std: float = 0.02
     dropout: float = 0.0  # demo model: dropout probability in training (embeddings, attention, residuals)
 
+    def validate(self, cfg: Config) -> None:
+        for k in ("vocab_size", "seq_len", "dim", "n_layers", "n_heads", "mlp_ratio"):
+            _require(getattr(self, k) > 0, f"model.{k}", f"must be > 0, got {getattr(self, k)}")
+        _require(
+            self.dim % self.n_heads == 0, "model.dim", f"{self.dim} is not divisible by model.n_heads={self.n_heads}"
+        )
+        _require(self.init_std > 0, "model.init_std", "must be > 0")
+        _require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(
+            not (self.dropout and self.hf_config),
+            "model.dropout",
+            "is for the demo model; a Hugging Face model takes its dropout from its config.json "
+            "(e.g. attention_dropout)",
+        )
+        if self.factory:
+            _require(":" in self.factory, "model.factory", f"expected 'package.module:function', got {self.factory!r}")
+        _require(
+            not self.hf_config or bool(self.factory),
+            "model.hf_config",
+            'is set but model.factory is empty: use factory = "elastic_trainer.models.hf:causal_lm"',
+        )
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -65,12 +99,30 @@ class DataConfig:
     lists (default ``input_ids``), packed as they are."""
 
     path: str = "runs/data/demo.bin"
-    dtype: str = "uint16"
-    format: str = "memmap"  # memmap | text | tokens
+    dtype: TokenDtype = "uint16"
+    format: DataFormat = "memmap"
     column: str = ""
     tokenizer: str = ""
     eos_token: str = ""
     cache_dir: str = ""
+
+    def validate(self, cfg: Config) -> None:
+        _require_one_of(self.format, DataFormat, "data.format")
+        if self.format == "text":
+            _require(
+                bool(self.tokenizer),
+                "data.tokenizer",
+                'data.format = "text" needs a local tokenizer (tokenizer.json or its directory)',
+            )
+        else:
+            only_text = f'is only used with data.format = "text" (format is {self.format!r})'
+            _require(not self.tokenizer, "data.tokenizer", only_text)
+            _require(not self.eos_token, "data.eos_token", only_text)
+        _require_one_of(self.dtype, TokenDtype, "data.dtype")
+        _require(bool(self.path), "data.path", "must not be empty")
+        vocab = cfg.model.vocab_size
+        if self.format == "memmap" and self.dtype == "uint16":
+            _require(vocab <= 65536, "model.vocab_size", f"{vocab} does not fit data.dtype=uint16")
 
 
 @dataclass(frozen=True)
@@ -86,10 +138,29 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    mixed_precision: str = "auto"  # auto | fp32 | bf16
-    device: str = "auto"  # auto | cpu | cuda
+    mixed_precision: MixedPrecision = "auto"
+    device: Device = "auto"
     log_every: int = 10
-    on_nonfinite: str = "stop"  # stop | rollback
+    on_nonfinite: OnNonfinite = "stop"
+
+    def validate(self, cfg: Config) -> None:
+        for k in ("steps", "global_batch_size", "micro_batch_size"):
+            _require(getattr(self, k) > 0, f"train.{k}", f"must be > 0, got {getattr(self, k)}")
+        _require(
+            self.micro_batch_size <= self.global_batch_size,
+            "train.micro_batch_size",
+            f"{self.micro_batch_size} is larger than train.global_batch_size={self.global_batch_size}",
+        )
+        _require(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        _require(0 <= self.min_lr <= self.lr, "train.min_lr", f"must be within [0, train.lr], got {self.min_lr}")
+        _require(0 <= self.warmup_steps, "train.warmup_steps", "must be >= 0")
+        _require(0 <= self.beta1 < 1, "train.beta1", "must be in [0, 1)")
+        _require(0 <= self.beta2 < 1, "train.beta2", "must be in [0, 1)")
+        _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+        _require_one_of(self.mixed_precision, MixedPrecision, "train.mixed_precision")
+        _require_one_of(self.device, Device, "train.device")
+        _require(self.log_every > 0, "train.log_every", "must be > 0")
+        _require_one_of(self.on_nonfinite, OnNonfinite, "train.on_nonfinite")
 
 
 @dataclass(frozen=True)
@@ -108,11 +179,11 @@ class CheckpointConfig:
     keep_last: int = 3
     keep_every: int = 0
     resume: str = "latest"  # latest | none | <step>
-    mode: str = "async"  # async | sync
+    mode: SaveMode = "async"
     # Where an async save is written: "thread" (a thread of the training process) or "process"
     # (a persistent writer process per rank fed through shared memory: the save's Python work
     # never holds the training process's GIL; see checkpoint/writer_process.py).
-    writer: str = "thread"
+    writer: Writer = "thread"
     preempt_grace_seconds: float = 60.0
     s3_endpoint_url: str = ""
     storage_timeout_seconds: float = 20.0
@@ -129,6 +200,72 @@ class CheckpointConfig:
     # rank's copy present and verified, loads locally; anything else loads from checkpoint.dir.
     local_dir: str = ""
     remote_every: int = 1
+
+    def validate(self, cfg: Config) -> None:
+        _require(bool(self.dir), "checkpoint.dir", "must not be empty")
+        if self.interval_steps != "auto":
+            _require(
+                self.interval_steps >= 0,
+                "checkpoint.interval_steps",
+                'must be >= 0 (0 disables step-based saves), or "auto"',
+            )
+        for k in ("auto_prior_mtbf_seconds", "auto_prior_weight_seconds"):
+            _require(getattr(self, k) > 0, f"checkpoint.{k}", f"must be > 0, got {getattr(self, k)}")
+        _require(self.auto_min_steps >= 1, "checkpoint.auto_min_steps", f"must be >= 1, got {self.auto_min_steps}")
+        _require(
+            self.auto_max_steps >= self.auto_min_steps,
+            "checkpoint.auto_max_steps",
+            f"must be >= checkpoint.auto_min_steps ({self.auto_min_steps}), got {self.auto_max_steps}",
+        )
+        _require(
+            self.interval_seconds >= 0, "checkpoint.interval_seconds", "must be >= 0 (0 disables time-based saves)"
+        )
+        _require(self.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1, got {self.keep_last}")
+        _require(self.keep_every >= 0, "checkpoint.keep_every", "must be >= 0")
+        _require_one_of(self.mode, SaveMode, "checkpoint.mode")
+        _require_one_of(self.writer, Writer, "checkpoint.writer")
+        _require(
+            self.writer == "thread" or not self.dir.startswith("memory://"),
+            "checkpoint.writer",
+            "process needs storage another process can reach; memory:// lives in one process",
+        )
+        _require(
+            self.writer == "thread" or _torch_release() >= PROCESS_WRITER_MIN_TORCH,
+            "checkpoint.writer",
+            f"process needs torch>={'.'.join(map(str, PROCESS_WRITER_MIN_TORCH))} (installed: "
+            f"{'.'.join(map(str, _torch_release()))}); use thread",
+        )
+        for k in ("preempt_grace_seconds", "storage_timeout_seconds"):
+            _require(getattr(self, k) > 0, f"checkpoint.{k}", "must be > 0")
+        _require(self.storage_retries >= 0, "checkpoint.storage_retries", "must be >= 0")
+        _require(self.save_timeout_seconds > 0, "checkpoint.save_timeout_seconds", "must be > 0")
+        for key in self.allow_changes:
+            section, _, name = key.partition(".")
+            known = (
+                {f.name for f in dataclasses.fields(_SECTION_TYPES[section])} if section in _SECTION_TYPES else set()
+            )
+            _require(name in known, "checkpoint.allow_changes", f"{key!r} is not a config key (section.key)")
+        if self.resume not in ("latest", "none"):
+            _require(
+                self.resume.isdigit(),
+                "checkpoint.resume",
+                f"expected 'latest', 'none' or a step number, got {self.resume!r}",
+            )
+        check_uri(self.dir, "checkpoint.dir")
+        _require(self.remote_every >= 1, "checkpoint.remote_every", f"must be >= 1, got {self.remote_every}")
+        _require(
+            self.remote_every == 1 or bool(self.local_dir),
+            "checkpoint.remote_every",
+            "needs checkpoint.local_dir (without a local tier every save goes to checkpoint.dir)",
+        )
+        if self.local_dir:
+            check_local_dir(self.local_dir, self.dir)
+        if self.s3_endpoint_url:
+            _require(
+                self.s3_endpoint_url.startswith(("http://", "https://")),
+                "checkpoint.s3_endpoint_url",
+                f"expected an http(s) URL, got {self.s3_endpoint_url!r}",
+            )
 
 
 @dataclass(frozen=True)
@@ -153,11 +290,25 @@ class ElasticConfig:
     # fresh 'python -m ...' that imports torch again: restarts skip the import (launch only).
     warm_start: bool = True
 
+    def validate(self, cfg: Config) -> None:
+        parse_nnodes(self.nnodes)
+        _require(self.nproc_per_node >= 1, "elastic.nproc_per_node", "must be >= 1")
+        _require(self.max_restarts >= 0, "elastic.max_restarts", "must be >= 0")
+        parse_rdzv_conf(self.rdzv_conf)
+        _require(self.hang_timeout_seconds >= 5, "elastic.hang_timeout_seconds", "must be >= 5")
+        _require(self.monitor_interval_seconds > 0, "elastic.monitor_interval_seconds", "must be > 0")
+        _require(
+            0 < self.rdzv_poll_seconds <= 1, "elastic.rdzv_poll_seconds", "must be > 0 and <= 1 (torch's own poll)"
+        )
+
 
 @dataclass(frozen=True)
 class MetricsConfig:
     port: int = 9400
     host: str = "0.0.0.0"
+
+    def validate(self, cfg: Config) -> None:
+        _require(0 <= self.port <= 65535, "metrics.port", f"must be in 0..65535 (0 disables), got {self.port}")
 
 
 @dataclass(frozen=True)
@@ -234,7 +385,6 @@ def check_run_identity(cfg: Config, recorded: dict[str, Any]) -> list[tuple[str,
     return allowed
 
 
-_SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_TYPES = {
     "run": RunConfig,
     "model": ModelConfig,
@@ -254,6 +404,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     if isinstance(typ, str):
         typ = eval(typ, {**vars(typing), "list": list, "dict": dict}, {})  # noqa: S307 - own annotations
     origin = typing.get_origin(typ)
+    if origin is Literal:  # one of a few words: the section's validate names them
+        typ = str
     if origin is list:
         (item,) = typing.get_args(typ)
         if isinstance(value, str) and key == "checkpoint.allow_changes":  # --set checkpoint.allow_changes=a,b
@@ -408,6 +560,12 @@ def _require(cond: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
+def _require_one_of(value: str, words: Any, key: str) -> None:
+    """``value`` is one of the ``Literal`` ``words``."""
+    allowed = typing.get_args(words)
+    _require(value in allowed, key, f"expected {', '.join(allowed[:-1])} or {allowed[-1]}, got {value!r}")
+
+
 def parse_nnodes(value: str, key: str = "elastic.nnodes") -> tuple[int, int]:
     parts = value.split(":")
     try:
@@ -470,142 +628,12 @@ def parse_rdzv_conf(value: str, key: str = "elastic.rdzv_conf") -> dict[str, str
 
 
 def validate(cfg: Config) -> None:
-    """Cross-field checks. Pure; raises ConfigError naming the key."""
-    m, t, c, e, d = cfg.model, cfg.train, cfg.checkpoint, cfg.elastic, cfg.data
-    _require(bool(cfg.run.dir), "run.dir", "must not be empty")
-    for k in ("vocab_size", "seq_len", "dim", "n_layers", "n_heads", "mlp_ratio"):
-        _require(getattr(m, k) > 0, f"model.{k}", f"must be > 0, got {getattr(m, k)}")
-    _require(m.dim % m.n_heads == 0, "model.dim", f"{m.dim} is not divisible by model.n_heads={m.n_heads}")
-    _require(m.init_std > 0, "model.init_std", "must be > 0")
-    _require(0.0 <= m.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {m.dropout}")
-    _require(
-        not (m.dropout and m.hf_config),
-        "model.dropout",
-        "is for the demo model; a Hugging Face model takes its dropout from its config.json (e.g. attention_dropout)",
-    )
-    if m.factory:
-        _require(":" in m.factory, "model.factory", f"expected 'package.module:function', got {m.factory!r}")
-    _require(
-        not m.hf_config or bool(m.factory),
-        "model.hf_config",
-        'is set but model.factory is empty: use factory = "elastic_trainer.models.hf:causal_lm"',
-    )
-    _require(
-        d.format in ("memmap", "text", "tokens"), "data.format", f"expected memmap, text or tokens, got {d.format!r}"
-    )
-    if d.format == "text":
-        _require(
-            bool(d.tokenizer),
-            "data.tokenizer",
-            'data.format = "text" needs a local tokenizer (tokenizer.json or its directory)',
-        )
-    else:
-        _require(not d.tokenizer, "data.tokenizer", f'is only used with data.format = "text" (format is {d.format!r})')
-        _require(not d.eos_token, "data.eos_token", f'is only used with data.format = "text" (format is {d.format!r})')
-    _require(d.dtype in ("uint16", "uint32"), "data.dtype", f"expected uint16 or uint32, got {d.dtype!r}")
-    _require(bool(d.path), "data.path", "must not be empty")
-    if d.format == "memmap" and d.dtype == "uint16":
-        _require(m.vocab_size <= 65536, "model.vocab_size", f"{m.vocab_size} does not fit data.dtype=uint16")
-    _require(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
-    _require(t.global_batch_size > 0, "train.global_batch_size", f"must be > 0, got {t.global_batch_size}")
-    _require(t.micro_batch_size > 0, "train.micro_batch_size", f"must be > 0, got {t.micro_batch_size}")
-    _require(
-        t.micro_batch_size <= t.global_batch_size,
-        "train.micro_batch_size",
-        f"{t.micro_batch_size} is larger than train.global_batch_size={t.global_batch_size}",
-    )
-    _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
-    _require(0 <= t.min_lr <= t.lr, "train.min_lr", f"must be within [0, train.lr], got {t.min_lr}")
-    _require(0 <= t.warmup_steps, "train.warmup_steps", "must be >= 0")
-    _require(0 <= t.beta1 < 1, "train.beta1", "must be in [0, 1)")
-    _require(0 <= t.beta2 < 1, "train.beta2", "must be in [0, 1)")
-    _require(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
-    _require(
-        t.mixed_precision in ("auto", "fp32", "bf16"),
-        "train.mixed_precision",
-        f"expected auto, fp32 or bf16, got {t.mixed_precision!r}",
-    )
-    _require(t.device in ("auto", "cpu", "cuda"), "train.device", f"expected auto, cpu or cuda, got {t.device!r}")
-    _require(t.log_every > 0, "train.log_every", "must be > 0")
-    _require(
-        t.on_nonfinite in ("stop", "rollback"),
-        "train.on_nonfinite",
-        f"expected stop or rollback, got {t.on_nonfinite!r}",
-    )
-    _require(bool(c.dir), "checkpoint.dir", "must not be empty")
-    if c.interval_steps != "auto":
-        _require(
-            c.interval_steps >= 0, "checkpoint.interval_steps", 'must be >= 0 (0 disables step-based saves), or "auto"'
-        )
-    _require(
-        c.auto_prior_mtbf_seconds > 0,
-        "checkpoint.auto_prior_mtbf_seconds",
-        f"must be > 0, got {c.auto_prior_mtbf_seconds}",
-    )
-    _require(
-        c.auto_prior_weight_seconds > 0,
-        "checkpoint.auto_prior_weight_seconds",
-        f"must be > 0, got {c.auto_prior_weight_seconds}",
-    )
-    _require(c.auto_min_steps >= 1, "checkpoint.auto_min_steps", f"must be >= 1, got {c.auto_min_steps}")
-    _require(
-        c.auto_max_steps >= c.auto_min_steps,
-        "checkpoint.auto_max_steps",
-        f"must be >= checkpoint.auto_min_steps ({c.auto_min_steps}), got {c.auto_max_steps}",
-    )
-    _require(c.interval_seconds >= 0, "checkpoint.interval_seconds", "must be >= 0 (0 disables time-based saves)")
-    _require(c.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1, got {c.keep_last}")
-    _require(c.keep_every >= 0, "checkpoint.keep_every", "must be >= 0")
-    _require(c.mode in ("async", "sync"), "checkpoint.mode", f"expected async or sync, got {c.mode!r}")
-    _require(c.writer in ("thread", "process"), "checkpoint.writer", f"expected thread or process, got {c.writer!r}")
-    _require(
-        c.writer == "thread" or not c.dir.startswith("memory://"),
-        "checkpoint.writer",
-        "process needs storage another process can reach; memory:// lives in one process",
-    )
-    _require(
-        c.writer == "thread" or _torch_release() >= PROCESS_WRITER_MIN_TORCH,
-        "checkpoint.writer",
-        f"process needs torch>={'.'.join(map(str, PROCESS_WRITER_MIN_TORCH))} (installed: "
-        f"{'.'.join(map(str, _torch_release()))}); use thread",
-    )
-    _require(c.preempt_grace_seconds > 0, "checkpoint.preempt_grace_seconds", "must be > 0")
-    _require(c.storage_timeout_seconds > 0, "checkpoint.storage_timeout_seconds", "must be > 0")
-    _require(c.storage_retries >= 0, "checkpoint.storage_retries", "must be >= 0")
-    _require(c.save_timeout_seconds > 0, "checkpoint.save_timeout_seconds", "must be > 0")
-    for key in c.allow_changes:
-        section, _, name = key.partition(".")
-        fields = {f.name for f in dataclasses.fields(_SECTION_TYPES[section])} if section in _SECTION_TYPES else set()
-        _require(name in fields, "checkpoint.allow_changes", f"{key!r} is not a config key (section.key)")
-    if c.resume not in ("latest", "none"):
-        _require(
-            c.resume.isdigit(), "checkpoint.resume", f"expected 'latest', 'none' or a step number, got {c.resume!r}"
-        )
-    check_uri(c.dir, "checkpoint.dir")
-    _require(c.remote_every >= 1, "checkpoint.remote_every", f"must be >= 1, got {c.remote_every}")
-    _require(
-        c.remote_every == 1 or bool(c.local_dir),
-        "checkpoint.remote_every",
-        "needs checkpoint.local_dir (without a local tier every save goes to checkpoint.dir)",
-    )
-    if c.local_dir:
-        check_local_dir(c.local_dir, c.dir)
-    if c.s3_endpoint_url:
-        _require(
-            c.s3_endpoint_url.startswith(("http://", "https://")),
-            "checkpoint.s3_endpoint_url",
-            f"expected an http(s) URL, got {c.s3_endpoint_url!r}",
-        )
-    parse_nnodes(e.nnodes)
-    _require(e.nproc_per_node >= 1, "elastic.nproc_per_node", "must be >= 1")
-    _require(e.max_restarts >= 0, "elastic.max_restarts", "must be >= 0")
-    parse_rdzv_conf(e.rdzv_conf)
-    _require(e.hang_timeout_seconds >= 5, "elastic.hang_timeout_seconds", "must be >= 5")
-    _require(e.monitor_interval_seconds > 0, "elastic.monitor_interval_seconds", "must be > 0")
-    _require(0 < e.rdzv_poll_seconds <= 1, "elastic.rdzv_poll_seconds", "must be > 0 and <= 1 (torch's own poll)")
-    _require(
-        0 <= cfg.metrics.port <= 65535, "metrics.port", f"must be in 0..65535 (0 disables), got {cfg.metrics.port}"
-    )
+    """Every section's checks, in the order of the sections: each section's ``validate(cfg)``
+    gets the whole config for the checks that span sections (``data.dtype`` against
+    ``model.vocab_size``, ``checkpoint.allow_changes`` against every section's keys). Pure;
+    raises ConfigError naming the key."""
+    for f in dataclasses.fields(cfg):
+        getattr(cfg, f.name).validate(cfg)
 
 
 _SUPPORTED_SCHEMES = ("file", "s3", "memory")
