@@ -18,9 +18,9 @@ kill → the first ``step`` event after the ``resume`` that follows it. Then the
 
 ``--phases`` prints the timeline of each recovery (seconds after the kill): ``survivors_exit``
 (the last surviving worker process gone, polled every 5 ms), ``restart`` (the supervisor's event:
-it noticed and stops the group), ``workers_started`` (rendezvous done, processes forked or
-started), ``start`` (rank 0 initialised: process groups), ``resume`` (checkpoint loaded), ``step``
-(the first step after it). Plain torchrun has no supervisor events.
+it noticed and stops the group), ``rendezvous`` (the group stopped and the next round formed),
+``workers_started`` (processes forked or started), ``start`` (rank 0 initialised: process
+groups), ``resume`` (checkpoint loaded), ``step`` (the first step after it). Plain torchrun has no supervisor events.
 
 ``--smoke``: one repeat of ``run`` and ``torchrun``, a commit at step 2, a few seconds — it proves the
 script still runs (CI), not a figure.
@@ -45,7 +45,7 @@ from bench.common import REPO, loadavg, machine_info, median, parse_with_smoke, 
 from tests import runs
 
 VARIANTS = ("launch", "run", "run-cold", "torchrun")
-PHASES = ("survivors_exit", "restart", "workers_started", "start", "resume", "step")
+PHASES = ("survivors_exit", "restart", "rendezvous", "workers_started", "start", "resume", "step")
 DEMO = REPO / "configs" / "demo-cpu.toml"
 DEMO_DATA = REPO / "runs" / "data" / "demo.bin"
 

@@ -98,7 +98,8 @@ FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 # Files shared in run.dir (and the checkpoint root)
 
 EVENTS_FILE = "events.jsonl"  # run.dir: the event log (rank 0 and the supervisor append)
-PREEMPT_MARKER = "PREEMPTED"  # run.dir: rank 0 writes it when it exits non-zero; the supervisor reads and removes it
+# run.dir: each node's local rank 0 writes it when it exits non-zero; its supervisor reads and removes it
+PREEMPT_MARKER = "PREEMPTED"
 PREEMPT_MARKER_FIELDS = ("step", "exit_code", "committed_step", "restartable")  # its JSON object
 RESOLVED_CONFIG_FILE = "config.json"  # run.dir: the resolved config of the last start (rank 0)
 RUNTIME_DIR = ".runtime"  # run.dir/.runtime/<supervisor pid>/: the supervisor's per-launch files
@@ -385,7 +386,7 @@ EVENTS: tuple[Event, ...] = (
         _RANK0,
         "Training reached its last step but the final checkpoint was not committed (exit 74). `restartable` false: "
         "the save failed for a cause a restart cannot change (no space, permission, read-only file system, quota, "
-        "a missing bucket; `reason` names it) and the supervisor does not restart the group.",
+        "a missing bucket; `reason` names it) and no node's supervisor restarts the group.",
         "step reason last_committed_step restartable",
     ),
     _e(

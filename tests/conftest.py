@@ -19,6 +19,7 @@ _FIXTURE_MODULES = [
     "tests.fixtures.prometheus",
     "tests.fixtures.slurm",
     "tests.fixtures.netcluster",
+    "tests.fixtures.rendezvous",
 ]
 
 pytest_plugins = [m for m in _FIXTURE_MODULES if importlib.util.find_spec(m) is not None]

@@ -161,6 +161,7 @@ class CheckpointManager:
         self._launch_id = launch_id
         self._run_identity = run_identity or {}
         self._commit_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit") if rank == 0 else None
+        self._marks_off = False  # see _mark_writer
         # Shared with the commit thread, under _lock: the newest commit rank 0 knows of, why a
         # newer launch stopped our commits, and which load the current state came from.
         self._lock = threading.Lock()
@@ -593,10 +594,17 @@ class CheckpointManager:
         return staging, done
 
     def _mark_writer(self, name: str) -> None:
+        """Best effort (the marker only refines cleanup): skipped once the manager closes, or
+        after a mark failed for a cause no retry changes (a full disk), so neither the commits
+        queued behind it nor the exit wait for its futile retries."""
+        if self._marks_off:
+            return
         try:
             self.catalog.mark_writer(name)
         except Exception as e:  # noqa: BLE001 - the marker only refines cleanup; the save goes on
             logger.warning("could not mark %s with this epoch: %s", name, e)
+            if failure.permanent(e):
+                self._marks_off = True
 
     def wait_for_staging(self) -> float:
         """Block until the in-flight save has copied the state out. Returns the seconds waited."""
@@ -808,4 +816,5 @@ class CheckpointManager:
         if finished and self.local is not None:
             self.local.drop_epoch(self._epoch_name)
         if self._commit_pool is not None:
+            self._marks_off = True
             self._commit_pool.shutdown(wait=True)

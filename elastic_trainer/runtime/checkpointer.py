@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -547,18 +548,22 @@ class Checkpointer:
                 last_committed_step=self.manager.last_committed_step,
             )
         else:
-            if s.rank == 0:
+            # Every node's supervisor reads the marker in its own run.dir: each node's first
+            # worker writes it (what it says is agreed by every rank), atomically, as run.dir may
+            # also be one directory shared by the nodes.
+            if s.dist.local_rank == 0:
+                marker = {
+                    "step": self.state.step,
+                    "exit_code": code,
+                    "committed_step": self.manager.last_committed_step,
+                    "restartable": self._restartable,
+                }
+                path = os.path.join(s.cfg.run.dir, contract.PREEMPT_MARKER)
                 os.makedirs(s.cfg.run.dir, exist_ok=True)
-                with open(os.path.join(s.cfg.run.dir, contract.PREEMPT_MARKER), "w") as f:
-                    json.dump(
-                        {
-                            "step": self.state.step,
-                            "exit_code": code,
-                            "committed_step": self.manager.last_committed_step,
-                            "restartable": self._restartable,
-                        },
-                        f,
-                    )
+                tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(marker, f)
+                os.replace(tmp, path)
             if not self._restartable:  # no rank exits before the marker that tells the supervisor not to restart
                 self.manager.agreement.all_true(True)
         self.manager.close(finished=code == exit_codes.OK)

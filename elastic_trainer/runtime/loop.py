@@ -185,16 +185,49 @@ def _quiet_exit(signum, frame) -> None:
     os._exit(0)
 
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when ``parent`` dies (Linux; elsewhere torch's 5 s check remains)."""
+def _die_with_parent(parent: int, prctl=None) -> None:
+    """SIGKILL this process when ``parent`` dies (Linux; elsewhere torch's 5 s check remains).
+    ``prctl``: libc's, looked up before a fork (a child of a threaded process had better not
+    load libraries)."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
+    if prctl is None:
+        import ctypes
 
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # it died before the call
         os._exit(0)
+
+
+_at_fork_installed = False
+
+
+def die_with_parent_at_fork() -> None:
+    """From now on, every process this one's main thread forks dies with it: the workers of any
+    ``DataLoader``, handed to the loop or not (a lower-level loop, a framework's own loader),
+    hold copies of the rank's sockets like those :class:`WorkerInit` makes die with their rank.
+    A child forked by another thread is left alone (Linux ties the signal to the forking
+    thread's life). Once per process (a rank calls it when its process groups exist)."""
+    global _at_fork_installed
+    if _at_fork_installed or not sys.platform.startswith("linux"):
+        return
+    _at_fork_installed = True
+    import ctypes
+    import threading
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    forking: dict[str, int | None] = {"parent": None}
+
+    def before() -> None:
+        forking["parent"] = os.getpid() if threading.current_thread() is threading.main_thread() else None
+
+    def after_in_child() -> None:
+        if forking["parent"] is not None:
+            _die_with_parent(forking["parent"], prctl)
+
+    os.register_at_fork(before=before, after_in_child=after_in_child)
 
 
 class Accumulator:

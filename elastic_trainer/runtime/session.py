@@ -33,6 +33,7 @@ from ..errors import CheckpointStopError, ConfigError, FencedError
 from ..events import EventLog
 from ..metrics import factory as metrics_factory
 from ..metrics.sink import MetricsSink
+from . import loop
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ def init_distributed(train: TrainConfig, timeout_seconds: float, ckpt_timeout_se
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
     ckpt_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ckpt_timeout_seconds or timeout_seconds))
+    loop.die_with_parent_at_fork()  # the sockets exist: a forked copy must not outlive the rank
     return Dist(rank, world, local_rank, device, mesh, ckpt_group)
 
 

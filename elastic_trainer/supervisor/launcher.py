@@ -111,7 +111,7 @@ def _make_agent_class():
             return result
 
         def _marker(self) -> dict | None:
-            """Rank 0's marker (how the run ended), or None."""
+            """This node's marker (how the workers are ending; its first worker writes it), or None."""
             try:
                 with open(self.preempt_marker) as f:
                     return json.load(f)
@@ -126,6 +126,8 @@ def _make_agent_class():
                 return liveness.Verdict(liveness.ISOLATED) if result.state != WorkerState.SUCCEEDED else None
             if result.state != WorkerState.HEALTHY:
                 return None
+            if self._marker() is not None:  # the workers are leaving with a code (74, 75, 76): a peer that
+                return None  # left first ended the same way; a restart would turn the code into a failure
             found = liveness.verdict(self._joined, liveness.membership(self._worker_group.spec.rdzv_handler))
             if found is not None:
                 self._emit_node_lost(found.reason, list(found.lost))

@@ -36,25 +36,6 @@ SCALE = {
 ADDR = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.1"}
 
 
-@pytest.fixture
-def store(tmp_path):
-    proc = subprocess.Popen(
-        [*runs.CLI, "store", "--host", "127.0.0.1", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=open(tmp_path / "store.log", "wb"),
-        text=True,
-        env=runs.env_for_tests(),
-        cwd=runs.REPO,
-    )
-    try:
-        line = proc.stdout.readline()
-        assert "ready" in line, (tmp_path / "store.log").read_text()
-        yield "127.0.0.1:" + line.strip().rsplit(":", 1)[1]
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -1,7 +1,9 @@
 """A checkpoint file system that fills up: no futile restart, a cause a person can read."""
 
 import os
+import shlex
 import shutil
+import subprocess
 
 import pytest
 
@@ -46,3 +48,48 @@ def test_a_full_checkpoint_file_system_ends_74_at_once_naming_the_cause(tmp_path
     (stopped,) = runs.read_events(run, "job_stopped")
     assert stopped["exit_code"] == 74
     assert "Traceback" in text and "No space left on device" in text  # the traceback went to the log
+
+
+def test_two_nodes_with_their_own_run_dirs_both_end_74_at_once_on_a_full_disk(tmp_path, token_file, store):
+    """Two nodes (one supervisor and one worker each, ``--nnodes 2``), each with its own
+    ``run.dir`` as on two machines, one ``checkpoint.dir`` on a small tmpfs: the node without
+    rank 0 must not restart its worker for a final save no restart can change (it would wait
+    for a rendezvous its peer never joins): both supervisors end 74, neither restarts."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare: a mount namespace with a small file system for checkpoint.dir")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    cfg = runs.write_config(
+        tmp_path / "c.toml",
+        token_file,
+        tmp_path / "unused",
+        str(ckpt),
+        train={"steps": 12},
+        checkpoint={"interval_steps": 2, "keep_last": 10},
+        elastic={"max_restarts": 2},
+    )
+    nodes = {"a": "127.0.0.2", "b": "127.0.0.3"}  # a sorts first: rank 0
+    lines = [f"mount -t tmpfs -o size=1200k tmpfs {shlex.quote(str(ckpt))} || exit 90"]
+    for name, addr in nodes.items():
+        args = runs.launch_args(
+            cfg,
+            *("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", store, "--rdzv-id", "full"),
+            *("--local-addr", addr, "--set", f"run.dir={tmp_path / name}"),
+        )
+        lines.append(f"{shlex.join(args)} > {shlex.quote(str(tmp_path / name))}.log 2>&1 & {name}=$!")
+    lines += ["wait $a; echo $? > a.code", "wait $b; echo $? > b.code"]
+    subprocess.run(
+        ["unshare", "-m", "sh", "-c", "\n".join(lines)],
+        cwd=tmp_path,
+        env=runs.env_for_tests(),
+        timeout=180,
+        check=True,
+    )
+    for name in nodes:
+        log = (tmp_path / f"{name}.log").read_text()
+        assert (tmp_path / f"{name}.code").read_text().strip() == "74", log[-4000:]
+        assert runs.read_events(tmp_path / name, "restart") == [], f"node {name} restarted its group"
+        (stopped,) = runs.read_events(tmp_path / name, "job_stopped")
+        assert stopped["exit_code"] == 74, stopped
+    (fin,) = runs.read_events(tmp_path / "a", "final_checkpoint_failed")
+    assert fin["restartable"] is False and "No space left on device" in fin["reason"], fin
