@@ -258,7 +258,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
             storage.makedirs(path)
         dist.barrier()
         t0 = time.monotonic()
-        writer = storage.dcp_writer(path) if crc else integrity.checksummed(storage.dcp_writer(path))
+        writer = storage.dcp_writer(path) if crc else integrity.ChecksummedWriter(storage.dcp_writer(path))
         dcp.save(states, storage_writer=writer, process_group=d.ckpt_group)
         dt = time.monotonic() - t0
         dist.barrier()

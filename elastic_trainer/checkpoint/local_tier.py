@@ -87,7 +87,7 @@ class LocalTier:
         d = self.rank_dir(epoch, step)
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d, exist_ok=True)
-        return integrity.checksummed(self.storage.dcp_writer(d))
+        return integrity.ChecksummedWriter(self.storage.dcp_writer(d))
 
     def commit(
         self,

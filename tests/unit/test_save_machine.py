@@ -82,7 +82,7 @@ class GatedSaver:
                 written.set_exception(error[0])
                 return
             try:
-                writer = integrity.checksummed(self.storage.dcp_writer(self.storage.join(name)))
+                writer = integrity.ChecksummedWriter(self.storage.dcp_writer(self.storage.join(name)))
                 dcp.save(copy, storage_writer=writer, no_dist=True)
                 written.set_result(None)
             except BaseException as e:  # noqa: BLE001 - handed to the manager like DCP would
