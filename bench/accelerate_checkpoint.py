@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, loadavg, machine_info, median, table
+from common import REPO, loadavg, machine_info, median, record_saves, table
 
 VARIANTS = ("accelerate", "accelerate+save", "ours", "ours+save")
 OPTIONS = ("steps", "warmup", "every", "hidden", "layers", "seq", "batch")  # passed to the workers
@@ -52,6 +52,7 @@ def worker(a: argparse.Namespace) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     ours, saving = a.variant.startswith("ours"), a.variant.endswith("+save")
+    recorded = record_saves() if ours and saving else []  # ours: the manager's record per save
     if ours:
         from elastic_trainer.accelerate import Accelerator
     else:
@@ -97,10 +98,9 @@ def worker(a: argparse.Namespace) -> None:
                 ends.append(time.perf_counter())
                 if step == total:
                     break
-        # ours: the manager's record per save (the call + the next step's staging wait)
-        stats = acc._ckpt.manager._save_stats if ours and saving else []  # noqa: SLF001 - measured from the inside
-        blocked = [s.stall for s in stats] if stats else calls
-        parts = [[s.wait_previous, s.call, s.staging_wait] for s in stats]  # ours: where the blocked time went
+        # ours: per save, the call + the next step's staging wait
+        blocked = [s.stall for s in recorded] if recorded else calls
+        parts = [[s.wait_previous, s.call, s.staging_wait] for s in recorded]  # ours: where the blocked time went
         state_mb = sum(t.numel() * t.element_size() for t in model.parameters()) / 1e6
         state_mb += (
             sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))

@@ -72,7 +72,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     from elastic_trainer.events import EventLog
     from elastic_trainer.metrics.sink import NullSink
     from elastic_trainer.runtime.session import PreemptionFlag, Session, init_distributed
-    from elastic_trainer.storage.fs import open_storage
+    from elastic_trainer.storage.fs import Storage
     from elastic_trainer.worker import parallel
     from elastic_trainer.worker.main import build_training
     from elastic_trainer.worker.train_loop import Trainer
@@ -111,7 +111,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     # --- exactly the worker's build (elastic_trainer/worker/main.py: build_and_train) -----------
     d = init_distributed(cfg.train, timeout_seconds=600)
     model, optimizer, scheduler, batches, state = build_training(cfg, d)
-    storage = open_storage(cfg.checkpoint.dir)
+    storage = Storage.for_checkpoint(cfg.checkpoint)
     events = EventLog(os.path.join(work, "events.jsonl"), enabled=rank == 0)
     states = {
         "model": ModelState(model),
@@ -148,7 +148,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
             continue
         writer, _, nice = mode.partition("-nice")
         mcfg = dataclasses.replace(cfg.checkpoint, dir=os.path.join(work, f"ckpt-{mode}"), writer=writer)
-        storage = open_storage(mcfg.dir)
+        storage = Storage.for_checkpoint(mcfg)
         remote = RemoteSaver(storage, d.ckpt_group, mode=mcfg.mode, writer=writer, upload_nice=int(nice or 0))
         managers[mode] = manager(mcfg, storage, remote=remote)
 
@@ -257,7 +257,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
             storage.makedirs(path)
         dist.barrier()
         t0 = time.monotonic()
-        writer = storage.dcp_writer(path) if crc else integrity.checksummed(storage.dcp_writer(path))
+        writer = storage.dcp_writer(path) if crc else integrity.ChecksummedWriter(storage.dcp_writer(path))
         dcp.save(states, storage_writer=writer, process_group=d.ckpt_group)
         dt = time.monotonic() - t0
         dist.barrier()

@@ -51,6 +51,26 @@ def median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def record_saves() -> list:
+    """From now on in this process, every save a checkpoint manager starts (or skips because the
+    previous one is still writing): its ``SaveStats``, as the manager's ``save`` returns them (the
+    manager adds the staging wait to them later). A save that was a no-op (the step already
+    committed, or already in the local tier) is left out. Returns the list it fills."""
+    from elastic_trainer.checkpoint.manager import CheckpointManager
+
+    recorded: list = []
+    save = CheckpointManager.save
+
+    def recording(self, *args, **kwargs):
+        stats = save(self, *args, **kwargs)
+        if not stats.skipped.startswith("already "):
+            recorded.append(stats)
+        return stats
+
+    CheckpointManager.save = recording
+    return recorded
+
+
 def vm_hwm_bytes(pid: int) -> int | None:
     """Peak resident set size of a live process (``VmHWM`` in /proc/PID/status), or None."""
     try:

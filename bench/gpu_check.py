@@ -24,7 +24,8 @@ Steps:
   thread vs process writer (and torchtitan's manager when importable);
 * ``own_loop`` and ``port_*`` — ``examples/train_fsdp.py`` and both ports under ``elastic-trainer run``;
 * ``lightning`` / ``accelerate`` — the framework integrations' examples (``examples/lightning_fsdp2.py``,
-  ``examples/accelerate_clm.py``) under ``run`` on the device; skipped when the framework is not installed.
+  ``examples/accelerate_clm.py``, on CUDA with Accelerate's FSDP2 plugin, ``--fsdp2-plugin``) under
+  ``run`` on the device; skipped when the framework is not installed.
 """
 
 from __future__ import annotations
@@ -219,7 +220,14 @@ class Check:
     def accelerate(self) -> dict:
         if importlib.util.find_spec("accelerate") is None or importlib.util.find_spec("transformers") is None:
             raise Skip("not installed: accelerate or transformers")
-        return self._run_script("accelerate", "accelerate_clm.py", "--steps", "10")
+        if self.device != "cuda":
+            return self._run_script("accelerate", "accelerate_clm.py", "--steps", "10")
+        # on GPUs through Accelerate's own FSDP2 plugin: Accelerate shards the model
+        out = self._run_script("accelerate", "accelerate_clm.py", "--steps", "10", "--fsdp2-plugin")
+        log = (self.work / "accelerate" / "run.log").read_text()
+        if '"fsdp2_sharded": true' not in log:
+            raise RuntimeError(f"Accelerate's FSDP2 plugin did not shard the model: {log[-2000:]}")
+        return {**out, "fsdp2_plugin": True}
 
 
 STEPS = (

@@ -50,7 +50,7 @@ def make_state(mb: int) -> dict:
 
 def writer(path: str, checked: bool):
     w = FileSystemWriter(path, single_file_per_rank=True, sync_files=False, thread_count=1)
-    return integrity.checksummed(w) if checked else w
+    return integrity.ChecksummedWriter(w) if checked else w
 
 
 def save_cpu(state, path, checked) -> float:

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from bench.common import REPO, loadavg, machine_info, median, table
+from bench.common import REPO, loadavg, machine_info, median, record_saves, table
 
 MODES = ("lightning", "lightning+save", "ours", "ours+save")
 RECOVERY = ("recover-lightning", "recover-ours")
@@ -61,6 +61,7 @@ def worker(o: argparse.Namespace) -> None:
     recovery = o.worker in RECOVERY
     total = kill_step(o) + 5 if recovery else o.warmup + o.steps
     ours, saving = "ours" in o.worker, o.worker.endswith("+save")
+    recorded = record_saves() if ours and saving else []  # ours: the manager's record per save
     work = Path(o.work)
     rank, restart = int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     nproc = int(os.environ.get("WORLD_SIZE", "1"))
@@ -137,8 +138,7 @@ def worker(o: argparse.Namespace) -> None:
     if recovery:
         return
     if ours and saving:
-        stats = strategy.ckpt.manager._save_stats  # noqa: SLF001 - the manager's per-save record (call + staging wait)
-        clock.blocked = [s.stall for s in stats if s.step < total]
+        clock.blocked = [s.stall for s in recorded if s.step < total]  # per save: call + staging wait
     window = clock.ends[o.warmup - 1 : total]  # from the end of the warm-up to the end of step total
     out = {"wall": window[-1] - window[0], "blocked": clock.blocked, "steps": len(window) - 1}
     (work / f"timing-{rank}.json").write_text(json.dumps(out))

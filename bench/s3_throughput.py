@@ -7,7 +7,7 @@ fixture does (tests/fixtures/s3.py), then, per round and interleaved so every va
 machine load:
 
 * ours, upload: ``dcp.save`` of ``--mb`` MB of float32 tensors through the manager's writer
-  (``integrity.checksummed(Storage.dcp_writer(...))``: checksums on, as in production);
+  (``integrity.ChecksummedWriter(Storage.dcp_writer(...))``: checksums on, as in production);
 * ours, download: ``dcp.load`` of that checkpoint into preallocated tensors through the manager's
   reader (``integrity.verifying(Storage.dcp_reader(...))``: every item verified);
 * raw: ``s3fs`` ``pipe_file`` / ``cat_file`` of one object of the same size (the shard's bytes),
@@ -150,7 +150,7 @@ def main() -> int:
                     setattr(storage_fs, k, type(saved[k])(x))
                 storage = storage_fs.open_storage(f"s3://{bucket}/ours-{v}-{r}")
                 path = storage.join("ckpt")
-                writer = integrity.checksummed(storage.dcp_writer(path))
+                writer = integrity.ChecksummedWriter(storage.dcp_writer(path))
                 t0 = time.monotonic()
                 dcp.save(state, storage_writer=writer, no_dist=True)
                 samples.setdefault(f"{v}:put", []).append(time.monotonic() - t0)

@@ -8,7 +8,7 @@ process (all threads, user + system: serialisation, hashing, the page-cache copy
 time, per GB written. Rounds interleave the variants so all see the same load.
 
 * ``torch-default``: ``FileSystemWriter`` as ``Storage.dcp_writer`` builds it, torch.save's zip CRC32s on;
-* ``ours``: the manager's writer, ``integrity.checksummed(...)`` (CRC32s off, XXH3 of every byte);
+* ``ours``: the manager's writer, ``integrity.ChecksummedWriter(...)`` (CRC32s off, XXH3 of every byte);
 * ``ours-threads2``: the same with ``thread_count=2`` (two files per rank, two writer threads);
 * ``no-crc-no-hash``: CRC32s off and no checksums (what the serialisation and file writes
   alone cost: the floor for any checksummed variant).
@@ -45,7 +45,7 @@ def _writer(variant: str, storage, path: str):
         w.thread_count = 2
     if variant == "no-crc-no-hash":
         return _NoCrc(w)
-    return integrity.checksummed(w)
+    return integrity.ChecksummedWriter(w)
 
 
 class _NoCrc:

@@ -19,7 +19,7 @@ from .errors import (
     NoUsableCheckpointError,
     StorageError,
 )
-from .storage.fs import open_storage
+from .storage.fs import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def check_storage(cfg: Config) -> tuple[Catalog, ResumePlan | None]:
     ``checkpoint.resume = "none"``). Raises ConfigError naming the key, or CheckpointStopError."""
     c = cfg.checkpoint
     try:
-        storage = open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
+        storage = Storage.for_checkpoint(c)
         storage.check_access()
         storage.check_writable()
     except StorageError as e:

@@ -19,7 +19,8 @@ import json
 import os
 
 import torch
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import FullyShardedDataParallelPlugin, ProjectConfiguration, set_seed
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, default_data_collator, get_scheduler
 
@@ -68,6 +69,11 @@ def main() -> None:
     ap.add_argument("--total-limit", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument(
+        "--fsdp2-plugin",
+        action="store_true",
+        help="Accelerate shards the model with FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2); GPUs only)",
+    )
     args = ap.parse_args()
 
     accelerator = Accelerator(
@@ -76,6 +82,7 @@ def main() -> None:
         project_config=ProjectConfiguration(
             project_dir=args.output_dir, automatic_checkpoint_naming=True, total_limit=args.total_limit
         ),
+        fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2) if args.fsdp2_plugin else None,
     )
     set_seed(0)
     config = AutoConfig.from_pretrained(args.config_dir)
@@ -95,6 +102,8 @@ def main() -> None:
         "linear", optimizer=optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=args.steps
     )
     model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
+    if args.fsdp2_plugin:  # Accelerate applies the plugin on GPUs only
+        accelerator.print(json.dumps({"fsdp2_sharded": isinstance(model, FSDPModule)}))
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     accelerator.load_state()  # the newest checkpoint, if any

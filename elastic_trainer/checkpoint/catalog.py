@@ -83,6 +83,14 @@ class ResumePlan:
 
 
 class Catalog:
+    """The checkpoints under one root (``storage``), as rank 0, the preflight and the tools see them.
+
+    ``epoch``: this launch's fencing epoch (:meth:`acquire_epoch` takes one); every commit, clean
+    and delete checks it first. ``key``: the manifest signing key (default: from
+    ``ELASTIC_TRAINER_CHECKPOINT_KEY``; None: manifests unsigned). ``events``: where it reports
+    what it changes (a new epoch, a quarantine or release, a deletion). Thread-safe; keeps nothing
+    of the root between calls (each call lists it afresh), so catalogs over one root agree."""
+
     def __init__(
         self, storage: Storage, *, epoch: str | None = None, key: bytes | None = _UNSET, events: EventLog | None = None
     ):

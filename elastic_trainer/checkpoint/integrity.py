@@ -16,7 +16,7 @@ is unpickled, and every item slice DCP reads is checked before ``torch.load`` se
 Private torch APIs used here, and only here (``tests/unit/test_integrity.py`` fails loudly when
 torch changes them): ``torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter/Reader``,
 ``filesystem._StorageInfo``, the readers' ``_slice_file`` / ``_get_metadata_path`` methods, the
-writers' ``fs`` attribute and the one-segment-per-item ``tell()`` pattern of ``_write_item``.
+writers' ``fs`` and ``path`` attributes and the one-segment-per-item ``tell()`` pattern of ``_write_item``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from ..errors import CheckpointIntegrityError
 from .layout import CHECKSUMS, METADATA, Checks, digest
@@ -160,12 +160,48 @@ class _Checked:
     file_digest: int
 
 
-class _ChecksummedWrites:
-    """Mixin for DCP storage writers (see the module docstring). Also writes without the zip
-    CRC32 ``torch.save`` computes and nobody reads (measured: 0.81 → 0.46 CPU-s per rank for a
-    556 MB shard); the switch is process-wide, so it is off only while this writer writes."""
+class ChecksummedWriter(StorageWriter):
+    """A DCP storage writer that checksums every byte ``inner`` writes (see the module docstring).
 
-    upload_nice = 0  # > 0: lower the CPU priority of the thread that writes (experiment knob)
+    ``inner`` is a plain ``FileSystemWriter`` or ``FsspecWriter`` (as ``Storage.dcp_writer`` builds
+    it); this writer owns it: DCP's calls are handed to it, its file system is wrapped so each
+    output stream hashes its bytes, and its write results come back with their items' checksums.
+    Also writes without the zip CRC32 ``torch.save`` computes and nobody reads (measured:
+    0.81 → 0.46 CPU-s per rank for a 556 MB shard); the switch is process-wide, so it is off only
+    while this writer writes. ``upload_nice`` > 0 lowers the CPU priority of the thread that
+    writes (an experiment knob). Pickled whole to a writer process (``checkpoint.writer =
+    "process"``), where it hashes what it writes."""
+
+    def __init__(self, inner: FileSystemWriter, *, upload_nice: int = 0):
+        if type(inner) not in _PLAIN_WRITERS:
+            raise TypeError(f"no checksummed variant of {type(inner).__name__}")
+        self._inner = inner
+        self._fs = inner.fs = _HashingFS(inner.fs)
+        self.upload_nice = upload_nice
+
+    # DCP's storage-writer protocol, handed to the inner writer
+    def reset(self, checkpoint_id=None) -> None:
+        self._inner.reset(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    def prepare_local_plan(self, plan):
+        return self._inner.prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans):
+        return self._inner.prepare_global_plan(plans)
+
+    def storage_meta(self):
+        return self._inner.storage_meta()
+
+    @property
+    def checkpoint_id(self):
+        return self._inner.checkpoint_id
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False  # built around a writer, never picked by DCP for a bare checkpoint_id
 
     def write_data(self, plan, planner):
         if self.upload_nice > 0:
@@ -176,13 +212,13 @@ class _ChecksummedWrites:
         previous = torch.serialization.get_crc32_options()
         torch.serialization.set_crc32_options(False)
         try:
-            results = super().write_data(plan, planner).wait()
+            results = self._inner.write_data(plan, planner).wait()
         finally:
             torch.serialization.set_crc32_options(previous)
         out = []
         for wr in results:
             info = wr.storage_data
-            rec = self.fs.record(info.relative_path)
+            rec = self._fs.record(info.relative_path)
             seg = (rec.segments or {}).get(info.offset) if rec is not None else None
             if info.length == 0:
                 seg = (0, 0)
@@ -215,8 +251,8 @@ class _ChecksummedWrites:
                 f["items"].append([c.info.offset, c.info.length, c.digest])
                 row.append(WriteResult(index=wr.index, size_in_bytes=wr.size_in_bytes, storage_data=c.info))
             plain.append(row)
-        super().finish(metadata, plain)
-        meta = self.fs.record(f"{METADATA}.tmp")
+        self._inner.finish(metadata, plain)
+        meta = self._fs.record(f"{METADATA}.tmp")
         if meta is None:
             raise CheckpointIntegrityError(
                 "cannot checksum .metadata: DCP's write pattern changed (see checkpoint/integrity.py)"
@@ -226,34 +262,18 @@ class _ChecksummedWrites:
             if "items" in f:
                 f["items"].sort()
         body = json.dumps({"version": 1, "files": files}, sort_keys=True).encode()
-        with self.fs.create_stream(self.fs.concat_path(self.path, CHECKSUMS), "wb") as out:
+        with self._fs.create_stream(self._fs.concat_path(self._inner.path, CHECKSUMS), "wb") as out:
             out.write(body)
-
-
-class ChecksummedFileSystemWriter(_ChecksummedWrites, FileSystemWriter):
-    pass
 
 
 try:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as _FsspecReader
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as _FsspecWriter
-
-    class ChecksummedFsspecWriter(_ChecksummedWrites, _FsspecWriter):
-        pass
-
 except ImportError:  # pragma: no cover - fsspec is a dependency
-    _FsspecReader = _FsspecWriter = ChecksummedFsspecWriter = None  # type: ignore[assignment,misc]
+    _FsspecReader = _FsspecWriter = None  # type: ignore[assignment,misc]
 
-
-def checksummed(writer):
-    """A copy of a DCP ``FileSystemWriter`` / ``FsspecWriter`` that checksums what it writes."""
-    cls = {FileSystemWriter: ChecksummedFileSystemWriter, _FsspecWriter: ChecksummedFsspecWriter}.get(type(writer))
-    if cls is None:
-        raise TypeError(f"no checksummed variant of {type(writer).__name__}")
-    new = cls.__new__(cls)
-    new.__dict__.update(writer.__dict__)
-    new.fs = _HashingFS(writer.fs)
-    return new
+# The writers whose file system and write pattern ChecksummedWriter knows (a subclass may change either).
+_PLAIN_WRITERS = (FileSystemWriter, _FsspecWriter)
 
 
 # ---------------------------------------------------------------------------------- reading

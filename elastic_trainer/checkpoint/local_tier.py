@@ -64,6 +64,13 @@ class Copy:
 
 
 class LocalTier:
+    """This rank's copies in the local tier: writes them (:meth:`writer`, :meth:`commit`), finds
+    the usable ones at load (:meth:`usable`, :meth:`reader`), and deletes the stale ones.
+
+    ``local_dir``: ``checkpoint.local_dir``; ``ckpt_dir``: ``checkpoint.dir``, which names this
+    job's directory under it; ``key``: the manifest signing key (None: unsigned). Runs no
+    collective: which step every rank can load is agreed by the manager."""
+
     def __init__(self, local_dir: str, ckpt_dir: str, *, rank: int, world_size: int, key: bytes | None):
         self.root = os.path.join(os.path.abspath(local_dir), job_key(ckpt_dir))
         self.rank = rank
@@ -87,7 +94,7 @@ class LocalTier:
         d = self.rank_dir(epoch, step)
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d, exist_ok=True)
-        return integrity.checksummed(self.storage.dcp_writer(d))
+        return integrity.ChecksummedWriter(self.storage.dcp_writer(d))
 
     def commit(
         self,

@@ -180,7 +180,7 @@ class CheckpointManager:
         self._seq = 0
         self._taken: set[str] = set()  # checkpoint directory names in use (same on every rank)
         self._committed: set[int] = set()  # steps this incarnation committed to checkpoint.dir (agreed)
-        self._save_stats: list[SaveStats] = []
+        self._last_stats: SaveStats | None = None  # the newest save started (or timed out); staging adds to it
         self._epoch_name = ""  # the root's launch epoch, learnt at load (names the local copies)
         self._lineage = ""  # agreed at each load: which start wrote a local copy
         self._chain: list[str] = [""]  # remote checkpoints the current state's lineage went through
@@ -359,10 +359,6 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     @property
-    def in_flight(self) -> bool:
-        return self._inflight is not None
-
-    @property
     def save_in_progress(self) -> bool:
         """Whether this rank's part of the latest save is still being written. Rank-local: a
         measurement (checkpoint cadence), never a decision that ranks must share."""
@@ -427,7 +423,7 @@ class CheckpointManager:
             if self.rank == 0:
                 self.events.emit("checkpoint_failed", step=step, error=stats.skipped, seconds=0.0)
                 self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
-            self._save_stats.append(stats)
+            self._last_stats = stats
             return stats
         if self.is_committed(step) and not force:
             stats.skipped = "already committed"
@@ -487,7 +483,7 @@ class CheckpointManager:
             else:
                 committed.add_done_callback(lambda f: self._on_local_only(save, f.result()))
         stats.call = time.monotonic() - t1
-        self._save_stats.append(stats)
+        self._last_stats = stats
         if blocking:
             self.wait_for_staging()
             self.settle(None)
@@ -620,9 +616,10 @@ class CheckpointManager:
                 logger.exception("staging of step %d failed", save.step)
         save.staged()
         waited = time.monotonic() - t0
-        if self._save_stats and self._save_stats[-1].step == save.step:
-            self._save_stats[-1].staging_wait += waited
-            self.metrics.histogram("elastic_trainer_checkpoint_stall_seconds", self._save_stats[-1].stall)
+        stats = self._last_stats
+        if stats is not None and stats.step == save.step:
+            stats.staging_wait += waited
+            self.metrics.histogram("elastic_trainer_checkpoint_stall_seconds", stats.stall)
         return waited
 
     def _commit(self, save: Save, extra: dict[str, Any], generation: int) -> None:

@@ -142,15 +142,15 @@ class RemoteSaver:
 
     def start(self, states: dict[str, Stateful], name: str) -> tuple[Future | None, Future]:
         try:
-            writer = integrity.checksummed(self.storage.dcp_writer(self.storage.join(name)))
+            writer = integrity.ChecksummedWriter(
+                self.storage.dcp_writer(self.storage.join(name)), upload_nice=0 if self.sync else self._upload_nice
+            )
             planner = save_planner.make(self._plan_key)
             if self.sync:
                 dcp.save(states, storage_writer=writer, process_group=self.group, planner=planner)
                 done: Future = Future()
                 done.set_result(None)
                 return None, done
-            if self._upload_nice:
-                writer.upload_nice = self._upload_nice
             if not self.uses_writer_process:
                 return self._uploads.start(
                     states,

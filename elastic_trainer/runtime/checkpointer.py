@@ -62,6 +62,18 @@ def shape_fingerprint(model: nn.Module) -> str:
 
 
 class Checkpointer:
+    """One training loop's checkpoints and exits, for one :class:`~.session.Session` (one per
+    session: it registers itself as the session's checkpointer, whose exception path lets an
+    in-flight save land).
+
+    Owns the run's named states (model, optimizers, LR schedulers, the train state with the
+    global sample cursor, per-rank RNG, the data loader's state and the user's ``extra``) and a
+    :class:`~elastic_trainer.checkpoint.manager.CheckpointManager` over ``checkpoint.dir`` that
+    saves them; resumes from the newest usable commit, saves on the configured cadence, rolls
+    back a non-finite step, and turns preemption, a fenced root and the run's end into the
+    agreed exits. Every method that touches collectives is called on every rank, in the same
+    order."""
+
     def __init__(
         self,
         session: Session,

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from ..config import check_uri
+from ..config import CheckpointConfig, check_uri
 from ..errors import StorageError, TransientStorageError
 
 logger = logging.getLogger(__name__)
@@ -121,6 +121,12 @@ class Storage:
         )
         if self.protocol == "s3":
             self.fs.retries = 2  # s3fs's outer retry loop (a class attribute; not a constructor option)
+
+    @classmethod
+    def for_checkpoint(cls, c: CheckpointConfig) -> Storage:
+        """The checkpoint root ``checkpoint.dir`` with the section's endpoint, timeout and retries:
+        the one way the package opens it."""
+        return open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
 
     # -- naming -----------------------------------------------------------------
     def join(self, *parts: str) -> str:

@@ -62,6 +62,13 @@ def segment_name(log: str, seq: int) -> str:
 
 
 class RunHistory:
+    """One supervisor's follower of ``events_path`` (its node's ``events.jsonl``): the goodput
+    ledger it feeds and the gauges it sets (:meth:`export`), and the log's mirror under the
+    checkpoint root (``storage``; None: no mirror). ``node`` names the mirror's objects (default:
+    the host name); ``clock``: the wall clock (of the gauges and the mirror's name). :meth:`start`
+    runs the background thread that polls and uploads; :meth:`close` stops it, then mirrors the
+    final log."""
+
     def __init__(
         self,
         events_path: str,

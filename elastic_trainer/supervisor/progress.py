@@ -80,10 +80,9 @@ class CommitWatch:
 def newest_commit_reader(cfg) -> Callable[[], int | None]:
     """``read`` for :class:`CommitWatch` over ``cfg.checkpoint.dir`` (what ``latest`` would resume)."""
     from ..checkpoint.catalog import Catalog
-    from ..storage.fs import open_storage
+    from ..storage.fs import Storage
 
-    c = cfg.checkpoint
-    storage = open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
+    storage = Storage.for_checkpoint(cfg.checkpoint)
 
     def read() -> int | None:
         head = Catalog(storage).head()

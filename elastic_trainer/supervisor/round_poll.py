@@ -17,19 +17,23 @@ waiting nodes. On a cluster of thousands of nodes, set it back towards torch's 1
 The one use of torch's private rendezvous code for this is here: the state holder's
 ``_cache_duration``, and the module-level ``_delay`` of
 ``torch.distributed.elastic.rendezvous.dynamic_rendezvous`` with its ``_delay(seconds=1)`` in the
-wait loop. ``tests/unit/test_round_poll.py`` fails loudly when torch changes them.
+wait loop and its ``_delay(seconds=(0, 0.3))`` before a join in round 0.
+``tests/unit/test_round_poll.py`` fails loudly when torch changes them.
 """
 
 from __future__ import annotations
 
 TORCH_POLL_SECONDS = 1  # torch's fixed wait between reads of a forming round, and its read cache
+FIRST_JOIN_SKEW_SECONDS = (0, 0.3)  # torch's random delay before a join while the job is in round 0
 
 
 def install(handler, poll_seconds: float) -> None:
     """Read the rendezvous state every ``poll_seconds`` instead of every second, for ``handler``
     (a ``DynamicRendezvousHandler``; others are left alone) and, for the wait between reads of a
     forming round, in this whole process (the supervisor has one handler). Other delays torch asks
-    for (the random skew before a node's first join) are kept. Idempotent."""
+    for are kept, but one: the random skew (up to 0.3 s) torch puts before a node's join while the
+    job is in its first round, which it meant for the job's first join and which also delays the
+    first restart of every job; a node that has joined once joins again without it. Idempotent."""
     holder = getattr(handler, "_state_holder", None)
     if holder is None or not hasattr(holder, "_cache_duration"):
         return
@@ -37,8 +41,21 @@ def install(handler, poll_seconds: float) -> None:
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     torch_delay = getattr(dynamic_rendezvous._delay, "torch_delay", dynamic_rendezvous._delay)
+    if not hasattr(handler.next_rendezvous, "joined"):
+        join = handler.next_rendezvous
+
+        def next_rendezvous(*args, **kwargs):
+            result = join(*args, **kwargs)
+            next_rendezvous.joined = True
+            return result
+
+        next_rendezvous.joined = False
+        handler.next_rendezvous = next_rendezvous
+    joined = handler.next_rendezvous
 
     def _delay(seconds):
+        if seconds == FIRST_JOIN_SKEW_SECONDS and joined.joined:
+            return
         torch_delay(poll_seconds if seconds == TORCH_POLL_SECONDS else seconds)
 
     _delay.torch_delay = torch_delay

@@ -56,7 +56,6 @@ class Zygote:
         self.sock: socket.socket | None = None
         self.info: dict | None = None
         self.exits: dict[int, int] = {}
-        self.spawned = 0
         self._replies: dict[int, dict] = {}
         self._next_id = 0
         self._lock = threading.RLock()
@@ -174,7 +173,6 @@ class Zygote:
             reply = self._replies.pop(rid)
         if "error" in reply:
             raise ZygoteError(reply["error"])
-        self.spawned += 1
         return ZygoteProcess(self, reply["pid"], argv)
 
     def exitcode(self, pid: int, timeout: float = 0.0) -> int | None:

@@ -91,9 +91,5 @@ class GPT(nn.Module):
         return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
-def build_demo_model(cfg: ModelConfig) -> nn.Module:
-    return GPT(cfg)
-
-
 def logits_of(output) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output

@@ -214,7 +214,7 @@ def test_parallel_s3_shard_uploads_stay_checksummed_and_verified(s3_server, s3_b
     s = open_storage(f"s3://{s3_bucket}/t", endpoint_url=s3_server.endpoint_url, timeout_seconds=8, retries=2)
     path = s.join("step-00000001")
     state = {f"t{i}": torch.randn(64, 32) for i in range(6)}
-    dcp.save(state, storage_writer=integrity.checksummed(s.dcp_writer(path)), no_dist=True)
+    dcp.save(state, storage_writer=integrity.ChecksummedWriter(s.dcp_writer(path)), no_dist=True)
     shards = sorted(f for f in s.list_files(path) if f.endswith(".distcp"))
     assert len(shards) == 3, shards
     table = json.loads(s.read_bytes(s.join("step-00000001", layout.CHECKSUMS)))

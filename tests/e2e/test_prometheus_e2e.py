@@ -43,7 +43,9 @@ def test_prometheus_scrapes_a_run_through_a_worker_kill(tmp_path, token_file, pr
         metrics={"port": port, "host": "127.0.0.1"},
     )
     prom = prometheus_server([f"127.0.0.1:{port}"], rule_files=[ALERTS])
-    sup = runs.start_launch(config)
+    # The first incarnation slows down after its first commit, so it is still running (its live
+    # gauges exported) while the test reads it and kills it, however fast the machine's steps are.
+    sup = runs.start_launch(config, env={"ELASTIC_TRAINER_INJECT_FAULT": "slow@rank=0,step=11,seconds=0.4"})
     try:
         # 1. Training metrics arrive through Prometheus.
         runs.wait_event(run_dir, "checkpoint_committed", 60, sup)

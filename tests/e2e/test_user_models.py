@@ -338,7 +338,7 @@ def _sharded_logits(config: str, inputs_path: str, out_path: str) -> None:
     from elastic_trainer.checkpoint.tools import list_checkpoints
     from elastic_trainer.config import load_config
     from elastic_trainer.runtime.session import init_distributed
-    from elastic_trainer.storage.fs import open_storage
+    from elastic_trainer.storage.fs import Storage
     from elastic_trainer.worker import parallel
     from elastic_trainer.worker.model import logits_of
     from elastic_trainer.worker.model_factory import build_model_spec, initialise_buffers
@@ -358,7 +358,7 @@ def _sharded_logits(config: str, inputs_path: str, out_path: str) -> None:
     parallel.deterministic_init(model, cfg.train.seed, spec.init_param)
     initialise_buffers(model, spec.init_buffers)
     step = [r["step"] for r in list_checkpoints(cfg.checkpoint.dir) if r["valid"]][-1]
-    storage = open_storage(cfg.checkpoint.dir)
+    storage = Storage.for_checkpoint(cfg.checkpoint)
     dcp.load({"model": ModelState(model)}, storage_reader=storage.dcp_reader(storage.join(layout.step_dir_name(step))))
     model.eval()
     with torch.no_grad():

@@ -41,7 +41,7 @@ def _catalog(root: Path, launch: str | None = None, key: bytes | None = None, ev
 def _write(cat: Catalog, name: str, step: int) -> dict:
     """A real world-1 DCP save of a tiny state through the checksummed writer (not committed)."""
     sd = {"model": {"w": torch.full((16,), float(step)), "b": torch.arange(4) + step}, "train": {"step": step}}
-    dcp.save(sd, storage_writer=integrity.checksummed(cat.storage.dcp_writer(cat.storage.join(name))))
+    dcp.save(sd, storage_writer=integrity.ChecksummedWriter(cat.storage.dcp_writer(cat.storage.join(name))))
     return sd
 
 

@@ -43,7 +43,7 @@ def _empty_like(sd: dict) -> dict:
 
 def _save(path: Path, sd: dict | None = None, writer_cls=FileSystemWriter) -> dict:
     sd = sd or _state()
-    writer = integrity.checksummed(writer_cls(str(path)))
+    writer = integrity.ChecksummedWriter(writer_cls(str(path)))
     dcp.save(sd, storage_writer=writer)
     return sd
 
@@ -247,6 +247,18 @@ def test_fsspec_writer_and_reader_round_trip(tmp_path):
     )
 
 
+def test_a_checksummed_writer_pickled_before_it_writes_still_checksums(tmp_path):
+    """checkpoint.writer = "process": DCP pickles the writer to the writer process, which writes."""
+    path = tmp_path / "ck"
+    writer = pickle.loads(pickle.dumps(integrity.ChecksummedWriter(FileSystemWriter(str(path)))))  # noqa: S301 - our own bytes
+    sd = _state()
+    dcp.save(sd, storage_writer=writer)
+    assert set(_table(path)) == {p.name for p in path.iterdir()} - {layout.CHECKSUMS}
+    out = _empty_like(sd)
+    dcp.load(out, storage_reader=integrity.verifying(FileSystemReader(str(path)), _checks(path)))
+    assert all(torch.equal(out["model"][k], v) for k, v in sd["model"].items())
+
+
 def test_the_crc32_switch_is_restored_after_a_save(tmp_path):
     before = torch.serialization.get_crc32_options()
     _save(tmp_path / "ck")
@@ -266,8 +278,13 @@ def test_torch_private_apis_integrity_relies_on_still_exist():
         assert list(inspect.signature(reader._slice_file).parameters) == ["self", "file", "sinfo"], reader
         assert "rank" in inspect.signature(reader._get_metadata_path).parameters, reader
         assert hasattr(reader, "read_metadata")
-    # The writers keep their file system in ``fs`` (integrity.checksummed wraps it).
-    assert hasattr(FileSystemWriter("/nonexistent-but-unused"), "fs")
+    # The writers keep their file system in ``fs`` and their directory in ``path`` (ChecksummedWriter
+    # wraps the one and writes .checksums.json into the other); set_up_storage_writer takes DCP's keywords
+    # (ChecksummedWriter hands them on, and DCP passes them only to a signature with **kwargs).
+    for writer in (FileSystemWriter, _fsspec_filesystem.FsspecWriter):
+        w = writer("/nonexistent-but-unused")
+        assert hasattr(w, "fs") and hasattr(w, "path"), writer
+        assert "kwargs" in inspect.signature(w.set_up_storage_writer).parameters, writer
     assert hasattr(FileSystemReader("/nonexistent-but-unused"), "fs")
     # ``_write_item`` calls tell() around each item; write_data/finish keep their signatures.
     src = inspect.getsource(filesystem._write_item)
@@ -284,6 +301,6 @@ def test_checksummed_and_verifying_refuse_unknown_storage_classes():
         pass
 
     with pytest.raises(TypeError, match="no checksummed variant"):
-        integrity.checksummed(Other("/x"))
+        integrity.ChecksummedWriter(Other("/x"))
     with pytest.raises(TypeError, match="no verifying variant"):
         integrity.verifying(object(), layout.Checks(None, {}))

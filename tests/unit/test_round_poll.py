@@ -95,3 +95,35 @@ def _join_until_closed(handler) -> None:
         handler.next_rendezvous()
     except RendezvousClosedError:
         pass
+
+
+def test_a_node_that_joined_once_rejoins_without_torch_s_first_join_skew(store, torch_delay):
+    """torch delays a node's join by a random 0-0.3 s while the job is in round 0: meant for the
+    job's first join, it also delayed every job's first restart (a re-join in round 0)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous, registry
+
+    h = registry.get_rendezvous_handler(
+        RendezvousParameters(
+            backend="c10d",
+            endpoint=f"127.0.0.1:{store}",
+            run_id="round-poll-skew",
+            min_nodes=1,
+            max_nodes=1,
+            local_addr="127.0.0.1",
+            is_host="false",
+        )
+    )
+    asked: list = []
+    dynamic_rendezvous._delay = asked.append  # records what torch asks for; the fixture restores it
+    try:
+        round_poll.install(h, 0.2)
+        h.next_rendezvous()
+        assert asked == [round_poll.FIRST_JOIN_SKEW_SECONDS], asked  # the first join keeps torch's skew
+        assert h._state_holder.state.round == 0  # so torch asks for the skew again below
+        asked.clear()
+        t0 = time.monotonic()
+        h.next_rendezvous()  # the first restart
+        assert round_poll.FIRST_JOIN_SKEW_SECONDS not in asked, asked
+        assert time.monotonic() - t0 < 0.25
+    finally:
+        h.shutdown()

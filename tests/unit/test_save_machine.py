@@ -82,7 +82,7 @@ class GatedSaver:
                 written.set_exception(error[0])
                 return
             try:
-                writer = integrity.checksummed(self.storage.dcp_writer(self.storage.join(name)))
+                writer = integrity.ChecksummedWriter(self.storage.dcp_writer(self.storage.join(name)))
                 dcp.save(copy, storage_writer=writer, no_dist=True)
                 written.set_result(None)
             except BaseException as e:  # noqa: BLE001 - handed to the manager like DCP would
@@ -264,7 +264,7 @@ def test_an_async_save_goes_staging_writing_committing_committed(make):
     m.test_saver.release(save.name)
     assert m.finish() is True
     assert save.history == [S.STAGING, S.WRITING, S.COMMITTING, S.COMMITTED]
-    assert m.last_committed_step == 5 and m.is_committed(5) and not m.in_flight
+    assert m.last_committed_step == 5 and m.is_committed(5) and m._inflight is None
     assert [e["step"] for e in events(m, "checkpoint_committed")] == [5]
     assert Catalog(m.storage).plan_resume("latest").chosen.step == 5
 
@@ -344,11 +344,11 @@ def test_a_save_settles_only_when_every_rank_has_settled(make):
     m.test_saver.release(save.name)
     save.wait(time.monotonic() + WAIT)
     m.test_agreement.others = False  # another rank is still writing its part
-    assert not m.settle(time.monotonic() + 0.05) and m.in_flight
+    assert not m.settle(time.monotonic() + 0.05) and m._inflight is not None
     with pytest.raises(TimeoutError):
         m.finish(timeout=0.05)
     m.test_agreement.others = True
-    assert m.settle(None) and not m.in_flight and m.last_save is save
+    assert m.settle(None) and m._inflight is None and m.last_save is save
 
 
 def _step_agreement(m, others_unsettled=0.0, others_failed=0.0, others_unusable=0.0):
@@ -464,7 +464,7 @@ def test_a_rollback_abandons_a_save_still_writing_keeps_its_directory_and_never_
     wait_for(lambda: m.storage.exists(m.storage.join(stuck.name, layout.WRITER)), "the writer marker")
     assert not m.settle(time.monotonic() + 0.05)
     loaded = m.load(resume="latest")  # what a non-finite rollback does
-    assert loaded.step == 10 and stuck.state is S.ABANDONED and not m.in_flight
+    assert loaded.step == 10 and stuck.state is S.ABANDONED and m._inflight is None
     assert m.storage.exists(m.storage.join(stuck.name, layout.WRITER)), (
         "the rollback's load cleaned up a directory still being written"
     )

@@ -71,3 +71,15 @@ def test_describe_never_shows_credentials(monkeypatch):
     s = open_storage("s3://bucket/prefix", endpoint_url="http://127.0.0.1:9")
     text = s.describe()
     assert "s3cr3t-value" not in text and "AKIAEXAMPLE" not in text and "127.0.0.1:9" in text
+
+
+def test_for_checkpoint_opens_the_root_with_the_sections_settings():
+    from elastic_trainer.config import CheckpointConfig
+    from elastic_trainer.storage.fs import Storage, StorageOptions
+
+    c = CheckpointConfig(
+        dir="s3://bucket/runs/a", s3_endpoint_url="http://127.0.0.1:9", storage_timeout_seconds=8, storage_retries=5
+    )
+    s = Storage.for_checkpoint(c)
+    assert s.root == "s3://bucket/runs/a" and "127.0.0.1:9" in s.describe()
+    assert s.options == StorageOptions(endpoint_url="http://127.0.0.1:9", timeout_seconds=8, retries=5)
