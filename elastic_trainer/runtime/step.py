@@ -40,6 +40,7 @@ class StepContext:
         self.loss: float | None = None
         self.grad_norm: float | None = None
         self.collective_wait = 0.0  # seconds in this context's all-reduces (straggler metrics)
+        self.event: dict[str, Any] | None = None  # the step event, once written (a finite step)
         self._agreed = False
         self._fields: dict[str, Any] = {}
         self._scope = None
