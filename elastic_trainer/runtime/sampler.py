@@ -54,7 +54,7 @@ class GlobalOrder:
 
 
 @dataclass
-class Position:
+class Progress:
     """Where a sampler stands: the global sample cursor and the ranges a rollback skipped."""
 
     cursor: int = 0
@@ -92,9 +92,9 @@ class GlobalBatchSampler(Stateful):
         seed: int,
         rank: int,
         world_size: int,
-        position: Any = None,
+        progress: Any = None,
     ):
-        """``position``: an object whose ``cursor`` and ``skipped`` attributes hold where the sampler
+        """``progress``: an object whose ``cursor`` and ``skipped`` attributes hold where the sampler
         stands (e.g. the built-in trainer's :class:`~elastic_trainer.checkpoint.state.TrainState`,
         checkpointed as such); by default the sampler holds them and is the ``Stateful`` of them."""
         if dataset_len < 1:
@@ -106,24 +106,24 @@ class GlobalBatchSampler(Stateful):
         self.micro_batch_size = micro_batch_size
         self.rank, self.world_size = rank, world_size
         # the cursor, and the global ranges [start, end) a non-finite rollback skipped
-        self.position = position if position is not None else Position()
+        self.progress = progress if progress is not None else Progress()
         self._weights: deque[int] = deque()  # real samples of each micro-batch iteration yielded, in order
 
     @property
     def cursor(self) -> int:
-        return self.position.cursor
+        return self.progress.cursor
 
     @cursor.setter
     def cursor(self, value: int) -> None:
-        self.position.cursor = value
+        self.progress.cursor = value
 
     @property
     def skipped(self) -> list[list[int]]:
-        return self.position.skipped
+        return self.progress.skipped
 
     @skipped.setter
     def skipped(self, value: list[list[int]]) -> None:
-        self.position.skipped = value
+        self.progress.skipped = value
 
     def skip(self, sample_range: list[int]) -> None:
         """Never use the global positions ``[start, end)`` (kept in the state: resumes skip them too)."""

@@ -37,7 +37,7 @@ def target_tokens(mb: MicroBatch) -> int:
 
 class StepBatches(SampledData):
     """The micro-batches of one rank, step after step, from a :class:`GlobalBatchSampler` over the
-    token file's samples. ``position``: where the sampler stands (the built-in trainer's train
+    token file's samples. ``progress``: where the sampler stands (the built-in trainer's train
     state, checkpointed as such: the sampler is no ``Stateful`` of its own)."""
 
     def __init__(
@@ -48,20 +48,20 @@ class StepBatches(SampledData):
         micro_batch: int,
         world: int,
         rank: int,
-        position: Any = None,
+        progress: Any = None,
     ):
         self.seed = seed
         self.global_batch = global_batch
         self.micro_batch = micro_batch
         self.world = world
         self.rank = rank
-        self.position = position
+        self.progress = progress
         if source is not None:
             self.open(source)
 
     @property
     def state(self) -> None:
-        return None  # the position is checkpointed by its owner
+        return None  # its progress is checkpointed by its owner (the train state)
 
     def open(self, source: TokenFile) -> None:
         """Read from ``source`` (a worker opens it once it knows the run's data view)."""
@@ -73,12 +73,8 @@ class StepBatches(SampledData):
             seed=self.seed,
             rank=self.rank,
             world_size=self.world,
-            position=self.position,
+            progress=self.progress,
         )
-
-    def for_cursor(self, cursor: int) -> list[MicroBatch]:
-        """This rank's micro-batches of the step that starts at global position ``cursor``."""
-        return [self.fetch(mb) for mb in self.sampler.at(cursor)]
 
     def fetch(self, mb: MicroBatchIndices) -> MicroBatch:
         """A micro-batch's samples; a padding one (weight 0) with no target counted."""

@@ -68,7 +68,7 @@ def build_training(cfg: Config, d, open_data: bool = True):
         t.micro_batch_size,
         d.world_size,
         d.rank,
-        position=state,
+        progress=state,
     )
     return model, optimizer, scheduler, batches, state
 
