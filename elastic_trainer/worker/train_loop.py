@@ -1,4 +1,5 @@
-"""The training loop. Fits on a screen; everything else is called from it."""
+"""The built-in trainer: its LR schedule, its loss and its progress line, on the runtime's one
+training loop (:meth:`~elastic_trainer.runtime.checkpointer.Checkpointer.steps`)."""
 
 from __future__ import annotations
 
