@@ -6,7 +6,7 @@
 One run, 2 gloo ranks in-process (``tests/dist/harness.py``, no elastic agent). Each rank builds
 the demo GPT exactly as ``elastic_trainer.worker.main`` does (FSDP2 over the mesh, deterministic
 init, AdamW, LambdaLR, a separate gloo group for checkpoints, the real ``CheckpointManager`` and
-``Trainer.train_step`` on the demo byte data), scaled up so that params + AdamW moments are
+``Trainer.train`` on the demo byte data), scaled up so that params + AdamW moments are
 >= 1 GiB across the ranks. Checkpoints go to a local temp dir, removed at the end.
 
 Measured per round, interleaved so every method sees the same machine load:
@@ -64,13 +64,13 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from elastic_trainer.checkpoint import integrity
-    from elastic_trainer.checkpoint.cadence import Cadence
     from elastic_trainer.checkpoint.manager import CheckpointManager
     from elastic_trainer.checkpoint.savers import RemoteSaver
     from elastic_trainer.checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState
     from elastic_trainer.config import config_from_dict
     from elastic_trainer.events import EventLog
     from elastic_trainer.metrics.sink import NullSink
+    from elastic_trainer.runtime import Checkpointer
     from elastic_trainer.runtime.session import PreemptionFlag, Session, init_distributed
     from elastic_trainer.storage.fs import Storage
     from elastic_trainer.worker import parallel
@@ -152,16 +152,27 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         remote = RemoteSaver(storage, d.ckpt_group, mode=mcfg.mode, writer=writer, upload_nice=int(nice or 0))
         managers[mode] = manager(mcfg, storage, remote=remote)
 
-    class _Shim:
-        """What Trainer.train_step needs of a Checkpointer, over one of the managers compared here."""
+    class _BlockCheckpointer(Checkpointer):
+        """The worker's checkpointer over one of the managers compared here (``manager`` is
+        swapped per block); the blocks decide when to save: a step's end decides nothing."""
 
-        def __init__(self, mgr):
-            self.manager, self.state = mgr, state
-            # the bench decides when to save
-            self.cadence = Cadence(cfg.checkpoint, rank=d.rank, start_step=0, now=time.monotonic())
+        def end_of_step(self, s, step: int, total_steps: int) -> None:
+            return None
 
     session = Session(cfg, d, EventLog(None), NullSink(), PreemptionFlag())
-    trainer = Trainer(cfg, model, optimizer, scheduler, batches, session, _Shim(ckpt))
+    ck = _BlockCheckpointer(
+        session,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=batches,
+        train_state=state,
+        fingerprint=cfg.model_fingerprint(),
+    )
+    ck.manager.close()
+    ck.manager = ckpt
+    ck.resume()  # a fresh start, as the worker's
+    trainer = Trainer(cfg, model, ck)
     # ---------------------------------------------------------------------------------------
 
     def local(x):
@@ -170,25 +181,32 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     def run_block(n: int, save: bool, mgr=None) -> dict:
         """n steps as Trainer.run does them; with ``save``, one async save after the first."""
         mgr = mgr or ckpt
-        trainer.ckpt = _Shim(mgr)
+        ck.manager = mgr
         dist.barrier()
         times, stats, marks = [], None, {}
         c0 = time.process_time()
         t0 = time.monotonic()
-        for i in range(n):
-            s0 = time.monotonic()
-            step = state.step + 1
-            trainer.train_step(step)
-            if save and i == 0:
-                stats = mgr.save(step)
+        last = [t0]
+
+        def after_step(s) -> None:
+            nonlocal stats, marks
+            if save and stats is None:
+                stats = mgr.save(s.step)
                 marks = {"save_returned": time.monotonic() - t0}
-                save = mgr._inflight  # noqa: SLF001 - timing the save in flight from the inside
-                for name, f in (("staged", save.stagings[0] if save.stagings else None), ("uploaded", save.written)):
+                inflight = mgr._inflight  # noqa: SLF001 - timing the save in flight from the inside
+                for name, f in (
+                    ("staged", inflight.stagings[0] if inflight.stagings else None),
+                    ("uploaded", inflight.written),
+                ):
                     if f is not None:
                         f.add_done_callback(
                             lambda _f, name=name, marks=marks: marks.__setitem__(name, time.monotonic() - t0)
                         )
-            times.append(time.monotonic() - s0)
+            now = time.monotonic()
+            times.append(now - last[0])
+            last[0] = now
+
+        trainer.train(state.step + n, after_step)
         t_fin = time.monotonic()
         if save:
             mgr.finish()
@@ -286,8 +304,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     res["params"] = sum(p.numel() for p in model.parameters())
     res["local_param_bytes"] = parallel.local_param_bytes(model)
     t0 = time.monotonic()
-    for _ in range(o["warmup_steps"]):
-        trainer.train_step(state.step + 1)
+    trainer.train(state.step + o["warmup_steps"])
     res["warmup_seconds"] = time.monotonic() - t0
     # The first save allocates the stager's buffers and starts its threads: measured apart.
     res["cold_save"] = run_block(2, save=True)
@@ -331,7 +348,7 @@ PEER_MODES = {"torchtitan": ["torchtitan-async", "torchtitan-pinned-cpu"]}
 
 
 class _PeerManager:
-    """The surface of our ``CheckpointManager`` that ``Trainer.train_step`` and the blocks use,
+    """The surface of our ``CheckpointManager`` that ``Trainer.train`` and the blocks use,
     over torchtitan's ``CheckpointManager``: ``save`` = its ``maybe_wait_for_saving`` (timed as
     waiting for the previous save) + its ``save``; ``wait_for_staging`` = its
     ``maybe_wait_for_staging``; ``finish`` = its ``maybe_wait_for_saving``."""

@@ -261,10 +261,6 @@ class TrainState(Stateful):
             setattr(self, k, int(state_dict[k]))
         self.skipped = [list(map(int, r)) for r in json.loads(state_dict.get("skipped") or "[]")]
 
-    def skip_past_skipped(self) -> None:
-        """Move the cursor past any skipped range it stands in."""
-        self.cursor = past_skipped(self.cursor, self.skipped)
-
 
 class RNGState(Stateful):
     """This rank's random generators: the CPU generator and, where CUDA is available, every

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import contract, exit_codes, faults
+from .. import contract, exit_codes, faults, log
 from ..checkpoint import cadence
 from ..checkpoint.manager import CheckpointManager, LoadResult, SaveStats
 from ..checkpoint.state import (
@@ -43,9 +43,10 @@ from ..checkpoint.state import (
 )
 from ..config import TrainConfig, check_run_identity
 from ..errors import ConfigError
-from ..storage.fs import open_storage
+from ..storage.fs import Storage
 from .loop import Accumulator, StepData
 from .session import Session
+from .step import StepContext
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class Checkpointer:
                 raise ValueError(f"extra Stateful name {name!r} is reserved")
             states[name] = obj
         c = cfg.checkpoint
-        self.storage = open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
+        self.storage = Storage.for_checkpoint(c)
         self._identity = run_identity or {}
         self.manager = CheckpointManager(
             c,
@@ -277,7 +278,14 @@ class Checkpointer:
         return loaded.step
 
     # ------------------------------------------------------------------ the loop
-    def steps(self, total_steps: int, *, exit_on_stop: bool = True) -> Iterator[tuple[int, Any]]:
+    def steps(
+        self,
+        total_steps: int,
+        *,
+        exit_on_stop: bool = True,
+        count: Callable[[Any], int] | None = None,
+        after_step: Callable[[StepContext], Any] | None = None,
+    ) -> Iterator[tuple[int, Any]]:
         """The training loop: ``for step, batch in ckpt.steps(total): ...`` with one
         :meth:`optimizer_step` per ``batch``. Resumes first (unless :meth:`resume` was called),
         then runs each step in the step context (hang watchdog, agreed preemption and fencing),
@@ -290,6 +298,16 @@ class Checkpointer:
         over all ranks: when a rank's share is larger than the loader's ``batch_size`` the same
         ``step`` comes with several batches (gradient accumulation), the optimizer stepping after
         the last one; how many depends on the world size, the loop body does not.
+
+        ``count``: for a loss that is a *sum* over items of unequal number per batch (e.g. the
+        target tokens of a language model): ``count(batch)`` is how many items the batch's loss
+        sums. The step's batches are then read before the first is yielded, their counts summed
+        over every rank (in the step's one agreement, which a preempted or fenced step stops
+        at: no batch comes), and each batch's loss given to :meth:`optimizer_step` is divided by
+        that global count; the step event records it as ``tokens``.
+
+        ``after_step(s)``: called on every rank after each step whose ``step`` event was written
+        (``s.event``), before its save (e.g. a progress line).
 
         The loop ends after ``total_steps``, or earlier on preemption (75/76), fencing (73), a
         non-finite stop (65) or :meth:`request_stop`. ``exit_code`` holds the code; when it is not
@@ -305,14 +323,14 @@ class Checkpointer:
                     code = self.end_of_step(None, step, total_steps)
                     break
                 step += 1
+                log.set_step(step)
                 with self.session.step(step, checkpointer=self) as s:
-                    self._ctx, self._acc = s, Accumulator(self.session.device)
-                    for i in range(self.data.per_step):
-                        batch, self._weight = self.data.next_batch()
-                        self._index, self._last = i, i == self.data.per_step - 1
-                        yield step, batch
-                        if self._acc is not None and self._acc.count == i:
-                            raise RuntimeError(f"step {step}: call ckpt.optimizer_step(loss) once per batch")
+                    try:
+                        yield from self._step_batches(s, count)
+                    finally:
+                        self._ctx = self._acc = None
+                if after_step is not None and s.event is not None:
+                    after_step(s)
                 code = self.end_of_step(s, step, total_steps)
                 if s.nonfinite and code is None:  # rolled back: continue after the restored step
                     step = self.state.step
@@ -323,15 +341,34 @@ class Checkpointer:
         if code != exit_codes.OK and exit_on_stop:
             raise SystemExit(code)
 
+    def _step_batches(self, s: StepContext, count: Callable[[Any], int] | None) -> Iterator[tuple[int, Any]]:
+        """The batches of step ``s``, each to be closed by one :meth:`optimizer_step`."""
+        batches: Iterator[tuple[Any, float]] | list[tuple[Any, float]] = self.data.step_batches()
+        divisor = None
+        if count is not None:
+            batches = list(batches)
+            (divisor,) = s.agree(sum(count(b) for b, w in batches if w > 0))
+            if s.preempt or s.fenced:
+                return
+        self._ctx, self._acc = s, Accumulator(self.session.device, divisor)
+        last = self.data.per_step - 1
+        for i, (batch, weight) in enumerate(batches):
+            self._weight, self._index, self._last = weight, i, i == last
+            yield s.step, batch
+            if self._acc is not None and self._acc.count == i:
+                raise RuntimeError(f"step {s.step}: call ckpt.optimizer_step(loss) once per batch")
+
     def optimizer_step(self, loss: torch.Tensor, *, max_norm: float | None = None) -> float | None:
         """The end of each ``batch`` under :meth:`steps`: the backward pass of ``loss`` (the
-        batch's mean loss, weighted by its share of the global batch; do not call
+        batch's mean loss, weighted by its share of the global batch; with ``steps(count=...)``
+        the batch's summed loss, divided by the step's global count; do not call
         ``loss.backward()`` yourself: a backward pass before this call is refused). After the
         step's last batch: gradient clipping to ``max_norm`` (global norm; none unless given),
         the staging wait and the agreed non-finite guard (``StepContext.check``), every
         optimizer's and scheduler's step (``ReduceLROnPlateau`` on the global loss), the data
         cursor and ``zero_grad``; returns the step's global loss. Before it (more batches of the
-        same step to come): None."""
+        same step to come): None. The step event's ``lr`` is the first optimizer's learning rate
+        the step used."""
         s, acc = self._ctx, self._acc
         if s is None or acc is None or acc.count != self._index:
             raise RuntimeError(
@@ -355,7 +392,11 @@ class Checkpointer:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), max_norm if max_norm is not None else float("inf")
         )
+        # The loss is agreed before the optimizer step: with the global gradient norm every rank
+        # sees the same two numbers, so non-finite state is never stepped into or saved.
         if s.check(acc.loss, grad_norm):
+            if self.optimizers:
+                s.record(lr=self.optimizers[0].param_groups[0]["lr"])
             for opt in self.optimizers:
                 opt.step()
             for sched in self.schedulers:
@@ -363,11 +404,13 @@ class Checkpointer:
                     sched.step(s.loss)
                 else:
                     sched.step()
-            if self.data is not None and self.data.sampler is not None:
+            if self.data.sampler is not None:
                 self.data.sampler.advance()
             self.state.step = s.step
-            if self.optimizers:
-                s.record(lr=self.optimizers[0].param_groups[0]["lr"])
+            if acc.divisor is not None:
+                tokens = int(acc.divisor)
+                self.state.tokens_seen += tokens
+                s.record(tokens=tokens)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self._ctx = self._acc = None
@@ -585,8 +628,8 @@ class Checkpointer:
         """Scripts written against the earlier lower-level API (``due``/``save``/``finish``/
         ``close``/``preempt_exit``/``fenced_exit``/``on_nonfinite``/``wait_for_staging``) keep
         running, with a DeprecationWarning naming what replaces them: :meth:`end_of_step`."""
-        old = _EARLIER_API.get(name)
-        if old is None:
+        target = _EARLIER_API.get(name)
+        if target is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         warnings.warn(
             f"Checkpointer.{name}() is deprecated: after each step, code = ckpt.end_of_step(s, step, total_steps) "
@@ -594,27 +637,29 @@ class Checkpointer:
             DeprecationWarning,
             stacklevel=2,
         )
-        return old.__get__(self)
+        return getattr(self, target)
+
+    def _earlier_due(self, step: int, total_steps: int, save_due: bool = False) -> bool:
+        self._total_steps = total_steps
+        return self.cadence.due(step, total_steps) or save_due
+
+    def _earlier_on_nonfinite(
+        self, step: int, loss: float, grad_norm: float, global_batch_size: int, sampler: Any = None
+    ) -> int | None:
+        return self._on_nonfinite(step, loss, grad_norm, sampler, global_batch_size)
+
+    def _earlier_wait_for_staging(self) -> Any:
+        return self.manager.wait_for_staging()
 
 
-def _due(ck: Checkpointer, step: int, total_steps: int, save_due: bool = False) -> bool:
-    ck._total_steps = total_steps
-    return ck.cadence.due(step, total_steps) or save_due
-
-
-def _on_nonfinite(
-    ck: Checkpointer, step: int, loss: float, grad_norm: float, global_batch_size: int, sampler: Any = None
-) -> int | None:
-    return ck._on_nonfinite(step, loss, grad_norm, sampler, global_batch_size)
-
-
+# the earlier lower-level API: its names, and the methods that serve them
 _EARLIER_API = {
-    "due": _due,
-    "save": Checkpointer._save,
-    "finish": Checkpointer._finish,
-    "close": Checkpointer._close,
-    "preempt_exit": Checkpointer._preempt_exit,
-    "fenced_exit": Checkpointer._fenced_exit,
-    "on_nonfinite": _on_nonfinite,
-    "wait_for_staging": lambda ck: ck.manager.wait_for_staging(),
+    "due": "_earlier_due",
+    "save": "_save",
+    "finish": "_finish",
+    "close": "_close",
+    "preempt_exit": "_preempt_exit",
+    "fenced_exit": "_fenced_exit",
+    "on_nonfinite": "_earlier_on_nonfinite",
+    "wait_for_staging": "_earlier_wait_for_staging",
 }

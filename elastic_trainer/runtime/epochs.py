@@ -44,7 +44,7 @@ class EpochBatchSampler(GlobalBatchSampler):
         position = self.cursor
         end = (position // self._span() + 1) * self._span()
         while position < end:
-            for mb in self._at(position):
+            for mb in self.at(position):
                 self._weights.append(mb.weight)
                 yield mb.indices
             position += self.global_batch_size

@@ -14,6 +14,9 @@ loop would have to replace it.
 Any other iterable (an ``IterableDataset``, a streaming loader) is read as it comes, one batch per
 step, each weighted ``1 / world_size``; it is not world-size invariant, and it resumes exactly
 only if it is ``Stateful`` (e.g. torchdata's ``StatefulDataLoader``, saved per rank).
+
+A :class:`SampledData` (the built-in trainer's token windows) is read by hand: each step's
+micro-batches from its ``GlobalBatchSampler``, each one built by its ``fetch``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from .sampler import GlobalBatchSampler, micro_steps
+from .sampler import GlobalBatchSampler, MicroBatchIndices, micro_steps
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -41,6 +44,21 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, tuple):  # a namedtuple
         return type(batch)(*(to_device(v, device) for v in batch))
     return batch
+
+
+class SampledData:
+    """Data read by hand from a :class:`~.sampler.GlobalBatchSampler` (``sampler``, which may be
+    set late, before the first step): :meth:`fetch` builds the batch of one micro-batch's
+    indices. ``state``: what the checkpoint holds of it (default: the sampler)."""
+
+    sampler: GlobalBatchSampler | None = None
+
+    @property
+    def state(self) -> Any:
+        return self.sampler
+
+    def fetch(self, mb: MicroBatchIndices) -> Any:
+        raise NotImplementedError
 
 
 class StepData:
@@ -60,30 +78,41 @@ class StepData:
 
         self.device = device
         self.world_size = world_size
-        self.sampler: GlobalBatchSampler | None = None
-        if isinstance(data, DataLoader) and isinstance(data.batch_sampler, GlobalBatchSampler):
-            self.sampler, self.loader = data.batch_sampler, data
+        self.source = data if isinstance(data, SampledData) else None
+        self._sampler: GlobalBatchSampler | None = None
+        if self.source is not None:
+            self.loader = None
+        elif isinstance(data, DataLoader) and isinstance(data.batch_sampler, GlobalBatchSampler):
+            self._sampler, self.loader = data.batch_sampler, data
         elif isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
-            self.sampler = GlobalBatchSampler(
+            self._sampler = GlobalBatchSampler(
                 len(data.dataset), global_batch, micro_batch_of(data), seed=seed, rank=rank, world_size=world_size
             )
-            self.loader = _rebuilt(data, self.sampler, seed + rank)
+            self.loader = _rebuilt(data, self._sampler, seed + rank)
         else:
             self.loader = data
         if isinstance(self.loader, DataLoader) and not isinstance(self.loader.worker_init_fn, WorkerInit):
             self.loader.worker_init_fn = WorkerInit(self.loader.worker_init_fn)  # before its first iterator
-        self.per_step = (
-            micro_steps(self.sampler.global_batch_size, world_size, self.sampler.micro_batch_size)
-            if self.sampler is not None
-            else 1
-        )
         self._it: Iterator | None = None
+
+    @property
+    def sampler(self) -> GlobalBatchSampler | None:
+        """The sampler whose cursor is the data's position (None: an iterable read as it comes)."""
+        return self.source.sampler if self.source is not None else self._sampler
+
+    @property
+    def per_step(self) -> int:
+        """Micro-batches per step on this rank (the same on every rank)."""
+        s = self.sampler
+        return micro_steps(s.global_batch_size, self.world_size, s.micro_batch_size) if s is not None else 1
 
     @property
     def state(self) -> Any:
         """What the checkpoint holds of the data: the sampler, or a ``Stateful`` loader (per rank)."""
         from ..checkpoint.state import PerRank
 
+        if self.source is not None:
+            return self.source.state
         if self.sampler is not None:
             return self.sampler
         return (
@@ -96,6 +125,17 @@ class StepData:
         """Read again from the (restored or rolled back) data state. Dropping the iterator ends its
         worker processes (a DataLoader iterator shuts its workers down when it is collected)."""
         self._it = None
+
+    def step_batches(self) -> Iterator[tuple[Any, float]]:
+        """This rank's micro-batches of the next step (on the device), each with the weight of its
+        loss (its share of the global batch: 0 for padding), read as they are needed."""
+        if self.source is None:
+            for _ in range(self.per_step):
+                yield self.next_batch()
+            return
+        sampler = self.source.sampler
+        for mb in sampler.micro_batches():
+            yield to_device(self.source.fetch(mb), self.device), mb.weight / sampler.global_batch_size
 
     def next_batch(self) -> tuple[Any, float]:
         """This rank's next micro-batch (on the device) and the weight of its loss."""
@@ -231,13 +271,18 @@ def die_with_parent_at_fork() -> None:
 
 
 class Accumulator:
-    """One step's backward passes: each micro-batch's loss scaled by its weight, summed."""
+    """One step's backward passes: each micro-batch's loss scaled by its weight, summed.
+    ``divisor``: the losses are sums over counted items (e.g. target tokens), each divided by the
+    step's global count first (their weight is then 1, or 0 for padding)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, divisor: float | None = None):
         self.count = 0
+        self.divisor = divisor
         self.loss = torch.zeros((), dtype=torch.float64, device=device)
 
     def backward(self, loss: torch.Tensor, weight: float) -> None:
+        if self.divisor is not None:
+            loss, weight = loss / self.divisor, float(weight > 0)
         (loss * weight).backward()
         self.loss += loss.detach().to(torch.float64) * weight
         self.count += 1

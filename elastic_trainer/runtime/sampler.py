@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +53,14 @@ class GlobalOrder:
         return int(self._perm[offset])
 
 
+@dataclass
+class Progress:
+    """Where a sampler stands: the global sample cursor and the ranges a rollback skipped."""
+
+    cursor: int = 0
+    skipped: list[list[int]] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class MicroBatchIndices:
     """Dataset indices of one micro-batch; ``weight`` 0 marks a padding micro-batch (its indices
@@ -76,8 +84,19 @@ class GlobalBatchSampler(Stateful):
     number of counted samples or tokens so the loss is independent of the world size."""
 
     def __init__(
-        self, dataset_len: int, global_batch_size: int, micro_batch_size: int, *, seed: int, rank: int, world_size: int
+        self,
+        dataset_len: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        *,
+        seed: int,
+        rank: int,
+        world_size: int,
+        progress: Any = None,
     ):
+        """``progress``: an object whose ``cursor`` and ``skipped`` attributes hold where the sampler
+        stands (e.g. the built-in trainer's :class:`~elastic_trainer.checkpoint.state.TrainState`,
+        checkpointed as such); by default the sampler holds them and is the ``Stateful`` of them."""
         if dataset_len < 1:
             raise ValueError(f"dataset_len must be >= 1, got {dataset_len}")
         if global_batch_size < world_size:
@@ -86,9 +105,25 @@ class GlobalBatchSampler(Stateful):
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.rank, self.world_size = rank, world_size
-        self.cursor = 0
-        self.skipped: list[list[int]] = []  # global ranges [start, end) a non-finite rollback skipped
+        # the cursor, and the global ranges [start, end) a non-finite rollback skipped
+        self.progress = progress if progress is not None else Progress()
         self._weights: deque[int] = deque()  # real samples of each micro-batch iteration yielded, in order
+
+    @property
+    def cursor(self) -> int:
+        return self.progress.cursor
+
+    @cursor.setter
+    def cursor(self, value: int) -> None:
+        self.progress.cursor = value
+
+    @property
+    def skipped(self) -> list[list[int]]:
+        return self.progress.skipped
+
+    @skipped.setter
+    def skipped(self, value: list[list[int]]) -> None:
+        self.progress.skipped = value
 
     def skip(self, sample_range: list[int]) -> None:
         """Never use the global positions ``[start, end)`` (kept in the state: resumes skip them too)."""
@@ -97,9 +132,10 @@ class GlobalBatchSampler(Stateful):
     def micro_batches(self) -> list[MicroBatchIndices]:
         """This rank's micro-batches of the current step (the same count on every rank)."""
         self.cursor = past_skipped(self.cursor, self.skipped)
-        return self._at(self.cursor)
+        return self.at(self.cursor)
 
-    def _at(self, position: int) -> list[MicroBatchIndices]:
+    def at(self, position: int) -> list[MicroBatchIndices]:
+        """This rank's micro-batches of the step that starts at global ``position``."""
         start, count = rank_slice(self.global_batch_size, self.world_size, self.rank)
         ids = [self.order[position + start + j] for j in range(count)]
         out = []
@@ -115,7 +151,7 @@ class GlobalBatchSampler(Stateful):
         position = self.cursor
         while True:
             position = past_skipped(position, self.skipped)
-            for mb in self._at(position):
+            for mb in self.at(position):
                 self._weights.append(mb.weight)
                 yield mb.indices
             position += self.global_batch_size

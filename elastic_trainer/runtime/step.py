@@ -29,6 +29,13 @@ logger = logging.getLogger(__name__)
 
 
 class StepContext:
+    """One step of a training loop (``session.step(step, checkpointer=)``): runs inside the hang
+    watchdog and injects the configured faults; :meth:`agree` makes one all-reduce of the step's
+    flags (preemption, the time-based save trigger, fencing, the checkpoint manager's votes) and
+    any sums the caller adds; :meth:`check` guards against a non-finite loss; :meth:`record` adds
+    fields to the step's event. On an exception it starts no collective and only lets a save
+    already uploading land. One per step, on every rank."""
+
     def __init__(self, session, step: int, checkpointer=None):
         self.session = session
         self.step = step
@@ -40,6 +47,7 @@ class StepContext:
         self.loss: float | None = None
         self.grad_norm: float | None = None
         self.collective_wait = 0.0  # seconds in this context's all-reduces (straggler metrics)
+        self.event: dict[str, Any] | None = None  # the step event, once written (a finite step)
         self._agreed = False
         self._fields: dict[str, Any] = {}
         self._scope = None

@@ -138,7 +138,7 @@ class Storage:
 
     def _p(self, path: str) -> str:
         """fsspec path without protocol for s3/memory."""
-        return self.fs._strip_protocol(path)
+        return self.fs._strip_protocol(path)  # noqa: SLF001 - fsspec gives no public form of it; every implementation has it
 
     # -- operations -------------------------------------------------------------
     def check_access(self) -> None:

@@ -12,10 +12,12 @@ samples in a step, and the global mean loss over them, never depend on ``W``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..runtime.sampler import GlobalOrder, micro_steps, rank_slice
+from ..runtime.loop import SampledData
+from ..runtime.sampler import GlobalBatchSampler, MicroBatchIndices
 from .tokens import TokenFile
 
 IGNORE_INDEX = -100
@@ -28,34 +30,56 @@ class MicroBatch:
     n_samples: int  # real samples in it (0 for a padding micro-batch)
 
 
-class StepBatches:
-    """Produces the micro-batches of one rank for the step that starts at a global cursor."""
+def target_tokens(mb: MicroBatch) -> int:
+    """The target tokens a micro-batch's loss counts."""
+    return int((mb.targets != IGNORE_INDEX).sum())
 
-    def __init__(self, source: TokenFile | None, seed: int, global_batch: int, micro_batch: int, world: int, rank: int):
+
+class StepBatches(SampledData):
+    """The micro-batches of one rank, step after step, from a :class:`GlobalBatchSampler` over the
+    token file's samples. ``progress``: where the sampler stands (the built-in trainer's train
+    state, checkpointed as such: the sampler is no ``Stateful`` of its own)."""
+
+    def __init__(
+        self,
+        source: TokenFile | None,
+        seed: int,
+        global_batch: int,
+        micro_batch: int,
+        world: int,
+        rank: int,
+        progress: Any = None,
+    ):
         self.seed = seed
         self.global_batch = global_batch
         self.micro_batch = micro_batch
         self.world = world
         self.rank = rank
-        self.n_micro = micro_steps(global_batch, world, micro_batch)
+        self.progress = progress
         if source is not None:
             self.open(source)
+
+    @property
+    def state(self) -> None:
+        return None  # its progress is checkpointed by its owner (the train state)
 
     def open(self, source: TokenFile) -> None:
         """Read from ``source`` (a worker opens it once it knows the run's data view)."""
         self.source = source
-        self.order = GlobalOrder(source.n_samples, self.seed)
+        self.sampler = GlobalBatchSampler(
+            source.n_samples,
+            self.global_batch,
+            self.micro_batch,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world,
+            progress=self.progress,
+        )
 
-    def for_cursor(self, cursor: int) -> list[MicroBatch]:
-        start, count = rank_slice(self.global_batch, self.world, self.rank)
-        ids = [self.order[cursor + start + j] for j in range(count)]
-        out = []
-        for m in range(self.n_micro):
-            chunk = ids[m * self.micro_batch : (m + 1) * self.micro_batch]
-            if chunk:
-                xs, ys = zip(*(self.source.sample(i) for i in chunk), strict=True)
-                out.append(MicroBatch(torch.stack(xs), torch.stack(ys), len(chunk)))
-            else:
-                x, _ = self.source.sample(self.order[cursor])
-                out.append(MicroBatch(x[None], torch.full_like(x[None], IGNORE_INDEX), 0))
-        return out
+    def fetch(self, mb: MicroBatchIndices) -> MicroBatch:
+        """A micro-batch's samples; a padding one (weight 0) with no target counted."""
+        if not mb.weight:
+            x, _ = self.source.sample(mb.indices[0])
+            return MicroBatch(x[None], torch.full_like(x[None], IGNORE_INDEX), 0)
+        xs, ys = zip(*(self.source.sample(i) for i in mb.indices), strict=True)
+        return MicroBatch(torch.stack(xs), torch.stack(ys), len(mb.indices))

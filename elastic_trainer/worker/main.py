@@ -60,10 +60,17 @@ def build_training(cfg: Config, d, open_data: bool = True):
         model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=True
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    state = TrainState()  # its cursor is where the batches stand
     batches = StepBatches(
-        open_source(cfg) if open_data else None, t.seed, t.global_batch_size, t.micro_batch_size, d.world_size, d.rank
+        open_source(cfg) if open_data else None,
+        t.seed,
+        t.global_batch_size,
+        t.micro_batch_size,
+        d.world_size,
+        d.rank,
+        progress=state,
     )
-    return model, optimizer, scheduler, batches, TrainState()
+    return model, optimizer, scheduler, batches, state
 
 
 def build_and_train(cfg: Config, t_start: float) -> int:
@@ -87,6 +94,7 @@ def build_and_train(cfg: Config, t_start: float) -> int:
         optimizer=optimizer,
         scheduler=scheduler,
         extra={"data": data},
+        data=batches,
         train_state=state,
         fingerprint=cfg.model_fingerprint(),
         run_identity=cfg.run_identity(),
@@ -118,7 +126,7 @@ def build_and_train(cfg: Config, t_start: float) -> int:
         return {"data_view": "recorded" if data.recorded is not None else "resolved now (the checkpoint has none)"}
 
     ckpt.resume(after_load)
-    code = Trainer(cfg, model, optimizer, scheduler, batches, session, ckpt).run()
+    code = Trainer(cfg, model, ckpt).run()
     session.close()
     return code
 

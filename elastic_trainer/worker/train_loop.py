@@ -1,19 +1,21 @@
-"""The training loop. Fits on a screen; everything else is called from it."""
+"""The built-in trainer: its LR schedule, its loss and its progress line, on the runtime's one
+training loop (:meth:`~elastic_trainer.runtime.checkpointer.Checkpointer.steps`)."""
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .. import faults, log
-from ..checkpoint.state import TrainState
+from .. import faults
 from ..config import Config
-from ..runtime import Checkpointer, Session, StepContext
-from .data import IGNORE_INDEX, StepBatches
+from ..runtime import Checkpointer, StepContext
+from .data import IGNORE_INDEX, MicroBatch, target_tokens
 from .model import logits_of
 
 logger = logging.getLogger(__name__)
@@ -38,83 +40,41 @@ def lr_lambda(cfg: Config):
 @dataclass
 class Trainer:
     """The built-in trainer: a loop over the same public runtime a user's own script uses
-    (:mod:`elastic_trainer.runtime`), so there is one path for both."""
+    (:meth:`Checkpointer.steps` and :meth:`Checkpointer.optimizer_step`), so there is one path
+    for both. Its loss is a sum over target tokens, normalised by the step's global count of
+    them (``steps(count=...)``)."""
 
     cfg: Config
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    batches: StepBatches
-    session: Session
     ckpt: Checkpointer
-    losses: list[float] = field(default_factory=list)
-
-    @property
-    def state(self) -> TrainState:
-        return self.ckpt.state
 
     def run(self) -> int:
         """Train to ``train.steps``. Returns the process exit code (see ``exit_codes``); the
         checkpointer has ended the run (:meth:`Checkpointer.end_of_step`)."""
-        t, code = self.cfg.train, None
-        while code is None:
-            step = self.state.step + 1
-            if step > t.steps:  # resumed at the end: nothing left to run
-                return self.ckpt.end_of_step(None, self.state.step, t.steps)
-            log.set_step(step)
-            code = self.ckpt.end_of_step(self.train_step(step), step, t.steps)
-        return code
+        self.train(self.cfg.train.steps, self._log_progress)
+        return self.ckpt.exit_code
 
-    def train_step(self, step: int) -> StepContext:
-        with self.session.step(step, checkpointer=self.ckpt) as s:
-            self.state.skip_past_skipped()
-            micro = self.batches.for_cursor(self.state.cursor)
-            # One small all-reduce carries the loss normaliser and the agreed flags (preemption,
-            # time-based save, fencing): they need no collective of their own.
-            (global_count,) = s.agree(sum(int((mb.targets != IGNORE_INDEX).sum()) for mb in micro))
-            if s.preempt or s.fenced:
-                return s
-            poison = faults.active("nan", step)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.session.device)
-            for mb in micro:
-                x, y = mb.inputs.to(self.session.device), mb.targets.to(self.session.device)
-                logits = logits_of(self.model(x))
-                loss = (
-                    F.cross_entropy(
-                        logits.float().reshape(-1, logits.shape[-1]),
-                        y.reshape(-1),
-                        ignore_index=IGNORE_INDEX,
-                        reduction="sum",
-                    )
-                    / global_count
-                )
-                if poison:
-                    loss = loss * float("nan")
-                loss.backward()
-                loss_sum += loss.detach().double()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-            )
-            # The loss is agreed before the optimizer step: with the global gradient norm every
-            # rank sees the same two numbers, so non-finite state is never stepped into or saved.
-            if not s.check(loss_sum, grad_norm):
-                self.optimizer.zero_grad(set_to_none=True)
-                return s
-            lr = self.optimizer.param_groups[0]["lr"]
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
-            self.state.step = step
-            self.state.cursor += self.cfg.train.global_batch_size
-            tokens = int(global_count)
-            self.state.tokens_seen += tokens
-            s.record(lr=lr, tokens=tokens)
-        self.losses.append(s.loss)
-        if self.session.rank == 0 and (
-            step % self.cfg.train.log_every == 0 or step == 1 or step == self.cfg.train.steps
+    def train(self, total_steps: int, after_step: Callable[[StepContext], Any] | None = None) -> None:
+        """The steps up to ``total_steps`` (:meth:`Checkpointer.steps`; ``exit_code`` says how they ended)."""
+        clip = self.cfg.train.grad_clip
+        for step, mb in self.ckpt.steps(total_steps, exit_on_stop=False, count=target_tokens, after_step=after_step):
+            self.ckpt.optimizer_step(self.loss(step, mb), max_norm=clip if clip > 0 else None)
+
+    def loss(self, step: int, mb: MicroBatch) -> torch.Tensor:
+        """The micro-batch's cross-entropy, summed over its target tokens."""
+        device = self.ckpt.session.device
+        x, y = mb.inputs.to(device), mb.targets.to(device)
+        logits = logits_of(self.model(x))
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return loss * float("nan") if faults.active("nan", step) else loss
+
+    def _log_progress(self, s: StepContext) -> None:
+        if self.ckpt.session.rank == 0 and (
+            s.step % self.cfg.train.log_every == 0 or s.step == 1 or s.step == self.cfg.train.steps
         ):
             logger.info("%s", self._progress_line(s.event))
-        return s
 
     def _progress_line(self, rec: dict) -> str:
         c = self.ckpt.cadence
@@ -126,7 +86,7 @@ class Trainer:
         return (
             f"step {rec['step']}/{self.cfg.train.steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
             f"grad {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {rec['step_time_s'] * 1000:.0f} ms | "
-            f"world {self.session.world_size} | {self._committed()}, next in {nxt}"
+            f"world {self.ckpt.session.world_size} | {self._committed()}, next in {nxt}"
         )
 
     def _committed(self) -> str:

@@ -287,10 +287,14 @@ def _collate(items):
     return {"x": torch.stack([i["x"] for i in items]), "y": torch.stack([i["y"] for i in items]), "n": len(items)}
 
 
-def loop_api_losses(rank, world, root, micro_batch, workers):
+def loop_api_losses(rank, world, root, micro_batch, workers, counted=False):
     """The five-call loop over a plain DataLoader (worker processes, a collate_fn) whose
     ``batch_size`` is the micro-batch: the global losses of 6 steps, the per-rank batch sizes seen
-    in each step, and the refusal of a backward pass the loop did not run."""
+    in each step, and the refusal of a backward pass the loop did not run. ``counted``: then the
+    same 6 steps again from the same start, each batch's loss a sum over its samples normalised by
+    the step's global count of them (``steps(count=...)``): their losses and recorded counts."""
+    import dataclasses
+
     import torch.nn.functional as F
     from torch import nn
 
@@ -323,7 +327,31 @@ def loop_api_losses(rank, world, root, micro_batch, workers):
         done = ckpt.optimizer_step(loss)
         if done is not None:
             losses.append(done)
-    return {"losses": losses, "sizes": list(sizes.values()), "code": ckpt.exit_code, "refused": refused}
+    out = {"losses": losses, "sizes": list(sizes.values()), "code": ckpt.exit_code, "refused": refused}
+    if counted:
+        torch.manual_seed(0)
+        model = session.shard(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)), [nn.Linear])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        c = session.cfg
+        session.cfg = dataclasses.replace(
+            c, checkpoint=dataclasses.replace(c.checkpoint, dir=f"{c.checkpoint.dir}-counted")
+        )
+        loader = torch.utils.data.DataLoader(_Pairs(), batch_size=micro_batch, collate_fn=_collate)
+        ckpt = et.Checkpointer(session, model=model, optimizer=opt, data=loader)
+        counted_losses, tokens = [], []
+        for _, batch in ckpt.steps(
+            6,
+            exit_on_stop=False,
+            count=lambda b: b["n"],
+            after_step=lambda s: tokens.append(s.event["tokens_per_s"] > 0),
+        ):
+            done = ckpt.optimizer_step(F.mse_loss(model(batch["x"]), batch["y"], reduction="sum"))
+            if done is not None:
+                counted_losses.append(done)
+        out.update(
+            counted=counted_losses, counted_code=ckpt.exit_code, tokens_seen=ckpt.state.tokens_seen, tokens=tokens
+        )
+    return out
 
 
 class Tensors:

@@ -49,7 +49,8 @@ def hf_loss_of_first_batch(model_dir, token_file) -> float:
     from elastic_trainer.worker.data import StepBatches
     from elastic_trainer.worker.tokens import TokenFile
 
-    (mb,) = StepBatches(TokenFile(token_file, "uint16", SEQ, 512), SEED, GLOBAL, GLOBAL, 1, 0).for_cursor(0)
+    batches = StepBatches(TokenFile(token_file, "uint16", SEQ, 512), SEED, GLOBAL, GLOBAL, 1, 0)
+    (mb,) = (batches.fetch(m) for m in batches.sampler.at(0))
     window = torch.cat([mb.inputs, mb.targets[:, -1:]], dim=1)  # [B, SEQ+1] tokens; HF shifts the labels itself
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():

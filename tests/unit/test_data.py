@@ -42,14 +42,19 @@ def test_global_order_is_a_seeded_permutation_per_epoch():
     assert first != [GlobalOrder(50, seed=4)[i] for i in range(50)]
 
 
+def _at(batches: StepBatches, cursor: int) -> list:
+    """The rank's micro-batches of the step that starts at global position ``cursor``."""
+    return [batches.fetch(mb) for mb in batches.sampler.at(cursor)]
+
+
 @pytest.mark.parametrize("w", [1, 2, 3, 4])
 def test_step_samples_do_not_depend_on_world_size(token_path, w):
     src = TokenFile(token_path, "uint16", seq_len=16, vocab_size=256)
     reference = StepBatches(src, seed=1, global_batch=10, micro_batch=2, world=1, rank=0)
-    ref_rows = torch.cat([mb.inputs for mb in reference.for_cursor(20)])
+    ref_rows = torch.cat([mb.inputs for mb in _at(reference, 20)])
     rows, counts, n_micro = [], 0, set()
     for r in range(w):
-        mbs = StepBatches(src, seed=1, global_batch=10, micro_batch=2, world=w, rank=r).for_cursor(20)
+        mbs = _at(StepBatches(src, seed=1, global_batch=10, micro_batch=2, world=w, rank=r), 20)
         n_micro.add(len(mbs))
         for mb in mbs:
             if mb.n_samples:

@@ -94,7 +94,7 @@ def test_the_sampler_as_a_batch_sampler_yields_micro_batches_ahead_without_movin
     assert [mb.indices for mb in s.micro_batches()] == first[2:]
     s.skip([7, 14])  # a rollback skipped the second step's samples: a new iteration starts past them
     it = iter(s)
-    assert next(it) == s._at(14)[0].indices
+    assert next(it) == s.at(14)[0].indices
 
 
 def test_step_data_weights_and_the_accumulator():

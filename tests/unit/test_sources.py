@@ -184,9 +184,8 @@ def test_batches_over_a_text_source_do_not_depend_on_world_size(tmp_path, tokeni
     def global_step(world: int, cursor: int) -> np.ndarray:
         rows = []
         for rank in range(world):
-            for mb in StepBatches(source, seed=3, global_batch=7, micro_batch=2, world=world, rank=rank).for_cursor(
-                cursor
-            ):
+            batches = StepBatches(source, seed=3, global_batch=7, micro_batch=2, world=world, rank=rank)
+            for mb in (batches.fetch(m) for m in batches.sampler.at(cursor)):
                 if mb.n_samples:
                     rows.append(np.concatenate([mb.inputs.numpy(), mb.targets.numpy()], axis=1))
                 else:
