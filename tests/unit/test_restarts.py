@@ -125,10 +125,11 @@ def test_only_a_failure_that_lost_a_node_is_given_back(journal, failed, nodes, r
 def test_the_replaced_incarnation_s_marker_is_removed(journal, tmp_path):
     marker = tmp_path / "preempted.json"
     marker.write_text("{}")
-    ledger = RestartLedger(journal, marker=str(marker))
-    restart(ledger, Clock())
+    clock = Clock()
+    ledger = RestartLedger(journal, marker=str(marker), clock=clock, sleep=clock.sleep)
+    restart(ledger, clock)
     assert not marker.exists()
-    restart(ledger, Clock())  # none left: nothing to do
+    restart(ledger, clock)  # none left: nothing to do
 
 
 @pytest.mark.parametrize(
