@@ -19,18 +19,22 @@ Here each supervisor compares the group it joined with what torch's handler curr
   its workers are stopped at once, before the others' new group can commit anything, so a node
   that is cut off cannot commit a checkpoint later (fencing).
 
-:func:`verdict` decides (pure, table-tested). Every use of torch's private rendezvous state
+:func:`verdict` decides (pure, table-tested); :class:`NodeLiveness` is the supervised agent's
+collaborator that applies it (and runs the :class:`ContactWatch`). Every use of torch's private rendezvous state
 lives in :func:`membership`, :func:`last_contact` and :func:`bound_seconds`;
 ``tests/unit/test_liveness.py`` fails loudly when torch changes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from .journal import Journal
 
 logger = logging.getLogger(__name__)
 
@@ -147,3 +151,80 @@ class ContactWatch:
                     self._on_isolated(now - last)
                 except Exception:  # the watch must outlive one failed stop (logged with its traceback)
                     logger.exception("liveness: stopping the isolated node's workers failed")
+
+
+class NodeLiveness:
+    """The supervised agent's liveness collaborator for one rendezvous ``handler``.
+
+    ``watch``: several nodes (a single node has no peer to lose); without it nothing is ever
+    found. The agent calls :meth:`rejoined` after each rendezvous, :meth:`check` on each monitor
+    pass, and restarts its workers inside :meth:`restarting` when a check finds a lost node
+    (:attr:`node_lost` tells its stop to kill at once). :meth:`start` runs the
+    :class:`ContactWatch`, which stops the workers of a node cut off from the store."""
+
+    def __init__(self, handler, journal: Journal, watch: bool) -> None:
+        self._handler, self._journal, self.watch = handler, journal, watch
+        self._joined: Membership | None = None  # right after this node's last rendezvous
+        self._isolated: float | None = None  # seconds without store contact when the watch stopped the workers
+        self.node_lost: Verdict | None = None  # the verdict of the restart under way
+        self._contact: ContactWatch | None = None
+
+    def start(self, running: Callable[[], bool], kill_workers: Callable[[], list[int]]) -> NodeLiveness:
+        """Watch the store contact while ``running()`` (the workers are healthy); when it is lost,
+        ``kill_workers()`` (returns the pids it signalled). Nothing without :attr:`watch`."""
+        if self.watch:
+            self._contact = ContactWatch(
+                self._handler, armed=running, on_isolated=lambda seconds: self._on_isolated(seconds, kill_workers)
+            ).start()
+        return self
+
+    def stop(self) -> None:
+        if self._contact is not None:
+            self._contact.stop()
+
+    def rejoined(self) -> None:
+        """This node completed a rendezvous: the group to compare with from now on."""
+        self._joined = membership(self._handler) if self.watch else None
+        self._isolated = None
+        if self._contact is not None:
+            self._contact.reset()
+
+    def check(self, state) -> Verdict | None:
+        """A silent peer or this node cut off, given the worker group's ``state`` (torch's
+        ``WorkerState``), after reporting ``node_lost``; or None."""
+        from torch.distributed.elastic.agent.server.api import WorkerState
+
+        if self._isolated is not None:  # the ContactWatch stopped the workers (and said so)
+            return Verdict(ISOLATED) if state != WorkerState.SUCCEEDED else None
+        if state != WorkerState.HEALTHY:
+            return None
+        found = verdict(self._joined, membership(self._handler))
+        if found is not None:
+            self._report(found.reason, list(found.lost))
+        return found
+
+    @contextlib.contextmanager
+    def restarting(self, found: Verdict) -> Iterator[None]:
+        """While the agent restarts its workers for ``found``: :attr:`node_lost` is set."""
+        self.node_lost = found
+        try:
+            yield
+        finally:
+            self.node_lost = None
+
+    def _on_isolated(self, seconds: float, kill_workers: Callable[[], list[int]]) -> None:
+        """ContactWatch thread: no store contact beyond the liveness bound. The others drop this
+        node now; its workers must stop before their new group can commit (fencing)."""
+        self._isolated = seconds
+        pids = kill_workers()
+        self._report(ISOLATED, [], no_contact_seconds=round(seconds, 3), killed=pids)
+
+    def _report(self, reason: str, lost: list[str], **fields) -> None:
+        logger.warning(
+            "liveness: %s%s: restarting this node's workers as a membership change",
+            reason,
+            f" ({', '.join(lost)})" if lost else "",
+        )
+        self._journal.events.emit(
+            "node_lost", reason=reason, lost=lost, node=self._journal.node, mono=time.monotonic(), **fields
+        )

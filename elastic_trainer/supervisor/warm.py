@@ -3,6 +3,7 @@
 :class:`Zygote` starts ``python -m elastic_trainer.worker.zygote`` ahead of the first
 rendezvous, or forks it from the supervisor once that imported torch (it imports the trainer
 while the supervisor does its own set-up), and asks it to fork each worker.
+:class:`WarmStart` is the supervised agent's collaborator that starts each worker group through it.
 :class:`ZygoteProcess` is the ``subprocess.Popen`` stand-in that torch's ``SubprocessContext``
 then polls, waits for and signals (``pid``, ``poll``, ``wait``, ``returncode``); the exit
 statuses come from the zygote, which reaps its children.
@@ -29,9 +30,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from .. import contract
 from ..errors import ConfigError
+from .journal import Journal
 
 logger = logging.getLogger(__name__)
 
@@ -396,3 +399,56 @@ def warm_handlers(zygote: Zygote, on_fallback=lambda reason: None):
         yield
     finally:
         api.get_subprocess_handler = original
+
+
+class WarmStart:
+    """The supervised agent's warm-start collaborator: starts each worker group through
+    ``zygote`` (None: cold, as torch does), records ``workers_started``, and when the zygote could
+    not start a worker (that one was started cold) replaces a dead zygote ``zygote_restarts``
+    times, in the background of the generation, and otherwise stops using it."""
+
+    def __init__(self, zygote: Zygote | None, journal: Journal, zygote_restarts: int = 1) -> None:
+        self.zygote, self._journal, self._restarts = zygote, journal, zygote_restarts
+
+    def start(self, start_workers: Callable[[], dict[int, int]]) -> dict[int, int]:
+        """Run ``start_workers()`` (torch's: local rank -> pid) through the zygote; its pids."""
+        t0 = time.monotonic()
+        zygote, fallbacks = self.zygote, []
+        if zygote is None:
+            pids = start_workers()
+        else:
+            with warm_handlers(zygote, on_fallback=fallbacks.append):
+                pids = start_workers()
+        self._journal.events.emit(
+            "workers_started",
+            warm=zygote is not None and not fallbacks,
+            pids=sorted(pids.values()),
+            zygote_pid=zygote.pid if zygote is not None else None,
+            zygote_forked=zygote.forked if zygote is not None else None,
+            zygote_threads=(zygote.info or {}).get("threads") if zygote is not None else None,
+            seconds=round(time.monotonic() - t0, 4),
+            node=self._journal.node,
+            mono=time.monotonic(),
+        )
+        if fallbacks:
+            self._fallback(fallbacks[0])
+        return pids
+
+    def close(self) -> None:
+        """Close the zygote in use, if any (the job ended)."""
+        if self.zygote is not None:
+            self.zygote.close()
+
+    def _fallback(self, reason: str) -> None:
+        old, self.zygote = self.zygote, None
+        restart = not old.alive and self._restarts > 0
+        old.close()
+        if restart:
+            self._restarts -= 1
+            self.zygote = Zygote(preload=old.preload).start()
+        logger.warning(
+            "warm start unavailable (%s): workers were started cold%s",
+            reason,
+            "; a new zygote is starting" if restart else "",
+        )
+        self._journal.events.emit("warm_start_unavailable", reason=reason[:500], zygote_restarted=restart)

@@ -6,12 +6,17 @@ here, loudly, instead of silently disabling the detection."""
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 
 import pytest
+from torch.distributed.elastic.agent.server.api import WorkerState
 
+from elastic_trainer.events import EventLog, read_events
 from elastic_trainer.supervisor import liveness
+from elastic_trainer.supervisor.journal import Journal
 from elastic_trainer.supervisor.liveness import ISOLATED, PEER_LOST, Membership, Verdict
 
 M = Membership
@@ -112,3 +117,99 @@ def test_torch_private_rendezvous_state():
     finally:
         h.shutdown()
         del server
+
+
+# ---------------------------------------------------------------------- the agent's collaborator
+def _fake_handler(me: str, participants: set[str], bound_seconds: float = 0.2):
+    """What liveness reads of torch's ``DynamicRendezvousHandler`` (pinned above on a real one)."""
+    state = SimpleNamespace(
+        round=1, participants=dict.fromkeys(participants, 1), wait_list=set(), redundancy_list=set()
+    )
+    return SimpleNamespace(
+        _this_node=me,
+        _state_holder=SimpleNamespace(state=state, _last_sync_time=time.monotonic()),
+        _settings=SimpleNamespace(keep_alive_interval=timedelta(seconds=bound_seconds), keep_alive_max_attempt=1),
+    )
+
+
+def _drop(handler, node: str) -> None:
+    """torch dropped ``node`` (its heartbeat went stale)."""
+    del handler._state_holder.state.participants[node]
+
+
+def _lose_contact(handler, seconds: float) -> None:
+    """This node has not reached the store for ``seconds``."""
+    handler._state_holder._last_sync_time -= seconds
+
+
+def _node_lost(journal: Journal) -> list[dict]:
+    return [e for e in read_events(journal.events.path) if e["event"] == "node_lost"]
+
+
+@pytest.fixture
+def journal(tmp_path):
+    return Journal(EventLog(str(tmp_path / "events.jsonl")), node="n0")
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_a_dropped_peer_is_found_only_while_watching_a_healthy_group(journal, watch):
+    handler = _fake_handler("a", {"a", "b"})
+    node = liveness.NodeLiveness(handler, journal, watch=watch)
+    node.rejoined()
+    assert node.check(WorkerState.HEALTHY) is None  # intact
+    _drop(handler, "b")
+    assert node.check(WorkerState.FAILED) is None  # torch's own failure path
+    found = node.check(WorkerState.HEALTHY)
+    assert found == (Verdict(PEER_LOST, (repr("b"),)) if watch else None)
+    assert [(e["reason"], e["lost"], e["node"]) for e in _node_lost(journal)] == (
+        [(PEER_LOST, [repr("b")], "n0")] if watch else []
+    )
+
+
+def test_node_lost_is_set_only_while_the_group_restarts(journal):
+    node = liveness.NodeLiveness(_fake_handler("a", {"a"}), journal, watch=True)
+    found = Verdict(PEER_LOST, ("b",))
+    with pytest.raises(RuntimeError), node.restarting(found):
+        assert node.node_lost is found
+        raise RuntimeError("the restart failed")
+    assert node.node_lost is None
+
+
+def test_a_node_out_of_contact_kills_its_workers_and_is_isolated_until_it_rejoins(journal):
+    handler = _fake_handler("a", {"a", "b"})
+    node = liveness.NodeLiveness(handler, journal, watch=True)
+    node.rejoined()
+    killed = threading.Event()
+
+    def kill_workers() -> list[int]:
+        killed.set()
+        return [11, 12]
+
+    node.start(running=lambda: True, kill_workers=kill_workers)
+    try:
+        _lose_contact(handler, 1.0)  # the bound is 0.2 s
+        assert killed.wait(10)
+    finally:
+        node.stop()
+    for t in _contact_threads():
+        t.join(10)  # it reports after the kill
+    (event,) = _node_lost(journal)
+    assert (event["reason"], event["killed"], event["no_contact_seconds"] >= 1.0) == (ISOLATED, [11, 12], True)
+    assert node.check(WorkerState.FAILED) == node.check(WorkerState.HEALTHY) == Verdict(ISOLATED)
+    assert node.check(WorkerState.SUCCEEDED) is None  # the workers finished first
+    node.rejoined()
+    assert node.check(WorkerState.FAILED) is None
+
+
+def _contact_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "liveness-contact"}
+
+
+def test_a_single_node_runs_no_contact_watch(journal):
+    handler = _fake_handler("a", {"a"})
+    _lose_contact(handler, 1.0)  # a watch would fire at once
+    before = _contact_threads()
+    node = liveness.NodeLiveness(handler, journal, watch=False)
+    node.start(running=lambda: True, kill_workers=lambda: pytest.fail("nothing to watch"))
+    assert _contact_threads() <= before
+    node.stop()

@@ -13,7 +13,9 @@ import time
 import pytest
 
 from elastic_trainer.errors import ConfigError
+from elastic_trainer.events import EventLog, read_events
 from elastic_trainer.supervisor import warm
+from elastic_trainer.supervisor.journal import Journal
 from elastic_trainer.supervisor.options import WORKER_MODULE
 from elastic_trainer.worker import zygote as zygote_process
 
@@ -110,6 +112,83 @@ def test_a_zygote_failure_falls_back_to_a_cold_popen(tmp_path):
     proc = ctx.subprocess_handlers[0].proc
     assert isinstance(proc, subprocess.Popen) and proc.wait(60) == 0
     assert reasons == ["zygote gone"]
+
+
+class _ServingZygote(_FakeZygote):
+    """What :class:`warm.WarmStart` reads of a zygote besides ``spawn``."""
+
+    pid, forked, info, preload = 4242, True, {"threads": 1}, ("x",)
+
+    def __init__(self, fail: bool = False, alive: bool = True):
+        super().__init__(fail)
+        self.alive, self.closed, self.started = alive, 0, 0
+
+    def close(self):
+        self.closed += 1
+
+    def start(self, fork=None):
+        self.started += 1
+        return self
+
+
+def _started(journal: Journal, name: str) -> list[dict]:
+    return [e for e in read_events(journal.events.path) if e["event"] == name]
+
+
+@pytest.fixture
+def journal(tmp_path):
+    return Journal(EventLog(str(tmp_path / "events.jsonl")), node="n0")
+
+
+def test_warm_start_without_a_zygote_starts_workers_as_torch_does(journal):
+    ws = warm.WarmStart(None, journal)
+    assert ws.start(lambda: {0: 11, 1: 10}) == {0: 11, 1: 10}
+    (e,) = _started(journal, "workers_started")
+    assert (e["warm"], e["pids"], e["zygote_pid"], e["zygote_forked"], e["node"]) == (False, [10, 11], None, None, "n0")
+    ws.close()
+
+
+def test_warm_start_forks_the_group_from_the_zygote(journal, tmp_path):
+    fake, ctx = _ServingZygote(), _context(tmp_path)
+    ws = warm.WarmStart(fake, journal)
+
+    def start_workers():
+        ctx._start()
+        return ctx.pids()
+
+    assert ws.start(start_workers) == {0: 424242} and len(fake.calls) == 1
+    (e,) = _started(journal, "workers_started")
+    assert (e["warm"], e["pids"], e["zygote_pid"], e["zygote_forked"], e["zygote_threads"]) == (
+        True,
+        [424242],
+        4242,
+        True,
+        1,
+    )
+    assert ws.zygote is fake and not _started(journal, "warm_start_unavailable")
+    ws.close()
+    assert fake.closed == 1
+
+
+@pytest.mark.parametrize("alive, restarts, replaced", [(True, 1, False), (False, 1, True), (False, 0, False)])
+def test_a_zygote_that_cannot_start_a_worker_is_replaced_once_if_dead_else_dropped(
+    journal, tmp_path, monkeypatch, alive, restarts, replaced
+):
+    monkeypatch.setattr(warm, "Zygote", lambda preload: _ServingZygote() if preload == ("x",) else None)
+    fake, ctx = _ServingZygote(fail=True, alive=alive), _context(tmp_path)
+    ws = warm.WarmStart(fake, journal, zygote_restarts=restarts)
+
+    def start_workers():
+        ctx._start()
+        return ctx.pids()
+
+    pids = ws.start(start_workers)
+    assert ctx.subprocess_handlers[0].proc.wait(60) == 0  # started cold
+    assert fake.closed == 1 and list(pids.values()) == [ctx.subprocess_handlers[0].proc.pid]
+    assert (ws.zygote is not None) is replaced and (not replaced or ws.zygote.started == 1)
+    ((started,), (unavailable,)) = _started(journal, "workers_started"), _started(journal, "warm_start_unavailable")
+    assert started["warm"] is False and started["zygote_pid"] == 4242
+    assert (unavailable["reason"], unavailable["zygote_restarted"]) == ("zygote gone", replaced)
 
 
 @pytest.fixture(params=["spawned", "forked"])
