@@ -133,11 +133,17 @@ def worker(a: argparse.Namespace) -> None:
         out = {"wall": ends[total - 1] - ends[a.warmup - 1], "blocked": blocked, "parts": parts, "state_mb": state_mb}
     acc.end_training()
     (work / f"timing-{rank}.json").write_text(json.dumps(out))
+    # Done: skip the teardown, where freeing the DDP model's gloo group after end_training() can hang
+    # (seen once in a dozen launches of Accelerate's own: ~ProcessGroupGloo joining its threads).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def cpu_seconds() -> tuple[float, float, float]:
-    """CPU seconds (user + system) so far: this process (all its threads), its child processes
-    (the process writer), the whole machine (``/proc/stat``, every process of every user)."""
+def cpu_seconds() -> tuple[float, float, float, float]:
+    """CPU seconds (user + system) so far: this thread (the training loop's), this process's other
+    threads (stager, thread writer, commit; gloo's), its child processes (the process writer), the
+    whole machine (``/proc/stat``, every process of every user)."""
     tick = os.sysconf("SC_CLK_TCK")
     me, children = str(os.getpid()), 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -150,14 +156,16 @@ def cpu_seconds() -> tuple[float, float, float]:
             children += int(fields[11]) + int(fields[12])
     with open("/proc/stat") as f:
         user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    return time.process_time(), children / tick, (user + nice + system + irq + softirq + steal) / tick
+    main = time.thread_time()
+    return main, time.process_time() - main, children / tick, (user + nice + system + irq + softirq + steal) / tick
 
 
 def paired_windows(acc, train_step, a: argparse.Namespace, ours: bool) -> dict:
     """``--paired``: the warm-up (one save after its first step, drained), then ``--windows``
     save windows and as many plain windows of ``--every`` steps each (the module's docstring).
     Per window: its kind, wall seconds, the drain after it (ours: the wait for the save's
-    commit), CPU seconds of this process and its children, and the machine's."""
+    commit), CPU seconds of the training thread, of this process's other threads, of its child
+    processes, and the machine's."""
 
     def drain() -> float:
         """Ours: end the step (its agreement), then wait until the save in flight is written on
@@ -189,9 +197,10 @@ def paired_windows(acc, train_step, a: argparse.Namespace, ours: bool) -> dict:
         wall = time.perf_counter() - t0
         waited = drain() if kind == "save" else 0.0
         c1 = cpu_seconds()
-        own, children, machine = (x1 - x0 for x0, x1 in zip(c0, c1, strict=True))
+        main, threads, children, machine = (x1 - x0 for x0, x1 in zip(c0, c1, strict=True))
         windows.append(
-            {"kind": kind, "wall": wall, "drain": waited, "cpu": own, "children": children, "machine": machine}
+            {"kind": kind, "wall": wall, "drain": waited, "main": main, "threads": threads}
+            | {"children": children, "machine": machine}
         )
     # blocked per save (ours: the manager's record, the warm-up save left out)
     blocked = [s.stall for s in acc._ckpt.manager._save_stats[1:]] if ours else calls
@@ -281,16 +290,21 @@ def paired_summary(ranks: list[dict]) -> dict:
     def mean(kind: str, f) -> float:  # per window of that kind
         return statistics.fmean(f(w) for w, k in zip(per_window, kinds, strict=True) if k == kind)
 
-    cpu = {  # per window: CPU seconds of the ranks' processes, of their writer processes, of the machine
+    cpu = {  # per window, over the ranks: CPU seconds of the training threads, of the other threads,
+        # of the writer processes; the machine's
         k: {
             "wall": mean(k, lambda w: max(r["wall"] + r["drain"] for r in w)),
-            "ranks": mean(k, lambda w: sum(r["cpu"] for r in w)),
+            "main": mean(k, lambda w: sum(r["main"] for r in w)),
+            "threads": mean(k, lambda w: sum(r["threads"] for r in w)),
             "writers": mean(k, lambda w: sum(r["children"] for r in w)),
             "machine": mean(k, lambda w: w[0]["machine"]),
         }
         for k in ("save", "plain")
     }
-    ours = {k: c["ranks"] + c["writers"] for k, c in cpu.items()}
+    ours = {k: c["main"] + c["threads"] + c["writers"] for k, c in cpu.items()}
+    others = {k: c["machine"] - ours[k] for k, c in cpu.items()}  # every other process, per window
+    # on cores 100 % busy, the time the other processes took from a window: their CPU ÷ the cores
+    alone = {k: c["wall"] - others[k] / (os.cpu_count() or 1) for k, c in cpu.items()}
     return {
         "ratio": sum(plain) / sum(save),
         "ratio_steps_only": sum(plain) / sum(save_steps),
@@ -303,7 +317,8 @@ def paired_summary(ranks: list[dict]) -> dict:
         # the training's own CPU (ranks and writers) without a save ÷ with one: what the save costs
         # in CPU, which the other processes on the machine do not move
         "cpu_ratio": ours["plain"] / ours["save"],
-        "others_cpu": {k: c["machine"] - ours[k] for k, c in cpu.items()},  # every other process, per window
+        "others_cpu": others,
+        "ratio_others_out": alone["plain"] / alone["save"],  # the ratio with the other processes' CPU taken out
     }
 
 
@@ -326,18 +341,20 @@ def paired_launches(a: argparse.Namespace, root: str, names: list[str]) -> dict:
             walls.append(
                 [n, i + 1, f"{load0:.1f} → {s['load'][1]:.1f}", f"{s['plain_s']:.2f}", f"{s['save_s']:.2f}"]
                 + [f"{s['drain_s']:.3f}", f"**{s['ratio']:.3f}**", f"{min(s['pairs']):.3f}–{max(s['pairs']):.3f}"]
+                + [f"**{s['ratio_others_out']:.3f}**"]
                 + [f"{1000 * s['blocked_s']:.1f}"]
             )
             cpus.append(
-                [n, i + 1]
-                + [f"{c['save']['ranks']:.2f} / {c['plain']['ranks']:.2f}"]
-                + [f"{c['save']['writers']:.2f} / {c['plain']['writers']:.2f}", f"**{s['cpu_ratio']:.3f}**"]
+                [n, i + 1, *(f"{c['save'][x]:.2f} / {c['plain'][x]:.2f}" for x in ("main", "threads", "writers"))]
+                + [f"**{s['cpu_ratio']:.3f}**"]
                 + [f"{o['save']:.2f} / {o['plain']:.2f}"]
                 + ["{:.0f} / {:.0f}".format(*(100 * c[k]["machine"] / (c[k]["wall"] * ncpu) for k in c))]
             )
     head = ["launch", "repeat", "load", f"{a.windows} plain windows (s)", f"{a.windows} save windows (s)"]
-    print(table([*head, "of which drain (s)", "plain ÷ save", "per pair", "blocked per save (ms)"], walls))
-    head = ["launch", "repeat", "ranks' CPU per window, save / plain (s)", "writer processes' (s)"]
+    head += ["of which drain (s)", "plain ÷ save", "per pair", "other processes' CPU taken out"]
+    print(table([*head, "blocked per save (ms)"], walls))
+    head = ["launch", "repeat", "CPU per window, save / plain (s): training threads", "other threads"]
+    head += ["writer processes"]
     head += ["CPU, plain ÷ save", "other processes' CPU (s)", "machine busy %"]
     print(table(head, cpus))
     summary = {
@@ -349,13 +366,18 @@ def paired_launches(a: argparse.Namespace, root: str, names: list[str]) -> dict:
             "pairs_min": min(min(s["pairs"]) for s in res[n]),
             "pairs_max": max(max(s["pairs"]) for s in res[n]),
             "cpu_ratio_median": median(s["cpu_ratio"] for s in res[n]),
+            "others_out_median": median(s["ratio_others_out"] for s in res[n]),
+            "others_out_min": min(s["ratio_others_out"] for s in res[n]),
+            "others_out_max": max(s["ratio_others_out"] for s in res[n]),
         }
         for n in names
     }
     head = ["launch", "plain ÷ save, median", "min–max over repeats", "all repeats pooled", "per pair, min–max"]
+    head += ["other processes' CPU taken out, median", "min–max"]
     rows = [
         [n, f"{v['ratio_median']:.3f}", f"{v['ratio_min']:.3f}–{v['ratio_max']:.3f}", f"{v['ratio_pooled']:.3f}"]
-        + [f"{v['pairs_min']:.3f}–{v['pairs_max']:.3f}"]
+        + [f"{v['pairs_min']:.3f}–{v['pairs_max']:.3f}", f"**{v['others_out_median']:.3f}**"]
+        + [f"{v['others_out_min']:.3f}–{v['others_out_max']:.3f}"]
         for n, v in summary.items()
     ]
     print(table(head, rows))
