@@ -19,14 +19,20 @@ from tests import runs
 from tests.fixtures.procs import free_port
 
 SCRIPT = r"""
-import os, sys, time
+import ctypes, os, sys, time
 import torch
 from torch.utils.data import DataLoader
 if sys.argv[1] == "rank":
     from elastic_trainer.config import TrainConfig
     from elastic_trainer.runtime.session import init_distributed
     init_distributed(TrainConfig(device="cpu"), timeout_seconds=30)
-it = iter(DataLoader(range(64), num_workers=1))  # a loader the loop never sees
+
+def report(worker_id):  # the worker's parent-death signal, as the kernel has it (PR_GET_PDEATHSIG)
+    sig = ctypes.c_int(0)
+    ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(sig), 0, 0, 0)
+    print(f"pdeathsig {sig.value}", flush=True)
+
+it = iter(DataLoader(range(64), num_workers=1, worker_init_fn=report))  # a loader the loop never sees
 next(it)
 print(" ".join(str(w.pid) for w in it._workers), flush=True)
 time.sleep(120)
@@ -41,23 +47,25 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _worker_after_rank_killed(mode: str, wait: float) -> tuple[int, float | None]:
-    """Start the script, SIGKILL it once its loader's worker runs; seconds until the worker is
-    gone (None: still alive after ``wait``)."""
+def _worker_after_rank_killed(mode: str, wait: float) -> tuple[int, int, float | None]:
+    """Start the script, SIGKILL it once its loader's worker runs: the worker's pid, its
+    parent-death signal, and the seconds until it is gone (None: still alive after ``wait``)."""
     env = runs.env_for_tests(
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     )
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, mode], stdout=subprocess.PIPE, text=True, env=env)
     try:
-        (worker,) = (int(p) for p in proc.stdout.readline().split())
+        lines = [proc.stdout.readline().split() for _ in range(2)]
+        (deathsig,) = (int(w[1]) for w in lines if w[0] == "pdeathsig")
+        (worker,) = (int(w[0]) for w in lines if w[0] != "pdeathsig")
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         proc.wait(10)
         while time.monotonic() - killed < wait:
             if not _alive(worker):
-                return worker, time.monotonic() - killed
+                return worker, deathsig, time.monotonic() - killed
             time.sleep(0.005)
-        return worker, None
+        return worker, deathsig, None
     finally:
         proc.kill()
         proc.wait(10)
@@ -65,12 +73,18 @@ def _worker_after_rank_killed(mode: str, wait: float) -> tuple[int, float | None
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_loader_the_loop_never_saw_loses_its_workers_with_the_rank():
-    worker, gone = _worker_after_rank_killed("rank", wait=1.0)
+    worker, deathsig, gone = _worker_after_rank_killed("rank", wait=1.0)
+    assert deathsig == signal.SIGKILL, f"the rank's DataLoader worker has parent-death signal {deathsig}"
     assert gone is not None, f"the rank's DataLoader worker {worker} outlived it by more than 1 s"
-    # the control: without the rank's hook, torch's own check of the parent keeps it alive longer
-    worker, gone = _worker_after_rank_killed("plain", wait=1.0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_process_without_process_groups_leaves_its_forks_alone():
+    """The control: the hook is the rank's, installed with its process groups; a plain process's
+    loader workers keep torch's behaviour (no parent-death signal)."""
+    worker, deathsig, _ = _worker_after_rank_killed("plain", wait=0.0)
     try:
-        assert gone is None, f"a plain process's loader worker died {gone:.2f}s after it: the control proves nothing"
+        assert deathsig == 0, deathsig
     finally:
         if _alive(worker):
             os.kill(worker, signal.SIGKILL)
