@@ -104,13 +104,22 @@ def test_goodput_straggler_and_history_through_prometheus(tmp_path, token_file, 
     ref = ledger.result(now=last_ts)
     wall = sum(live.values())
     assert abs(wall - ref.wall_seconds) <= 0.01 * ref.wall_seconds, (wall, ref.wall_seconds)
+    # An event stamped before the last scrape can reach the file just after it (rank 0's after its
+    # step, the commit thread's): the live ledger had not read it yet, so up to one step's time may
+    # sit in another category there than in the replay of the same events.
+    lag = max(e["step_time_s"] for e in runs.read_events(run_dir, "step") if e.get("step_time_s"))
     for cat in CATEGORIES:
-        assert abs(live[cat] - ref.categories[cat]) <= 0.01 * ref.wall_seconds, (cat, live[cat], ref.categories[cat])
+        assert abs(live[cat] - ref.categories[cat]) <= 0.01 * ref.wall_seconds + lag, (
+            cat,
+            live[cat],
+            ref.categories[cat],
+            lag,
+        )
     ratio = prom.api("/api/v1/query", query='elastic_trainer_goodput_ratio{run="ops-a"}[10m]', time=str(time.time()))[
         "result"
     ][0]["values"]
     g_live = float(next(v for t, v in reversed(ratio) if float(t) <= last_ts))
-    assert abs(g_live - ref.goodput) <= 0.01, (g_live, ref.goodput)
+    assert abs(g_live - ref.goodput) <= 0.01 + lag / ref.wall_seconds, (g_live, ref.goodput, lag)
     for cat in ("productive", "recompute", "restart", "rendezvous", "startup", "checkpoint_load", "checkpoint_stall"):
         assert live[cat] > 0, (cat, live)
     final = _report(str(run_dir))
