@@ -95,19 +95,11 @@ def workers(launcher: int, variant: str, script: str) -> list[int]:
     return sorted(p for p, ppid in found.items() if ppid not in found)  # not a worker's DataLoader workers
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
 def wait_gone(pids: list[int], timeout: float) -> float | None:
     """time.time() when the last of ``pids`` exited (a zombie counts), polled every 5 ms."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(_gone(p) for p in pids):
+        if not any(runs.alive(p) for p in pids):
             return time.time()
         time.sleep(0.005)
     return None

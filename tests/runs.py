@@ -215,6 +215,15 @@ def wait_event(
     return wait_for(find, timeout, f"event {name}", proc)
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (exited, not yet reaped) or a process gone counts as exited."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def children(pid: int) -> list[int]:
     out = []
     try:

@@ -36,14 +36,6 @@ SCALE = {
 ADDR = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.1"}
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 # Soak: tests/e2e/test_netcluster.py::test_link_cut_mid_step_then_back loses the rank-0 node of a
 # two-node job (silently, the harder case) and grows it back in every run, losses within 1e-5.
 @pytest.mark.soak
@@ -83,7 +75,7 @@ def test_lose_a_node_then_grow_back(store, token_file, tmp_path):
         os.kill(a.pid, signal.SIGKILL)  # the node's supervisor only: its worker must follow
         a.wait(10)
         runs.wait_for(
-            lambda: not any(alive(p) for p in doomed), 10, "the lost node's worker to die with its supervisor"
+            lambda: not any(runs.alive(p) for p in doomed), 10, "the lost node's worker to die with its supervisor"
         )
         shrunk = runs.wait_event(
             run_dir, "step", 120, b, where=lambda r: r["world_size"] == 1 and r["time"] > killed_at

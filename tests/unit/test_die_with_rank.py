@@ -39,14 +39,6 @@ time.sleep(120)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
-
-
 def _worker_after_rank_killed(mode: str, wait: float) -> tuple[int, int, float | None]:
     """Start the script, SIGKILL it once its loader's worker runs: the worker's pid, its
     parent-death signal, and the seconds until it is gone (None: still alive after ``wait``)."""
@@ -62,7 +54,7 @@ def _worker_after_rank_killed(mode: str, wait: float) -> tuple[int, int, float |
         killed = time.monotonic()
         proc.wait(10)
         while time.monotonic() - killed < wait:
-            if not _alive(worker):
+            if not runs.alive(worker):
                 return worker, deathsig, time.monotonic() - killed
             time.sleep(0.005)
         return worker, deathsig, None
@@ -86,5 +78,5 @@ def test_a_process_without_process_groups_leaves_its_forks_alone():
     try:
         assert deathsig == 0, deathsig
     finally:
-        if _alive(worker):
+        if runs.alive(worker):
             os.kill(worker, signal.SIGKILL)
