@@ -1,0 +1,133 @@
+"""The peer holder (storage/peer.py) on 127.0.0.1: round trip, authentication, retention."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import time
+
+import pytest
+
+from elastic_trainer.storage import peer
+from elastic_trainer.storage.peer import Client, Holder, PeerError, xxh3
+
+KEY = b"k" * 32
+JOB = "job-a"
+
+
+@pytest.fixture
+def holder():
+    h = Holder(JOB, KEY, "127.0.0.1").start()
+    yield h
+    h.close()
+
+
+def _send_copy(c: Client, step: int, src: int = 0, world: int = 2, files=None, epoch: str = "e1") -> None:
+    files = files or {"__0_0.distcp": b"shard-%d" % step, ".metadata": b"meta"}
+    for name, data in files.items():
+        c.put(epoch, step, src, world, name, data)
+    listing = [[n, len(d), xxh3(d)] for n, d in files.items()]
+    c.seal(epoch, step, src, world, listing, json.dumps({"step": step}).encode())
+
+
+def _refused(h: Holder, before: int) -> bool:
+    deadline = time.monotonic() + 5
+    while h.refused == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return h.refused == before + 1
+
+
+def test_put_seal_inventory_get_round_trip(holder):
+    c = Client(holder.address, JOB, KEY)
+    c.put("e1", 4, 1, 2, "__0_0.distcp", b"x" * 1000)
+    assert c.inventory() == [], "a copy is invisible until sealed"
+    c.put("e1", 4, 1, 2, ".metadata", b"meta")
+    c.seal("e1", 4, 1, 2, [["__0_0.distcp", 1000, xxh3(b"x" * 1000)], [".metadata", 4, xxh3(b"meta")]], b'{"m":1}')
+    (inv,) = c.inventory()
+    assert (inv["epoch"], inv["step"], inv["src"], inv["world"], inv["manifest"]) == ("e1", 4, 1, 2, '{"m":1}')
+    assert c.get("e1", 4, 1, 2, "__0_0.distcp") == b"x" * 1000
+    with pytest.raises(PeerError, match="no such file"):
+        c.get("e1", 4, 0, 2, "__0_0.distcp")
+    c.close()
+
+
+def test_a_put_whose_bytes_do_not_match_their_checksum_is_never_sealed(holder):
+    c = Client(holder.address, JOB, KEY)
+    args = {"epoch": "e1", "step": 2, "src": 0, "world": 2, "name": "__0_0.distcp", "xxh3": xxh3(b"good")}
+    with pytest.raises(PeerError, match="checksum mismatch"):
+        c.request("PUT", args, b"gooD")
+    c.put("e1", 2, 0, 2, ".metadata", b"meta")
+    with pytest.raises(PeerError, match="missing or not as listed"):
+        c.seal("e1", 2, 0, 2, [["__0_0.distcp", 4, xxh3(b"good")], [".metadata", 4, xxh3(b"meta")]], b"{}")
+    assert c.inventory() == []
+
+
+def test_a_bad_mac_gets_nothing_and_the_connection_closes(holder):
+    c = Client(holder.address, JOB, b"another key" * 3)
+    before = holder.refused
+    with pytest.raises(PeerError):
+        c.inventory()
+    assert _refused(holder, before)
+
+
+def test_a_request_for_another_job_gets_nothing(holder):
+    _send_copy(Client(holder.address, JOB, KEY), 2)
+    other = Client(holder.address, "job-b", KEY)  # the same key, another job's name
+    before = holder.refused
+    with pytest.raises(PeerError):
+        other.get("e1", 2, 0, 2, "__0_0.distcp")
+    assert _refused(holder, before)
+
+
+def _raw(address: str, header: dict, body: bytes = b"") -> bytes:
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        h = json.dumps(header).encode()
+        s.sendall(peer._FRAME.pack(len(h), len(body)) + h + body)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+            if len(b"".join(chunks)) >= peer._FRAME.size:
+                hl, bl = peer._FRAME.unpack(b"".join(chunks)[: peer._FRAME.size])
+                if len(b"".join(chunks)) >= peer._FRAME.size + hl + bl:
+                    break
+        return b"".join(chunks)
+
+
+def _signed(op: str, nonce: str, ts: float, body: bytes = b"", job: str = JOB) -> dict:
+    header = {"op": op, "job": job, "nonce": nonce, "ts": ts, "args": {}, "body": hashlib.sha256(body).hexdigest()}
+    header["mac"] = peer._mac(KEY, header)
+    return header
+
+
+def test_a_replayed_request_and_a_stale_one_get_nothing(holder):
+    header = _signed("INVENTORY", "n-1", time.time())
+    assert _raw(holder.address, header) != b"", "the first time it is answered"
+    before = holder.refused
+    assert _raw(holder.address, header) == b"", "a replay is not"
+    assert _refused(holder, before)
+    assert _raw(holder.address, _signed("INVENTORY", "n-2", time.time() - 3600)) == b""
+    assert _refused(holder, before + 1)
+
+
+def test_no_key_no_holder():
+    with pytest.raises(ValueError, match="key"):
+        Holder(JOB, b"", "127.0.0.1")
+
+
+def test_retention_keeps_the_newest_sealed_steps_per_source(holder):
+    c = Client(holder.address, JOB, KEY)
+    for step in (2, 4, 6):
+        for src in (0, 1):
+            _send_copy(c, step, src)
+    c.put("e1", 8, 0, 2, "__0_0.distcp", b"half of step 8")  # not sealed yet
+    held = sorted((e["step"], e["src"]) for e in c.inventory())
+    assert held == [(4, 0), (4, 1), (6, 0), (6, 1)]
+    assert holder.held_bytes() == 4 * len(b"shard-4meta") + len(b"half of step 8")
+    # a newer world size's steps retire the older world size's; a newer epoch retires the older epoch
+    for step in (10, 12):
+        _send_copy(c, step, 0, world=3)
+    assert sorted((e["step"], e["world"]) for e in c.inventory()) == [(10, 3), (12, 3)]
+    _send_copy(c, 2, 0, epoch="e2")
+    assert [(e["epoch"], e["step"]) for e in c.inventory()] == [("e2", 2)]
