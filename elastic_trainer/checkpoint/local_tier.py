@@ -83,9 +83,12 @@ class LocalTier:
         return os.path.join(self.root, _slug(epoch))
 
     def rank_dir(self, epoch: str, step: int) -> str:
-        return os.path.join(
-            self._epoch_dir(epoch), layout.step_dir_name(step), f"rank-{self.rank}-of-{self.world_size}"
-        )
+        return self.copy_dir(self.root, epoch, step, self.rank, self.world_size)
+
+    @staticmethod
+    def copy_dir(root: str, epoch: str, step: int, rank: int, world_size: int) -> str:
+        """The directory of rank ``rank`` of ``world_size``'s copy of ``step`` under a job's ``root``."""
+        return os.path.join(root, _slug(epoch), layout.step_dir_name(step), f"rank-{rank}-of-{world_size}")
 
     # ------------------------------------------------------------------ saving
     def writer(self, epoch: str, step: int):

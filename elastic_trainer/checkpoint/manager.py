@@ -56,7 +56,7 @@ from ..errors import CheckpointError, FencedError, NoUsableCheckpointError
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
-from . import failure, layout, writer_process
+from . import failure, layout, peer_tier, writer_process
 from . import resume as resume_plan
 from .agreement import Agreement
 from .catalog import Catalog, checkpoint_key
@@ -157,6 +157,9 @@ class CheckpointManager:
         # remote_every-th (and every durable one). See checkpoint/local_tier.py.
         self._local_saver = local
         self.local = local.tier if local is not None else None
+        self.peer = peer_tier.from_env(
+            cfg, self.local, storage.root, key=checkpoint_key(), metrics=self.metrics, events=self.events
+        )
         self.catalog = Catalog(storage, epoch=epoch, events=self.events) if rank == 0 else None
         self._launch_id = launch_id
         self._run_identity = run_identity or {}
@@ -227,6 +230,8 @@ class CheckpointManager:
         failed: set[str] = set()
         skipped_all: list[tuple[int, str]] = []
         try_local = self.local is not None and resume == "latest"
+        if self.peer is not None:
+            self.peer.connect(self.agreement)
         while True:
             decision = (
                 resume_plan.decide(
@@ -336,25 +341,39 @@ class CheckpointManager:
             fingerprint=self.fingerprint,
             events=self.events,
         )
+        if isinstance(loaded, LocalLoad) and self.peer is not None:  # not every rank has its own copy: the nodes'
+            from_peers = self.peer.load(
+                self.states,
+                self.agreement,
+                epoch=self._epoch_name,
+                remote=decision.chosen,
+                min_step=int(decision.manifest["step"]) if decision.chosen else 0,
+                fingerprint=self.fingerprint,
+                skipped=skipped,
+            )
+            loaded = loaded if from_peers is LocalLoad.NONE else from_peers
         if isinstance(loaded, LocalLoad):
             return loaded
         copy, chosen = loaded, decision.chosen
+        tier = "peer" if isinstance(copy, peer_tier.PeerCopy) else "local"
         remote_step = int(decision.manifest["step"]) if chosen else 0
         seconds = time.monotonic() - t0
-        self._loaded(copy.step, "local", committed=remote_step if chosen else None)
+        self._loaded(copy.step, tier, committed=remote_step if chosen else None)
         self._parent, self._seq = chosen, int(decision.manifest.get("seq", 0)) if chosen else 0
         self._chain = list(copy.manifest.get("remote_chain") or [chosen or ""])
-        self._local_saved = {copy.step}
+        self._local_saved = {copy.step} if tier == "local" else set()
         self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
-        self.metrics.counter("elastic_trainer_checkpoint_local_resumes_total")
+        if tier == "local":
+            self.metrics.counter("elastic_trainer_checkpoint_local_resumes_total")
         return LoadResult(
             copy.step,
-            os.path.relpath(copy.path, self.local.root),
+            copy.name if tier == "peer" else os.path.relpath(copy.path, self.local.root),
             copy.manifest,
             seconds,
             skipped,
             decision.first_start,
-            tier="local",
+            tier=tier,
+            tiers=copy.tiers if tier == "peer" else None,
         )
 
     # ------------------------------------------------------------------ save
@@ -570,6 +589,8 @@ class CheckpointManager:
                     torch_version=torch.__version__,
                     extra=extra,
                 )
+                if self.peer is not None:
+                    self.peer.replicate(epoch, step, manifest)
             except BaseException as e:  # noqa: BLE001 - the local tier is best effort; checkpoint.dir is the record
                 logger.warning("local copy of step %d failed on this rank: %s: %s", step, type(e).__name__, e)
                 self.metrics.counter("elastic_trainer_checkpoint_local_save_failures_total")
@@ -810,6 +831,8 @@ class CheckpointManager:
         self.remote.close()
         if self._local_saver is not None:
             self._local_saver.close()
+        if self.peer is not None:
+            self.peer.close()
         if finished and self.local is not None:
             self.local.drop_epoch(self._epoch_name)
         if self._commit_pool is not None:

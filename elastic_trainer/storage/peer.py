@@ -101,8 +101,11 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def _send(sock: socket.socket, header: dict[str, Any], body: bytes = b"") -> None:
     h = json.dumps(header, separators=(",", ":")).encode()
-    sock.sendall(_FRAME.pack(len(h), len(body)) + h)
-    if body:
+    head = _FRAME.pack(len(h), len(body)) + h
+    if len(body) <= 1 << 20:
+        sock.sendall(head + body)
+    else:  # no copy of a large file
+        sock.sendall(head)
         sock.sendall(body)
 
 
@@ -169,7 +172,9 @@ class Holder:
             allow_reuse_address = True
 
         self._server = Server((self.host, 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="et-peer-holder", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.1,), name="et-peer-holder", daemon=True
+        )
         self._thread.start()
         logger.info("peer holder listening on %s", self.address)
         return self
@@ -183,6 +188,7 @@ class Holder:
     # -------------------------------------------------------------------- serving
     def _serve(self, sock: socket.socket) -> None:
         sock.settimeout(SOCKET_TIMEOUT_SECONDS)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             while True:
                 try:
@@ -345,6 +351,7 @@ class Client:
         try:
             if self._sock is None:
                 self._sock = socket.create_connection(self._addr, timeout=self.timeout)
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _send(self._sock, header, body)
             reply, blen = _recv_header(self._sock)
             data = _recv_exact(self._sock, blen) if blen else b""
@@ -370,4 +377,3 @@ class Client:
 
     def drop(self, epoch: str, step: int, src: int, world: int) -> None:
         self.request("DROP", {"epoch": epoch, "step": step, "src": src, "world": world})
-
