@@ -1,0 +1,77 @@
+"""The peer tier under real supervisors: two simulated nodes (one worker each, their own
+``checkpoint.local_dir``) form one job through an external rendezvous store. Every local copy is
+replicated to the other node's holder. Node ``a`` (rank 0) is lost; the survivor resumes at world 1
+from the nodes' copies (its own, and ``a``'s replica in its holder), resharded 2 → 1, with no
+commit in ``checkpoint.dir`` to fall back on, and finishes the run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from elastic_trainer import contract
+from tests import runs
+
+STEPS = 40
+ADDR = {"a": "127.0.0.2", "b": "127.0.0.3"}
+KEY = "peer-tier-e2e-key"
+
+
+@pytest.mark.timeout(400)
+def test_a_lost_node_resumes_from_its_replica_at_world_1(store, token_file, tmp_path):
+    run_dir, ckpt = tmp_path / "run", str(tmp_path / "ckpt")
+
+    def node(name: str) -> subprocess.Popen:
+        cfg = runs.write_config(
+            tmp_path / f"{name}.toml",
+            token_file,
+            run_dir,
+            ckpt,
+            train={"steps": STEPS},
+            # local saves every 2 steps; checkpoint.dir only at the end
+            checkpoint={"interval_steps": 2, "local_dir": str(tmp_path / f"{name}-local"), "remote_every": 1000},
+            elastic={"max_restarts": 1, "hang_timeout_seconds": 30.0},
+        )
+        return runs.start_launch(
+            cfg,
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-endpoint",
+            store,
+            "--rdzv-id",
+            "peer",
+            "--local-addr",
+            ADDR[name],
+            env={contract.NODE_ENV: name, contract.CHECKPOINT_KEY_ENV: KEY},
+            log=tmp_path / f"{name}.log",
+        )
+
+    a, b = node("a"), node("b")
+    try:
+        runs.wait_event(run_dir, "checkpoint_local_saved", 240, b, where=lambda r: r["step"] >= 8)
+        doomed = runs.worker_pids(a.pid)
+        killed_at = time.time()
+        os.kill(a.pid, signal.SIGKILL)
+        a.wait(10)
+        runs.kill(doomed)
+        resumed = runs.wait_event(run_dir, "resume", 120, b, where=lambda r: r["time"] > killed_at)
+        assert b.wait(240) == 0, (tmp_path / "b.log").read_text()[-3000:]
+    finally:
+        for p in (a, b):
+            runs.stop(p)
+
+    assert resumed["tier"] == "peer", resumed
+    assert resumed["tiers"] == ["peer"], resumed
+    assert resumed["from_world_size"] == 2 and resumed["world_size"] == 1, resumed
+    assert resumed["step"] >= 2, resumed  # the newest step whose replica was complete (sent in the background)
+    losses = runs.step_losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    committed = sorted(int(p.parent.name.split("-")[1]) for p in (tmp_path / "ckpt").glob("step-*/manifest.json"))
+    assert committed == [STEPS], "nothing but the final save reached checkpoint.dir: the resume read none of it"
