@@ -382,7 +382,7 @@ EVENTS: tuple[Event, ...] = (
         "checkpoint_local_skipped",
         _RANK0,
         "The local tier could not be used at this start (not every rank had the copy, or a load failed); "
-        "every rank loaded `checkpoint.dir`.",
+        "every rank loaded the peer tier (`checkpoint.peer_replicas`) or `checkpoint.dir`.",
         "step reason remote_step",
     ),
     _e(

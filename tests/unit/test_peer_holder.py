@@ -131,3 +131,21 @@ def test_retention_keeps_the_newest_sealed_steps_per_source(holder):
     assert sorted((e["step"], e["world"]) for e in c.inventory()) == [(10, 3), (12, 3)]
     _send_copy(c, 2, 0, epoch="e2")
     assert [(e["epoch"], e["step"]) for e in c.inventory()] == [("e2", 2)]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "me", "replicas", "targets"),
+    [
+        ([0, 1, 2], 0, 1, [1]),
+        ([0, 1, 2], 2, 1, [0]),
+        ([0, 1, 2], 1, 2, [2, 0]),
+        ([0, 1, 2], 1, 5, [2, 0]),  # never more than the other nodes, never itself
+        ([3, 0], 3, 1, [0]),
+        ([0], 0, 1, []),
+        ([0, 1], 2, 1, []),  # a node without a holder replicates nowhere
+    ],
+)
+def test_replicas_go_round_a_ring_of_the_other_nodes(nodes, me, replicas, targets):
+    from elastic_trainer.checkpoint.peer_tier import ring_targets
+
+    assert ring_targets(nodes, me, replicas) == targets
