@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
@@ -46,7 +47,7 @@ from ..errors import CheckpointIntegrityError
 from ..events import EventLog
 from ..metrics.sink import MetricsSink
 from ..storage.peer import Client, PeerError, xxh3
-from . import integrity, layout
+from . import compat, integrity, layout
 from .agreement import Agreement
 from .load_planner import load_planner
 from .local_tier import LocalTier, job_key
@@ -100,18 +101,19 @@ class NodeCopies:
                 epoch = json.loads(text).get("epoch", "")
             except (OSError, ValueError, AttributeError):
                 continue  # uncommitted or unreadable: not offered
-            out.append({"epoch": epoch, "step": step, "src": src, "world": world, "manifest": text, "dir": d})
+            out.append({"epoch": epoch, "step": step, "src": src, "world": world, "manifest": text})
         return out
 
     def path(self, epoch: str, step: int, src: int, world: int) -> str:
         return LocalTier.copy_dir(self.root, epoch, step, src, world)
 
-    def read(self, epoch: str, step: int, src: int, world: int, name: str) -> bytes | None:
+    def read(self, epoch: str, step: int, src: int, world: int, name: str, offset: int, length: int):
         if os.path.basename(name) != name or name in ("", ".", ".."):
             return None
         try:
             with open(os.path.join(self.path(epoch, step, src, world), name), "rb") as f:
-                return f.read()
+                f.seek(offset)
+                return f.read(length), os.fstat(f.fileno()).st_size
         except OSError:
             return None
 
@@ -187,10 +189,18 @@ class Replicator:
             for name in sorted(files):
                 if self._superseded(job):
                     return False
-                with open(os.path.join(job.path, name), "rb") as f:
-                    data = f.read()
-                client.put(job.epoch, job.step, self.rank, world, name, data)
-                sent += len(data)
+                n = client.put_file(
+                    job.epoch,
+                    job.step,
+                    self.rank,
+                    world,
+                    name,
+                    os.path.join(job.path, name),
+                    lambda: self._superseded(job),
+                )
+                if n < 0:
+                    return False
+                sent += n
             listing = [[n, int(f["size"]), int(f["xxh3"])] for n, f in sorted(files.items())]
             client.seal(job.epoch, job.step, self.rank, world, listing, json.dumps(job.manifest).encode())
         except (OSError, KeyError, ValueError) as e:
@@ -365,9 +375,8 @@ class PeerTier:
             integrity.load(states, reader, planner=load_planner(states), no_dist=True)
             fetched = reader.fetched_bytes > 0
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
-            error = f"{type(e).__name__}: {e}"[:2000]
-            m = _SOURCE_RE.search(str(e))
-            bad = int(m.group(1)) if m else getattr(e, "source", None)
+            error = compat.one_line(e, 2000)
+            bad = _bad_source(e) if compat.is_integrity(e) else None
         finally:
             shutil.rmtree(work, ignore_errors=True)
         results = agreement.gather((error, fetched))
@@ -403,6 +412,15 @@ class PeerTier:
             logger.warning("could not drop it: %s", e)
 
 
+def _bad_source(e: BaseException) -> int | None:
+    """The source rank whose bytes an integrity failure names (``r<src>/...``), if any."""
+    for cause in compat.root_causes(e):
+        m = _SOURCE_RE.search(str(cause))
+        if m:
+            return int(m.group(1))
+    return None
+
+
 def _order(k: tuple) -> tuple:
     step, lineage, world = k
     return (step, str(lineage or ""), world)
@@ -430,7 +448,7 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
                 os.symlink(LocalTier.copy_dir(os.path.dirname(work), epoch, step, src, world), d)
             else:
                 os.makedirs(d)
-            raw = self._ensure(src, layout.METADATA, whole=True)
+            raw = self._read(src, layout.METADATA)
             checks = layout.Checks.from_manifest(manifest)
             items.update({(f"r{src}/{f}", off): v for (f, off), v in checks.items.items()})
             merged = _merge(merged, pickle.loads(raw), src)  # noqa: S301 - verified against the signed manifest
@@ -441,35 +459,40 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
         super().__init__(work)
         self.checks = layout.Checks((len(data), layout.digest(data)), items)
 
-    def _ensure(self, src: int, name: str, whole: bool = False) -> bytes | None:
-        """Source ``src``'s file ``name`` under ``r<src>/``, fetched from its holder when it is not
-        there; a fetched file (and any with ``whole``) is checked whole against the manifest and
-        returned. Every item DCP reads is checked again by the verifying reader."""
-        location, manifest = self._sources[src]
-        want = (manifest.get("files") or {}).get(name)
-        if not isinstance(want, dict):
-            raise _source_error(src, f"{name} is not in its manifest")
+    def _ensure(self, src: int, name: str) -> None:
+        """Source ``src``'s file ``name`` under ``r<src>/``: fetched from its holder when it is not
+        there, and then checked whole against the source's manifest (every item DCP reads from
+        it is checked again by the verifying reader)."""
         path = os.path.join(self._work, f"r{src}", name)
         if os.path.exists(path):
-            if not whole:
-                return None
-            with open(path, "rb") as f:
-                data = f.read()
-        else:
-            if location == DISK:
-                raise _source_error(src, f"{name} is missing")
-            job, key, epoch, step, world = self._where
-            client = self._clients.setdefault(location, Client(location, job, key))
-            try:
-                data = client.get(epoch, step, src, world, name)
-            except PeerError as e:
-                raise _source_error(src, str(e)) from e
-            self.fetched_bytes += len(data)
-        if len(data) != int(want["size"]) or xxh3(data) != int(want["xxh3"]):
+            return
+        location, manifest = self._sources[src]
+        want = (manifest.get("files") or {}).get(name)
+        if location == DISK or not isinstance(want, dict):
+            raise _source_error(src, f"{name} is missing")
+        job, key, epoch, step, world = self._where
+        client = self._clients.setdefault(location, Client(location, job, key))
+        part = path + ".part"
+        try:
+            with open(part, "wb") as f:
+                out = _Hashing(f)
+                n = client.get(epoch, step, src, world, name, out=out)
+                got = out.hasher.intdigest()
+        except PeerError as e:
+            raise _source_error(src, str(e)) from e
+        self.fetched_bytes += n
+        if n != int(want["size"]) or got != int(want["xxh3"]):
             raise _source_error(src, f"{name}: size or checksum does not match its manifest")
-        if not os.path.exists(path):
-            with open(path, "wb") as f:
-                f.write(data)
+        os.rename(part, path)
+
+    def _read(self, src: int, name: str) -> bytes:
+        """A small file of source ``src`` (its ``.metadata``), checked whole against its manifest."""
+        self._ensure(src, name)
+        with open(os.path.join(self._work, f"r{src}", name), "rb") as f:
+            data = f.read()
+        want = (self._sources[src][1].get("files") or {}).get(name) or {}
+        if len(data) != int(want.get("size", -1)) or xxh3(data) != int(want.get("xxh3", -1)):
+            raise _source_error(src, f"{name}: size or checksum does not match its manifest")
         return data
 
     def read_data(self, plan, planner):
@@ -483,10 +506,20 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
                 c.close()
 
 
+class _Hashing:
+    """A binary file that hashes (XXH3) what is written to it."""
+
+    def __init__(self, f):
+        self.f = f
+        self.hasher = xxhash.xxh3_64()
+
+    def write(self, data) -> None:
+        self.f.write(data)
+        self.hasher.update(data)
+
+
 def _source_error(src: int, why: str) -> CheckpointIntegrityError:
-    e = CheckpointIntegrityError(f"r{src}/ (source rank {src}): {why}")
-    e.source = src  # type: ignore[attr-defined]
-    return e
+    return CheckpointIntegrityError(f"r{src}/ (source rank {src}): {why}")
 
 
 def _merge(into: Metadata | None, m: Metadata, src: int) -> Metadata:

@@ -5,11 +5,12 @@ restarts), that listens only on the address the job uses for its collectives, on
 port. It keeps the files other nodes' ranks replicate to it, in memory, keyed by
 ``(epoch, step, source rank, world size, file name)``, and answers five operations:
 
-* ``PUT``: one file's bytes with their XXH3, checked on receipt (a mismatch is refused, never kept);
+* ``PUT``: a piece of one file (at ``offset``: 0 starts the file, else it continues it) with the
+  piece's XXH3, checked on receipt (a mismatch is refused, never kept);
 * ``SEAL``: the source rank's manifest and its list of ``(name, size, xxh3)``; the copy becomes
-  visible only when every listed file is present with that size and checksum;
+  visible only when every listed file is present with that size and whole-file checksum;
 * ``INVENTORY``: the sealed copies (epoch, step, source rank, world size, manifest);
-* ``GET``: one file of a sealed copy;
+* ``GET``: a piece of one file of a sealed copy;
 * ``DROP``: forget a copy (a reader found a bad byte in it).
 
 A holder may also serve copies it does not keep in memory (its node's own local-tier copies on
@@ -58,6 +59,7 @@ KEEP = 2  # sealed steps per source rank
 MAX_SKEW_SECONDS = 60.0  # a request's timestamp may be this far from the holder's clock
 MAX_HEADER = 1 << 20
 SOCKET_TIMEOUT_SECONDS = 30.0
+CHUNK = 64 << 20  # bytes per PUT/GET: a file of any size travels with this much memory per side
 _FRAME = struct.Struct(">IQ")
 OPS = ("PUT", "SEAL", "INVENTORY", "GET", "DROP")
 
@@ -73,7 +75,8 @@ class Served(Protocol):
 
     def inventory(self) -> list[dict[str, Any]]: ...
 
-    def read(self, epoch: str, step: int, src: int, world: int, name: str) -> bytes | None: ...
+    def read(self, epoch: str, step: int, src: int, world: int, name: str, offset: int, length: int):
+        """``(the bytes at offset, at most length of them; the file's size)``, or None."""
 
     def drop(self, epoch: str, step: int, src: int, world: int) -> None: ...
 
@@ -121,8 +124,14 @@ def _recv_header(sock: socket.socket) -> tuple[dict[str, Any], int]:
 
 # ------------------------------------------------------------------------------------ holder
 @dataclass
+class _File:
+    data: bytearray = field(default_factory=bytearray)
+    hasher: Any = field(default_factory=xxhash.xxh3_64)  # of the whole file, as received
+
+
+@dataclass
 class _Copy:
-    files: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # name -> (bytes, xxh3)
+    files: dict[str, _File] = field(default_factory=dict)
     manifest: bytes | None = None  # set when sealed
 
     @property
@@ -131,7 +140,7 @@ class _Copy:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(b) for b, _ in self.files.values())
+        return sum(len(f.data) for f in self.files.values())
 
 
 class Holder:
@@ -243,16 +252,18 @@ class Holder:
             return {"ok": True}, json.dumps(self.inventory()).encode()
         key: CopyKey = (str(a["epoch"]), int(a["step"]), int(a["src"]), int(a["world"]))
         if op == "PUT":
-            return self._put(key, str(a["name"]), int(a["xxh3"]), body), b""
+            return self._put(key, str(a["name"]), int(a.get("offset", 0)), int(a["xxh3"]), body), b""
         if op == "SEAL":
             return self._seal(key, [(str(n), int(s), int(h)) for n, s, h in a["files"]], body), b""
         if op == "GET":
-            data = self.read(*key, str(a["name"]))
-            return ({"ok": True}, data) if data is not None else ({"ok": False, "error": "no such file"}, b"")
+            got = self.read(*key, str(a["name"]), int(a.get("offset", 0)), min(int(a.get("length", CHUNK)), CHUNK))
+            if got is None:
+                return {"ok": False, "error": "no such file"}, b""
+            return {"ok": True, "size": got[1]}, got[0]
         self.drop(*key)  # DROP
         return {"ok": True}, b""
 
-    def _put(self, key: CopyKey, name: str, want: int, data: bytes) -> dict[str, Any]:
+    def _put(self, key: CopyKey, name: str, offset: int, want: int, data: bytes) -> dict[str, Any]:
         if xxh3(data) != want:
             return {"ok": False, "error": f"{name}: checksum mismatch on receipt"}
         epoch, step, src, world = key
@@ -261,9 +272,15 @@ class Holder:
                 if not self._copies[k].sealed:
                     del self._copies[k]  # superseded by a newer step of the same source
             c = self._copies.get(key)
-            if c is None or c.sealed:  # a new save of a step held already (after a rollback) replaces it
+            if c is None or (c.sealed and offset == 0):  # a new save of a step held (after a rollback) replaces it
                 c = self._copies[key] = _Copy()
-            c.files[name] = (data, want)
+            if offset == 0:
+                c.files[name] = _File()
+            f = c.files.get(name)
+            if c.sealed or f is None or len(f.data) != offset:
+                return {"ok": False, "error": f"{name}: a piece at {offset} continues nothing"}
+            f.data += data
+            f.hasher.update(data)
         return {"ok": True}
 
     def _seal(self, key: CopyKey, listed: list[tuple[str, int, int]], manifest: bytes) -> dict[str, Any]:
@@ -273,7 +290,7 @@ class Holder:
                 return {"ok": False, "error": "no files received for this copy"}
             for name, size, h in listed:
                 got = c.files.get(name)
-                if got is None or len(got[0]) != size or got[1] != h:
+                if got is None or len(got.data) != size or got.hasher.intdigest() != h:
                     return {"ok": False, "error": f"{name}: missing or not as listed"}
             c.files = {n: c.files[n] for n, _, _ in listed}
             c.manifest = manifest
@@ -301,12 +318,16 @@ class Holder:
             out += self.served.inventory()
         return out
 
-    def read(self, epoch: str, step: int, src: int, world: int, name: str) -> bytes | None:
+    def read(
+        self, epoch: str, step: int, src: int, world: int, name: str, offset: int = 0, length: int = CHUNK
+    ) -> tuple[bytes, int] | None:
+        """``(the bytes at offset, at most length of them; the file's size)`` of a sealed copy, or None."""
         with self._lock:
             c = self._copies.get((epoch, step, src, world))
             if c is not None and c.sealed and name in c.files:
-                return c.files[name][0]
-        return self.served.read(epoch, step, src, world, name) if self.served is not None else None
+                data = c.files[name].data
+                return bytes(data[offset : offset + length]), len(data)
+        return self.served.read(epoch, step, src, world, name, offset, length) if self.served is not None else None
 
     def drop(self, epoch: str, step: int, src: int, world: int) -> None:
         with self._lock:
@@ -362,9 +383,26 @@ class Client:
             raise PeerError(f"peer holder {self.address}: {reply.get('error', 'refused')}")
         return reply, data
 
-    def put(self, epoch: str, step: int, src: int, world: int, name: str, data: bytes) -> None:
-        args = {"epoch": epoch, "step": step, "src": src, "world": world, "name": name, "xxh3": xxh3(data)}
-        self.request("PUT", args, data)
+    def put(self, epoch: str, step: int, src: int, world: int, name: str, data: bytes, offset: int = 0) -> None:
+        """One piece of a file (offset 0 starts it); see :meth:`put_file` for a whole file."""
+        args = {"epoch": epoch, "step": step, "src": src, "world": world, "name": name, "offset": offset}
+        self.request("PUT", {**args, "xxh3": xxh3(data)}, data)
+
+    def put_file(self, epoch: str, step: int, src: int, world: int, name: str, path: str, stop=None) -> int:
+        """Send the file at ``path`` in pieces of :data:`CHUNK`; the bytes sent. ``stop()`` true
+        between pieces abandons it (returns -1)."""
+        offset = 0
+        with open(path, "rb") as f:
+            while True:
+                piece = f.read(CHUNK)
+                if offset and not piece:
+                    return offset
+                if stop is not None and stop():
+                    return -1
+                self.put(epoch, step, src, world, name, piece, offset)
+                offset += len(piece)
+                if len(piece) < CHUNK:
+                    return offset
 
     def seal(self, epoch: str, step: int, src: int, world: int, files: list, manifest: bytes) -> None:
         self.request("SEAL", {"epoch": epoch, "step": step, "src": src, "world": world, "files": files}, manifest)
@@ -372,8 +410,20 @@ class Client:
     def inventory(self) -> list[dict[str, Any]]:
         return json.loads(self.request("INVENTORY")[1])
 
-    def get(self, epoch: str, step: int, src: int, world: int, name: str) -> bytes:
-        return self.request("GET", {"epoch": epoch, "step": step, "src": src, "world": world, "name": name})[1]
+    def get(self, epoch: str, step: int, src: int, world: int, name: str, out=None) -> bytes | int:
+        """A sealed copy's file: its bytes, or, given a binary file ``out``, written there in
+        pieces of :data:`CHUNK` (returns the bytes written)."""
+        args = {"epoch": epoch, "step": step, "src": src, "world": world, "name": name}
+        parts, offset = [], 0
+        while True:
+            reply, piece = self.request("GET", {**args, "offset": offset, "length": CHUNK})
+            if out is not None:
+                out.write(piece)
+            else:
+                parts.append(piece)
+            offset += len(piece)
+            if offset >= int(reply.get("size", 0)) or not piece:
+                return offset if out is not None else b"".join(parts)
 
     def drop(self, epoch: str, step: int, src: int, world: int) -> None:
         self.request("DROP", {"epoch": epoch, "step": step, "src": src, "world": world})

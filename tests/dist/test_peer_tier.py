@@ -118,8 +118,8 @@ def test_a_source_rank_held_by_a_peer_is_fetched_and_a_corrupted_byte_falls_back
     # the held copy of rank 2's shard, corrupted at the same size after it was sealed
     (key,) = [k for k in h._copies if k[1:] == (6, 2, 3)]
     name = next(n for n in h._copies[key].files if n.endswith(".distcp"))
-    data, digest = h._copies[key].files[name]
-    h._copies[key].files[name] = (data[:-64] + bytes(b ^ 0xFF for b in data[-64:]), digest)
+    data = h._copies[key].files[name].data
+    data[-64:] = bytes(b ^ 0xFF for b in data[-64:])
     out = run_ranks(_resume, 2, root, local)
     assert [(o["step"], o["tier"]) for o in out] == [(4, "remote")] * 2
     assert _same(out[0]["state"], states[4])

@@ -52,6 +52,22 @@ def test_put_seal_inventory_get_round_trip(holder):
     c.close()
 
 
+def test_a_file_travels_in_pieces_both_ways(holder, tmp_path, monkeypatch):
+    monkeypatch.setattr(peer, "CHUNK", 7)
+    data = bytes(range(256)) * 3
+    (tmp_path / "f").write_bytes(data)
+    c = Client(holder.address, JOB, KEY)
+    assert c.put_file("e1", 2, 0, 1, "f", str(tmp_path / "f")) == len(data)
+    c.seal("e1", 2, 0, 1, [["f", len(data), xxh3(data)]], b"{}")
+    assert c.get("e1", 2, 0, 1, "f") == data
+    out = tmp_path / "back"
+    with open(out, "wb") as f:
+        assert c.get("e1", 2, 0, 1, "f", out=f) == len(data)
+    assert out.read_bytes() == data
+    with pytest.raises(PeerError, match="continues nothing"):
+        c.put("e1", 4, 0, 1, "f", b"late", offset=100)
+
+
 def test_a_put_whose_bytes_do_not_match_their_checksum_is_never_sealed(holder):
     c = Client(holder.address, JOB, KEY)
     args = {"epoch": "e1", "step": 2, "src": 0, "world": 2, "name": "__0_0.distcp", "xxh3": xxh3(b"good")}
