@@ -152,6 +152,8 @@ class Holder:
     def __init__(self, job: str, key: bytes, host: str, *, served: Served | None = None, clock=time.time):
         if not key:
             raise ValueError("a peer holder needs the checkpoint key")
+        if host in ("", "0.0.0.0", "::"):
+            raise ValueError("a peer holder listens on the address the job uses, never on every interface")
         self.job = job
         self.key = key
         self.host = host

@@ -34,7 +34,7 @@ def saved(tmp_path_factory):
     return root, local, out[0]["states"], out[0]["committed"]
 
 
-def _resume(rank, world, root, local):
+def _resume(rank, world, root, local, save_after=()):
     from elastic_trainer.checkpoint.state import TrainState
     from tests.dist.workloads import build, full_state
 
@@ -46,6 +46,10 @@ def _resume(rank, world, root, local):
     out["state"] = full_state(model, opt)  # a collective
     if rank != 0:
         out["state"] = None
+    for step in save_after:  # local-only saves at this world size
+        ts.step = step
+        mgr.save(step)
+        assert mgr.finish() is True
     mgr.close()
     return out
 
@@ -103,9 +107,13 @@ def holder(saved, tmp_path, monkeypatch):
 def test_three_ranks_copies_on_this_node_load_at_world_2_bit_for_bit(saved, tmp_path, monkeypatch):
     root, local, states = _copy(saved, tmp_path)
     monkeypatch.setenv(contract.CHECKPOINT_KEY_ENV, KEY)
-    out = run_ranks(_resume, 2, root, local)
+    out = run_ranks(_resume, 2, root, local, (8, 10))
     assert [(o["step"], o["tier"], o["tiers"], o["train_step"]) for o in out] == [(6, "peer", ["local"] * 2, 6)] * 2
     assert _same(out[0]["state"], states[6])
+    # two saves at the new world size retire the old world size's copies
+    base = _job_dir(root, local)
+    held = sorted((s, r) for s in os.listdir(base) for r in os.listdir(os.path.join(base, s)))
+    assert held == [(f"step-{s:08d}", f"rank-{r}-of-2") for s in (8, 10) for r in (0, 1)], held
 
 
 def test_a_source_rank_held_by_a_peer_is_fetched_and_a_corrupted_byte_falls_back(holder):

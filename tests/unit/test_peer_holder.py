@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import time
 
@@ -165,3 +166,55 @@ def test_replicas_go_round_a_ring_of_the_other_nodes(nodes, me, replicas, target
     from elastic_trainer.checkpoint.peer_tier import ring_targets
 
     assert ring_targets(nodes, me, replicas) == targets
+
+
+def test_a_holder_never_listens_on_every_interface():
+    for host in ("", "0.0.0.0", "::"):
+        with pytest.raises(ValueError, match="every interface"):
+            Holder(JOB, KEY, host)
+
+
+def test_without_a_key_peer_transfer_is_off_and_says_so(tmp_path, monkeypatch, caplog):
+    from elastic_trainer import contract
+    from elastic_trainer.checkpoint.local_tier import LocalTier
+    from elastic_trainer.checkpoint.peer_tier import from_env
+    from elastic_trainer.config import CheckpointConfig, Config
+    from elastic_trainer.events import EventLog
+    from elastic_trainer.metrics.sink import NullSink
+    from elastic_trainer.supervisor.launcher import start_holder
+
+    monkeypatch.delenv(contract.CHECKPOINT_KEY_ENV, raising=False)
+    monkeypatch.delenv(contract.PEER_HOLDER_ENV, raising=False)
+    c = CheckpointConfig(dir=str(tmp_path / "ckpt"), local_dir=str(tmp_path / "local"))
+    tier = LocalTier(c.local_dir, c.dir, rank=0, world_size=1, key=None)
+    with caplog.at_level("WARNING"):
+        assert from_env(c, tier, c.dir, key=None, metrics=NullSink(), events=EventLog(None)) is None
+        assert start_holder(Config(checkpoint=c), "127.0.0.1") is None
+    assert [r.getMessage() for r in caplog.records if "peer transfer is off" in r.getMessage()], caplog.text
+    assert contract.PEER_HOLDER_ENV not in os.environ
+
+
+def test_a_rank_replicates_its_newest_copy_to_its_ring_targets(holder, tmp_path):
+    from elastic_trainer.checkpoint.peer_tier import Replicator
+    from elastic_trainer.metrics.sink import NullSink
+
+    def copy(step: int) -> tuple[str, dict]:
+        d = tmp_path / f"step-{step}"
+        d.mkdir()
+        files = {"__0_0.distcp": b"s" * (100 + step), ".metadata": b"m"}
+        for n, b in files.items():
+            (d / n).write_bytes(b)
+        listing = {n: {"size": len(b), "xxh3": xxh3(b)} for n, b in files.items()}
+        return str(d), {"step": step, "world_size": 2, "files": listing}
+
+    r = Replicator(JOB, KEY, 1, [holder.address], NullSink())
+    try:
+        for step in (2, 4):
+            r.submit("e1", step, *copy(step))
+            assert r.idle(10)
+        assert r.sent == [2, 4]
+        c = Client(holder.address, JOB, KEY)
+        assert [(e["step"], e["src"], e["world"]) for e in c.inventory()] == [(2, 1, 2), (4, 1, 2)]
+        assert c.get("e1", 4, 1, 2, "__0_0.distcp") == b"s" * 104
+    finally:
+        r.close()
