@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 KEEP = 2  # sealed steps per source rank
 MAX_SKEW_SECONDS = 60.0  # a request's timestamp may be this far from the holder's clock
 MAX_HEADER = 1 << 20
+MAX_BODY = 1 << 30  # a frame's payload: a sanity bound (pieces are CHUNK; an inventory is manifests)
 SOCKET_TIMEOUT_SECONDS = 30.0
 CHUNK = 64 << 20  # bytes per PUT/GET: a file of any size travels with this much memory per side
 _FRAME = struct.Struct(">IQ")
@@ -114,8 +115,8 @@ def _send(sock: socket.socket, header: dict[str, Any], body: bytes = b"") -> Non
 
 def _recv_header(sock: socket.socket) -> tuple[dict[str, Any], int]:
     hlen, blen = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
-    if hlen > MAX_HEADER:
-        raise ConnectionError(f"header of {hlen} bytes")
+    if hlen > MAX_HEADER or blen > MAX_BODY:
+        raise ConnectionError(f"a frame of {hlen} + {blen} bytes")
     header = json.loads(_recv_exact(sock, hlen))
     if not isinstance(header, dict):
         raise ConnectionError("header is not an object")

@@ -22,23 +22,26 @@ ADDR = {"a": "127.0.0.2", "b": "127.0.0.3"}
 KEY = "peer-tier-e2e-key"
 
 
-@pytest.mark.timeout(400)
-def test_a_lost_node_resumes_from_its_replica_at_world_1(store, token_file, tmp_path):
+def _config(tmp_path, token_file, run_dir, ckpt, name: str):
+    return runs.write_config(
+        tmp_path / f"{name}.toml",
+        token_file,
+        run_dir,
+        ckpt,
+        train={"steps": STEPS},
+        # local saves every 2 steps; checkpoint.dir only at the end
+        checkpoint={"interval_steps": 2, "local_dir": str(tmp_path / f"{name}-local"), "remote_every": 1000},
+        elastic={"max_restarts": 1, "hang_timeout_seconds": 30.0},
+    )
+
+
+def _lose_node_a(store, token_file, tmp_path) -> tuple:
+    """Nodes a and b train; a is lost after b's local copy of step 8; b finishes. (run dir, b's resume)."""
     run_dir, ckpt = tmp_path / "run", str(tmp_path / "ckpt")
 
     def node(name: str) -> subprocess.Popen:
-        cfg = runs.write_config(
-            tmp_path / f"{name}.toml",
-            token_file,
-            run_dir,
-            ckpt,
-            train={"steps": STEPS},
-            # local saves every 2 steps; checkpoint.dir only at the end
-            checkpoint={"interval_steps": 2, "local_dir": str(tmp_path / f"{name}-local"), "remote_every": 1000},
-            elastic={"max_restarts": 1, "hang_timeout_seconds": 30.0},
-        )
         return runs.start_launch(
-            cfg,
+            _config(tmp_path, token_file, run_dir, ckpt, name),
             "--nnodes",
             "1:2",
             "--nproc-per-node",
@@ -66,7 +69,12 @@ def test_a_lost_node_resumes_from_its_replica_at_world_1(store, token_file, tmp_
     finally:
         for p in (a, b):
             runs.stop(p)
+    return run_dir, resumed
 
+
+@pytest.mark.timeout(400)
+def test_a_lost_node_resumes_from_its_replica_at_world_1(store, token_file, tmp_path):
+    run_dir, resumed = _lose_node_a(store, token_file, tmp_path)
     assert resumed["tier"] == "peer", resumed
     assert resumed["tiers"] == ["peer"], resumed
     assert resumed["from_world_size"] == 2 and resumed["world_size"] == 1, resumed
@@ -75,3 +83,17 @@ def test_a_lost_node_resumes_from_its_replica_at_world_1(store, token_file, tmp_
     assert sorted(losses) == list(range(1, STEPS + 1))
     committed = sorted(int(p.parent.name.split("-")[1]) for p in (tmp_path / "ckpt").glob("step-*/manifest.json"))
     assert committed == [STEPS], "nothing but the final save reached checkpoint.dir: the resume read none of it"
+
+
+@pytest.mark.soak  # the run above checks the tier and the resharded resume; this adds an uninterrupted reference
+@pytest.mark.timeout(600)
+def test_the_loss_curve_continues_after_a_resume_from_the_peer_tier(store, token_file, tmp_path):
+    ref_dir = tmp_path / "ref"
+    ref = _config(tmp_path, token_file, ref_dir, str(ref_dir / "ckpt"), "ref")
+    assert runs.run_launch(ref, "--nproc-per-node", "2", timeout=300).returncode == 0
+    reference = runs.step_losses(ref_dir)
+    run_dir, resumed = _lose_node_a(store, token_file, tmp_path)
+    assert resumed["tier"] == "peer", resumed
+    losses = runs.step_losses(run_dir)
+    for step, want in reference.items():
+        assert runs.close_rel(losses[step], want, 1e-5), f"step {step}: {losses[step]!r} vs reference {want!r}"
