@@ -14,7 +14,8 @@ boundary, in the same order):
 
 Each save is a :class:`~.save.Save` (its states and transitions are documented there); the
 manager keeps at most one in flight. Its bytes are written by the savers it is given
-(:mod:`.savers`: checkpoint.dir through DCP, and the local tier), its agreements go through the
+(:mod:`.savers`: checkpoint.dir through DCP, and the local tier, whose copies the peer tier
+replicates to other nodes: :mod:`.peer_tier`), its agreements go through the
 :class:`~.agreement.Agreement` it is given, and rank 0's bookkeeping (scan, verification,
 commit, quarantine, retention, fencing) is the :class:`~.catalog.Catalog`'s. The manager never
 looks inside the ``Stateful`` objects it is given.
@@ -327,7 +328,8 @@ class CheckpointManager:
 
     def _load_local(self, decision: Decision, skipped: list[tuple[int, str]]) -> LoadResult | LocalLoad:
         """Every rank: the local tier's copy, when every rank has one that fits (see
-        :func:`.resume.load_local`); NONE or FAILED otherwise."""
+        :func:`.resume.load_local`); else, with a peer tier, the nodes' copies at any world size
+        (:meth:`.peer_tier.PeerTier.load`); NONE or FAILED otherwise."""
         t0 = time.monotonic()
         loaded = resume_plan.load_local(
             self.local,
