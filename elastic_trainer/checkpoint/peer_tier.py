@@ -21,6 +21,10 @@ files fetched from a holder on first use, each checked against the source's mani
 Every item DCP reads is checked against its source manifest's checksums. Any gap, unreachable
 holder or bad byte on any rank: every rank falls back to checkpoint.dir (never a partial load),
 and the source copy that failed is dropped where it was held.
+
+The merge relies on DCP's storage items (``Metadata.storage_data`` values) being dataclasses with a
+``relative_path``, as :mod:`.integrity` does; tests/unit/test_peer_holder.py's merged-metadata
+test fails loudly if a torch release changes that.
 """
 
 from __future__ import annotations
@@ -453,6 +457,7 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
             items.update({(f"r{src}/{f}", off): v for (f, off), v in checks.items.items()})
             merged = _merge(merged, pickle.loads(raw), src)  # noqa: S301 - verified against the signed manifest
         _check_coverage(merged)
+        self._items = merged.storage_data
         data = pickle.dumps(merged)
         with open(os.path.join(work, layout.METADATA), "wb") as f:
             f.write(data)
@@ -497,7 +502,7 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
 
     def read_data(self, plan, planner):
         try:
-            for rel in sorted({self.storage_data[i.storage_index].relative_path for i in plan.items}):
+            for rel in sorted({self._items[i.storage_index].relative_path for i in plan.items}):
                 src_dir, _, name = rel.partition("/")
                 self._ensure(int(src_dir[1:]), name)
             return super().read_data(plan, planner)

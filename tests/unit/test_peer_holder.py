@@ -218,3 +218,44 @@ def test_a_rank_replicates_its_newest_copy_to_its_ring_targets(holder, tmp_path)
         assert c.get("e1", 4, 1, 2, "__0_0.distcp") == b"s" * 104
     finally:
         r.close()
+
+
+def test_merged_metadata_keeps_replicated_items_once_and_refuses_a_gap():
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from elastic_trainer.checkpoint.peer_tier import _check_coverage, _merge
+    from elastic_trainer.errors import CheckpointIntegrityError
+
+    def source(rows: tuple[int, int]) -> Metadata:
+        off, n = torch.Size([rows[0], 0]), torch.Size([rows[1], 4])
+        chunk = ChunkStorageMetadata(offsets=off, sizes=n)
+        w = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([6, 4]), [chunk])
+        return Metadata(
+            state_dict_metadata={"w": w, "train": BytesStorageMetadata()},
+            planner_data={"w": ("w",), "train": ("train",)},
+            storage_data={
+                MetadataIndex("w", off): _StorageInfo("__0_0.distcp", 0, 4 * rows[1] * 4),
+                MetadataIndex("train", None): _StorageInfo("__0_0.distcp", 100, 8),
+            },
+        )
+
+    merged = None
+    for src, rows in enumerate([(0, 2), (2, 2), (4, 2)]):
+        merged = _merge(merged, source(rows), src)
+    _check_coverage(merged)
+    assert [tuple(c.offsets) for c in merged.state_dict_metadata["w"].chunks] == [(0, 0), (2, 0), (4, 0)]
+    assert merged.storage_data[MetadataIndex("w", torch.Size([4, 0]))].relative_path == "r2/__0_0.distcp"
+    assert merged.storage_data[MetadataIndex("train", None)].relative_path == "r0/__0_0.distcp"  # once, the first
+
+    gap = _merge(_merge(None, source((0, 2)), 0), source((4, 2)), 2)
+    with pytest.raises(CheckpointIntegrityError, match="16 of its 24 elements"):
+        _check_coverage(gap)
