@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import contract
+from .. import contract, faults
 from ..errors import CheckpointIntegrityError
 from ..events import EventLog
 from ..metrics.sink import MetricsSink
@@ -189,24 +189,27 @@ class Replicator:
         world = int(job.manifest["world_size"])
         files = job.manifest.get("files") or {}
         client = self._clients.setdefault(target, Client(target, self.job, self.key))
+        listing = {n: [n, int(f["size"]), int(f["xxh3"])] for n, f in sorted(files.items())}
         try:
             for name in sorted(files):
                 if self._superseded(job):
                     return False
-                n = client.put_file(
-                    job.epoch,
-                    job.step,
-                    self.rank,
-                    world,
-                    name,
-                    os.path.join(job.path, name),
-                    lambda: self._superseded(job),
-                )
+                path = os.path.join(job.path, name)
+                if faults.corrupting_replicas() and name.endswith(".distcp"):  # tests only
+                    with open(path, "rb") as f:
+                        data = faults.maybe_corrupt_replica(job.step, f.read())
+                    client.put(job.epoch, job.step, self.rank, world, name, data)
+                    n, listing[name][2] = len(data), xxh3(data)
+                else:
+                    n = client.put_file(
+                        job.epoch, job.step, self.rank, world, name, path, lambda: self._superseded(job)
+                    )
                 if n < 0:
                     return False
                 sent += n
-            listing = [[n, int(f["size"]), int(f["xxh3"])] for n, f in sorted(files.items())]
-            client.seal(job.epoch, job.step, self.rank, world, listing, json.dumps(job.manifest).encode())
+            client.seal(
+                job.epoch, job.step, self.rank, world, list(listing.values()), json.dumps(job.manifest).encode()
+            )
         except (OSError, KeyError, ValueError) as e:
             self.metrics.counter("elastic_trainer_checkpoint_peer_send_failures_total")
             if target not in self._failing:
