@@ -223,7 +223,7 @@ class Replicator:
         return True
 
     def idle(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` s) until nothing is queued or being sent (tests, close)."""
+        """Wait (at most ``timeout`` s) until nothing is queued or being sent (tests)."""
         with self._cv:
             return self._cv.wait_for(lambda: self._next is None and not self._active, timeout)
 
@@ -268,23 +268,24 @@ class PeerTier:
         self.replicas, self.holder, self.node = replicas, holder, node
         self.metrics, self.events = metrics, events
         self.disk = NodeCopies(tier.root)
-        self.holders: dict[int, str] = {}  # node rank -> holder address, learnt at connect
-        self.replicator: Replicator | None = None
+        self.holders: dict[int, str] | None = None  # node rank -> holder address, learnt at connect
+        self.replicator: Replicator | None = None  # None: nowhere to replicate to
 
     def connect(self, agreement: Agreement) -> None:
         """Collective, once per process: learn every node's holder; start this rank's sender."""
-        if self.replicator is not None:
+        if self.holders is not None:
             return
         views = agreement.gather((self.node, self.holder))
         self.holders = {n: a for n, a in views if a}
         targets = [self.holders[n] for n in ring_targets(list(self.holders), self.node, self.replicas)]
-        self.replicator = Replicator(self.job, self.key, self.tier.rank, targets, self.metrics)
-        if not targets and self.tier.rank == 0:
+        if targets:
+            self.replicator = Replicator(self.job, self.key, self.tier.rank, targets, self.metrics)
+        elif self.tier.rank == 0:
             logger.info("peer tier: no other node's holder to replicate to (%d node(s) hold copies)", len(self.holders))
 
     def replicate(self, epoch: str, step: int, manifest: dict[str, Any]) -> None:
         """After this rank's local copy of ``step`` committed (any thread): send it in the background."""
-        if self.replicator is not None and self.replicator.targets:
+        if self.replicator is not None:
             self.replicator.submit(epoch, step, self.tier.rank_dir(epoch, step), manifest)
 
     def close(self) -> None:
@@ -312,7 +313,7 @@ class PeerTier:
         first, then every holder (its own node's first)."""
         out: dict[tuple, dict[int, tuple[str, dict]]] = {}
         sources: list[tuple[str, list[dict]]] = [(DISK, self.disk.inventory())]
-        order = sorted(self.holders.items(), key=lambda kv: (kv[0] != self.node, kv[0]))
+        order = sorted((self.holders or {}).items(), key=lambda kv: (kv[0] != self.node, kv[0]))
         for _, address in order:
             try:
                 client = Client(address, self.job, self.key, timeout=10.0)
