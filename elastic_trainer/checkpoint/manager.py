@@ -592,7 +592,7 @@ class CheckpointManager:
                     extra=extra,
                 )
                 if self.peer is not None:
-                    self.peer.replicate(epoch, step, manifest)
+                    self.peer.replicate(epoch, step)
             except BaseException as e:  # noqa: BLE001 - the local tier is best effort; checkpoint.dir is the record
                 logger.warning("local copy of step %d failed on this rank: %s: %s", step, type(e).__name__, e)
                 self.metrics.counter("elastic_trainer_checkpoint_local_save_failures_total")

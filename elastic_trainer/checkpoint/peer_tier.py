@@ -137,13 +137,13 @@ def _listdir(d: str) -> list[str]:
 class _Job:
     epoch: str
     step: int
-    path: str
-    manifest: dict[str, Any]
+    path: str  # the committed copy's directory (its manifest.json lists what to send)
 
 
 class Replicator:
-    """This rank's sender: :meth:`submit` a committed copy; a background thread sends it to
-    ``targets`` (holder addresses). Counts bytes and seconds in the metrics sink; never raises."""
+    """This rank's sender: :meth:`submit` a committed copy's directory; a background thread sends
+    its files and then its manifest to ``targets`` (holder addresses). Counts bytes and seconds
+    in the metrics sink; never raises."""
 
     def __init__(self, job: str, key: bytes, rank: int, targets: list[str], metrics: MetricsSink):
         self.job, self.key, self.rank = job, key, rank
@@ -159,9 +159,9 @@ class Replicator:
         self._thread = threading.Thread(target=self._run, name=f"et-peer-send-{rank}", daemon=True)
         self._thread.start()
 
-    def submit(self, epoch: str, step: int, path: str, manifest: dict[str, Any]) -> None:
+    def submit(self, epoch: str, step: int, path: str) -> None:
         with self._cv:
-            self._next = _Job(epoch, step, path, manifest)
+            self._next = _Job(epoch, step, path)
             self._cv.notify_all()
 
     def _superseded(self, job: _Job) -> bool:
@@ -186,11 +186,13 @@ class Replicator:
     def _send(self, job: _Job, target: str) -> bool:
         t0 = time.monotonic()
         sent = 0
-        world = int(job.manifest["world_size"])
-        files = job.manifest.get("files") or {}
         client = self._clients.setdefault(target, Client(target, self.job, self.key))
-        listing = {n: [n, int(f["size"]), int(f["xxh3"])] for n, f in sorted(files.items())}
         try:
+            with open(os.path.join(job.path, layout.MANIFEST), "rb") as f:
+                raw = f.read()
+            manifest = json.loads(raw)
+            world, files = int(manifest["world_size"]), manifest["files"]
+            listing = {n: [n, int(f["size"]), int(f["xxh3"])] for n, f in sorted(files.items())}
             for name in sorted(files):
                 if self._superseded(job):
                     return False
@@ -207,10 +209,8 @@ class Replicator:
                 if n < 0:
                     return False
                 sent += n
-            client.seal(
-                job.epoch, job.step, self.rank, world, list(listing.values()), json.dumps(job.manifest).encode()
-            )
-        except (OSError, KeyError, ValueError) as e:
+            client.seal(job.epoch, job.step, self.rank, world, list(listing.values()), raw)
+        except (OSError, KeyError, TypeError, ValueError) as e:
             self.metrics.counter("elastic_trainer_checkpoint_peer_send_failures_total")
             if target not in self._failing:
                 self._failing.add(target)
@@ -283,10 +283,10 @@ class PeerTier:
         elif self.tier.rank == 0:
             logger.info("peer tier: no other node's holder to replicate to (%d node(s) hold copies)", len(self.holders))
 
-    def replicate(self, epoch: str, step: int, manifest: dict[str, Any]) -> None:
+    def replicate(self, epoch: str, step: int) -> None:
         """After this rank's local copy of ``step`` committed (any thread): send it in the background."""
         if self.replicator is not None:
-            self.replicator.submit(epoch, step, self.tier.rank_dir(epoch, step), manifest)
+            self.replicator.submit(epoch, step, self.tier.rank_dir(epoch, step))
 
     def close(self) -> None:
         if self.replicator is not None:

@@ -198,24 +198,26 @@ def test_a_rank_replicates_its_newest_copy_to_its_ring_targets(holder, tmp_path)
     from elastic_trainer.checkpoint.peer_tier import Replicator
     from elastic_trainer.metrics.sink import NullSink
 
-    def copy(step: int) -> tuple[str, dict]:
+    def copy(step: int) -> str:
         d = tmp_path / f"step-{step}"
         d.mkdir()
         files = {"__0_0.distcp": b"s" * (100 + step), ".metadata": b"m"}
         for n, b in files.items():
             (d / n).write_bytes(b)
         listing = {n: {"size": len(b), "xxh3": xxh3(b)} for n, b in files.items()}
-        return str(d), {"step": step, "world_size": 2, "files": listing}
+        (d / "manifest.json").write_text(json.dumps({"step": step, "world_size": 2, "files": listing}))
+        return str(d)
 
     r = Replicator(JOB, KEY, 1, [holder.address], NullSink())
     try:
         for step in (2, 4):
-            r.submit("e1", step, *copy(step))
+            r.submit("e1", step, copy(step))
             assert r.idle(10)
         assert r.sent == [2, 4]
         c = Client(holder.address, JOB, KEY)
         assert [(e["step"], e["src"], e["world"]) for e in c.inventory()] == [(2, 1, 2), (4, 1, 2)]
         assert c.get("e1", 4, 1, 2, "__0_0.distcp") == b"s" * 104
+        assert json.loads(c.inventory()[1]["manifest"])["files"]["__0_0.distcp"]["size"] == 104
     finally:
         r.close()
 
