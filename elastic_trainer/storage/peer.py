@@ -164,6 +164,7 @@ class Holder:
         self._copies: dict[CopyKey, _Copy] = {}
         self._nonces: dict[str, float] = {}
         self.refused = 0  # requests refused (authentication or job): a test and a log line see them
+        self._logged_at: float | None = None
         self._server: socketserver.ThreadingTCPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -208,16 +209,11 @@ class Holder:
                 except (ConnectionError, OSError, ValueError):
                     return
                 why = self._refusal(header)
+                body = _recv_exact(sock, blen) if blen and why is None else b""
+                if why is None and not hmac.compare_digest(hashlib.sha256(body).hexdigest(), str(header.get("body"))):
+                    why = "payload does not match its header"
                 if why is not None:
-                    with self._lock:
-                        self.refused += 1
-                    logger.warning("peer holder: refused a request (%s); connection closed", why)
-                    return
-                body = _recv_exact(sock, blen) if blen else b""
-                if not hmac.compare_digest(hashlib.sha256(body).hexdigest(), str(header.get("body", ""))):
-                    with self._lock:
-                        self.refused += 1
-                    logger.warning("peer holder: refused a request (payload does not match its header)")
+                    self._refused(why)
                     return
                 try:
                     reply, out = self._handle(header["op"], header.get("args") or {}, body)
@@ -228,6 +224,19 @@ class Holder:
             logger.debug("peer holder: connection ended: %s", e)
         finally:
             sock.close()
+
+    def _refused(self, why: str) -> None:
+        """Count a refusal; log it (at most one line per :data:`MAX_SKEW_SECONDS`: a caller
+        hammering the port does not flood the log)."""
+        now = self.clock()
+        with self._lock:
+            self.refused += 1
+            count = self.refused
+            quiet = self._logged_at is not None and now - self._logged_at < MAX_SKEW_SECONDS
+            if not quiet:
+                self._logged_at = now
+        if not quiet:
+            logger.warning("peer holder: refused a request (%s; %d refused so far); connection closed", why, count)
 
     def _refusal(self, header: dict[str, Any]) -> str | None:
         mac = header.get("mac")
