@@ -362,10 +362,12 @@ class _PeerManager:
     def commit_visible(self, step: int) -> bool:  # fault injection only: none in the benchmark
         return False
 
-    def votes(self) -> tuple[float, float, float]:
-        return 0.0, 0.0, 0.0
+    def votes(self):
+        from elastic_trainer.checkpoint.agreement import SaveVotes
 
-    def agreed(self, unsettled: float, failed: float, unusable: float) -> None:
+        return SaveVotes()
+
+    def agreed(self, votes) -> None:
         pass
 
     def drain_after_failure(self) -> bool:

@@ -20,10 +20,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elastic_trainer.checkpoint import integrity, layout
+from elastic_trainer.checkpoint import integrity, layout, writer_process
+from elastic_trainer.checkpoint.agreement import SaveVotes
 from elastic_trainer.checkpoint.catalog import Catalog
 from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.checkpoint.save import Save, SaveState
+from elastic_trainer.checkpoint.savers import RemoteSaver, Started
 from elastic_trainer.config import CheckpointConfig
 from elastic_trainer.events import EventLog, read_events
 from elastic_trainer.storage.fs import open_storage
@@ -46,24 +48,27 @@ class Weights:
         self.w = sd["w"].clone()
 
 
-class GatedSaver:
+class GatedSaver(RemoteSaver):
     """A checkpoint.dir saver whose staging and writing each wait for the test's go-ahead.
 
-    The state is copied at ``start`` (when staging is released) and written as a real
-    checksummed DCP checkpoint (single process) when writing is released, or fails with the
-    exception given to :meth:`fail`."""
+    ``writer``: "fake" copies the state when staging is released and writes it as a real
+    checksummed DCP checkpoint (single process) when writing is released; "thread" is the real
+    thread writer (:class:`RemoteSaver`), started when staging is released, its end held until
+    writing is released. Either fails with the exception given to :meth:`fail`. The process
+    writer's policy (:meth:`RemoteSaver.check`) is the real one, with ``stopped`` recording the
+    writer stops (no writer process runs in one process)."""
 
-    uses_writer_process = False
-
-    def __init__(self, storage, *, hold_staging: bool = False, hold_writing: bool = True):
-        self.storage = storage
+    def __init__(self, storage, *, writer="fake", hold_staging: bool = False, hold_writing: bool = True):
+        super().__init__(storage, None, mode="async", writer="thread")
+        self.writer = writer
         self.hold_staging, self.hold_writing = hold_staging, hold_writing
         self.started: list[str] = []
         self._gates: dict[str, tuple[threading.Event, threading.Event, list]] = {}
         self._threads: dict[str, threading.Thread] = {}
         self.failures_seen = 0
 
-    def start(self, states, name):
+    def start(self, save, states, manifest):
+        name = save.name
         self.started.append(name)
         staged, go, error = threading.Event(), threading.Event(), []
         self._gates[name] = (staged, go, error)
@@ -75,22 +80,29 @@ class GatedSaver:
 
         def run():
             staged.wait(WAIT)
-            copy = {k: {"w": v.state_dict()["w"].clone()} for k, v in states.items()}
+            if self.writer == "thread":
+                inner = RemoteSaver.start(self, save, states, manifest)
+                inner.staging.result(WAIT)
+            else:
+                copy = {k: {"w": v.state_dict()["w"].clone()} for k, v in states.items()}
             staging.set_result(None)
             go.wait(WAIT)
             if error:
                 written.set_exception(error[0])
                 return
             try:
-                writer = integrity.ChecksummedWriter(self.storage.dcp_writer(self.storage.join(name)))
-                dcp.save(copy, storage_writer=writer, no_dist=True)
+                if self.writer == "thread":
+                    inner.done.result(WAIT)
+                else:
+                    writer = integrity.ChecksummedWriter(self.storage.dcp_writer(self.storage.join(name)))
+                    dcp.save(copy, storage_writer=writer, no_dist=True)
                 written.set_result(None)
             except BaseException as e:  # noqa: BLE001 - handed to the manager like DCP would
                 written.set_exception(e)
 
         self._threads[name] = threading.Thread(target=run, daemon=True)
         self._threads[name].start()
-        return staging, written
+        return Started(staging, written)
 
     def join(self, name):
         """Until the write of ``name`` has ended and its callbacks have run (they run on its thread)."""
@@ -107,28 +119,15 @@ class GatedSaver:
         self._gates[name][2].append(exc)
         self._gates[name][1].set()
 
-    def failed(self):
+    def reset(self):
         self.failures_seen += 1
-
-    def start_writers(self):
-        pass
-
-    def writers_healthy(self):
-        return True
-
-    def stop_writers(self):
-        pass
-
-    def out_of_shared_memory(self):
-        return False
-
-    def use_thread_writer(self):
-        self.uses_writer_process = False
+        super().reset()
 
     def close(self):
         for staged, go, _ in self._gates.values():
             staged.set()
             go.set()
+        super().close()
 
 
 class ScriptedAgreement:
@@ -354,8 +353,8 @@ def test_a_save_settles_only_when_every_rank_has_settled(make):
 def _step_agreement(m, others_unsettled=0.0, others_failed=0.0, others_unusable=0.0):
     """What ``Step.agree`` does with the manager's votes: the all-reduced sums, the other ranks'
     votes added to this rank's."""
-    unsettled, failed, unusable = m.votes()
-    m.agreed(unsettled + others_unsettled, failed + others_failed, unusable + others_unusable)
+    mine = m.votes()
+    m.agreed(SaveVotes(mine.unsettled + others_unsettled, mine.failed + others_failed, mine.unusable + others_unusable))
 
 
 def test_a_save_settled_on_every_rank_at_the_step_s_all_reduce_needs_no_collective_of_its_own(make):
@@ -366,7 +365,7 @@ def test_a_save_settled_on_every_rank_at_the_step_s_all_reduce_needs_no_collecti
     save = begin(m, 1)
     m.test_saver.release(save.name)
     save.wait(time.monotonic() + WAIT)
-    assert m.votes() == (0.0, 0.0, 0.0)
+    assert m.votes() == SaveVotes(0.0, 0.0, 0.0)
     _step_agreement(m)
     calls = m.test_agreement.calls
     stats = m.save(2)
@@ -381,11 +380,12 @@ def test_a_save_settled_on_every_rank_at_the_step_s_all_reduce_needs_no_collecti
 
 
 @pytest.mark.parametrize("elsewhere", ["usable", "unusable", "out_of_shared_memory"])
-def test_the_process_writer_s_check_rides_on_the_step_s_all_reduce_too(make, elsewhere):
+def test_the_process_writer_s_check_rides_on_the_step_s_all_reduce_too(make, elsewhere, monkeypatch):
     m = make()
     m.test_saver.uses_writer_process = True
     stopped = []
-    m.test_saver.stop_writers = lambda: stopped.append(1)
+    monkeypatch.setattr(writer_process, "stop", lambda: stopped.append(1))
+    monkeypatch.setattr(writer_process, "healthy", lambda: True)
     m.load()
     save = begin(m, 1)
     m.test_saver.release(save.name)
@@ -402,7 +402,7 @@ def test_the_process_writer_s_check_rides_on_the_step_s_all_reduce_too(make, els
         assert m.test_agreement.calls > calls and stopped == [1] and not fallback
         assert m.test_saver.uses_writer_process
     else:  # new writers could not stage that rank's state either: every rank goes on with the thread writer
-        assert not stopped and [e["writer"] for e in fallback] == ["thread"]
+        assert stopped == [1] and [e["writer"] for e in fallback] == ["thread"]
         assert not m.test_saver.uses_writer_process
 
 
@@ -415,7 +415,7 @@ def test_without_that_agreement_the_save_settles_as_before(make, case):
         m.test_saver.release(first.name)
         first.wait(time.monotonic() + WAIT)
     if case == "unsettled_here":
-        assert m.votes() == (1.0, 0.0, 0.0)
+        assert m.votes() == SaveVotes(1.0, 0.0, 0.0)
     _step_agreement(
         m, others_unsettled=float(case == "unsettled_elsewhere"), others_failed=float(case == "failed_elsewhere")
     )
@@ -470,7 +470,7 @@ def test_a_rollback_abandons_a_save_still_writing_keeps_its_directory_and_never_
     )
     m.test_saver.release(stuck.name)
     m.test_saver.join(stuck.name)
-    m._commit_pool.submit(lambda: None).result(WAIT)  # a commit, had one been (wrongly) started, has run
+    m.committer.pool.submit(lambda: None).result(WAIT)  # a commit, had one been (wrongly) started, has run
     assert m.storage.exists(m.storage.join(stuck.name, layout.CHECKSUMS))
     assert not m.storage.exists(m.storage.join(stuck.name, layout.MANIFEST)) and stuck.state is S.ABANDONED
     assert m.last_committed_step == 10 and not events(m, "checkpoint_committed")[1:]
@@ -508,11 +508,11 @@ def test_the_newest_commit_mark_ignores_a_commit_from_before_a_load(make):
     m = make()
     m.load()
     save = begin(m, 40)
-    generation = m._generation
+    generation = m.committer.generation
     m._loaded(None, None, committed=None)  # a load happened in between (fresh state)
     save.staged()
     save.advance(S.COMMITTING)
     m.test_saver.release(save.name)
     m.test_saver.join(save.name)
-    m._commit(save, {}, generation)
+    m.committer.commit(save, {}, generation)
     assert save.state is S.COMMITTED and m.last_committed_step is None
