@@ -20,38 +20,21 @@ import torch
 
 from .. import faults
 from ..errors import FencedError
-from ..events import EventLog
-from ..metrics.sink import MetricsSink
 from . import failure
 from .catalog import Catalog
-from .save import Save, SaveState
+from .save import Save, SaveContext, SaveState
 
 logger = logging.getLogger(__name__)
 
 
 class Committer:
     """``catalog``: rank 0's (None on the other ranks: their part ends once written);
-    ``keep_last``/``keep_every``: retention; the rest goes into every manifest."""
+    ``keep_last``/``keep_every``: retention."""
 
-    def __init__(
-        self,
-        catalog: Catalog | None,
-        *,
-        world_size: int,
-        mesh_shape: list[int],
-        fingerprint: str,
-        keep_last: int,
-        keep_every: int,
-        events: EventLog,
-        metrics: MetricsSink,
-    ):
+    def __init__(self, catalog: Catalog | None, ctx: SaveContext, *, keep_last: int, keep_every: int):
         self.catalog = catalog
-        self.world_size = world_size
-        self.mesh_shape = mesh_shape
-        self.fingerprint = fingerprint
+        self.ctx = ctx
         self.keep = (keep_last, keep_every)
-        self.events = events
-        self.metrics = metrics
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit") if catalog is not None else None
         self._marks_off = False  # see _mark_writer
         self._lock = threading.Lock()
@@ -84,7 +67,7 @@ class Committer:
         with self._lock:
             self._fenced = why
         logger.error("%s", why)
-        self.events.emit("checkpoint_fenced", step=step, error=why)
+        self.ctx.events.emit("checkpoint_fenced", step=step, error=why)
 
     def mark_writer(self, name: str) -> None:
         """Rank 0: mark ``name`` with this epoch, on the commit thread (before its commit)."""
@@ -129,9 +112,9 @@ class Committer:
             manifest = self.catalog.commit(
                 save.name,
                 step=save.step,
-                world_size=self.world_size,
-                mesh_shape=self.mesh_shape,
-                fingerprint=self.fingerprint,
+                world_size=self.ctx.world_size,
+                mesh_shape=self.ctx.mesh_shape,
+                fingerprint=self.ctx.fingerprint,
                 torch_version=torch.__version__,
                 extra=extra,
             )
@@ -156,18 +139,18 @@ class Committer:
             duration,
             save.name,
         )
-        self.events.emit(
+        self.ctx.events.emit(
             "checkpoint_committed",
             step=save.step,
             name=save.name,
             bytes=manifest["total_bytes"],
             seconds=round(duration, 4),
-            world_size=self.world_size,
+            world_size=self.ctx.world_size,
         )
-        self.metrics.histogram("elastic_trainer_checkpoint_save_duration_seconds", duration)
-        self.metrics.counter("elastic_trainer_checkpoint_written_bytes_total", manifest["total_bytes"])
-        self.metrics.gauge("elastic_trainer_checkpoint_last_committed_step", save.step)
-        self.metrics.gauge("elastic_trainer_checkpoint_last_commit_timestamp_seconds", manifest["time"])
+        self.ctx.metrics.histogram("elastic_trainer_checkpoint_save_duration_seconds", duration)
+        self.ctx.metrics.counter("elastic_trainer_checkpoint_written_bytes_total", manifest["total_bytes"])
+        self.ctx.metrics.gauge("elastic_trainer_checkpoint_last_committed_step", save.step)
+        self.ctx.metrics.gauge("elastic_trainer_checkpoint_last_commit_timestamp_seconds", manifest["time"])
         try:
             self.catalog.retention(save.name, *self.keep)
         except FencedError as e:
@@ -178,10 +161,10 @@ class Committer:
 
     def report_failure(self, save: Save, error: str) -> None:
         logger.error("checkpoint step %d failed, not committed: %s", save.step, error)
-        self.events.emit(
+        self.ctx.events.emit(
             "checkpoint_failed", step=save.step, error=error[:2000], seconds=round(time.monotonic() - save.started, 4)
         )
-        self.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
+        self.ctx.metrics.counter("elastic_trainer_checkpoint_save_failures_total")
 
     def close(self) -> None:
         if self.pool is not None:

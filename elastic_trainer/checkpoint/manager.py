@@ -52,12 +52,13 @@ from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
 from . import layout, writer_process
 from .agreement import Agreed, Agreement, SaveVotes
-from .catalog import Catalog
+from .catalog import Catalog, checkpoint_key
 from .commit import Committer
+from .local_tier import LocalTier
 from .position import Position, SavePlan, plan_save, remote_due
 from .restore import Restorer
 from .resume import LoadResult
-from .save import Save, SaveState, SaveStats
+from .save import Save, SaveContext, SaveState, SaveStats
 from .savers import LocalSaver, RemoteSaver
 from .state import PerRank, manifest_summaries, state_types
 
@@ -113,50 +114,22 @@ class CheckpointManager:
         self.remote = remote or RemoteSaver(
             storage, group, mode=cfg.mode, writer=cfg.writer, cuda_staging=use_cuda_staging
         )
+        ctx = SaveContext(rank, world_size, mesh_shape, fingerprint, self.events, self.metrics)
         if local is None and cfg.local_dir:
-            local = LocalSaver.for_rank(
-                cfg,
-                storage.root,
-                rank,
-                world_size,
-                mesh_shape,
-                fingerprint,
-                use_cuda_staging,
-                self.events,
-                self.metrics,
-            )
+            tier = LocalTier(cfg.local_dir, storage.root, rank=rank, world_size=world_size, key=checkpoint_key())
+            local = LocalSaver(tier, ctx, mode=cfg.mode, cuda_staging=use_cuda_staging)
         # The local tier (checkpoint.local_dir): every save, per rank; checkpoint.dir gets every
         # remote_every-th (and every durable one). See checkpoint/local_tier.py.
         self._local_saver = local
         self.local = local.tier if local is not None else None
         self.catalog = Catalog(storage, epoch=epoch, events=self.events) if rank == 0 else None
-        self.committer = Committer(
-            self.catalog,
-            world_size=world_size,
-            mesh_shape=mesh_shape,
-            fingerprint=fingerprint,
-            keep_last=cfg.keep_last,
-            keep_every=cfg.keep_every,
-            events=self.events,
-            metrics=self.metrics,
-        )
+        self.committer = Committer(self.catalog, ctx, keep_last=cfg.keep_last, keep_every=cfg.keep_every)
         self.restorer = Restorer(
-            states,
-            storage,
-            self.catalog,
-            self.agreement,
-            group=group,
-            rank=rank,
-            world_size=world_size,
-            mesh_shape=mesh_shape,
-            fingerprint=fingerprint,
-            launch_id=launch_id,
-            local=self.local,
-            events=self.events,
-            metrics=self.metrics,
+            states, storage, self.catalog, self.agreement, ctx, group=group, launch_id=launch_id, local=self.local
         )
-        self._launch_id = launch_id
-        self._run_identity = run_identity or {}
+        # recorded in every manifest (state_types: compared at resume)
+        self._manifest = {"launch": launch_id, "finite": True, "run_identity": run_identity or {}}
+        self._manifest["state_types"] = state_types(states)
         self._inflight: Save | None = None
         self._agreed: Agreed | None = None  # the step's all-reduce about _inflight
         self.last_save: Save | None = None  # the newest settled save
@@ -167,7 +140,6 @@ class CheckpointManager:
         self._position = Position()  # the current state's lineage (same on every rank)
         self._committed: set[int] = set()  # steps this incarnation committed to checkpoint.dir (agreed)
         self._last_stats: SaveStats | None = None  # the newest save started (or timed out); staging adds to it
-        self._state_types = state_types(states)  # recorded in every manifest, compared at resume
         for s in states.values():
             if isinstance(s, PerRank):
                 s.bind(rank, world_size)
@@ -199,15 +171,10 @@ class CheckpointManager:
         self._abandon_inflight()
         restored = self.restorer.load(self._position, resume, clean=self.committer.generation == 0)
         self._position = restored.position
-        self._loaded(restored.result.step if restored.result else None, restored.tier, committed=restored.committed)
+        self.committer.loaded(restored.committed)  # a commit of a save from before this load no longer counts
+        self._loaded_step = restored.result.step if restored.result else None
+        self._loaded_tier, self._committed = restored.tier, set()
         return restored.result
-
-    def _loaded(self, step: int | None, tier: str | None, *, committed: int | None) -> None:
-        """The state now comes from ``step`` (None: fresh): a commit of a save from before this
-        load no longer counts (see :meth:`.commit.Committer.commit`)."""
-        self.committer.loaded(committed)
-        self._loaded_step, self._loaded_tier = step, tier
-        self._committed = set()
 
     def _abandon_inflight(self) -> None:
         """Before a load: a save still writing (a rollback after its deadline passed) is given up
@@ -314,16 +281,8 @@ class CheckpointManager:
     def _start(self, step: int, plan: SavePlan, started: float, meta: dict[str, Any] | None) -> None:
         """Start the savers ``plan`` names (no collectives) and wire their ends into the save."""
         self.metrics.gauge("elastic_trainer_checkpoint_saves_in_flight", 1)
-        manifest = {
-            "parent": None,
-            "seq": 0,
-            "launch": self._launch_id,
-            "finite": True,
-            "run_identity": self._run_identity,
-            "state_types": self._state_types,
-            "summaries": manifest_summaries(self.states),
-            **(meta or {}),
-        }
+        summaries = manifest_summaries(self.states)
+        manifest = {"parent": None, "seq": 0, **self._manifest, "summaries": summaries, **(meta or {})}
         deadline = started + self.cfg.save_timeout_seconds
         sync, epoch = self.cfg.mode == "sync", self._position.epoch
         save = Save(step, plan.name, started=started, deadline=deadline, staged=sync, epoch=epoch)
@@ -340,14 +299,7 @@ class CheckpointManager:
             if plan.name is not None:
                 save.track_local(committed)
             else:
-                committed.add_done_callback(lambda f: self._on_local_only(save, f.result()))
-
-    @staticmethod
-    def _on_local_only(save: Save, committed: bool) -> None:
-        save.staged()
-        save.advance(
-            SaveState.COMMITTED if committed else SaveState.FAILED, error="" if committed else "local copy failed"
-        )
+                committed.add_done_callback(lambda f: save.local_only_ended(f.result()))
 
     def wait_for_staging(self) -> float:
         """Block until the in-flight save has copied the state out. Returns the seconds waited."""

@@ -19,8 +19,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import CheckpointError, NoUsableCheckpointError
-from ..events import EventLog
-from ..metrics.sink import MetricsSink
 from ..storage.fs import Storage
 from . import resume as resume_plan
 from .agreement import Agreement
@@ -28,6 +26,7 @@ from .catalog import Catalog
 from .local_tier import LocalTier
 from .position import Position
 from .resume import Decision, LoadResult, LocalLoad
+from .save import SaveContext
 
 logger = logging.getLogger(__name__)
 
@@ -52,30 +51,20 @@ class Restorer:
         storage: Storage,
         catalog: Catalog | None,
         agreement: Agreement,
+        ctx: SaveContext,
         *,
         group: dist.ProcessGroup | None,
-        rank: int,
-        world_size: int,
-        mesh_shape: list[int],
-        fingerprint: str,
         launch_id: str,
         local: LocalTier | None,
-        events: EventLog,
-        metrics: MetricsSink,
     ):
         self.states = states
         self.storage = storage
         self.catalog = catalog
         self.agreement = agreement
+        self.ctx = ctx
         self.group = group
-        self.rank = rank
-        self.world_size = world_size
-        self.mesh_shape = mesh_shape
-        self.fingerprint = fingerprint
         self.launch_id = launch_id
         self.local = local
-        self.events = events
-        self.metrics = metrics
 
     def load(self, position: Position, resume: str, *, clean: bool) -> Restored:
         """``clean``: this manager has not loaded before (see :func:`.resume.decide`). Raises as
@@ -88,14 +77,14 @@ class Restorer:
                 resume_plan.decide(
                     self.catalog,
                     self.states,
-                    self.world_size,
+                    self.ctx.world_size,
                     resume,
                     frozenset(failed),
                     clean=not failed and clean,
                     launch_id=self.launch_id,
-                    events=self.events,
+                    events=self.ctx.events,
                 )
-                if self.rank == 0
+                if self.ctx.rank == 0
                 else None
             )
             decision = self.agreement.broadcast(decision)
@@ -136,9 +125,9 @@ class Restorer:
                 loaded = resume_plan.load_remote(self.states, self.storage, self.group, self.agreement, decision)
                 if loaded is None:
                     seconds = time.monotonic() - t0
-                    self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
-                    if self.rank == 0:
-                        resume_plan.report_evolution(self.events, name, step, decision)
+                    self.ctx.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
+                    if self.ctx.rank == 0:
+                        resume_plan.report_evolution(self.ctx.events, name, step, decision)
                     result = LoadResult(step, name, manifest, seconds, skipped_all, decision.first_start)
                     return Restored(result, position.loaded(name, int(manifest.get("seq", 0))), "remote", step)
                 reason = loaded
@@ -148,8 +137,8 @@ class Restorer:
 
     def _skip(self, name: str, step: int, reason: str) -> None:
         logger.error("checkpoint %s %s", name, reason)
-        if self.rank == 0:
-            self.events.emit("checkpoint_skipped", step=step, name=name, reason=reason)
+        if self.ctx.rank == 0:
+            self.ctx.events.emit("checkpoint_skipped", step=step, name=name, reason=reason)
             try:
                 self.catalog.quarantine(name, reason)
             except Exception as e:  # noqa: BLE001 - skipped in this start either way
@@ -168,18 +157,18 @@ class Restorer:
             decision,
             skipped,
             epoch=position.epoch,
-            rank=self.rank,
-            mesh_shape=self.mesh_shape,
-            fingerprint=self.fingerprint,
-            events=self.events,
+            rank=self.ctx.rank,
+            mesh_shape=self.ctx.mesh_shape,
+            fingerprint=self.ctx.fingerprint,
+            events=self.ctx.events,
         )
         if isinstance(loaded, LocalLoad):
             return loaded
         copy, chosen = loaded, decision.chosen
         manifest: dict[str, Any] = decision.manifest
         seconds = time.monotonic() - t0
-        self.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
-        self.metrics.counter("elastic_trainer_checkpoint_local_resumes_total")
+        self.ctx.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
+        self.ctx.metrics.counter("elastic_trainer_checkpoint_local_resumes_total")
         result = LoadResult(
             copy.step,
             os.path.relpath(copy.path, self.local.root),

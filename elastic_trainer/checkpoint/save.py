@@ -37,6 +37,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..events import EventLog
+from ..metrics.sink import MetricsSink
+
 logger = logging.getLogger(__name__)
 
 
@@ -150,6 +153,13 @@ class Save:
         self.staged()
         return time.monotonic() - t0
 
+    def local_only_ended(self, committed: bool) -> None:
+        """A save to the local tier only: its local copy was ``committed``, or failed."""
+        self.staged()
+        self.advance(
+            SaveState.COMMITTED if committed else SaveState.FAILED, error="" if committed else "local copy failed"
+        )
+
     def track_local(self, done: Future) -> None:
         """The best-effort local copy of a checkpoint.dir save: part of :attr:`settled`."""
         self.local = done
@@ -189,3 +199,17 @@ class SaveStats:
     @property
     def stall(self) -> float:
         return self.wait_previous + self.call + self.staging_wait
+
+
+@dataclass(frozen=True)
+class SaveContext:
+    """Who saves, and where it is reported: this ``rank`` of ``world_size``, the ``mesh_shape``
+    and model ``fingerprint`` every manifest records, and the run's ``events`` (emitted on rank 0
+    only where a rank's event would repeat) and ``metrics``."""
+
+    rank: int
+    world_size: int
+    mesh_shape: list[int]
+    fingerprint: str
+    events: EventLog
+    metrics: MetricsSink

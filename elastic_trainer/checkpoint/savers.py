@@ -29,15 +29,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..config import CheckpointConfig
 from ..events import EventLog
-from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
 from . import integrity, save_planner, writer_process
 from .agreement import Agreement
-from .catalog import checkpoint_key
 from .local_tier import LocalTier
-from .save import Save
+from .save import Save, SaveContext
 
 logger = logging.getLogger(__name__)
 
@@ -285,53 +282,14 @@ class RemoteSaver:
 class LocalSaver:
     """This rank's copies in the local tier, with their own stager (the checkpoint.dir upload of
     the same step may still be reading the other one's buffers). Commits each copy itself
-    (:meth:`commit`): best effort, checkpoint.dir is the record. ``mesh_shape``/``fingerprint``
-    go into its manifests; ``events``: the run's (emitted on rank 0)."""
+    (:meth:`commit`): best effort, checkpoint.dir is the record."""
 
-    def __init__(
-        self,
-        tier: LocalTier,
-        *,
-        mode: str = "async",
-        cuda_staging: bool = False,
-        mesh_shape: list[int],
-        fingerprint: str,
-        events: EventLog | None = None,
-        metrics: MetricsSink | None = None,
-    ):
+    def __init__(self, tier: LocalTier, ctx: SaveContext, *, mode: str = "async", cuda_staging: bool = False):
         self.tier = tier
+        self.ctx = ctx
         self.sync = mode == "sync"
-        self.mesh_shape = mesh_shape
-        self.fingerprint = fingerprint
-        self.events = events or EventLog(None)
-        self.metrics = metrics or NullSink()
         self._stager = _Staged(cuda_staging, shared_memory=False)
         self._uploads = _Uploads("et-local-upload")
-
-    @classmethod
-    def for_rank(
-        cls,
-        cfg: CheckpointConfig,
-        ckpt_dir: str,
-        rank: int,
-        world_size: int,
-        mesh_shape: list[int],
-        fingerprint: str,
-        cuda_staging: bool,
-        events: EventLog,
-        metrics: MetricsSink,
-    ) -> LocalSaver:
-        """The local saver of a rank of a job saving into ``ckpt_dir`` per ``cfg``."""
-        tier = LocalTier(cfg.local_dir, ckpt_dir, rank=rank, world_size=world_size, key=checkpoint_key())
-        return cls(
-            tier,
-            mode=cfg.mode,
-            cuda_staging=cuda_staging,
-            mesh_shape=mesh_shape,
-            fingerprint=fingerprint,
-            events=events,
-            metrics=metrics,
-        )
 
     def start(self, save: Save, states: dict[str, Stateful], manifest: dict[str, Any]) -> Started:
         """This rank's copy of ``save`` (named by its epoch and step), committed with ``manifest``
@@ -360,18 +318,18 @@ class LocalSaver:
             sealed = self.tier.commit(
                 save.epoch,
                 save.step,
-                mesh_shape=self.mesh_shape,
-                fingerprint=self.fingerprint,
+                mesh_shape=self.ctx.mesh_shape,
+                fingerprint=self.ctx.fingerprint,
                 torch_version=torch.__version__,
                 extra=manifest,
             )
         except BaseException as e:  # noqa: BLE001 - the local tier is best effort; checkpoint.dir is the record
             logger.warning("local copy of step %d failed on this rank: %s: %s", save.step, type(e).__name__, e)
-            self.metrics.counter("elastic_trainer_checkpoint_local_save_failures_total")
+            self.ctx.metrics.counter("elastic_trainer_checkpoint_local_save_failures_total")
             return False
-        self.metrics.counter("elastic_trainer_checkpoint_local_saves_total")
-        if self.tier.rank == 0:
-            self.events.emit(
+        self.ctx.metrics.counter("elastic_trainer_checkpoint_local_saves_total")
+        if self.ctx.rank == 0:
+            self.ctx.events.emit(
                 "checkpoint_local_saved",
                 step=save.step,
                 bytes=sealed["total_bytes"],

@@ -509,7 +509,7 @@ def test_the_newest_commit_mark_ignores_a_commit_from_before_a_load(make):
     m.load()
     save = begin(m, 40)
     generation = m.committer.generation
-    m._loaded(None, None, committed=None)  # a load happened in between (fresh state)
+    m.committer.loaded(None)  # a load happened in between (fresh state)
     save.staged()
     save.advance(S.COMMITTING)
     m.test_saver.release(save.name)
