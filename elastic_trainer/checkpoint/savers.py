@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ class Started(NamedTuple):
     done: Future
 
 
+@runtime_checkable
 class Saver(Protocol):
     """What writes a save's bytes (see the module's docstring)."""
 

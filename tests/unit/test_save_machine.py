@@ -28,7 +28,7 @@ from elastic_trainer.checkpoint.agreement import SaveVotes
 from elastic_trainer.checkpoint.catalog import Catalog
 from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.checkpoint.save import Save, SaveState
-from elastic_trainer.checkpoint.savers import RemoteSaver, Started
+from elastic_trainer.checkpoint.savers import RemoteSaver, Saver, Started
 from elastic_trainer.config import CheckpointConfig
 from elastic_trainer.events import EventLog, read_events
 from elastic_trainer.storage.fs import open_storage
@@ -297,6 +297,7 @@ def test_an_async_save_goes_staging_writing_committing_committed(make, saver):
     assert [e["step"] for e in events(m, "checkpoint_committed")] == [5]
     assert Catalog(m.storage).plan_resume("latest").chosen.step == 5
     assert local_copies(m) == ([5] if saver == "local" else [])
+    assert all(isinstance(s, Saver) for s in (m.remote, m._local_saver) if s is not None)
 
 
 @pytest.mark.parametrize("saver", SAVERS)
