@@ -65,7 +65,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
 
     from elastic_trainer.checkpoint import integrity
     from elastic_trainer.checkpoint.manager import CheckpointManager
-    from elastic_trainer.checkpoint.savers import RemoteSaver
+    from elastic_trainer.checkpoint.savers import remote_saver
     from elastic_trainer.checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState
     from elastic_trainer.config import config_from_dict
     from elastic_trainer.events import EventLog
@@ -149,7 +149,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         writer, _, nice = mode.partition("-nice")
         mcfg = dataclasses.replace(cfg.checkpoint, dir=os.path.join(work, f"ckpt-{mode}"), writer=writer)
         storage = Storage.for_checkpoint(mcfg)
-        remote = RemoteSaver(storage, d.ckpt_group, mode=mcfg.mode, writer=writer, upload_nice=int(nice or 0))
+        remote = remote_saver(storage, d.ckpt_group, mode=mcfg.mode, writer=writer, upload_nice=int(nice or 0))
         managers[mode] = manager(mcfg, storage, remote=remote)
 
     class _BlockCheckpointer(Checkpointer):

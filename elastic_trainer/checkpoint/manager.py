@@ -33,7 +33,7 @@ is kept out of the names later saves use.
 
 With ``checkpoint.writer = "process"`` the checkpoint.dir upload runs in a persistent writer
 process per rank; before each such save the ranks also agree that every writer is usable, and
-replace them all together when one is not (:meth:`.savers.RemoteSaver.check`).
+replace them all together when one is not (:meth:`.savers.ProcessWriterSaver.check`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from .position import Position, SavePlan, plan_save, remote_due
 from .restore import Restorer
 from .resume import LoadResult
 from .save import Save, SaveContext, SaveState, SaveStats
-from .savers import LocalSaver, RemoteSaver
+from .savers import LocalSaver, RemoteSaver, remote_saver
 from .state import PerRank, manifest_summaries, state_types
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ _OK = (SaveState.COMMITTED, SaveState.WRITTEN)  # a save's ends that mean "this 
 class CheckpointManager:
     """Checkpointing of named ``Stateful`` objects on every rank.
 
-    ``remote``/``local``: the savers (defaults: :class:`~.savers.RemoteSaver` into ``storage``
+    ``remote``/``local``: the savers (defaults: :func:`~.savers.remote_saver` into ``storage``
     per ``cfg.mode``/``cfg.writer``, and a :class:`~.savers.LocalSaver` when ``cfg.local_dir`` is
     set); ``agreement``: how the ranks agree (default: the process groups; with one rank, the
     identity). ``group`` is the checkpoint group DCP loads and saves on; ``control_group`` the
@@ -111,7 +111,7 @@ class CheckpointManager:
         self.events = events or EventLog(None)
         self.metrics = metrics or NullSink()
         self.agreement = agreement or Agreement(world_size, group, control_group)
-        self.remote = remote or RemoteSaver(
+        self.remote = remote or remote_saver(
             storage, group, mode=cfg.mode, writer=cfg.writer, cuda_staging=use_cuda_staging
         )
         ctx = SaveContext(rank, world_size, mesh_shape, fingerprint, self.events, self.metrics)
@@ -372,7 +372,8 @@ class CheckpointManager:
         self._agreed = Agreed(self._inflight, votes.unsettled == 0, votes.failed == 0, votes.unusable == 0)
         if not self._writers_started:  # the first step: every rank here together, before any save
             self._writers_started = True
-            self.remote.start_writers()
+            if self.remote.uses_writer_process:
+                self.remote.start_writers()
 
     def finish(self, timeout: float | None = None) -> bool:
         """Collective: wait for the save in flight to be written and committed, at most

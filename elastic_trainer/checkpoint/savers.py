@@ -7,11 +7,12 @@ has ended), never raising: a save that cannot start is a ``done`` that failed. `
 whether the next save can be written; ``reset`` puts the saver back in a known state after one of
 its saves failed; ``close`` stops it.
 
-* :class:`RemoteSaver`: a checkpoint.dir directory through DCP (``dcp.save``, on an upload
-  thread kept between saves when async, or ``dcp.async_save`` on a writer process per rank, see
-  :mod:`.writer_process`), with the checksummed writer, a background stager and the plan cache.
-  ``done`` resolves once this rank's bytes are written (its exception: why not); rank 0's commit
-  is the manager's. The process writer's policy lives here too (:meth:`RemoteSaver.check`).
+* :class:`RemoteSaver` (the thread writer) and :class:`ProcessWriterSaver` (the process writer):
+  a checkpoint.dir directory through DCP (``dcp.save``, on an upload thread kept between saves
+  when async, or ``dcp.async_save`` on a writer process per rank, see :mod:`.writer_process`),
+  with the checksummed writer, a background stager and the plan cache. ``done`` resolves once
+  this rank's bytes are written (its exception: why not); rank 0's commit is the manager's. The
+  process writer's policy is its saver's (:meth:`ProcessWriterSaver.check`).
 * :class:`LocalSaver`: this rank's copy in the local tier (``checkpoint.local_dir``), no
   collectives. It commits its own copy: ``done`` resolves to whether the copy was committed.
 """
@@ -148,10 +149,30 @@ class _Staged:
         self._stager = None
 
 
+def remote_saver(
+    storage: Storage,
+    group: dist.ProcessGroup | None,
+    *,
+    mode: str = "async",
+    writer: str = "thread",
+    cuda_staging: bool = False,
+    upload_nice: int = 0,
+) -> RemoteSaver:
+    """The checkpoint.dir saver for ``checkpoint.mode``/``checkpoint.writer``: the process
+    writer for async saves with ``writer = "process"``, else the thread writer."""
+    if writer not in ("thread", "process"):
+        raise ValueError(f"checkpoint.writer: expected thread or process, got {writer!r}")
+    if writer == "process" and mode != "sync":
+        return ProcessWriterSaver(storage, group, cuda_staging=cuda_staging, upload_nice=upload_nice)
+    return RemoteSaver(storage, group, mode=mode, cuda_staging=cuda_staging, upload_nice=upload_nice)
+
+
 class RemoteSaver:
-    """Every rank: DCP saves into checkpoint.dir directories. ``mode``: ``checkpoint.mode``
-    (sync / async); ``writer``: ``checkpoint.writer`` (thread / process); ``upload_nice``: the
+    """The thread writer, every rank: DCP saves into checkpoint.dir directories, on an upload
+    thread kept between saves (``mode = "sync"``: on the calling thread). ``upload_nice``: the
     CPU niceness of the writing thread (never the training thread)."""
+
+    uses_writer_process = False
 
     def __init__(
         self,
@@ -159,42 +180,75 @@ class RemoteSaver:
         group: dist.ProcessGroup | None,
         *,
         mode: str = "async",
-        writer: str = "thread",
         cuda_staging: bool = False,
         upload_nice: int = 0,
+        shared_memory: bool = False,
     ):
-        if writer not in ("thread", "process"):
-            raise ValueError(f"checkpoint.writer: expected thread or process, got {writer!r}")
         self.storage = storage
         self.group = group
         self.sync = mode == "sync"
-        self.uses_writer_process = writer == "process" and not self.sync
         self._upload_nice = upload_nice
         self._cuda_staging = cuda_staging
-        self._stager = _Staged(cuda_staging, shared_memory=writer == "process")
+        self._stager = _Staged(cuda_staging, shared_memory=shared_memory)
         self._uploads = _Uploads("et-upload")
         self._plan_key = save_planner.new_key()  # DCP plan cache of these saves
-        self._writer_failed = False  # process writer: a save failed; restart the writers before the next
+
+    def _writer_and_planner(self, name: str):
+        writer = integrity.ChecksummedWriter(
+            self.storage.dcp_writer(self.storage.join(name)), upload_nice=0 if self.sync else self._upload_nice
+        )
+        return writer, save_planner.make(self._plan_key)
 
     def start(self, save: Save, states: dict[str, Stateful], manifest: dict[str, Any]) -> Started:
         """This rank's bytes of ``save`` into its checkpoint.dir directory (``manifest`` is rank
         0's commit's, not the saver's)."""
         try:
-            writer = integrity.ChecksummedWriter(
-                self.storage.dcp_writer(self.storage.join(save.name)), upload_nice=0 if self.sync else self._upload_nice
-            )
-            planner = save_planner.make(self._plan_key)
+            writer, planner = self._writer_and_planner(save.name)
             if self.sync:
                 dcp.save(states, storage_writer=writer, process_group=self.group, planner=planner)
                 return _done()
-            if not self.uses_writer_process:
-                return self._uploads.start(
-                    states,
-                    self._stager.get(),
-                    lambda staged: dcp.save(staged, storage_writer=writer, process_group=self.group, planner=planner),
-                )
-            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+            return self._uploads.start(
+                states,
+                self._stager.get(),
+                lambda staged: dcp.save(staged, storage_writer=writer, process_group=self.group, planner=planner),
+            )
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a save that cannot start is a failed save
+            return _failed(e)
 
+    def healthy(self) -> bool:
+        return True
+
+    def reset(self) -> None:
+        """After a failed save: the ranks' plan caches may be out of step; plan the next afresh."""
+        save_planner.forget(self._plan_key)
+
+    def close(self) -> None:
+        save_planner.forget(self._plan_key)
+        self._uploads.close()
+        self._stager.close()
+
+
+class ProcessWriterSaver(RemoteSaver):
+    """The process writer (``checkpoint.writer = "process"``, async), every rank: ``dcp.async_save``
+    on a persistent writer process per rank (:mod:`.writer_process`), staged in shared memory.
+    Owns the writers' policy: before a save the ranks agree that every writer is usable, and
+    replace them all together when one is not (:meth:`check`); when a rank's state does not fit
+    in shared memory, every rank falls back to the thread writer for good."""
+
+    def __init__(
+        self, storage: Storage, group: dist.ProcessGroup | None, *, cuda_staging: bool = False, upload_nice: int = 0
+    ):
+        super().__init__(storage, group, cuda_staging=cuda_staging, upload_nice=upload_nice, shared_memory=True)
+        self.uses_writer_process = True  # False once every rank fell back to the thread writer
+        self._writer_failed = False  # a save failed: check (and restart) the writers before the next
+
+    def start(self, save: Save, states: dict[str, Stateful], manifest: dict[str, Any]) -> Started:
+        if not self.uses_writer_process:
+            return super().start(save, states, manifest)
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        try:
+            writer, planner = self._writer_and_planner(save.name)
             writer_process.wait_started()
             resp = dcp.async_save(
                 states,
@@ -209,15 +263,13 @@ class RemoteSaver:
         return Started(resp.staging_completion, resp.upload_completion)
 
     def healthy(self) -> bool:
-        """This rank's writer process is usable (always, without one): alive, and no save of it
-        failed since the writers were last checked."""
+        """This rank's writer process is usable (always, once fallen back): alive, and no save of
+        it failed since the writers were last checked."""
         return not self.uses_writer_process or (writer_process.healthy() and not self._writer_failed)
 
     def reset(self) -> None:
-        """After a failed save: the ranks' plan caches may be out of step, so the next save plans
-        afresh; with the process writer, the writers are checked (and restarted) before the next
-        save (:meth:`check`)."""
-        save_planner.forget(self._plan_key)
+        """After a failed save: plan the next afresh, and check the writers before it."""
+        super().reset()
         self._writer_failed = self.uses_writer_process
 
     def start_writers(self) -> None:
@@ -273,11 +325,9 @@ class RemoteSaver:
         save_planner.forget(self._plan_key)
 
     def close(self) -> None:
-        save_planner.forget(self._plan_key)
         if self.uses_writer_process:
             writer_process.stop()
-        self._uploads.close()
-        self._stager.close()
+        super().close()
 
 
 class LocalSaver:

@@ -28,7 +28,7 @@ from elastic_trainer.checkpoint.agreement import SaveVotes
 from elastic_trainer.checkpoint.catalog import Catalog
 from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.checkpoint.save import Save, SaveState
-from elastic_trainer.checkpoint.savers import RemoteSaver, Saver, Started
+from elastic_trainer.checkpoint.savers import ProcessWriterSaver, RemoteSaver, Saver, Started
 from elastic_trainer.config import CheckpointConfig
 from elastic_trainer.events import EventLog, read_events
 from elastic_trainer.storage.fs import open_storage
@@ -51,19 +51,21 @@ class Weights:
         self.w = sd["w"].clone()
 
 
-class GatedSaver(RemoteSaver):
+class GatedSaver(ProcessWriterSaver):
     """A checkpoint.dir saver whose staging and writing each wait for the test's go-ahead.
 
     ``writer``: "fake" copies the state when staging is released and writes it as a real
     checksummed DCP checkpoint (single process) when writing is released; "thread" is the real
     thread writer (:class:`RemoteSaver`), started when staging is released, its end held until
-    writing is released. Either fails with the exception given to :meth:`fail`. The process
-    writer's policy (:meth:`RemoteSaver.check`) is the real one, with ``stopped`` recording the
-    writer stops (no writer process runs in one process)."""
+    writing is released. Either fails with the exception given to :meth:`fail`. It writes as the
+    thread writer does unless a test sets ``uses_writer_process``: then the process writer's
+    policy (:meth:`ProcessWriterSaver.check`) is the real one, with the writer processes stubbed
+    (no writer process runs in one process)."""
 
     def __init__(self, storage, *, writer="fake", hold_staging: bool = False, hold_writing: bool = True):
-        super().__init__(storage, None, mode="async", writer="thread")
-        self.writer = writer
+        super().__init__(storage, None)
+        self.uses_writer_process = False
+        self.thread_writer = RemoteSaver(storage, None) if writer == "thread" else None
         self.hold_staging, self.hold_writing = hold_staging, hold_writing
         self.started: list[str] = []
         self._gates: dict[str, tuple[threading.Event, threading.Event, list]] = {}
@@ -88,8 +90,8 @@ class GatedSaver(RemoteSaver):
                 staging.set_result(None)
                 written.set_exception(RuntimeError("the saver closed"))
                 return
-            if self.writer == "thread":
-                inner = RemoteSaver.start(self, save, states, manifest)
+            if self.thread_writer is not None:
+                inner = self.thread_writer.start(save, states, manifest)
                 if inner.staging is not None:  # None: it could not start (its done future says why)
                     inner.staging.result(WAIT)
             else:
@@ -100,7 +102,7 @@ class GatedSaver(RemoteSaver):
                 written.set_exception(error[0])
                 return
             try:
-                if self.writer == "thread":
+                if self.thread_writer is not None:
                     inner.done.result(WAIT)
                 else:
                     writer = integrity.ChecksummedWriter(self.storage.dcp_writer(self.storage.join(name)))
@@ -137,6 +139,8 @@ class GatedSaver(RemoteSaver):
         for staged, go, _ in self._gates.values():
             staged.set()
             go.set()
+        if self.thread_writer is not None:
+            self.thread_writer.close()
         super().close()
 
 
