@@ -1,12 +1,13 @@
 """The peer tier (``checkpoint.peer_replicas``): every local-tier copy, replicated to other nodes'
 holders, and a load from any mix of nodes' copies at any world size.
 
-**Replication.** Once a rank's local copy of a step is committed (its signed manifest written),
-:class:`Replicator` sends the copy's files and then its manifest (``SEAL``) to the holders
-(:mod:`..storage.peer`) of ``peer_replicas`` other nodes: a ring over the node ranks of the
-current rendezvous round (node ``g`` sends to ``g+1 .. g+k``), never the source's own node. One
-sender thread per rank, never the training thread; a newer step supersedes one still queued or
-being sent. Each node's holder also serves that node's own copies from ``checkpoint.local_dir``
+**Replication.** Once a rank's local copy of a step is committed (its signed manifest written;
+:class:`PeerSaver` is the local saver with this step added), :class:`Replicator` sends the
+copy's files and then its manifest (``SEAL``) to the holders (:mod:`..storage.peer`) of
+``peer_replicas`` other nodes: a ring over the node ranks of the current rendezvous round
+(node ``g`` sends to ``g+1 .. g+k``), never the source's own node. One sender thread per rank,
+never the training thread; a newer step supersedes one still queued or being sent. Each
+node's holder also serves that node's own copies from ``checkpoint.local_dir``
 (:class:`NodeCopies`), so a copy is reachable while its node or one of its replicas lives.
 
 **Load** (:meth:`PeerTier.load`, every rank, when the own-copy local load is not possible): each
@@ -56,6 +57,8 @@ from .agreement import Agreement
 from .load_planner import load_planner
 from .local_tier import LocalTier, job_key
 from .resume import LocalLoad
+from .save import Save, SaveContext
+from .savers import LocalSaver, Started
 from .state import PerRank
 
 logger = logging.getLogger(__name__)
@@ -572,6 +575,36 @@ def _check_coverage(m: Metadata) -> None:
             have += v
         if have != whole:
             raise CheckpointIntegrityError(f"{fqn}: the sources hold {have} of its {whole} elements")
+
+
+class PeerSaver:
+    """A :class:`~.savers.Saver`: the local saver, each copy it commits then replicated to other
+    nodes by ``peer`` (in the background; the save's ``done`` is the local copy's)."""
+
+    def __init__(self, local: LocalSaver, peer: PeerTier):
+        self.local, self.peer, self.tier = local, peer, local.tier
+
+    def start(self, save: Save, states: dict[str, Stateful], manifest: dict[str, Any]) -> Started:
+        started = self.local.start(save, states, manifest)
+        started.done.add_done_callback(lambda f: f.result() and self.peer.replicate(save.epoch, save.step))
+        return started
+
+    def healthy(self) -> bool:
+        return self.local.healthy()
+
+    def reset(self) -> None:
+        self.local.reset()
+
+    def close(self) -> None:
+        self.local.close()
+        self.peer.close()
+
+
+def with_peers(local: LocalSaver, cfg, ckpt_dir: str, ctx: SaveContext) -> LocalSaver | PeerSaver:
+    """The local saver, with the peer tier per ``checkpoint.peer_replicas`` and the supervisor's
+    environment (:func:`from_env`) when it is on."""
+    peer = from_env(cfg, local.tier, ckpt_dir, key=local.tier.key, metrics=ctx.metrics, events=ctx.events)
+    return local if peer is None else PeerSaver(local, peer)
 
 
 def from_env(

@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -261,3 +262,49 @@ def test_merged_metadata_keeps_replicated_items_once_and_refuses_a_gap():
     gap = _merge(_merge(None, source((0, 2)), 0), source((4, 2)), 2)
     with pytest.raises(CheckpointIntegrityError, match="16 of its 24 elements"):
         _check_coverage(gap)
+
+
+class _Nodes:
+    """The one collective the peer tier's connect makes: every rank's (node, holder address)."""
+
+    def __init__(self, views):
+        self.views = views
+
+    def gather(self, obj):
+        return self.views
+
+
+def test_the_peer_saver_is_a_saver_that_replicates_each_committed_local_copy(holder, tmp_path):
+    import time as _time
+
+    import torch
+
+    from elastic_trainer.checkpoint.local_tier import LocalTier, job_key
+    from elastic_trainer.checkpoint.peer_tier import PeerSaver, PeerTier
+    from elastic_trainer.checkpoint.save import Save, SaveContext
+    from elastic_trainer.checkpoint.savers import LocalSaver, Saver
+    from elastic_trainer.events import EventLog
+    from elastic_trainer.metrics.sink import NullSink
+
+    ckpt = str(tmp_path / "ckpt")
+    ctx = SaveContext(0, 1, [1], "fp", EventLog(None), NullSink())
+    tier = LocalTier(str(tmp_path / "local"), ckpt, rank=0, world_size=1, key=KEY)
+    peer = PeerTier(tier, ckpt, key=KEY, replicas=1, holder=None, node=0, metrics=NullSink(), events=EventLog(None))
+    holder.job = job_key(ckpt)
+    peer.connect(_Nodes([(0, "127.0.0.1:9"), (1, holder.address)]))  # node 1's holder is the ring's next
+    saver = PeerSaver(LocalSaver(tier, ctx, mode="sync"), peer)
+    assert isinstance(saver, Saver)
+    try:
+        now = _time.monotonic()
+        save = Save(2, None, started=now, deadline=now + 60, staged=True, epoch="e1")
+        started = saver.start(save, {"w": torch.arange(6.0)}, {"remote_chain": [""]})
+        assert started.done.result(timeout=30) is True
+        assert peer.replicator.idle(10) and peer.replicator.sent == [2]
+        (held,) = Client(holder.address, holder.job, KEY).inventory()
+        assert (held["epoch"], held["step"], held["src"], held["world"]) == ("e1", 2, 0, 1)
+        assert (
+            json.loads(held["manifest"])["files"].keys()
+            == json.loads((Path(tier.rank_dir("e1", 2)) / "manifest.json").read_text())["files"].keys()
+        )
+    finally:
+        saver.close()
