@@ -27,8 +27,9 @@ unauthenticated caller cannot make a holder allocate anything. Without a key the
 the source rank's signed manifest.
 
 **Memory bound.** Per source rank, the :data:`KEEP` newest sealed steps; a step's unsealed files
-are dropped once a newer step of that source is sealed or started, and everything of another
-launch epoch once a copy of a newer one is sealed. A holder therefore keeps at most ``KEEP`` steps
+are dropped once a newer step of that source is sealed or started; a world size's copies once a
+source of another world size has :data:`KEEP` newer steps sealed (after a reshard), and everything
+of another launch epoch whenever a copy is sealed (a holder serves one launch). A holder therefore keeps at most ``KEEP`` steps
 (plus the one being received) of the ranks that replicate to it: about ``KEEP`` x the state bytes
 of the nodes it holds for.
 
@@ -313,10 +314,11 @@ class Holder:
         """Under the lock, after ``sealed`` was sealed: see the module docstring's memory bound."""
         epoch, step, src, world = sealed
         mine = sorted((k[1] for k, c in self._copies.items() if k[0] == epoch and k[2:] == (src, world) and c.sealed))
-        keep_from = mine[-KEEP] if len(mine) >= KEEP else mine[0]
+        keep_from, full = (mine[-KEEP], True) if len(mine) >= KEEP else (mine[0], False)
         for k in list(self._copies):
-            # another launch's copies; this source's older steps; another world size's older steps
-            if k[0] != epoch or (k[1] < keep_from and (k[2:] == (src, world) or k[3] != world)):
+            # another launch's copies; this source's older steps; once it has KEEP at this world
+            # size, another world size's older steps (until then, they may be the newest complete step)
+            if k[0] != epoch or (k[1] < keep_from and (k[2:] == (src, world) or (full and k[3] != world))):
                 del self._copies[k]
 
     def inventory(self) -> list[dict[str, Any]]:

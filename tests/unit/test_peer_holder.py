@@ -144,8 +144,9 @@ def test_retention_keeps_the_newest_sealed_steps_per_source(holder):
     assert held == [(4, 0), (4, 1), (6, 0), (6, 1)]
     assert holder.held_bytes() == 4 * len(b"shard-4meta") + len(b"half of step 8")
     # a newer world size's steps retire the older world size's; a newer epoch retires the older epoch
-    for step in (10, 12):
-        _send_copy(c, step, 0, world=3)
+    _send_copy(c, 10, 0, world=3)  # the first step after a reshard: the old world size's copies stay
+    assert sorted((e["step"], e["world"]) for e in c.inventory()) == [(4, 2), (4, 2), (6, 2), (6, 2), (10, 3)]
+    _send_copy(c, 12, 0, world=3)
     assert sorted((e["step"], e["world"]) for e in c.inventory()) == [(10, 3), (12, 3)]
     _send_copy(c, 2, 0, epoch="e2")
     assert [(e["epoch"], e["step"]) for e in c.inventory()] == [("e2", 2)]
