@@ -30,8 +30,9 @@ the source rank's signed manifest.
 are dropped once a newer step of that source is sealed or started; a world size's copies once a
 source of another world size has :data:`KEEP` newer steps sealed (after a reshard), and everything
 of another launch epoch whenever a copy is sealed (a holder serves one launch). A holder
-therefore keeps at most ``KEEP`` steps (plus the one being received) of the ranks that replicate
-to it: about ``KEEP`` x the state bytes of the nodes it holds for.
+therefore keeps at most ``KEEP`` steps (plus the one being received, and for a few saves after a
+reshard the old world size's) of the ranks that replicate to it: about ``KEEP`` x the state bytes
+of the nodes it holds for.
 
 Frames: ``>IQ`` (header length, payload length), the JSON header, the payload. Every socket has a
 timeout.
