@@ -23,10 +23,11 @@ Two views of the same wall time:
     checkpoint loading: process start, ``init_process_group``, building the model;
   - ``checkpoint_load`` — the ``load_seconds`` of ``resume`` records;
   - ``checkpoint_stall`` — what a save costs the training: the time between step N and the next
-    step when step N was saved (a ``checkpoint_committed``/``checkpoint_failed`` record of step N:
-    the save call blocking), plus, for each step that started while that save was still being
-    written (before its record), the step's excess over the median of the recent steps (the
-    slowdown of the steps the background write overlaps);
+    step when step N was saved (a ``checkpoint_committed``/``checkpoint_failed`` record of step N,
+    or ``checkpoint_local_saved`` for a save to the local tier only: the save call blocking),
+    plus, for each step that started while that save was still being written (before its record),
+    the step's excess over the median of the recent steps (the slowdown of the steps the
+    background write overlaps);
   - ``preemption_save`` — from ``preempt_requested`` to ``preempted``;
   - ``idle`` — the rest: time between steps without a save (logging), and shutdown.
 
@@ -89,6 +90,8 @@ REFERENCE_STEPS = 32  # a step's slowdown is its excess over the median of this 
 # that overlap no save)
 MIN_REFERENCE_STEPS = 5  # (at the same world size; with fewer, no slowdown is charged)
 OVERLAP_MEMORY_STEPS = 256  # recent steps a late commit record can still charge
+# A save of step N was written: to checkpoint.dir (committed or failed) or to the local tier only
+SAVE_RECORDS = ("checkpoint_committed", "checkpoint_failed", "checkpoint_local_saved")
 _DISRUPTIONS = {"failure": "worker_failure", "preempt_requested": "preempted", "preempted": "preempted"}
 
 
@@ -211,7 +214,7 @@ class Ledger:
             load = float(e.get("load_seconds") or 0.0)
             self._upto(t - load)
             self._upto(t, "checkpoint_load")
-        elif ev in ("checkpoint_committed", "checkpoint_failed") and e.get("step") is not None:
+        elif ev in SAVE_RECORDS and e.get("step") is not None:
             self._upto(t)
             self._mark_saved(int(e["step"]))
             self._charge_overlap(int(e["step"]), t)
