@@ -24,6 +24,9 @@ node a's link is cut (its bridge-side veth down: silent), the survivors b and c 
   objects under this run's ``checkpoint.dir`` (``gets_data``: the ``.distcp`` shards among them;
   the rest are manifests, metadata, the lineage's epoch files), ``lists``: the bucket listings,
   ``heads``: HEAD requests (``gets_before_cut``: the GETs from the job's start to the cut);
+  ``s3_sent_mb``: what the S3 host sent on its link from the cut until the first step was seen
+  (the bytes read back, polled: a few hundred ms after the step at most) vs ``checkpoint_mb``, the
+  size of a commit;
 * ``max_rel_diff``: the losses of the steps after the resume vs an uninterrupted run of the same
   training config (one launch of two workers on this machine, run once per invocation). The
   global batch and data order are world-size invariant, so a world-2 reference compares with the
@@ -135,9 +138,11 @@ def one_run(args, variant: str, work: Path, data: str, peer: bool) -> dict:
             runs.wait_event(
                 run_dir, "step", 600, b, where=lambda r: r["world_size"] == 3 and r["step"] >= args.cut_step
             )
+            sent = cluster.sent_bytes("s3")
             cut = time.time()
             cluster.link("a", up=False)
             first = runs.wait_event(run_dir, "step", 300, b, where=lambda r: r["world_size"] == 2 and r["time"] > cut)
+            sent = cluster.sent_bytes("s3") - sent
             runs.wait_event(run_dir, "step", 300, b, where=lambda r: r["step"] >= first["step"] + args.after)
             requests = s3.requests()
         finally:
@@ -146,7 +151,7 @@ def one_run(args, variant: str, work: Path, data: str, peer: bool) -> dict:
     events = runs.read_events(run_dir)
     before = [e for e in events if e["time"] < cut]
     resume = _first(events, "resume", cut, world_size=2) or {}
-    lost = _first(events, "node_lost", cut)
+    lost = next((e for e in events if e["event"] == "node_lost" and e["time"] > cut and e["node"] != "a"), None)
     start = _first(events, "start", cut, world_size=2)
     out = {
         "variant": variant,
@@ -162,6 +167,8 @@ def one_run(args, variant: str, work: Path, data: str, peer: bool) -> dict:
         "tier": {k: v for k, v in resume.items() if "tier" in k},
         **classify(requests, cut, first["time"], prefix),
         "gets_before_cut": classify(requests, 0, cut, prefix)["gets"],
+        "s3_sent_mb": sent / 1e6,
+        "checkpoint_mb": max((e["bytes"] for e in before if e["event"] == "checkpoint_committed"), default=0) / 1e6,
         "losses": {
             "before": {e["step"]: e["loss"] for e in before if e["event"] == "step"},
             "after": {e["step"]: e["loss"] for e in events if e["event"] == "step" and e["time"] >= first["time"]},
@@ -257,7 +264,18 @@ def main() -> int:
     return 0
 
 
-COLUMNS = ("recovery_s", "detect_s", "start_s", "resume_s", "load_s", "gets", "gets_data", "lists", "max_rel_diff")
+COLUMNS = (
+    "recovery_s",
+    "detect_s",
+    "start_s",
+    "resume_s",
+    "load_s",
+    "gets",
+    "gets_data",
+    "lists",
+    "s3_sent_mb",
+    "max_rel_diff",
+)
 
 
 def summary(rows: list[dict], variants: list[str]) -> str:
