@@ -16,7 +16,8 @@ node a's link is cut (its bridge-side veth down: silent), the survivors b and c 
 
 * ``recovery_s``  the cut → the survivors' first step at world 2 (``step`` event time − the cut),
   and its phases: ``detect_s`` (a survivor's ``node_lost``), ``start_s`` (the world-2 group's
-  ``start``), ``resume_s`` (its ``resume``), ``load_s`` (the resume event's load time);
+  ``start``), ``resume_s`` (its ``resume``), ``restore_s`` (start → resume: what the tier
+  changes), ``load_s`` (the resume event's load time);
 * ``resumed_step`` vs ``newest_local_step`` (the newest in-memory save before the cut, rank 0's
   ``checkpoint_local_saved``) and ``newest_remote_step`` (``checkpoint_committed``); ``tier``:
   the resume event's tier field(s);
@@ -45,10 +46,12 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -81,8 +84,10 @@ def _training_sets(args, run_dir: Path, data: str) -> list[str]:
 
 def classify(requests: list[dict], t0: float, t1: float, prefix: str) -> dict:
     """The S3 requests received in [t0, t1]: GETs of objects under ``prefix`` (``gets``; the
-    ``.distcp`` shards among them: ``gets_data``), listings of the bucket (``lists``), HEADs."""
-    out = {"gets": 0, "gets_data": 0, "lists": 0, "heads": 0}
+    ``.distcp`` shards among them: ``gets_data``; per kind of object: ``got``), listings of the
+    bucket (``lists``), HEADs."""
+    out: dict = {"gets": 0, "gets_data": 0, "lists": 0, "heads": 0}
+    got: Counter[str] = Counter()
     for r in requests:
         if not t0 <= r["time"] <= t1:
             continue
@@ -91,10 +96,13 @@ def classify(requests: list[dict], t0: float, t1: float, prefix: str) -> dict:
         if r["method"] == "GET" and obj:
             out["gets"] += 1
             out["gets_data"] += path.endswith(".distcp")
+            kind = re.sub(r"step-\d+", "step-*", path[len(prefix) + 1 :])
+            got[kind.split("/")[0] + "/*" if kind.startswith("_") else kind] += 1
         elif r["method"] == "GET" and bucket:
             out["lists"] += 1
         elif r["method"] == "HEAD" and (obj or bucket):
             out["heads"] += 1
+    out["got"] = dict(sorted(got.items()))
     return out
 
 
@@ -159,6 +167,7 @@ def one_run(args, variant: str, work: Path, data: str, peer: bool) -> dict:
         "detect_s": lost["time"] - cut if lost else None,
         "start_s": start["time"] - cut if start else None,
         "resume_s": resume["time"] - cut if resume else None,
+        "restore_s": resume["time"] - start["time"] if resume and start else None,
         "load_s": resume.get("load_seconds"),
         "cut_at_step": max(e["step"] for e in before if e["event"] == "step"),
         "newest_local_step": max((e["step"] for e in before if e["event"] == "checkpoint_local_saved"), default=None),
@@ -269,6 +278,7 @@ COLUMNS = (
     "detect_s",
     "start_s",
     "resume_s",
+    "restore_s",
     "load_s",
     "gets",
     "gets_data",
@@ -279,7 +289,9 @@ COLUMNS = (
 
 
 def summary(rows: list[dict], variants: list[str]) -> str:
-    """Medians per variant, steps lost per run, and the on/off ratios of recovery and resume."""
+    """Medians per variant, the steps each run resumed from, the objects read, and with both
+    variants the on/off ratios and the issue's targets (recovery ratio ≤ 0.2, no GET of
+    checkpoint.dir with the peer tier, losses within 1e-5)."""
 
     def med(v: str, k: str):
         xs = [r[k] for r in rows if r["variant"] == v and r[k] is not None]
@@ -293,11 +305,23 @@ def summary(rows: list[dict], variants: list[str]) -> str:
         mine = [r for r in rows if r["variant"] == v]
         resumed = ", ".join(f"{r['resumed_step']}/{r['newest_local_step']}/{r['newest_remote_step']}" for r in mine)
         tiers = sorted({json.dumps(r["tier"], sort_keys=True) for r in mine})
-        body.append([v, len(mine), *(fmt(med(v, k)) for k in COLUMNS), resumed, "; ".join(tiers)])
-    out = table(["variant", "runs", *COLUMNS, "resumed / newest local / newest remote step", "resume tier"], body)
+        got = Counter()
+        for r in mine:
+            got |= Counter(r["got"])  # the most of each kind in one run
+        got_text = ", ".join(f"{k} ×{n}" for k, n in sorted(got.items()))
+        body.append([v, len(mine), *(fmt(med(v, k)) for k in COLUMNS), resumed, "; ".join(tiers), got_text])
+    header = ["variant", "runs", *COLUMNS, "resumed / newest local / newest remote step", "resume tier", "GETs (most)"]
+    out = table(header, body)
     if {"on", "off"} <= set(variants):
-        ratios = {k: med("on", k) / med("off", k) for k in ("recovery_s", "resume_s") if med("off", k)}
-        out += "\n\n" + json.dumps({"ratio_on_off": {k: round(v, 3) for k, v in ratios.items()}})
+        ratios = {k: round(med("on", k) / med("off", k), 3) for k in ("recovery_s", "restore_s") if med("off", k)}
+        on = [r for r in rows if r["variant"] == "on"]
+        targets = {
+            "recovery_ratio_le_0.2": ratios.get("recovery_s", 1) <= 0.2,
+            "no_get_with_peer_tier": all(r["gets"] == 0 for r in on),
+            "no_shard_get_with_peer_tier": all(r["gets_data"] == 0 for r in on),
+            "losses_within_1e-5": all(r["max_rel_diff"] is not None and r["max_rel_diff"] <= 1e-5 for r in rows),
+        }
+        out += "\n\n" + json.dumps({"ratio_on_off": ratios, "targets": targets})
     return out
 
 
