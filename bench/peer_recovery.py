@@ -140,8 +140,9 @@ def one_run(args, variant: str, work: Path, data: str, peer: bool) -> dict:
         job.start_store()
         sets = _pairs([*_training_sets(args, run_dir, data), *ckpt])
         try:
-            procs = {n: job.node(n, *sets, "--set", f"checkpoint.local_dir={local[n]}") for n in NODES}
-            b = procs["b"]
+            for n in NODES:
+                job.node(n, *sets, "--set", f"checkpoint.local_dir={local[n]}")
+            b = job.nodes["b"]
             runs.wait_event(run_dir, "checkpoint_committed", 600, b)
             runs.wait_event(
                 run_dir, "step", 600, b, where=lambda r: r["world_size"] == 3 and r["step"] >= args.cut_step
