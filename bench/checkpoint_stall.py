@@ -65,7 +65,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
 
     from elastic_trainer.checkpoint import integrity
     from elastic_trainer.checkpoint.manager import CheckpointManager
-    from elastic_trainer.checkpoint.savers import RemoteSaver
+    from elastic_trainer.checkpoint.savers import remote_saver
     from elastic_trainer.checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState
     from elastic_trainer.config import config_from_dict
     from elastic_trainer.events import EventLog
@@ -149,7 +149,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         writer, _, nice = mode.partition("-nice")
         mcfg = dataclasses.replace(cfg.checkpoint, dir=os.path.join(work, f"ckpt-{mode}"), writer=writer)
         storage = Storage.for_checkpoint(mcfg)
-        remote = RemoteSaver(storage, d.ckpt_group, mode=mcfg.mode, writer=writer, upload_nice=int(nice or 0))
+        remote = remote_saver(storage, d.ckpt_group, mode=mcfg.mode, writer=writer, upload_nice=int(nice or 0))
         managers[mode] = manager(mcfg, storage, remote=remote)
 
     class _BlockCheckpointer(Checkpointer):
@@ -362,10 +362,12 @@ class _PeerManager:
     def commit_visible(self, step: int) -> bool:  # fault injection only: none in the benchmark
         return False
 
-    def votes(self) -> tuple[float, float, float]:
-        return 0.0, 0.0, 0.0
+    def votes(self):
+        from elastic_trainer.checkpoint.agreement import SaveVotes
 
-    def agreed(self, unsettled: float, failed: float, unusable: float) -> None:
+        return SaveVotes()
+
+    def agreed(self, votes) -> None:
         pass
 
     def drain_after_failure(self) -> bool:

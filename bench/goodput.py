@@ -10,10 +10,14 @@ checkpoints and exits 75) and accounts the wall time with ``elastic_trainer.repo
 goodput = productive step time / wall time, where steps redone after a resume are not
 productive. Prints the accounting as JSON and a Markdown table.
 
-With several ``--kill-every`` rates and/or ``--interval`` values (``auto`` or a step count, set
-as ``checkpoint.interval_steps``), runs every combination one after the other (same seed, so
-the same ranks are killed) and prints one table: goodput per run, its ratio to the best fixed
-interval at the same kill rate, and the intervals ``auto`` chose (``checkpoint_interval_changed``).
+With several ``--kill-every`` rates, ``--interval`` values (``auto`` or a step count, set
+as ``checkpoint.interval_steps``) and/or ``--tier`` values, runs every combination one after the
+other (same seed, so the same ranks are killed) and prints one table: goodput per run, its ratio
+to the best fixed interval at the same kill rate and tier, and the intervals ``auto`` chose
+(``checkpoint_interval_changed``). ``--tier remote`` saves every checkpoint to ``checkpoint.dir``
+only; ``--tier memory`` adds the node-local tier in memory (``checkpoint.local_dir`` under
+``/dev/shm``), so every save is an in-memory copy a restarted worker loads from, and
+``checkpoint.dir`` gets every ``--remote-every``-th save.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -36,6 +41,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import REPO, TINY_DEMO, parse_with_smoke
 from elastic_trainer.report import account
 from tests import runs
+
+
+def tier_overrides(tier: str, remote_every: int, shm: str) -> list[str]:
+    """The settings of one ``--tier``: ``remote`` (checkpoint.dir only) or ``memory`` (the
+    node-local tier in ``shm``, checkpoint.dir every ``remote_every``-th save)."""
+    if tier == "remote":
+        return []
+    if tier == "memory":
+        return [f"checkpoint.local_dir={shm}", f"checkpoint.remote_every={remote_every}"]
+    raise SystemExit(f"--tier: unknown tier {tier!r} (remote or memory)")
 
 
 def run_once(config: str, minutes: float, kill_every: float, seed: int, overrides: list[str]) -> dict:
@@ -110,10 +125,13 @@ def print_one(out: dict) -> None:
 
 
 def print_sweep(results: list[dict]) -> None:
-    print("\n| kill every | interval | kills | steps | commits | recomputed | goodput | / best fixed | auto chose |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for rate in sorted({r["kill_every"] for r in results}):
-        rows = [r for r in results if r["kill_every"] == rate]
+    print(
+        "\n| kill every | tier | interval | kills | steps | commits | recomputed | goodput | / best fixed "
+        "| auto chose |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for rate, tier in sorted({(r["kill_every"], r.get("tier", "remote")) for r in results}):
+        rows = [r for r in results if r["kill_every"] == rate and r.get("tier", "remote") == tier]
         fixed = [r["goodput"] for r in rows if r["interval"] != "auto" and r["goodput"] is not None]
         best = max(fixed) if fixed else None
         for r in rows:
@@ -121,7 +139,7 @@ def print_sweep(results: list[dict]) -> None:
             g = f"{r['goodput']:.3f}" if r["goodput"] is not None else "-"
             chose = " → ".join(str(c) for c in r["chosen"]) if r["interval"] == "auto" else ""
             print(
-                f"| {rate:.0f} s | {r['interval']} | {r['kills']} | "
+                f"| {rate:.0f} s | {tier} | {r['interval']} | {r['kills']} | "
                 f"{r['steps']} | {r['commits']} | {r['recompute_seconds']:.1f} s "
                 f"({r['recompute_steps']} steps) | {g} | {ratio} | {chose} |"
             )
@@ -172,6 +190,8 @@ def main() -> int:
         default="",
         help="checkpoint.interval_steps: auto or N; a comma-separated list sweeps (default: the config's)",
     )
+    ap.add_argument("--tier", default="remote", help="remote, memory, or both comma-separated (side by side)")
+    ap.add_argument("--remote-every", type=int, default=10, help="with --tier memory: checkpoint.remote_every")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--json-out")
@@ -204,19 +224,24 @@ def main() -> int:
         )
     rates = [float(x) for x in a.kill_every.split(",")]
     intervals = [x.strip() for x in a.interval.split(",") if x.strip()] or [""]
+    tiers = [x.strip() for x in a.tier.split(",") if x.strip()]
+    combos = [(rate, tier, interval) for rate in rates for tier in tiers for interval in intervals]
     results = []
-    for rate in rates:
-        for interval in intervals:
-            extra = [f"checkpoint.interval_steps={interval}"] if interval else []
-            print(f"== kill every {rate:.0f} s, interval {interval or 'from the config'}", flush=True)
-            out = run_once(a.config, a.minutes, rate, a.seed, [*a.overrides, *extra])
-            out["interval"] = interval or "config"
-            results.append(out)
-            print_one(out)
-            if a.json_out:  # after every run: a cut-short sweep keeps what ran
-                Path(a.json_out).write_text(
-                    json.dumps(results if len(rates) * len(intervals) > 1 else out, indent=2, default=str)
-                )
+    for rate, tier, interval in combos:
+        extra = [f"checkpoint.interval_steps={interval}"] if interval else []
+        print(f"== kill every {rate:.0f} s, tier {tier}, interval {interval or 'from the config'}", flush=True)
+        shm = tempfile.mkdtemp(prefix="bench-goodput-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        try:
+            sets = [*a.overrides, *tier_overrides(tier, a.remote_every, shm), *extra]
+            out = run_once(a.config, a.minutes, rate, a.seed, sets)
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+        out["interval"] = interval or "config"
+        out["tier"] = tier
+        results.append(out)
+        print_one(out)
+        if a.json_out:  # after every run: a cut-short sweep keeps what ran
+            Path(a.json_out).write_text(json.dumps(results if len(combos) > 1 else out, indent=2, default=str))
     if len(results) > 1:
         print_sweep(results)
     return 0

@@ -1,2 +1,2 @@
-"""Checkpointing: the manager and its save state machine, savers, agreement and resume plan; layout (pure naming
-and selection), catalog, integrity, cadence, the local tier, Stateful adapters."""
+"""Checkpointing: the manager and its save state machine, lineage position, savers, commit, agreement, resume plan
+and restore; layout (pure naming and selection), catalog, integrity, cadence, the local tier, Stateful adapters."""

@@ -8,12 +8,16 @@ the same three methods to play the other ranks' answers.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .. import collectives
+
+if TYPE_CHECKING:
+    from .save import Save
 
 
 class Agreement:
@@ -56,3 +60,35 @@ class Agreement:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+@dataclass(frozen=True)
+class SaveVotes:
+    """One rank's votes on the save in flight, carried by the step's all-reduce (SUM): its part
+    is not settled here; it settled here but did not end well; this rank's writer is not usable.
+    Summed over the ranks, each field counts the ranks that voted so."""
+
+    unsettled: float = 0.0
+    failed: float = 0.0
+    unusable: float = 0.0
+
+    def as_list(self) -> list[float]:
+        return [self.unsettled, self.failed, self.unusable]
+
+    @classmethod
+    def from_list(cls, values: list[float]) -> SaveVotes:
+        return cls(*values)
+
+
+class Agreed(NamedTuple):
+    """The step's all-reduce about the save in flight (:class:`SaveVotes` summed over the ranks)."""
+
+    save: Save | None
+    settled: bool  # on every rank
+    ok: bool  # ended well on every rank
+    usable: bool  # every rank's writer process (if any) is usable
+
+    @property
+    def clear(self) -> bool:
+        """Nothing to wait for and nothing to restart: the next save starts without a collective."""
+        return self.settled and self.ok and self.usable

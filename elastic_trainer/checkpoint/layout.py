@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +52,7 @@ def parse_step_dir(name: str) -> int | None:
     return p[0] if p else None
 
 
-def next_dir_name(step: int, taken: set[str]) -> str:
+def next_dir_name(step: int, taken: Collection[str]) -> str:
     """The directory a new save of ``step`` writes to: the plain name unless some directory
     (committed, quarantined or leftover) already has it. Pure, so every rank computes the same."""
     gen = 0

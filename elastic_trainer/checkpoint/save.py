@@ -28,10 +28,19 @@ goes with a checkpoint.dir save is tracked beside the state (:attr:`Save.local`)
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..events import EventLog
+from ..metrics.sink import MetricsSink
+
+logger = logging.getLogger(__name__)
 
 
 class SaveState(enum.Enum):
@@ -61,11 +70,15 @@ _MOVES: dict[SaveState, frozenset[SaveState]] = {
 
 class Save:
     """One save of ``step`` (all ranks build one per save). ``name``: its checkpoint.dir
-    directory, None for a save to the local tier only."""
+    directory, None for a save to the local tier only; ``epoch``: the launch epoch that names its
+    local copy."""
 
-    def __init__(self, step: int, name: str | None, *, started: float, deadline: float, staged: bool = False):
+    def __init__(
+        self, step: int, name: str | None, *, started: float, deadline: float, staged: bool = False, epoch: str = ""
+    ):
         self.step = step
         self.name = name
+        self.epoch = epoch
         self.started = started
         self.deadline = deadline  # time.monotonic() past which nobody waits for it
         self._cond = threading.Condition(threading.Lock())
@@ -125,6 +138,28 @@ class Save:
     def staged(self) -> bool:
         return self.advance(SaveState.WRITING)
 
+    def wait_for_staging(self) -> float | None:
+        """Block until every saver has copied the state out (then WRITING). Returns the seconds
+        waited (None: it was not STAGING)."""
+        if self.state is not SaveState.STAGING:
+            return None
+        t0 = time.monotonic()
+        for staging in self.stagings:
+            try:
+                if staging is not None:
+                    staging.result()
+            except (Exception, CheckpointException):  # the upload future carries the same failure
+                logger.exception("staging of step %d failed", self.step)
+        self.staged()
+        return time.monotonic() - t0
+
+    def local_only_ended(self, committed: bool) -> None:
+        """A save to the local tier only: its local copy was ``committed``, or failed."""
+        self.staged()
+        self.advance(
+            SaveState.COMMITTED if committed else SaveState.FAILED, error="" if committed else "local copy failed"
+        )
+
     def track_local(self, done: Future) -> None:
         """The best-effort local copy of a checkpoint.dir save: part of :attr:`settled`."""
         self.local = done
@@ -149,3 +184,32 @@ class Save:
 def _running(state: SaveState) -> SaveState:
     """A terminal state whose local copy is still being written reads as WRITING."""
     return SaveState.WRITING if state.terminal else state
+
+
+@dataclass
+class SaveStats:
+    """Per-save timings (seconds) measured on this rank."""
+
+    step: int
+    wait_previous: float = 0.0
+    call: float = 0.0  # time async_save (or save) blocked the caller
+    staging_wait: float = 0.0  # time wait_for_staging blocked the caller
+    skipped: str = ""  # why no save was started ("" when one was)
+
+    @property
+    def stall(self) -> float:
+        return self.wait_previous + self.call + self.staging_wait
+
+
+@dataclass(frozen=True)
+class SaveContext:
+    """Who saves, and where it is reported: this ``rank`` of ``world_size``, the ``mesh_shape``
+    and model ``fingerprint`` every manifest records, and the run's ``events`` (emitted on rank 0
+    only where a rank's event would repeat) and ``metrics``."""
+
+    rank: int
+    world_size: int
+    mesh_shape: list[int]
+    fingerprint: str
+    events: EventLog
+    metrics: MetricsSink

@@ -46,7 +46,7 @@ from ..errors import ConfigError
 from ..storage.fs import Storage
 from .loop import Accumulator, StepData
 from .session import Session
-from .step import StepContext
+from .step import StepContext, Votes
 
 logger = logging.getLogger(__name__)
 
@@ -457,6 +457,40 @@ class Checkpointer:
         if code is not None:
             self._close(code)
         return code
+
+    # ------------------------------------------------------------------ the step's hooks (StepContext)
+    def begin_step(self, now: float) -> None:
+        """Start of each step: the cadence measures the previous one (and whether a save was writing)."""
+        self.cadence.begin_step(now, self.manager.save_in_progress)
+
+    def commit_visible(self, step: int) -> bool:
+        """Fault injection (tests, any rank): whether a commit of ``step`` is in checkpoint.dir."""
+        return self.manager.commit_visible(step)
+
+    def inject_local_faults(self, step: int) -> None:
+        """Fault injection (tests): lose or corrupt this rank's local copies at ``step``."""
+        self.manager.inject_local_faults(step)
+
+    def votes(self, now: float) -> Votes:
+        """This rank's checkpoint flags in the step's all-reduce: the time trigger, rank 0's
+        ``auto`` interval, fenced, and the votes on the save in flight."""
+        time_due, interval = self.cadence.votes(now)
+        fenced = float(self.manager.fenced is not None)
+        return Votes(time_due=time_due, fenced=fenced, interval=interval, save=self.manager.votes())
+
+    def agreed(self, step: int, votes: Votes) -> None:
+        """The all-reduced :meth:`votes` of ``step``."""
+        self.cadence.agreed(step, votes.time_due, votes.interval)
+        self.manager.agreed(votes.save)
+
+    def before_optimizer_step(self) -> float:
+        """Wait until the save in flight has copied the state out (the optimizer is about to
+        change it). Returns the seconds waited."""
+        return self.manager.wait_for_staging()
+
+    def drain_after_failure(self) -> bool:
+        """Exception path: let a save already uploading land (bounded); see the manager's."""
+        return self.manager.drain_after_failure()
 
     # ------------------------------------------------------------------ saving
     def _save(self, step: int, meta: dict[str, Any] | None = None, final: bool = False) -> SaveStats:

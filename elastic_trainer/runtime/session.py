@@ -241,7 +241,7 @@ class Session:
         if issubclass(exc_type, KeyboardInterrupt):
             return
         ck = self.checkpointer
-        if ck is not None and not ck.manager.drain_after_failure():
+        if ck is not None and not ck.drain_after_failure():
             logger.error(
                 "rank %d: a save is still uploading after the failure; "
                 "exiting without it (the previous commit stays the latest)",

@@ -15,6 +15,7 @@ The step runs inside the hang watchdog's scope; storage waits never do.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -24,8 +25,34 @@ from typing import Any
 import torch
 
 from .. import collectives, faults
+from ..checkpoint.agreement import SaveVotes
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Votes:
+    """One rank's flags in the step's all-reduce (SUM), or every rank's summed: preemption
+    requested, the time-based save trigger, fenced, rank 0's proposed ``auto`` save interval
+    (0 elsewhere), and the checkpoint manager's votes on the save in flight."""
+
+    preempt: float = 0.0
+    time_due: float = 0.0
+    fenced: float = 0.0
+    interval: float = 0.0
+    save: SaveVotes = dataclasses.field(default_factory=SaveVotes)
+
+    def to_tensor(self, sums: tuple[float, ...], device: torch.device) -> torch.Tensor:
+        """``sums`` (the caller's shares) first, then the flags."""
+        flags = [self.preempt, self.time_due, self.fenced, self.interval, *self.save.as_list()]
+        return torch.tensor([*map(float, sums), *flags], dtype=torch.float64, device=device)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor, n_sums: int) -> tuple[list[float], Votes]:
+        """The summed ``sums`` and flags of an all-reduced :meth:`to_tensor`."""
+        values = t.tolist()
+        sums, (preempt, time_due, fenced, interval, *save) = values[:n_sums], values[n_sums:]
+        return sums, cls(preempt, time_due, fenced, interval, SaveVotes.from_list(save))
 
 
 class StepContext:
@@ -56,15 +83,15 @@ class StepContext:
     def __enter__(self) -> StepContext:
         self._t0 = time.monotonic()
         if self.ckpt is not None:
-            self.ckpt.cadence.begin_step(self._t0, self.ckpt.manager.save_in_progress)
+            self.ckpt.begin_step(self._t0)
         self._scope = self.session.watchdog(f"step-{self.step}")
         self._scope.__enter__()
         try:
-            committed = self.ckpt.manager.commit_visible if self.ckpt is not None else None
+            committed = self.ckpt.commit_visible if self.ckpt is not None else None
             for kind in ("raise", "kill", "hang", "slow"):
                 faults.maybe_inject(kind, self.step, committed)
             if self.ckpt is not None:
-                self.ckpt.manager.inject_local_faults(self.step)
+                self.ckpt.inject_local_faults(self.step)
         except BaseException as e:
             self.__exit__(type(e), e, e.__traceback__)
             raise
@@ -79,7 +106,7 @@ class StepContext:
         if exc_type is not None and self.ckpt is not None:
             # The exception path starts no checkpoint and no collective; it only lets a save
             # that is already uploading land (bounded), so the newest commit is not lost.
-            self.ckpt.manager.drain_after_failure()
+            self.ckpt.drain_after_failure()
         if exc_type is None and self.loss is not None and not self.nonfinite and not self.preempt and not self.fenced:
             self._emit()
         return False
@@ -94,28 +121,18 @@ class StepContext:
         of the step's flags: preemption requested, the time-based save trigger, fenced, and the
         checkpoint manager's votes on the save in flight (settled, failed, writer usable). Returns
         the global sums. Call at most once per step, on every rank."""
-        s = self.session
-        ck = self.ckpt
-        fenced = float(ck is not None and ck.manager.fenced is not None)
-        # vote: auto cadence, rank 0's interval
-        time_due, vote = ck.cadence.votes(time.monotonic()) if ck is not None else (0.0, 0.0)
-        # the save in flight: settled on every rank? (then the next save needs no collective)
-        unsettled, failed, unusable = ck.manager.votes() if ck is not None else (0.0, 0.0, 0.0)
-        t = torch.tensor(
-            [*map(float, sums), float(s.preempt.requested), time_due, fenced, vote, unsettled, failed, unusable],
-            dtype=torch.float64,
-            device=s.device,
-        )
+        s, ck = self.session, self.ckpt
+        mine = ck.votes(time.monotonic()) if ck is not None else Votes()
+        t = dataclasses.replace(mine, preempt=float(s.preempt.requested)).to_tensor(sums, s.device)
         t0 = time.monotonic()
         if s.world_size > 1:
             collectives.all_reduce(t)
         self.collective_wait += time.monotonic() - t0
-        *out, preempt, save_due, fenced, vote, unsettled, failed, unusable = t.tolist()
-        self.preempt, self.save_due, self.fenced = preempt > 0, save_due > 0, fenced > 0
+        out, votes = Votes.from_tensor(t, len(sums))
+        self.preempt, self.save_due, self.fenced = votes.preempt > 0, votes.time_due > 0, votes.fenced > 0
         self._agreed = True
         if ck is not None:
-            ck.cadence.agreed(self.step, save_due, vote)
-            ck.manager.agreed(unsettled, failed, unusable)
+            ck.agreed(self.step, votes)
         return out
 
     def check(self, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None) -> bool:
@@ -126,7 +143,7 @@ class StepContext:
         save in flight has copied the state out (the optimizer step is about to change it)."""
         s = self.session
         if self.ckpt is not None:
-            self.ckpt.manager.wait_for_staging()
+            self.ckpt.before_optimizer_step()
         t = (
             loss.detach().to(torch.float64).reshape(())
             if isinstance(loss, torch.Tensor)

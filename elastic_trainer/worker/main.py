@@ -193,7 +193,7 @@ def main() -> None:
             )
             ckpt = _ACTIVE.get("ckpt")
             if ckpt is not None:  # no new checkpoint or collective: only an upload under way may land
-                ckpt.manager.drain_after_failure()
+                ckpt.drain_after_failure()
             ErrorHandler().record_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
         finally:
             sys.stdout.flush()

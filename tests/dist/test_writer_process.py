@@ -161,9 +161,11 @@ def test_process_writer_commits_checksummed_saves_and_restarts_a_dead_writer(tmp
 
 def _agree(mgr) -> None:
     """What every rank gets from the step's all-reduce (``runtime/step.py``: ``Step.agree``)."""
-    t = torch.tensor(mgr.votes(), dtype=torch.float64)
+    from elastic_trainer.checkpoint.agreement import SaveVotes
+
+    t = torch.tensor(mgr.votes().as_list(), dtype=torch.float64)
     dist.all_reduce(t)
-    mgr.agreed(*t.tolist())
+    mgr.agreed(SaveVotes.from_list(t.tolist()))
 
 
 def _writer_children() -> list:

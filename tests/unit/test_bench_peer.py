@@ -1,7 +1,7 @@
 """bench/checkpoint_stall.py drives torchtitan's CheckpointManager through our training step with
-a stand-in for our manager (``_PeerManager``): every attribute the step context reads of its
-checkpointer's manager must exist on the stand-in, or the side-by-side benchmark breaks at its
-first step."""
+a stand-in for our manager (``_PeerManager``): every attribute the checkpointer's step hooks (what
+the step context calls) read of its manager must exist on the stand-in, or the side-by-side
+benchmark breaks at its first step."""
 
 from __future__ import annotations
 
@@ -11,11 +11,29 @@ import importlib.util
 from tests import runs
 
 
-def _manager_attributes_read_by_the_step() -> set[str]:
+def _checkpointer_methods_the_step_calls() -> set[str]:
     tree = ast.parse((runs.REPO / "elastic_trainer" / "runtime" / "step.py").read_text())
     return {
         node.attr
         for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "ckpt"
+    } | {
+        node.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and getattr(node.func.value, "id", "") == "ck"
+    }
+
+
+def _manager_attributes_read_by_the_step() -> set[str]:
+    hooks = _checkpointer_methods_the_step_calls()
+    tree = ast.parse((runs.REPO / "elastic_trainer" / "runtime" / "checkpointer.py").read_text())
+    return {
+        node.attr
+        for method in ast.walk(tree)
+        if isinstance(method, ast.FunctionDef) and method.name in hooks
+        for node in ast.walk(method)
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "manager"
     }
 

@@ -1,8 +1,11 @@
 """The save state machine and the manager around it, in one process: no process group.
 
-The savers are fakes that write real DCP checkpoints (so rank 0's catalog really proves and
-commits them) but only when a test lets them (``GatedSaver``); the agreement is a fake that plays
-the other ranks' answers (``ScriptedAgreement``). Every transition of
+The checkpoint.dir saver writes real DCP checkpoints (so rank 0's catalog really proves and
+commits them) but only when a test lets them (``GatedSaver``); the manager tests run against
+every saver where they mean something (:data:`SAVERS`: a fake writer, the real thread writer, the
+real local tier beside; the process writer's policy runs for real with the writer processes
+stubbed, as no writer process runs in one process); the agreement is a fake that plays the other
+ranks' answers (``ScriptedAgreement``). Every transition of
 :class:`elastic_trainer.checkpoint.save.Save` is driven here, and the races the manager closes
 each have a test: a save counts as committed only once agreed committed, a rollback abandons a
 save still writing (never committed, its directory not cleaned up under it, its name not reused),
@@ -20,10 +23,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elastic_trainer.checkpoint import integrity, layout
+from elastic_trainer.checkpoint import integrity, layout, writer_process
+from elastic_trainer.checkpoint.agreement import SaveVotes
 from elastic_trainer.checkpoint.catalog import Catalog
 from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.checkpoint.save import Save, SaveState
+from elastic_trainer.checkpoint.savers import ProcessWriterSaver, RemoteSaver, Saver, Started
 from elastic_trainer.config import CheckpointConfig
 from elastic_trainer.events import EventLog, read_events
 from elastic_trainer.storage.fs import open_storage
@@ -46,24 +51,30 @@ class Weights:
         self.w = sd["w"].clone()
 
 
-class GatedSaver:
+class GatedSaver(ProcessWriterSaver):
     """A checkpoint.dir saver whose staging and writing each wait for the test's go-ahead.
 
-    The state is copied at ``start`` (when staging is released) and written as a real
-    checksummed DCP checkpoint (single process) when writing is released, or fails with the
-    exception given to :meth:`fail`."""
+    ``writer``: "fake" copies the state when staging is released and writes it as a real
+    checksummed DCP checkpoint (single process) when writing is released; "thread" is the real
+    thread writer (:class:`RemoteSaver`), started when staging is released, its end held until
+    writing is released. Either fails with the exception given to :meth:`fail`. It writes as the
+    thread writer does unless a test sets ``uses_writer_process``: then the process writer's
+    policy (:meth:`ProcessWriterSaver.check`) is the real one, with the writer processes stubbed
+    (no writer process runs in one process)."""
 
-    uses_writer_process = False
-
-    def __init__(self, storage, *, hold_staging: bool = False, hold_writing: bool = True):
-        self.storage = storage
+    def __init__(self, storage, *, writer="fake", hold_staging: bool = False, hold_writing: bool = True):
+        super().__init__(storage, None)
+        self.uses_writer_process = False
+        self.thread_writer = RemoteSaver(storage, None) if writer == "thread" else None
         self.hold_staging, self.hold_writing = hold_staging, hold_writing
         self.started: list[str] = []
         self._gates: dict[str, tuple[threading.Event, threading.Event, list]] = {}
         self._threads: dict[str, threading.Thread] = {}
         self.failures_seen = 0
+        self.closed = False
 
-    def start(self, states, name):
+    def start(self, save, states, manifest):
+        name = save.name
         self.started.append(name)
         staged, go, error = threading.Event(), threading.Event(), []
         self._gates[name] = (staged, go, error)
@@ -75,22 +86,34 @@ class GatedSaver:
 
         def run():
             staged.wait(WAIT)
-            copy = {k: {"w": v.state_dict()["w"].clone()} for k, v in states.items()}
+            if self.closed:  # the test ended with this save held: write nothing after the saver closed
+                staging.set_result(None)
+                written.set_exception(RuntimeError("the saver closed"))
+                return
+            if self.thread_writer is not None:
+                inner = self.thread_writer.start(save, states, manifest)
+                if inner.staging is not None:  # None: it could not start (its done future says why)
+                    inner.staging.result(WAIT)
+            else:
+                copy = {k: {"w": v.state_dict()["w"].clone()} for k, v in states.items()}
             staging.set_result(None)
             go.wait(WAIT)
             if error:
                 written.set_exception(error[0])
                 return
             try:
-                writer = integrity.ChecksummedWriter(self.storage.dcp_writer(self.storage.join(name)))
-                dcp.save(copy, storage_writer=writer, no_dist=True)
+                if self.thread_writer is not None:
+                    inner.done.result(WAIT)
+                else:
+                    writer = integrity.ChecksummedWriter(self.storage.dcp_writer(self.storage.join(name)))
+                    dcp.save(copy, storage_writer=writer, no_dist=True)
                 written.set_result(None)
             except BaseException as e:  # noqa: BLE001 - handed to the manager like DCP would
                 written.set_exception(e)
 
         self._threads[name] = threading.Thread(target=run, daemon=True)
         self._threads[name].start()
-        return staging, written
+        return Started(staging, written)
 
     def join(self, name):
         """Until the write of ``name`` has ended and its callbacks have run (they run on its thread)."""
@@ -107,28 +130,18 @@ class GatedSaver:
         self._gates[name][2].append(exc)
         self._gates[name][1].set()
 
-    def failed(self):
+    def reset(self):
         self.failures_seen += 1
-
-    def start_writers(self):
-        pass
-
-    def writers_healthy(self):
-        return True
-
-    def stop_writers(self):
-        pass
-
-    def out_of_shared_memory(self):
-        return False
-
-    def use_thread_writer(self):
-        self.uses_writer_process = False
+        super().reset()
 
     def close(self):
+        self.closed = True
         for staged, go, _ in self._gates.values():
             staged.set()
             go.set()
+        if self.thread_writer is not None:
+            self.thread_writer.close()
+        super().close()
 
 
 class ScriptedAgreement:
@@ -152,14 +165,28 @@ class ScriptedAgreement:
         return [obj]
 
 
+SAVERS = ["fake", "thread", "local"]
+
+
 @pytest.fixture
-def make(tmp_path):
+def saver():
+    """Which savers a test's manager writes with (tests parametrize it over :data:`SAVERS`):
+    "fake" (the gated fake writer into checkpoint.dir), "thread" (the real thread writer, gated),
+    "local" (the fake writer, and the real local tier beside it: every save also writes and
+    commits this rank's local copy)."""
+    return "fake"
+
+
+@pytest.fixture
+def make(tmp_path, saver):
     made = []
 
     def _make(*, rank=0, timeout=WAIT, weights=None, saver_kw=None, **cfg):
         root = str(tmp_path / "ckpt")
         storage = open_storage(root)
-        saver = GatedSaver(storage, **(saver_kw or {}))
+        gated = GatedSaver(storage, writer="thread" if saver == "thread" else "fake", **(saver_kw or {}))
+        if saver == "local":
+            cfg.setdefault("local_dir", str(tmp_path / "local"))
         agreement = ScriptedAgreement()
         events_path = str(tmp_path / "events.jsonl")
         ccfg = CheckpointConfig(dir=root, save_timeout_seconds=timeout, **cfg)
@@ -173,17 +200,22 @@ def make(tmp_path):
             group=None,
             fingerprint="f",
             events=EventLog(events_path, enabled=rank == 0),
-            remote=saver,
+            remote=gated,
             agreement=agreement,
         )
         made.append(mgr)
-        mgr.test_saver, mgr.test_agreement, mgr.test_events = saver, agreement, events_path
+        mgr.test_saver, mgr.test_agreement, mgr.test_events = gated, agreement, events_path
         return mgr
 
     yield _make
     for m in made:
         m.test_saver.close()
         m.close()
+
+
+def local_copies(m):
+    """The steps of this rank's committed local copies (the local tier's own events)."""
+    return [e["step"] for e in events(m, "checkpoint_local_saved")]
 
 
 def events(mgr, name):
@@ -252,7 +284,8 @@ def test_wait_ends_at_the_deadline_and_a_settled_save_waits_for_its_local_copy()
 
 
 # ------------------------------------------------------------------ the manager, every transition
-def test_an_async_save_goes_staging_writing_committing_committed(make):
+@pytest.mark.parametrize("saver", SAVERS)
+def test_an_async_save_goes_staging_writing_committing_committed(make, saver):
     m = make(saver_kw={"hold_staging": True})
     assert m.load() is None
     save = begin(m, 5)
@@ -267,8 +300,11 @@ def test_an_async_save_goes_staging_writing_committing_committed(make):
     assert m.last_committed_step == 5 and m.is_committed(5) and m._inflight is None
     assert [e["step"] for e in events(m, "checkpoint_committed")] == [5]
     assert Catalog(m.storage).plan_resume("latest").chosen.step == 5
+    assert local_copies(m) == ([5] if saver == "local" else [])
+    assert all(isinstance(s, Saver) for s in (m.remote, m._local_saver) if s is not None)
 
 
+@pytest.mark.parametrize("saver", SAVERS)
 def test_a_failed_write_is_failed_reported_and_the_next_save_goes_on(make):
     m = make()
     m.load()
@@ -285,6 +321,7 @@ def test_a_failed_write_is_failed_reported_and_the_next_save_goes_on(make):
     assert m.finish() is True and second.state is S.COMMITTED and m.is_committed(2)
 
 
+@pytest.mark.parametrize("saver", SAVERS)
 def test_a_commit_that_cannot_prove_the_files_fails(make):
     m = make()
     m.load()
@@ -306,6 +343,7 @@ def test_a_commit_that_cannot_prove_the_files_fails(make):
     assert m.last_committed_step == 3
 
 
+@pytest.mark.parametrize("saver", SAVERS)
 def test_a_newer_launch_fences_the_commit(make):
     m = make()
     m.load()
@@ -318,6 +356,7 @@ def test_a_newer_launch_fences_the_commit(make):
     assert events(m, "checkpoint_fenced")
 
 
+@pytest.mark.parametrize("saver", SAVERS)
 def test_other_ranks_end_written_and_rank_0_commits(make):
     m = make(rank=1)
     save = begin(m, 7)
@@ -326,6 +365,7 @@ def test_other_ranks_end_written_and_rank_0_commits(make):
     assert save.history == [S.STAGING, S.WRITING, S.WRITTEN] and m.catalog is None
 
 
+@pytest.mark.parametrize("saver", SAVERS)
 def test_a_save_still_writing_past_its_deadline_skips_the_next_and_lands_later(make):
     m = make(timeout=0.2)
     m.load()
@@ -337,6 +377,7 @@ def test_a_save_still_writing_past_its_deadline_skips_the_next_and_lands_later(m
     assert m.settle(time.monotonic() + WAIT) and slow.state is S.COMMITTED and m.is_committed(1)
 
 
+@pytest.mark.parametrize("saver", SAVERS)
 def test_a_save_settles_only_when_every_rank_has_settled(make):
     m = make()
     m.load()
@@ -354,10 +395,11 @@ def test_a_save_settles_only_when_every_rank_has_settled(make):
 def _step_agreement(m, others_unsettled=0.0, others_failed=0.0, others_unusable=0.0):
     """What ``Step.agree`` does with the manager's votes: the all-reduced sums, the other ranks'
     votes added to this rank's."""
-    unsettled, failed, unusable = m.votes()
-    m.agreed(unsettled + others_unsettled, failed + others_failed, unusable + others_unusable)
+    mine = m.votes()
+    m.agreed(SaveVotes(mine.unsettled + others_unsettled, mine.failed + others_failed, mine.unusable + others_unusable))
 
 
+@pytest.mark.parametrize("saver", SAVERS)
 def test_a_save_settled_on_every_rank_at_the_step_s_all_reduce_needs_no_collective_of_its_own(make):
     """The next save's wait for the previous one rides on the step's all-reduce: no collective,
     so the save call neither adds a round trip nor waits for the slowest rank."""
@@ -366,7 +408,7 @@ def test_a_save_settled_on_every_rank_at_the_step_s_all_reduce_needs_no_collecti
     save = begin(m, 1)
     m.test_saver.release(save.name)
     save.wait(time.monotonic() + WAIT)
-    assert m.votes() == (0.0, 0.0, 0.0)
+    assert m.votes() == SaveVotes(0.0, 0.0, 0.0)
     _step_agreement(m)
     calls = m.test_agreement.calls
     stats = m.save(2)
@@ -381,11 +423,12 @@ def test_a_save_settled_on_every_rank_at_the_step_s_all_reduce_needs_no_collecti
 
 
 @pytest.mark.parametrize("elsewhere", ["usable", "unusable", "out_of_shared_memory"])
-def test_the_process_writer_s_check_rides_on_the_step_s_all_reduce_too(make, elsewhere):
+def test_the_process_writer_s_check_rides_on_the_step_s_all_reduce_too(make, elsewhere, monkeypatch):
     m = make()
     m.test_saver.uses_writer_process = True
     stopped = []
-    m.test_saver.stop_writers = lambda: stopped.append(1)
+    monkeypatch.setattr(writer_process, "stop", lambda: stopped.append(1))
+    monkeypatch.setattr(writer_process, "healthy", lambda: True)
     m.load()
     save = begin(m, 1)
     m.test_saver.release(save.name)
@@ -402,10 +445,11 @@ def test_the_process_writer_s_check_rides_on_the_step_s_all_reduce_too(make, els
         assert m.test_agreement.calls > calls and stopped == [1] and not fallback
         assert m.test_saver.uses_writer_process
     else:  # new writers could not stage that rank's state either: every rank goes on with the thread writer
-        assert not stopped and [e["writer"] for e in fallback] == ["thread"]
+        assert stopped == [1] and [e["writer"] for e in fallback] == ["thread"]
         assert not m.test_saver.uses_writer_process
 
 
+@pytest.mark.parametrize("saver", SAVERS)
 @pytest.mark.parametrize("case", ["unsettled_here", "unsettled_elsewhere", "failed_elsewhere", "reloaded"])
 def test_without_that_agreement_the_save_settles_as_before(make, case):
     m = make()
@@ -415,7 +459,7 @@ def test_without_that_agreement_the_save_settles_as_before(make, case):
         m.test_saver.release(first.name)
         first.wait(time.monotonic() + WAIT)
     if case == "unsettled_here":
-        assert m.votes() == (1.0, 0.0, 0.0)
+        assert m.votes() == SaveVotes(1.0, 0.0, 0.0)
     _step_agreement(
         m, others_unsettled=float(case == "unsettled_elsewhere"), others_failed=float(case == "failed_elsewhere")
     )
@@ -435,7 +479,40 @@ def test_without_that_agreement_the_save_settles_as_before(make, case):
     assert m._agreed is None, "an agreement is used at most once"
 
 
+# ------------------------------------------------------------------ the local tier alone
+@pytest.mark.parametrize("saver", ["local"])
+def test_a_local_only_save_commits_its_own_copy_and_is_not_saved_twice(make):
+    """A save that goes to the local tier only (not the remote_every-th): the local saver commits
+    the copy; the save ends COMMITTED without a checkpoint.dir directory or rank 0's commit."""
+    m = make(remote_every=3)
+    m.load()
+    save = begin(m, 1)
+    assert save.name is None and m.test_saver.started == []
+    assert m.finish() is True
+    assert save.history == [S.STAGING, S.WRITING, S.COMMITTED] and local_copies(m) == [1]
+    assert not m.is_committed(1) and m.last_committed_step is None and not events(m, "checkpoint_committed")
+    assert m.save(1).skipped == "already in the local tier"
+    assert begin(m, 2).name is None and m.finish() is True
+    third = begin(m, 3)  # the remote_every-th save: checkpoint.dir too
+    assert third.name is not None and m.test_saver.started == [third.name]
+
+
+@pytest.mark.parametrize("saver", ["local"])
+def test_a_local_only_copy_that_fails_to_commit_fails_the_save_and_the_next_goes_on(make):
+    m = make(remote_every=3)
+    m.load()
+    commit = m.local.commit
+    m.local.commit = lambda *a, **kw: (_ for _ in ()).throw(OSError("local disk full"))
+    save = begin(m, 1)
+    assert m.finish() is False
+    assert save.state is S.FAILED and save.error == "local copy failed" and local_copies(m) == []
+    assert m.test_saver.failures_seen == 0, "a local copy's failure does not reset the checkpoint.dir saver"
+    m.local.commit = commit
+    assert not m.save(2).skipped and m.finish() is True and local_copies(m) == [2]
+
+
 # ------------------------------------------------------------------ the races
+@pytest.mark.parametrize("saver", SAVERS)
 def test_a_step_counts_as_committed_only_once_agreed_and_a_failed_one_is_saved_again(make):
     """Before: a step was "committed" once its save started, so a failed save of the final
     step was never retried and the run could end claiming it."""
@@ -452,7 +529,8 @@ def test_a_step_counts_as_committed_only_once_agreed_and_a_failed_one_is_saved_a
     assert m.save(9).skipped == "already committed" and len(m.test_saver.started) == before
 
 
-def test_a_rollback_abandons_a_save_still_writing_keeps_its_directory_and_never_commits_it(make):
+@pytest.mark.parametrize("saver", SAVERS)
+def test_a_rollback_abandons_a_save_still_writing_keeps_its_directory_and_never_commits_it(make, saver):
     """Before: a rollback reloaded while a timed-out save still wrote, and the start-up
     cleanup could then delete that save's directory under it (or a new save reuse its name)."""
     m = make(timeout=0.2)
@@ -464,13 +542,14 @@ def test_a_rollback_abandons_a_save_still_writing_keeps_its_directory_and_never_
     wait_for(lambda: m.storage.exists(m.storage.join(stuck.name, layout.WRITER)), "the writer marker")
     assert not m.settle(time.monotonic() + 0.05)
     loaded = m.load(resume="latest")  # what a non-finite rollback does
-    assert loaded.step == 10 and stuck.state is S.ABANDONED and m._inflight is None
+    # with a local tier, the stuck save's own local copy (committed, descending from step 10) is newer
+    assert loaded.step == (20 if saver == "local" else 10) and stuck.state is S.ABANDONED and m._inflight is None
     assert m.storage.exists(m.storage.join(stuck.name, layout.WRITER)), (
         "the rollback's load cleaned up a directory still being written"
     )
     m.test_saver.release(stuck.name)
     m.test_saver.join(stuck.name)
-    m._commit_pool.submit(lambda: None).result(WAIT)  # a commit, had one been (wrongly) started, has run
+    m.committer.pool.submit(lambda: None).result(WAIT)  # a commit, had one been (wrongly) started, has run
     assert m.storage.exists(m.storage.join(stuck.name, layout.CHECKSUMS))
     assert not m.storage.exists(m.storage.join(stuck.name, layout.MANIFEST)) and stuck.state is S.ABANDONED
     assert m.last_committed_step == 10 and not events(m, "checkpoint_committed")[1:]
@@ -481,6 +560,7 @@ def test_a_rollback_abandons_a_save_still_writing_keeps_its_directory_and_never_
     assert m.finish(timeout=WAIT) is True and m.last_committed_step == 20
 
 
+@pytest.mark.parametrize("saver", SAVERS)
 def test_a_commit_in_progress_at_a_load_is_waited_for_and_counted(make):
     """A save already committing when a rollback loads: the load waits for the commit (it is
     short), so the newest commit is the one loaded and nothing lands behind the load's back."""
@@ -502,17 +582,18 @@ def test_a_commit_in_progress_at_a_load_is_waited_for_and_counted(make):
     assert save.state is S.COMMITTED and loaded is not None and loaded.step == 30 and m.last_committed_step == 30
 
 
+@pytest.mark.parametrize("saver", SAVERS)
 def test_the_newest_commit_mark_ignores_a_commit_from_before_a_load(make):
     """The commit thread and a load both write the newest-commit mark: under one lock, and a
     commit of a save older than the current load does not move it."""
     m = make()
     m.load()
     save = begin(m, 40)
-    generation = m._generation
-    m._loaded(None, None, committed=None)  # a load happened in between (fresh state)
+    generation = m.committer.generation
+    m.committer.loaded(None)  # a load happened in between (fresh state)
     save.staged()
     save.advance(S.COMMITTING)
     m.test_saver.release(save.name)
     m.test_saver.join(save.name)
-    m._commit(save, {}, generation)
+    m.committer.commit(save, {}, generation)
     assert save.state is S.COMMITTED and m.last_committed_step is None

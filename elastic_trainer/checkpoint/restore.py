@@ -1,0 +1,187 @@
+"""The load's fallback loop, every rank: rank 0's plan, then the local tier, then checkpoint.dir.
+
+:meth:`Restorer.load` asks rank 0's :func:`.resume.decide` for the checkpoint to load
+(broadcast), tries the local tier's copies first (when every rank has one that fits), then
+loads the chosen checkpoint.dir commit; one whose bytes fail is quarantined and the next older
+one tried, in the same start. It returns what was loaded and the lineage position the state now
+has (:class:`Restored`); the manager applies it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ..errors import CheckpointError, NoUsableCheckpointError
+from ..storage.fs import Storage
+from . import resume as resume_plan
+from .agreement import Agreement
+from .catalog import Catalog
+from .local_tier import LocalTier
+from .position import Position
+from .resume import Decision, LoadResult, LocalLoad
+from .save import SaveContext
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a load did: ``result`` (None: a fresh state), the ``position`` the state now has,
+    the ``tier`` it came from and the newest checkpoint.dir commit it knows of."""
+
+    result: LoadResult | None
+    position: Position
+    tier: str | None = None
+    committed: int | None = None
+
+
+class Restorer:
+    """The load of one manager's states (see the module's docstring); ``catalog``: rank 0's."""
+
+    def __init__(
+        self,
+        states: dict[str, Stateful],
+        storage: Storage,
+        catalog: Catalog | None,
+        agreement: Agreement,
+        ctx: SaveContext,
+        *,
+        group: dist.ProcessGroup | None,
+        launch_id: str,
+        local: LocalTier | None,
+    ):
+        self.states = states
+        self.storage = storage
+        self.catalog = catalog
+        self.agreement = agreement
+        self.ctx = ctx
+        self.group = group
+        self.launch_id = launch_id
+        self.local = local
+
+    def load(self, position: Position, resume: str, *, clean: bool) -> Restored:
+        """``clean``: this manager has not loaded before (see :func:`.resume.decide`). Raises as
+        :meth:`.manager.CheckpointManager.load` documents."""
+        failed: set[str] = set()
+        skipped_all: list[tuple[int, str]] = []
+        try_local = self.local is not None and resume == "latest"
+        while True:
+            decision = (
+                resume_plan.decide(
+                    self.catalog,
+                    self.states,
+                    self.ctx.world_size,
+                    resume,
+                    frozenset(failed),
+                    clean=not failed and clean,
+                    launch_id=self.launch_id,
+                    events=self.ctx.events,
+                )
+                if self.ctx.rank == 0
+                else None
+            )
+            decision = self.agreement.broadcast(decision)
+            if decision.refused is not None:
+                raise decision.refused(decision.message)
+            position = replace(
+                position,
+                # never forget a name: an abandoned save may still write into it
+                taken=position.taken | set(decision.taken),
+                epoch=decision.epoch,
+                lineage=decision.lineage,
+            )
+            skipped_all += [tuple(s) for s in decision.skipped]
+            if try_local:
+                try_local = False
+                local = self._load_local(position, decision, skipped_all)
+                if isinstance(local, Restored):
+                    return local
+                if local is LocalLoad.FAILED and decision.chosen is None:
+                    raise CheckpointError(
+                        "the local copies failed to load and checkpoint.dir has no commit; "
+                        "restarting from a clean state"
+                    )
+            if decision.chosen is None:
+                if failed:  # every candidate failed its load in this start: never train from step 0 over them
+                    raise NoUsableCheckpointError(
+                        f"every committed checkpoint failed to load ({', '.join(sorted(failed))}: quarantined); "
+                        "not starting over from step 0. 'elastic-trainer ckpt release URI --step N' re-verifies one "
+                        "and lifts its quarantine if its bytes are good; or start a new run: another checkpoint.dir, "
+                        'or checkpoint.resume = "none" for this launch'
+                    )
+                return Restored(None, replace(position, parent=None, seq=0, chain=("",)))
+            name, manifest = decision.chosen, decision.manifest
+            step = int(manifest["step"])
+            reason = decision.unreadable  # rank 0 could not read the checkpoint's metadata
+            if reason is None:
+                t0 = time.monotonic()
+                loaded = resume_plan.load_remote(self.states, self.storage, self.group, self.agreement, decision)
+                if loaded is None:
+                    seconds = time.monotonic() - t0
+                    self.ctx.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
+                    if self.ctx.rank == 0:
+                        resume_plan.report_evolution(self.ctx.events, name, step, decision)
+                    result = LoadResult(step, name, manifest, seconds, skipped_all, decision.first_start)
+                    return Restored(result, position.loaded(name, int(manifest.get("seq", 0))), "remote", step)
+                reason = loaded
+            self._skip(name, step, f"load failed: {reason}")
+            skipped_all.append((step, f"load failed: {reason}"))
+            failed.add(name)
+
+    def _skip(self, name: str, step: int, reason: str) -> None:
+        logger.error("checkpoint %s %s", name, reason)
+        if self.ctx.rank == 0:
+            self.ctx.events.emit("checkpoint_skipped", step=step, name=name, reason=reason)
+            try:
+                self.catalog.quarantine(name, reason)
+            except Exception as e:  # noqa: BLE001 - skipped in this start either way
+                logger.warning("could not quarantine %s: %s", name, e)
+
+    def _load_local(
+        self, position: Position, decision: Decision, skipped: list[tuple[int, str]]
+    ) -> Restored | LocalLoad:
+        """Every rank: the local tier's copy, when every rank has one that fits (see
+        :func:`.resume.load_local`); NONE or FAILED otherwise."""
+        t0 = time.monotonic()
+        loaded = resume_plan.load_local(
+            self.local,
+            self.states,
+            self.agreement,
+            decision,
+            skipped,
+            epoch=position.epoch,
+            rank=self.ctx.rank,
+            mesh_shape=self.ctx.mesh_shape,
+            fingerprint=self.ctx.fingerprint,
+            events=self.ctx.events,
+        )
+        if isinstance(loaded, LocalLoad):
+            return loaded
+        copy, chosen = loaded, decision.chosen
+        manifest: dict[str, Any] = decision.manifest
+        seconds = time.monotonic() - t0
+        self.ctx.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
+        self.ctx.metrics.counter("elastic_trainer_checkpoint_local_resumes_total")
+        result = LoadResult(
+            copy.step,
+            os.path.relpath(copy.path, self.local.root),
+            copy.manifest,
+            seconds,
+            skipped,
+            decision.first_start,
+            tier="local",
+        )
+        position = position.loaded(
+            chosen,
+            int(manifest.get("seq", 0)) if chosen else 0,
+            chain=copy.manifest.get("remote_chain") or [chosen or ""],
+            local_step=copy.step,
+        )
+        return Restored(result, position, "local", int(manifest["step"]) if chosen else None)
