@@ -12,7 +12,8 @@ productive. Prints the accounting as JSON and a Markdown table.
 
 With several ``--kill-every`` rates, ``--interval`` values (``auto`` or a step count, set
 as ``checkpoint.interval_steps``) and/or ``--tier`` values, runs every combination one after the
-other (same seed, so the same ranks are killed) and prints one table: goodput per run, its ratio
+other (same seed, so the same ranks are killed; ``--tier memory:1`` runs a tier at one interval
+only) and prints one table: goodput per run, its ratio
 to the best fixed interval at the same kill rate and tier, and the intervals ``auto`` chose
 (``checkpoint_interval_changed``). ``--tier remote`` saves every checkpoint to ``checkpoint.dir``
 only; ``--tier memory`` adds the node-local tier in memory (``checkpoint.local_dir`` under
@@ -190,7 +191,11 @@ def main() -> int:
         default="",
         help="checkpoint.interval_steps: auto or N; a comma-separated list sweeps (default: the config's)",
     )
-    ap.add_argument("--tier", default="remote", help="remote, memory, or both comma-separated (side by side)")
+    ap.add_argument(
+        "--tier",
+        default="remote",
+        help="remote, memory, or several comma-separated (side by side); tier:N runs that tier at interval N only",
+    )
     ap.add_argument("--remote-every", type=int, default=10, help="with --tier memory: checkpoint.remote_every")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
@@ -224,8 +229,10 @@ def main() -> int:
         )
     rates = [float(x) for x in a.kill_every.split(",")]
     intervals = [x.strip() for x in a.interval.split(",") if x.strip()] or [""]
-    tiers = [x.strip() for x in a.tier.split(",") if x.strip()]
-    combos = [(rate, tier, interval) for rate in rates for tier in tiers for interval in intervals]
+    tiers = [x.strip().partition(":") for x in a.tier.split(",") if x.strip()]  # tier[:interval]
+    combos = [
+        (rate, tier, interval) for rate in rates for tier, _, own in tiers for interval in ([own] if own else intervals)
+    ]
     results = []
     for rate, tier, interval in combos:
         extra = [f"checkpoint.interval_steps={interval}"] if interval else []

@@ -13,7 +13,9 @@ environment. A variant ``N:ompK`` runs N workers with ``OMP_NUM_THREADS=K`` expo
 exports ``OMP_NUM_THREADS=1`` itself only when ``nproc_per_node > 1``, so a single worker
 otherwise runs torch's default thread pool); ``N:everyM`` saves every M steps (0 = no periodic
 save: the throughput cost of checkpointing, side by side); ``N:process`` writes with
-``checkpoint.writer = "process"``. The variants' order is reversed every repeat
+``checkpoint.writer = "process"``; ``N:memK`` adds the node-local tier in memory
+(``checkpoint.local_dir`` under /dev/shm) with ``checkpoint.remote_every = K``, so a save is an
+in-memory copy and every K-th also goes to ``checkpoint.dir`` (``2:every1:mem10``: a copy every step). The variants' order is reversed every repeat
 (ABBA) so slow drift in the machine's load hits all sides. A run still going after
 ``--max-seconds`` is stopped with SIGTERM (the job checkpoints and exits 75) and measured on
 the steps it did.
@@ -49,6 +51,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -95,9 +98,11 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def parse_variant(v: str) -> tuple[int, str | None, int | None, list[str]]:
-    """``N[:ompK][:everyM][:process]`` -> (workers, OMP_NUM_THREADS or None, checkpoint.interval_steps
-    or None, extra ``--set`` overrides: ``process`` = ``checkpoint.writer=process``)."""
+def parse_variant(v: str, shm: str = "/dev/shm") -> tuple[int, str | None, int | None, list[str]]:
+    """``N[:ompK][:everyM][:process][:memK]`` -> (workers, OMP_NUM_THREADS or None,
+    checkpoint.interval_steps or None, extra ``--set`` overrides: ``process`` =
+    ``checkpoint.writer=process``; ``memK`` = the node-local tier in memory under ``shm``
+    (``checkpoint.local_dir``), checkpoint.dir every K-th save (``checkpoint.remote_every``))."""
     n, *mods = v.split(":")
     omp = every = None
     extra = []
@@ -108,9 +113,14 @@ def parse_variant(v: str) -> tuple[int, str | None, int | None, list[str]]:
             every = int(m[5:])
         elif m == "process":
             extra.append("checkpoint.writer=process")
+        elif m.startswith("mem") and m[3:].isdigit():
+            extra += [f"checkpoint.local_dir={shm}", f"checkpoint.remote_every={m[3:]}"]
         else:
-            raise SystemExit(f"--variants: expected N[:ompK][:everyM][:process], got {v!r}")
+            raise SystemExit(f"--variants: expected N[:ompK][:everyM][:process][:memK], got {v!r}")
     return int(n), omp, every, extra
+
+
+SAVED = ("checkpoint_committed", "checkpoint_local_saved")  # a step saved to either tier
 
 
 def save_overlap(by_step: dict[int, dict], saved: set[int], skip: int) -> dict:
@@ -134,7 +144,8 @@ def save_overlap(by_step: dict[int, dict], saved: set[int], skip: int) -> dict:
 
 
 def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[str], max_seconds: float) -> dict:
-    nproc, omp, every, extra = parse_variant(variant)
+    shm = tempfile.mkdtemp(prefix="bench-tput-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    nproc, omp, every, extra = parse_variant(variant, shm)
     work = Path(tempfile.mkdtemp(prefix=f"bench-tput-{nproc}w-"))
     run_dir = work / "run"
     cmd = [
@@ -210,15 +221,14 @@ def one_run(config: str, variant: str, steps: int, skip: int, overrides: list[st
             f"{variant}: only {len(by_step)} steps done in {max_seconds}s; raise --max-seconds or lower --skip"
         )
     tps = [e["tokens_per_s"] for e in kept]
-    saved = {e["step"] for e in runs.read_events(run_dir, "checkpoint_committed")}
+    saved = {e["step"] for kind in SAVED for e in runs.read_events(run_dir, kind)}
     overlap = save_overlap(by_step, saved, skip)
     first, last = by_step[skip], by_step[max(by_step)]
     tokens = sum(e["tokens_per_s"] * e["step_time_s"] for e in kept)
     if len({r for r in rank_of.values()}) != nproc:
         raise RuntimeError(f"saw ranks {sorted(rank_of.values())} for {nproc} workers")
-    import shutil
-
     shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(shm, ignore_errors=True)
     return {
         "variant": variant,
         "nproc": nproc,

@@ -200,6 +200,10 @@ class CheckpointConfig:
     # rank's copy present and verified, loads locally; anything else loads from checkpoint.dir.
     local_dir: str = ""
     remote_every: int = 1
+    # The peer tier (with local_dir and ELASTIC_TRAINER_CHECKPOINT_KEY): every local copy is also
+    # sent to this many other nodes' memory; a restart at any world size loads from the nodes' copies
+    # when every shard of a step is on a surviving node (0 = off). See checkpoint/peer_tier.py.
+    peer_replicas: int = 1
 
     def validate(self, cfg: Config) -> None:
         _require(bool(self.dir), "checkpoint.dir", "must not be empty")
@@ -258,6 +262,7 @@ class CheckpointConfig:
             "checkpoint.remote_every",
             "needs checkpoint.local_dir (without a local tier every save goes to checkpoint.dir)",
         )
+        _require(self.peer_replicas >= 0, "checkpoint.peer_replicas", f"must be >= 0, got {self.peer_replicas}")
         if self.local_dir:
             check_local_dir(self.local_dir, self.dir)
         if self.s3_endpoint_url:

@@ -40,6 +40,7 @@ CHECKPOINT_EPOCH_ENV = "ELASTIC_TRAINER_CHECKPOINT_EPOCH"
 CHECKPOINT_ROOT_ENV = "ELASTIC_TRAINER_CHECKPOINT_ROOT"
 CHECKPOINT_KEY_ENV = "ELASTIC_TRAINER_CHECKPOINT_KEY"
 NODE_ENV = "ELASTIC_TRAINER_NODE"
+PEER_HOLDER_ENV = "ELASTIC_TRAINER_PEER_HOLDER"
 LOG_LEVEL_ENV = "ELASTIC_TRAINER_LOG_LEVEL"
 INJECT_FAULT_ENV = "ELASTIC_TRAINER_INJECT_FAULT"
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -69,6 +70,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(CHECKPOINT_EPOCH_ENV, _SUP, "rank 0", "This launch's fencing epoch on the checkpoint root."),
     EnvVar(CHECKPOINT_ROOT_ENV, _SUP, "rank 0", "The checkpoint.dir of that epoch (a script elsewhere takes its own)."),
     EnvVar(CHECKPOINT_KEY_ENV, "user", "supervisor, workers, ckpt", "Key of the manifests' HMAC (never logged)."),
+    EnvVar(PEER_HOLDER_ENV, _SUP, "workers", "host:port of this node's peer holder (checkpoint.peer_replicas)."),
     EnvVar(NODE_ENV, "user", "supervisor, logs", "This node's name in events and logs (default: the host name)."),
     EnvVar(LOG_LEVEL_ENV, "user", "every process", "Log level of the elastic_trainer logger (default INFO)."),
     EnvVar(INJECT_FAULT_ENV, "tests", "workers", "Fault injection for the test suites (faults.py)."),
@@ -84,7 +86,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(LOCAL_RANK_ENV, _AGENT, "workers, zygote", "Rank on this node."),
     EnvVar(WORLD_SIZE_ENV, _AGENT, "workers", "Number of workers in the group."),
     EnvVar(LOCAL_WORLD_SIZE_ENV, _AGENT, "workers", "Workers on this node (the Lightning strategy's devices)."),
-    EnvVar(GROUP_RANK_ENV, _AGENT, "log lines", "This node's rank in the group."),
+    EnvVar(GROUP_RANK_ENV, _AGENT, "log lines, peer tier", "This node's rank in the group."),
     EnvVar(MASTER_ADDR_ENV, _AGENT, "workers", "Host of the group's store."),
     EnvVar(MASTER_PORT_ENV, _AGENT, "workers", "Port of the group's store."),
     EnvVar(OMP_THREADS_ENV, "agent or user", "workers, zygote", "Threads per worker (the zygote applies it at fork)."),
@@ -258,9 +260,11 @@ EVENTS: tuple[Event, ...] = (
         "resume",
         _RANK0,
         "Resumed from a checkpoint; a script's `after_load` may add fields.",
-        "step tier from_world_size world_size load_seconds since_start_seconds cursor skipped rng data_view?",
+        "step tier from_world_size world_size load_seconds since_start_seconds cursor skipped rng tiers? data_view?",
         extensible=True,
-        tier="`remote`: `checkpoint.dir`; `local`: every rank's `checkpoint.local_dir` copy",
+        tier="`remote`: `checkpoint.dir`; `local`: every rank's `checkpoint.local_dir` copy; `peer`: the nodes' "
+        "copies (own node first, then other nodes' holders), resharded if need be",
+        tiers="with `peer`: per rank, `local` (read only its node's copies) or `peer` (read from another node)",
         rng=f"`restored` or `{_RESEEDED}`",
         data_view="`recorded`, or `resolved now (the checkpoint has none)` for a checkpoint written before data "
         "views were recorded",
@@ -378,7 +382,14 @@ EVENTS: tuple[Event, ...] = (
         "checkpoint_local_skipped",
         _RANK0,
         "The local tier could not be used at this start (not every rank had the copy, or a load failed); "
-        "every rank loaded `checkpoint.dir`.",
+        "every rank loaded the peer tier (`checkpoint.peer_replicas`) or `checkpoint.dir`.",
+        "step reason remote_step",
+    ),
+    _e(
+        "checkpoint_peer_skipped",
+        _RANK0,
+        "The peer tier could not be used at this start (no step whose every shard every rank could reach, or a "
+        "load failed: the copy that failed is dropped); every rank loaded `checkpoint.dir`.",
         "step reason remote_step",
     ),
     _e(

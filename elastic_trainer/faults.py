@@ -17,6 +17,9 @@ Enabled only through ``ELASTIC_TRAINER_INJECT_FAULT``, a comma-separated list of
   the worker is SIGKILLed at the start of step S (a node lost with its local storage);
 * ``corrupt_local`` — 64 bytes in the middle of the shard of every committed local copy of rank R
   are overwritten (same size) and the worker is SIGKILLed at the start of step S;
+* ``corrupt_peer`` — from step S on, rank R's replicas (``checkpoint.peer_replicas``) reach the
+  holders with 64 bytes of each shard flipped (same size; the signed manifest keeps the true
+  checksum): what a holder whose memory went bad serves;
 * ``slow`` — rank R sleeps ``seconds=X`` (default 0.2) at the start of every step from S on (a
   straggler: ``slow@rank=1,step=1,seconds=0.3``).
 
@@ -51,6 +54,7 @@ KINDS = (
     "slow",
     "lose_local",
     "corrupt_local",
+    "corrupt_peer",
 )
 COMMITTED_WAIT_SECONDS = 30.0  # ``committed=N``: the longest wait for that commit before firing
 
@@ -165,3 +169,19 @@ def maybe_damage_local(step: int, list_copies) -> None:
                     f.flush()
                     os.fsync(f.fileno())
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_corrupt_replica(step: int, data: bytes) -> bytes:
+    """``corrupt_peer``: ``data`` (a shard being replicated at ``step``) with 64 bytes flipped in
+    its middle when the fault is configured for this rank at ``step`` or before, else ``data``."""
+    rank = int(os.environ.get(contract.RANK_ENV, "0"))
+    restart = int(os.environ.get(contract.RESTART_COUNT_ENV, "0"))
+    if any(f.kind == "corrupt_peer" and f.rank == rank and f.step <= step and f.restart == restart for f in _active()):
+        mid = len(data) // 2
+        return data[:mid] + bytes(b ^ 0xFF for b in data[mid : mid + 64]) + data[mid + 64 :]
+    return data
+
+
+def corrupting_replicas() -> bool:
+    """Whether any ``corrupt_peer`` fault is configured (the sender then reads shards whole)."""
+    return any(f.kind == "corrupt_peer" for f in _active())

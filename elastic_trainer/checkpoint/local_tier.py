@@ -83,9 +83,12 @@ class LocalTier:
         return os.path.join(self.root, _slug(epoch))
 
     def rank_dir(self, epoch: str, step: int) -> str:
-        return os.path.join(
-            self._epoch_dir(epoch), layout.step_dir_name(step), f"rank-{self.rank}-of-{self.world_size}"
-        )
+        return self.copy_dir(self.root, epoch, step, self.rank, self.world_size)
+
+    @staticmethod
+    def copy_dir(root: str, epoch: str, step: int, rank: int, world_size: int) -> str:
+        """The directory of rank ``rank`` of ``world_size``'s copy of ``step`` under a job's ``root``."""
+        return os.path.join(root, _slug(epoch), layout.step_dir_name(step), f"rank-{rank}-of-{world_size}")
 
     # ------------------------------------------------------------------ saving
     def writer(self, epoch: str, step: int):
@@ -140,7 +143,8 @@ class LocalTier:
 
     def _retain(self, epoch: str, newest: int) -> None:
         """Keep this rank's KEEP newest committed copies (``newest`` among them); remove older
-        copies and attempts older than ``newest`` that never committed."""
+        copies and attempts older than ``newest`` that never committed, and, once KEEP are
+        committed, the copies of another world size older than them (from before a reshard)."""
         kept = 0
         for step in self._steps(epoch):
             d = self.rank_dir(epoch, step)
@@ -150,6 +154,8 @@ class LocalTier:
             if committed and kept < KEEP:
                 kept += 1
                 continue
+            if kept == KEEP:
+                self._drop_other_worlds(epoch, step)
             _remove(d)
 
     # ------------------------------------------------------------------ loading
@@ -224,9 +230,21 @@ class LocalTier:
                 shutil.rmtree(os.path.join(self.root, n), ignore_errors=True)
 
     def drop_epoch(self, epoch: str) -> None:
-        """This rank's copies of ``epoch`` (the run finished: no restart of this launch needs them)."""
+        """This rank's copies of ``epoch`` (the run finished: no restart of this launch needs them),
+        and any of another world size."""
         for step in self._steps(epoch):
+            self._drop_other_worlds(epoch, step)
             _remove(self.rank_dir(epoch, step))
+
+    def _drop_other_worlds(self, epoch: str, step: int) -> None:
+        base = os.path.dirname(self.rank_dir(epoch, step))
+        try:
+            names = os.listdir(base)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name.startswith("rank-") and not name.endswith(f"-of-{self.world_size}"):
+                _remove(os.path.join(base, name))
 
 
 def _remove(rank_dir: str) -> None:

@@ -16,7 +16,8 @@ Each save is a :class:`~.save.Save` (its states and transitions are documented t
 manager keeps at most one in flight. What a save does (which tiers, which name, the lineage in
 its manifests) is decided by :func:`.position.plan_save` from the manager's
 :class:`~.position.Position`; its bytes are written by the savers it is given (:mod:`.savers`:
-checkpoint.dir through DCP, and the local tier, which commits its own copies); rank 0 commits
+checkpoint.dir through DCP, and the local tier, which commits its own copies, replicated to
+other nodes by :mod:`.peer_tier`); rank 0 commits
 checkpoint.dir saves through its :class:`~.commit.Committer`; a load is the
 :class:`~.restore.Restorer`'s fallback loop; its agreements go through the
 :class:`~.agreement.Agreement` it is given, and rank 0's bookkeeping (scan, verification,
@@ -50,7 +51,7 @@ from ..config import CheckpointConfig
 from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from ..storage.fs import Storage
-from . import layout, writer_process
+from . import layout, peer_tier, writer_process
 from .agreement import Agreed, Agreement, SaveVotes
 from .catalog import Catalog, checkpoint_key
 from .commit import Committer
@@ -118,6 +119,7 @@ class CheckpointManager:
         if local is None and cfg.local_dir:
             tier = LocalTier(cfg.local_dir, storage.root, rank=rank, world_size=world_size, key=checkpoint_key())
             local = LocalSaver(tier, ctx, mode=cfg.mode, cuda_staging=use_cuda_staging)
+            local = peer_tier.with_peers(local, cfg, storage.root, ctx)  # and other nodes' memory
         # The local tier (checkpoint.local_dir): every save, per rank; checkpoint.dir gets every
         # remote_every-th (and every durable one). See checkpoint/local_tier.py.
         self._local_saver = local
@@ -125,7 +127,7 @@ class CheckpointManager:
         self.catalog = Catalog(storage, epoch=epoch, events=self.events) if rank == 0 else None
         self.committer = Committer(self.catalog, ctx, keep_last=cfg.keep_last, keep_every=cfg.keep_every)
         self.restorer = Restorer(
-            states, storage, self.catalog, self.agreement, ctx, group=group, launch_id=launch_id, local=self.local
+            states, storage, self.catalog, self.agreement, ctx, group=group, launch_id=launch_id, local=local
         )
         # recorded in every manifest (state_types: compared at resume)
         self._manifest = {"launch": launch_id, "finite": True, "run_identity": run_identity or {}}

@@ -1,9 +1,11 @@
-"""The load's fallback loop, every rank: rank 0's plan, then the local tier, then checkpoint.dir.
+"""The load's fallback loop, every rank: rank 0's plan, then the local tier, the peer tier, then
+checkpoint.dir.
 
 :meth:`Restorer.load` asks rank 0's :func:`.resume.decide` for the checkpoint to load
-(broadcast), tries the local tier's copies first (when every rank has one that fits), then
-loads the chosen checkpoint.dir commit; one whose bytes fail is quarantined and the next older
-one tried, in the same start. It returns what was loaded and the lineage position the state now
+(broadcast), tries the local tier's copies first (when every rank has one that fits), then the
+nodes' copies at any world size (:mod:`.peer_tier`, when on), then loads the chosen
+checkpoint.dir commit; one whose bytes fail is quarantined and the next older one tried, in the
+same start. It returns what was loaded and the lineage position the state now
 has (:class:`Restored`); the manager applies it.
 """
 
@@ -24,9 +26,11 @@ from . import resume as resume_plan
 from .agreement import Agreement
 from .catalog import Catalog
 from .local_tier import LocalTier
+from .peer_tier import PeerCopy, PeerSaver, PeerTier
 from .position import Position
 from .resume import Decision, LoadResult, LocalLoad
 from .save import SaveContext
+from .savers import LocalSaver
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +47,8 @@ class Restored:
 
 
 class Restorer:
-    """The load of one manager's states (see the module's docstring); ``catalog``: rank 0's."""
+    """The load of one manager's states (see the module's docstring); ``catalog``: rank 0's;
+    ``local``: the local saver (its tier's copies; a :class:`~.peer_tier.PeerSaver`: the nodes')."""
 
     def __init__(
         self,
@@ -55,7 +60,7 @@ class Restorer:
         *,
         group: dist.ProcessGroup | None,
         launch_id: str,
-        local: LocalTier | None,
+        local: LocalSaver | PeerSaver | None,
     ):
         self.states = states
         self.storage = storage
@@ -64,7 +69,8 @@ class Restorer:
         self.ctx = ctx
         self.group = group
         self.launch_id = launch_id
-        self.local = local
+        self.local: LocalTier | None = local.tier if local is not None else None
+        self.peer: PeerTier | None = local.peer if isinstance(local, PeerSaver) else None
 
     def load(self, position: Position, resume: str, *, clean: bool) -> Restored:
         """``clean``: this manager has not loaded before (see :func:`.resume.decide`). Raises as
@@ -72,6 +78,8 @@ class Restorer:
         failed: set[str] = set()
         skipped_all: list[tuple[int, str]] = []
         try_local = self.local is not None and resume == "latest"
+        if self.peer is not None:
+            self.peer.connect(self.agreement)
         while True:
             decision = (
                 resume_plan.decide(
@@ -148,7 +156,8 @@ class Restorer:
         self, position: Position, decision: Decision, skipped: list[tuple[int, str]]
     ) -> Restored | LocalLoad:
         """Every rank: the local tier's copy, when every rank has one that fits (see
-        :func:`.resume.load_local`); NONE or FAILED otherwise."""
+        :func:`.resume.load_local`); else, with a peer tier, the nodes' copies at any world size
+        (:meth:`.peer_tier.PeerTier.load`); NONE or FAILED otherwise."""
         t0 = time.monotonic()
         loaded = resume_plan.load_local(
             self.local,
@@ -162,26 +171,40 @@ class Restorer:
             fingerprint=self.ctx.fingerprint,
             events=self.ctx.events,
         )
+        manifest: dict[str, Any] = decision.manifest
+        if isinstance(loaded, LocalLoad) and self.peer is not None:  # not every rank has its own copy: the nodes'
+            from_peers = self.peer.load(
+                self.states,
+                self.agreement,
+                epoch=position.epoch,
+                remote=decision.chosen,
+                min_step=int(manifest["step"]) if decision.chosen else 0,
+                fingerprint=self.ctx.fingerprint,
+                skipped=skipped,
+            )
+            loaded = loaded if from_peers is LocalLoad.NONE else from_peers
         if isinstance(loaded, LocalLoad):
             return loaded
         copy, chosen = loaded, decision.chosen
-        manifest: dict[str, Any] = decision.manifest
+        peer = isinstance(copy, PeerCopy)
         seconds = time.monotonic() - t0
         self.ctx.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
-        self.ctx.metrics.counter("elastic_trainer_checkpoint_local_resumes_total")
+        if not peer:
+            self.ctx.metrics.counter("elastic_trainer_checkpoint_local_resumes_total")
         result = LoadResult(
             copy.step,
-            os.path.relpath(copy.path, self.local.root),
+            copy.name if peer else os.path.relpath(copy.path, self.local.root),
             copy.manifest,
             seconds,
             skipped,
             decision.first_start,
-            tier="local",
+            tier="peer" if peer else "local",
+            tiers=copy.tiers if peer else None,
         )
         position = position.loaded(
             chosen,
             int(manifest.get("seq", 0)) if chosen else 0,
             chain=copy.manifest.get("remote_chain") or [chosen or ""],
-            local_step=copy.step,
+            local_step=None if peer else copy.step,  # a peer load leaves no copy of this rank at this world size
         )
-        return Restored(result, position, "local", int(manifest["step"]) if chosen else None)
+        return Restored(result, position, result.tier, int(manifest["step"]) if chosen else None)

@@ -42,7 +42,8 @@ class LoadResult:
     seconds: float
     skipped: list[tuple[int, str]] = field(default_factory=list)
     first_start: bool = True
-    tier: str = "remote"  # "local": every rank loaded its copy from checkpoint.local_dir
+    tier: str = "remote"  # "local": every rank loaded its copy from checkpoint.local_dir; "peer": the nodes' copies
+    tiers: list[str] | None = None  # "peer": per rank, "local" (its node's copies only) or "peer"
 
 
 @dataclass

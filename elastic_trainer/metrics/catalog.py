@@ -132,6 +132,28 @@ CATALOG: tuple[Metric, ...] = (
         "elastic_trainer_checkpoint_local_resumes_total",
         "Resumes that loaded every rank's local-tier copy instead of checkpoint.dir.",
     ),
+    _c(
+        "elastic_trainer_checkpoint_peer_sent_bytes_total",
+        "Bytes of local-tier copies a rank sent to other nodes' holders (checkpoint.peer_replicas).",
+        scope="rank",
+        labels=("rank",),
+    ),
+    _c(
+        "elastic_trainer_checkpoint_peer_send_seconds_total",
+        "Seconds a rank's background sender spent sending copies to other nodes' holders.",
+        scope="rank",
+        labels=("rank",),
+    ),
+    _c(
+        "elastic_trainer_checkpoint_peer_send_failures_total",
+        "Copies a rank failed to send to a holder (that replica is missing until the next save).",
+        scope="rank",
+        labels=("rank",),
+    ),
+    _c(
+        "elastic_trainer_checkpoint_peer_resumes_total",
+        "Resumes that loaded the nodes' copies (the peer tier) instead of checkpoint.dir.",
+    ),
     # elasticity
     _g("elastic_trainer_world_size", "Number of worker processes in the current worker group."),
     _g(

@@ -254,6 +254,7 @@ class Checkpointer:
             skipped=[list(x) for x in loaded.skipped],
             rng=rng_note,
             tier=loaded.tier,
+            **({"tiers": loaded.tiers} if loaded.tiers else {}),
             **fields,
         )
         if saved_world != s.world_size:

@@ -174,6 +174,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
     )
     os.environ[contract.CHECKPOINT_EPOCH_ENV] = take_epoch(cfg, config.run_id or "elastic-trainer", events)
     os.environ[contract.CHECKPOINT_ROOT_ENV] = cfg.checkpoint.dir
+    holder = start_holder(cfg, config.local_addr)
     failed = signalled = False
     worker_codes: list[int | None] = []
     try:
@@ -201,6 +202,8 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
             server.stop()
         if zygote is not None:
             zygote.close()
+        if holder is not None:
+            holder.close()
     preempt = None
     if os.path.exists(marker):
         with open(marker) as f:
@@ -214,6 +217,39 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
     events.emit("supervisor_exit", exit_code=code, preempted=preempt, signalled=signalled)
     history.close()
     return code
+
+
+def start_holder(cfg: Config, local_addr: str | None):
+    """This node's peer holder (``checkpoint.peer_replicas`` with a local tier), listening on the
+    address the job uses for its collectives; its address goes to the workers. None when off."""
+    c = cfg.checkpoint
+    if not c.local_dir or c.peer_replicas <= 0:
+        return None
+    import socket
+
+    from ..checkpoint.catalog import checkpoint_key
+    from ..checkpoint.local_tier import job_key
+    from ..checkpoint.peer_tier import NodeCopies
+    from ..storage.fs import Storage
+    from ..storage.peer import Holder
+
+    key = checkpoint_key()
+    if not key:
+        logger.warning(
+            "checkpoint.peer_replicas = %d but %s is not set: peer transfer is off",
+            c.peer_replicas,
+            contract.CHECKPOINT_KEY_ENV,
+        )
+        return None
+    job = job_key(Storage.for_checkpoint(c).root)
+    served = NodeCopies(os.path.join(os.path.abspath(c.local_dir), job))
+    try:
+        holder = Holder(job, key, local_addr or socket.getfqdn(), served=served).start()
+    except OSError as e:
+        logger.warning("peer holder could not start on %s: %s; peer transfer is off", local_addr, e)
+        return None
+    os.environ[contract.PEER_HOLDER_ENV] = holder.address
+    return holder
 
 
 def start_zygote(cfg: Config, cmd, cmd_args, early=None, preload: tuple[str, ...] = (), fork=None):

@@ -59,6 +59,7 @@ def test_demo_and_cluster_configs_load():
         ),
         ({"checkpoint": {"remote_every": 3}}, "checkpoint.remote_every", "needs checkpoint.local_dir"),
         ({"checkpoint": {"local_dir": "/dev/shm/x", "remote_every": 0}}, "checkpoint.remote_every", ">= 1"),
+        ({"checkpoint": {"peer_replicas": -1}}, "checkpoint.peer_replicas", ">= 0"),
         ({"elastic": {"nnodes": "3:1"}}, "elastic.nnodes", "MIN <= MAX"),
         ({"elastic": {"nnodes": "two"}}, "elastic.nnodes", "N or MIN:MAX"),
         ({"elastic": {"hang_timeout_seconds": 1}}, "elastic.hang_timeout_seconds", ">= 5"),

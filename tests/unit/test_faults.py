@@ -46,3 +46,15 @@ def test_without_committed_a_fault_fires_at_once(monkeypatch, rank1):
     monkeypatch.setenv(contract.INJECT_FAULT_ENV, "raise@rank=1,step=7")
     with pytest.raises(RuntimeError):
         faults.maybe_inject("raise", 7, lambda step: pytest.fail("no commit to wait for"))
+
+
+def test_corrupt_peer_flips_the_replicas_of_its_rank_from_its_step_on(monkeypatch, rank1):
+    monkeypatch.setenv(contract.INJECT_FAULT_ENV, "corrupt_peer@rank=1,step=4")
+    data = bytes(200)
+    assert faults.corrupting_replicas()
+    assert faults.maybe_corrupt_replica(2, data) == data
+    for step in (4, 6):
+        bad = faults.maybe_corrupt_replica(step, data)
+        assert len(bad) == len(data) and bad[100:164] == b"\xff" * 64 and bad[:100] + bad[164:] == bytes(136)
+    monkeypatch.setenv(contract.RANK_ENV, "0")
+    assert faults.maybe_corrupt_replica(6, data) == data

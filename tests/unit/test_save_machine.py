@@ -23,15 +23,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from elastic_trainer import contract
 from elastic_trainer.checkpoint import integrity, layout, writer_process
 from elastic_trainer.checkpoint.agreement import SaveVotes
 from elastic_trainer.checkpoint.catalog import Catalog
+from elastic_trainer.checkpoint.local_tier import job_key
 from elastic_trainer.checkpoint.manager import CheckpointManager
 from elastic_trainer.checkpoint.save import Save, SaveState
 from elastic_trainer.checkpoint.savers import ProcessWriterSaver, RemoteSaver, Saver, Started
 from elastic_trainer.config import CheckpointConfig
 from elastic_trainer.events import EventLog, read_events
 from elastic_trainer.storage.fs import open_storage
+from elastic_trainer.storage.peer import Client, Holder
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 S = SaveState
@@ -165,7 +168,8 @@ class ScriptedAgreement:
         return [obj]
 
 
-SAVERS = ["fake", "thread", "local"]
+SAVERS = ["fake", "thread", "local", "peer"]
+_LOCAL = ("local", "peer")  # the savers that write a local copy
 
 
 @pytest.fixture
@@ -173,20 +177,23 @@ def saver():
     """Which savers a test's manager writes with (tests parametrize it over :data:`SAVERS`):
     "fake" (the gated fake writer into checkpoint.dir), "thread" (the real thread writer, gated),
     "local" (the fake writer, and the real local tier beside it: every save also writes and
-    commits this rank's local copy)."""
+    commits this rank's local copy), "peer" (as "local", each local copy then replicated to
+    another node's holder: a real one on 127.0.0.1, ``mgr.test_holder``)."""
     return "fake"
 
 
 @pytest.fixture
-def make(tmp_path, saver):
+def make(tmp_path, saver, monkeypatch):
     made = []
 
     def _make(*, rank=0, timeout=WAIT, weights=None, saver_kw=None, **cfg):
         root = str(tmp_path / "ckpt")
         storage = open_storage(root)
         gated = GatedSaver(storage, writer="thread" if saver == "thread" else "fake", **(saver_kw or {}))
-        if saver == "local":
+        if saver in _LOCAL:
             cfg.setdefault("local_dir", str(tmp_path / "local"))
+        if saver == "peer":
+            monkeypatch.setenv(contract.CHECKPOINT_KEY_ENV, "save-machine-key")
         agreement = ScriptedAgreement()
         events_path = str(tmp_path / "events.jsonl")
         ccfg = CheckpointConfig(dir=root, save_timeout_seconds=timeout, **cfg)
@@ -205,12 +212,27 @@ def make(tmp_path, saver):
         )
         made.append(mgr)
         mgr.test_saver, mgr.test_agreement, mgr.test_events = gated, agreement, events_path
+        if saver == "peer":  # this node (0) and one other, whose holder is the ring's next
+            mgr.test_holder = Holder(job_key(root), b"save-machine-key", "127.0.0.1").start()
+            mgr._local_saver.peer.connect(_Nodes([(0, "127.0.0.1:9"), (1, mgr.test_holder.address)]))
         return mgr
 
     yield _make
     for m in made:
         m.test_saver.close()
         m.close()
+        if hasattr(m, "test_holder"):
+            m.test_holder.close()
+
+
+class _Nodes:
+    """The peer tier's one collective at connect: every rank's (node, holder address)."""
+
+    def __init__(self, views):
+        self.views = views
+
+    def gather(self, obj):
+        return self.views
 
 
 def local_copies(m):
@@ -300,7 +322,12 @@ def test_an_async_save_goes_staging_writing_committing_committed(make, saver):
     assert m.last_committed_step == 5 and m.is_committed(5) and m._inflight is None
     assert [e["step"] for e in events(m, "checkpoint_committed")] == [5]
     assert Catalog(m.storage).plan_resume("latest").chosen.step == 5
-    assert local_copies(m) == ([5] if saver == "local" else [])
+    assert local_copies(m) == ([5] if saver in _LOCAL else [])
+    if saver == "peer":
+        assert m._local_saver.peer.replicator.idle(WAIT) and m._local_saver.peer.replicator.sent == [5]
+        assert [
+            e["step"] for e in Client(m.test_holder.address, m.test_holder.job, b"save-machine-key").inventory()
+        ] == [5]
     assert all(isinstance(s, Saver) for s in (m.remote, m._local_saver) if s is not None)
 
 
@@ -543,7 +570,7 @@ def test_a_rollback_abandons_a_save_still_writing_keeps_its_directory_and_never_
     assert not m.settle(time.monotonic() + 0.05)
     loaded = m.load(resume="latest")  # what a non-finite rollback does
     # with a local tier, the stuck save's own local copy (committed, descending from step 10) is newer
-    assert loaded.step == (20 if saver == "local" else 10) and stuck.state is S.ABANDONED and m._inflight is None
+    assert loaded.step == (20 if saver in _LOCAL else 10) and stuck.state is S.ABANDONED and m._inflight is None
     assert m.storage.exists(m.storage.join(stuck.name, layout.WRITER)), (
         "the rollback's load cleaned up a directory still being written"
     )
