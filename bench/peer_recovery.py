@@ -122,24 +122,24 @@ def one_run(args, variant: str, work: Path, data: str, peer: bool) -> dict:
     tag = f"etp{os.getpid() % 100000}"
     local = {n: Path(f"/dev/shm/{tag}-{variant}-{n}") for n in NODES}
     prefix = f"{BUCKET}/{variant}"
-    with netcluster.NetCluster(["store", "s3", *NODES], tag=tag) as cluster:
-        s3 = netcluster.start_s3(cluster, "s3", work / "s3", client="a", bucket=BUCKET, count_requests=True)
-        cluster.rate_limit("s3", args.rate_mbit)
-        ckpt = [
-            f"checkpoint.dir=s3://{prefix}",
-            f"checkpoint.s3_endpoint_url={s3.endpoint}",
-            f"checkpoint.interval_steps={args.interval}",
-            f"checkpoint.remote_every={args.remote_every}",
-        ]
-        if peer and variant == "off":
-            ckpt.append("checkpoint.peer_replicas=0")
-        env = runs.env_for_tests({**s3.env, "ELASTIC_TRAINER_CHECKPOINT_KEY": KEY})
-        cfg = work / "job.toml"
-        cfg.write_text(Path(args.config).read_text())
-        job = netcluster.ClusterJob(cluster, runs.CLI, cfg, work, env, runs.REPO, nnodes="2:3", run_id=tag)
-        job.start_store()
-        sets = _pairs([*_training_sets(args, run_dir, data), *ckpt])
-        try:
+    try:
+        with netcluster.NetCluster(["store", "s3", *NODES], tag=tag) as cluster:
+            s3 = netcluster.start_s3(cluster, "s3", work / "s3", client="a", bucket=BUCKET, count_requests=True)
+            cluster.rate_limit("s3", args.rate_mbit)
+            ckpt = [
+                f"checkpoint.dir=s3://{prefix}",
+                f"checkpoint.s3_endpoint_url={s3.endpoint}",
+                f"checkpoint.interval_steps={args.interval}",
+                f"checkpoint.remote_every={args.remote_every}",
+            ]
+            if peer and variant == "off":
+                ckpt.append("checkpoint.peer_replicas=0")
+            env = runs.env_for_tests({**s3.env, "ELASTIC_TRAINER_CHECKPOINT_KEY": KEY})
+            cfg = work / "job.toml"
+            cfg.write_text(Path(args.config).read_text())
+            job = netcluster.ClusterJob(cluster, runs.CLI, cfg, work, env, runs.REPO, nnodes="2:3", run_id=tag)
+            job.start_store()
+            sets = _pairs([*_training_sets(args, run_dir, data), *ckpt])
             for n in NODES:
                 job.node(n, *sets, "--set", f"checkpoint.local_dir={local[n]}")
             b = job.nodes["b"]
@@ -154,9 +154,9 @@ def one_run(args, variant: str, work: Path, data: str, peer: bool) -> dict:
             sent = cluster.sent_bytes("s3") - sent
             runs.wait_event(run_dir, "step", 300, b, where=lambda r: r["step"] >= first["step"] + args.after)
             requests = s3.requests()
-        finally:
-            for d in local.values():
-                shutil.rmtree(d, ignore_errors=True)
+    finally:  # after the cluster's teardown: its processes write local copies until they are killed
+        for d in local.values():
+            shutil.rmtree(d, ignore_errors=True)
     events = runs.read_events(run_dir)
     before = [e for e in events if e["time"] < cut]
     resume = _first(events, "resume", cut, world_size=2) or {}
@@ -190,7 +190,8 @@ def one_run(args, variant: str, work: Path, data: str, peer: bool) -> dict:
 def reference_losses(args, work: Path, data: str, until: int) -> dict[int, float]:
     """The same training config uninterrupted: one launch of two workers (world 2) on this machine."""
     run_dir = work / "ref"
-    sets = _pairs([*_training_sets(args, run_dir, data), f"checkpoint.dir={work / 'ref-ckpt'}"])
+    sets = [*_training_sets(args, run_dir, data), f"checkpoint.dir={work / 'ref-ckpt'}", "checkpoint.interval_steps=0"]
+    sets = _pairs(sets)  # no saves: nothing writes after it is stopped
     cfg = work / "ref.toml"
     cfg.write_text(Path(args.config).read_text())
     proc = runs.start_launch(cfg, *sets, "--nproc-per-node", "2", log=work / "ref.log")
