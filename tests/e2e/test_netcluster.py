@@ -27,7 +27,8 @@ import pytest
 
 from elastic_trainer import exit_codes
 from tests import runs
-from tests.fixtures.netcluster import ClusterJob, NetCluster, unavailable
+from tests.fixtures import s3 as s3fix
+from tests.fixtures.netcluster import ClusterJob, NetCluster, start_s3, unavailable
 
 DEMO = runs.REPO / "configs" / "demo-cpu.toml"
 SCHEDULE_STEPS = 200  # train.steps (the lr schedule); both runs are stopped long before it
@@ -231,53 +232,21 @@ def test_slow_lossy_object_store(netcluster, token_file, tmp_path):
     """Checkpoints go to an S3 server (SeaweedFS) behind a 24 Mbit/s (3 MB/s) link with 5 %
     packet loss: saves take long, but they commit, no healthy worker is taken for hung (storage
     time is bounded by the save deadline, not the hang watchdog), and training goes on."""
-    from tests.fixtures import s3 as s3fix
-
-    weed = s3fix.weed_binary()
-    if weed is None:
+    if s3fix.weed_binary() is None:
         pytest.skip("SeaweedFS `weed` binary not installed")
     cluster = netcluster(["store", "a", "b", "s3"])
-    addr, root = cluster.addr("s3"), tmp_path / "seaweedfs"
-    (root / "data").mkdir(parents=True)
-    key, secret = "AKNETCLUSTER", "netcluster-secret-key"
-    s3fix.write_identity(root / "s3.json", key, secret)
-    names = [
-        "master",
-        "master_grpc",
-        "volume",
-        "volume_grpc",
-        "filer",
-        "filer_grpc",
-        "s3",
-        "s3_grpc",
-        "admin",
-        "admin_grpc",
-    ]
-    ports = {n: 18000 + i for i, n in enumerate(names)}  # inside the s3 host's own namespace
-    cluster.popen("s3", s3fix.weed_argv(weed, root, root / "s3.json", ports, ip=addr), tmp_path / "weed.log", cwd=root)
-    endpoint = f"http://{addr}:{ports['s3']}"
-    env = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": s3fix.REGION}
-    make_bucket = (
-        f"import sys,time; sys.path.insert(0, {str(runs.REPO)!r}); from tests.fixtures.s3 import make_fs\n"
-        "for _ in range(150):\n"
-        f"    try: make_fs({endpoint!r}, {key!r}, {secret!r}).mkdir('ckpt'); sys.exit(0)\n"
-        "    except Exception: time.sleep(0.2)\n"
-        "sys.exit(1)\n"
-    )
-    assert cluster.exec("a", sys.executable, "-c", make_bucket, check=False).returncode == 0, (
-        tmp_path / "weed.log"
-    ).read_text()[-2000:]
+    s3 = start_s3(cluster, "s3", tmp_path / "seaweedfs", client="a")
     cluster.rate_limit("s3", 24)
     cluster.packet_loss(5, ["s3"])
 
     run_dir = tmp_path / "run"
-    job = ClusterJob(cluster, runs.CLI, DEMO, tmp_path, runs.env_for_tests(env), runs.REPO, nnodes="2:2")
+    job = ClusterJob(cluster, runs.CLI, DEMO, tmp_path, runs.env_for_tests(s3.env), runs.REPO, nnodes="2:2")
     job.start_store()
     sets = demo_sets(run_dir, token_file, steps=60) + [
         "--set",
         "checkpoint.dir=s3://ckpt/run",
         "--set",
-        f"checkpoint.s3_endpoint_url={endpoint}",
+        f"checkpoint.s3_endpoint_url={s3.endpoint}",
     ]
     a, b = job.node("a", *sets), job.node("b", *sets)
     assert b.wait(600) == 0, job.log("b")

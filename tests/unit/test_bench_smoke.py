@@ -29,6 +29,7 @@ SMOKE: dict[str, list[str]] = {
     "lightning_checkpoint.py": ["--smoke"],
     "local_tier.py": ["--smoke"],
     "netcluster.py": ["--smoke"],
+    "peer_recovery.py": ["--smoke"],
     "recovery.py": ["--smoke"],
     "run_recovery.py": ["--smoke"],
     "s3_throughput.py": ["--smoke"],
@@ -37,6 +38,8 @@ SMOKE: dict[str, list[str]] = {
     "throughput.py": ["--smoke"],
     "write_cost.py": ["--smoke"],
 }
+# smoke runs that train on a cluster (about 30 s and more): soak only
+SOAK = {"peer_recovery.py"}
 
 
 def test_every_bench_script_has_a_smoke_run():
@@ -48,7 +51,7 @@ def test_every_bench_script_has_a_smoke_run():
     )
 
 
-@pytest.mark.parametrize("script", sorted(SMOKE))
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.soak) if s in SOAK else s for s in sorted(SMOKE)])
 def test_bench_script_smoke_run(script, tmp_path):
     t0 = time.monotonic()
     r = subprocess.run(
