@@ -15,10 +15,10 @@ otherwise runs torch's default thread pool); ``N:everyM`` saves every M steps (0
 save: the throughput cost of checkpointing, side by side); ``N:process`` writes with
 ``checkpoint.writer = "process"``; ``N:memK`` adds the node-local tier in memory
 (``checkpoint.local_dir`` under /dev/shm) with ``checkpoint.remote_every = K``, so a save is an
-in-memory copy and every K-th also goes to ``checkpoint.dir`` (``2:every1:mem10``: a copy every step). The variants' order is reversed every repeat
-(ABBA) so slow drift in the machine's load hits all sides. A run still going after
-``--max-seconds`` is stopped with SIGTERM (the job checkpoints and exits 75) and measured on
-the steps it did.
+in-memory copy and every K-th also goes to ``checkpoint.dir`` (``2:every1:mem10``: a copy every
+step). The variants' order is reversed every repeat (ABBA) so slow drift in the machine's load
+hits all sides. A run still going after ``--max-seconds`` is stopped with SIGTERM (the job
+checkpoints and exits 75) and measured on the steps it did.
 
 * tokens/s per step: the ``tokens_per_s`` of each ``step`` event in ``<run.dir>/events.jsonl``
   (global tokens of the step / its wall time on rank 0), median over the steps after
