@@ -13,38 +13,51 @@ The commit (``catalog``) turns that table into the manifest.
 Reading verifies every byte it reads: ``.metadata`` is checked against the manifest *before* it
 is unpickled, and every item slice DCP reads is checked before ``torch.load`` sees it.
 
+Copies that only this code reads back (the local and peer tiers, never ``checkpoint.dir``) are
+written by :class:`RawCopyWriter`: each tensor item is its raw bytes, not a ``torch.save`` archive
+(a per-item pickle and zip record cost ~0.2 ms of CPU each, most of a copy's cost), marked
+``RAW`` in its storage info so that torch's own reader refuses it by name instead of misreading
+it; the verifying readers read both encodings.
+
 Private torch APIs used here, and only here (``tests/unit/test_integrity.py`` fails loudly when
 torch changes them): ``torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter/Reader``,
-``filesystem._StorageInfo``, the readers' ``_slice_file`` / ``_get_metadata_path`` methods, the
-writers' ``fs`` and ``path`` attributes and the one-segment-per-item ``tell()`` pattern of ``_write_item``.
+``filesystem._StorageInfo`` (and its ``transform_descriptors``),
+``torch.distributed._shard._utils.narrow_tensor_by_index``, the readers' ``_slice_file`` /
+``_get_metadata_path`` methods and ``storage_data`` attribute, the writers' ``fs`` and ``path``
+attributes and the one-segment-per-item ``tell()`` pattern of ``_write_item``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import io
 import json
 import os
 import pickle
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointIntegrityError
 from .layout import CHECKSUMS, METADATA, Checks, digest
 
 
 # ---------------------------------------------------------------------------------- writing
-@dataclass
+@dataclasses.dataclass
 class _FileRecord:
     size: int = 0
     hasher: Any = None  # XXH3 of the whole file
@@ -150,7 +163,7 @@ class _HashingFS:
             return self.records.get(name)
 
 
-@dataclass
+@dataclasses.dataclass
 class _Checked:
     """A write result's storage info with the item's checksum, on its way to the coordinator."""
 
@@ -276,6 +289,202 @@ except ImportError:  # pragma: no cover - fsspec is a dependency
 _PLAIN_WRITERS = (FileSystemWriter, _FsspecWriter)
 
 
+RAW = "elastic_trainer.raw"  # an item's storage descriptor: its bytes are the tensor's, raw
+RAW_FILE = "__0_0.distcp"  # the one data file of a raw copy (the name DCP gives a one-process save's)
+
+
+def _raw_bytes(data: io.BytesIO | torch.Tensor) -> memoryview:
+    """The bytes of one write item: a serialised object's, or a tensor's own (on the CPU, contiguous)."""
+    if isinstance(data, io.BytesIO):
+        return data.getbuffer()
+    t = data.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _in_place(t: torch.Tensor) -> bool:
+    """Whether :func:`_raw_bytes` of ``t`` reads its own memory (not a copy)."""
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
+class RawCopyWriter(StorageWriter):
+    """A DCP storage writer of one process's copy into the local directory ``path``: one data
+    file, every tensor item its raw bytes, every item hashed from memory as it is written; then a
+    plain ``.metadata`` (each item's storage info marked :data:`RAW`) and ``.checksums.json`` as
+    :class:`ChecksummedWriter` writes them. For the local and peer tiers only (read back by
+    :func:`verifying` readers; ``checkpoint.dir`` keeps torch's own encoding). After a save,
+    ``items`` and ``metadata`` are what DCP planned (:class:`RawCopier` writes the next copies
+    of the same layout from them)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.items: list | None = None
+        self.metadata = None
+        self._files: dict[str, dict[str, Any]] = {}
+
+    def reset(self, checkpoint_id=None) -> None:
+        self._files = {}
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    def storage_meta(self):
+        return StorageMeta()  # no path in it: the same layout pickles to the same bytes at every step
+
+    @property
+    def checkpoint_id(self):
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False
+
+    def write_data(self, plan, planner):
+        self.items = sorted(plan.items, key=lambda wi: wi.type == WriteItemType.BYTE_IO)  # tensors first
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self.write_items(self.items, planner))
+        return fut
+
+    def write_items(self, items: list, planner, views: dict | None = None) -> list[WriteResult]:
+        """Write ``items`` (resolved by ``planner``) one after the other into the data file;
+        ``views``: the bytes of items read in place, by position (filled here for contiguous CPU
+        tensors)."""
+        whole = xxhash.xxh3_64()
+        rows, results, offset = [], [], 0
+        with open(os.path.join(self.path, RAW_FILE), "wb") as f:
+            for i, wi in enumerate(items):
+                buf = views.get(i) if views is not None else None
+                if buf is None:
+                    data = planner.resolve_data(wi)
+                    buf = _raw_bytes(data)
+                    if views is not None and isinstance(data, torch.Tensor) and _in_place(data):
+                        views[i] = buf
+                f.write(buf)
+                whole.update(buf)
+                rows.append([offset, len(buf), xxhash.xxh3_64_intdigest(buf)])
+                info = _StorageInfo(RAW_FILE, offset, len(buf), transform_descriptors=[RAW])
+                results.append(WriteResult(index=wi.index, size_in_bytes=len(buf), storage_data=info))
+                offset += len(buf)
+            f.flush()
+            os.fsync(f.fileno())
+        self._files = {RAW_FILE: {"size": offset, "xxh3": whole.intdigest(), "items": rows}}
+        return results
+
+    def finish(self, metadata, results) -> None:
+        metadata.storage_data = {wr.index: wr.storage_data for row in results for wr in row}
+        metadata.storage_meta = self.storage_meta()
+        self.metadata = metadata
+        self.write_metadata(pickle.dumps(metadata))
+
+    def write_metadata(self, data: bytes) -> None:
+        """``.metadata`` (pickled), then ``.checksums.json`` listing it and the data file."""
+        self._write(METADATA, data)
+        files = {**self._files, METADATA: {"size": len(data), "xxh3": digest(data)}}
+        self._write(CHECKSUMS, json.dumps({"version": 1, "files": files}, sort_keys=True).encode())
+
+    def _write(self, name: str, data: bytes) -> None:
+        tmp = os.path.join(self.path, name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, os.path.join(self.path, name))
+
+
+def _layout(flat: dict[str, Any]) -> tuple:
+    """What DCP's save plan of a flattened state depends on: per key, the kind of value, and for
+    a tensor its shape and dtype, for a DTensor also its placements, mesh and local shape."""
+
+    def of(value: Any) -> tuple:
+        if isinstance(value, DTensor):
+            local = value.to_local()
+            return ("D", value.shape, value.dtype, tuple(value.placements), value.device_mesh, local.shape)
+        if isinstance(value, torch.Tensor):
+            return ("T", type(value), value.shape, value.dtype)
+        return ("O",)
+
+    return tuple((k, of(v)) for k, v in flat.items())
+
+
+def _tensors(flat: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """One layout's plan: the items in the order written and the ``.metadata`` DCP made for it;
+    ``tensors``, the flattened state's tensor objects it was last used with, and ``views``, the
+    bytes of those of them read in place (an item's position -> its memoryview)."""
+
+    layout: tuple
+    items: list
+    metadata: Any  # torch's Metadata
+    pickled: dict  # item lengths -> pickled .metadata with those lengths
+    tensors: dict
+    views: dict
+
+    def same_objects(self, flat: dict[str, Any]) -> bool:
+        """Whether ``flat`` has this plan's keys and the very tensors it was last used with (a kept
+        staged copy, refilled in place at every save): then the layout holds without looking at it."""
+        return (
+            len(flat) == len(self.layout)
+            and all(flat.get(k) is v for k, v in self.tensors.items())
+            and all(k == want for k, (want, _) in zip(flat, self.layout, strict=True))
+        )
+
+
+class RawCopier:
+    """Writes one process's raw copies (:class:`RawCopyWriter`'s format, one directory each),
+    planning with DCP only when the state's layout changes: while every flattened key has the
+    same kind, shape, dtype and placement as when DCP last planned, a copy is the planned items'
+    bytes written in the planned order and the planned ``.metadata`` (pickled again only when an
+    object's serialised length changes). A contiguous CPU tensor's bytes are read in place, through
+    a view kept while the state holds the same tensor objects (the saver's staged copy, which its
+    stager refills at every save). That is a copy's whole cost: its bytes, their XXH3 and a few
+    files, without DCP's per-item planning in Python. Copies may run on two threads at once (one
+    stuck): the plan is one value, replaced whole."""
+
+    _METADATA_KEPT = 16  # pickled .metadata kept per layout, by item lengths
+
+    def __init__(self):
+        self._planned: _Planned | None = None
+        self.plans = 0  # how many times DCP planned a copy (tests)
+
+    def save(self, state_dict: dict[str, Any], path: str) -> None:
+        """Write the copy of ``state_dict`` into the (empty, existing) directory ``path``."""
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=True)
+        flat = planner.state_dict
+        writer = RawCopyWriter(path)
+        planned = self._planned
+        if planned is not None and not planned.same_objects(flat):
+            same_layout = _layout(flat) == planned.layout
+            planned = dataclasses.replace(planned, tensors=_tensors(flat), views={}) if same_layout else None
+        if planned is None:
+            dcp.save(state_dict, storage_writer=writer, no_dist=True)
+            self._planned = _Planned(_layout(flat), writer.items, writer.metadata, {}, _tensors(flat), {})
+            self.plans += 1
+            return
+        self._planned = planned
+        results = writer.write_items(planned.items, planner, planned.views)
+        lengths = tuple(r.storage_data.length for r in results)
+        data = planned.pickled.get(lengths)
+        if data is None:
+            storage = {r.index: r.storage_data for r in results}
+            data = pickle.dumps(dataclasses.replace(planned.metadata, storage_data=storage))
+            if len(planned.pickled) >= self._METADATA_KEPT:
+                planned.pickled.clear()
+            planned.pickled[lengths] = data
+        writer.write_metadata(data)
+
+
 # ---------------------------------------------------------------------------------- reading
 class _VerifyingReads:
     """Mixin for DCP storage readers: verify ``.metadata`` before unpickling and every item slice."""
@@ -318,6 +527,57 @@ class _VerifyingReads:
         if want is not None and (want[0] != sinfo.length or digest(data) != want[1]):
             raise CheckpointIntegrityError(f"{sinfo.relative_path}@{sinfo.offset}: checksum mismatch (corrupted shard)")
         return io.BytesIO(data)
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._tensors = metadata.state_dict_metadata
+
+    def read_data(self, plan, planner):
+        """Items written :data:`RAW` are read here (verified by :meth:`_slice_file`); a checkpoint
+        in torch's own encoding is read by torch's reader."""
+        if not any(RAW in (self.storage_data[r.storage_index].transform_descriptors or ()) for r in plan.items):
+            return super().read_data(plan, planner)
+        per_file: dict[str, list] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for rel, reqs in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb") as stream:
+                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                    info = self.storage_data[req.storage_index]
+                    if RAW not in (info.transform_descriptors or ()):
+                        raise CheckpointIntegrityError(f"{rel}@{info.offset}: not a raw item in a raw copy")
+                    data = self._slice_file(stream, info).getbuffer()
+                    if req.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(req, io.BytesIO(data))
+                        continue
+                    tensor = narrow_tensor_by_index(self._raw_tensor(req, data), req.storage_offsets, req.lengths)
+                    target = planner.resolve_tensor(req).detach()
+                    if target.size() != tensor.size():
+                        raise CheckpointIntegrityError(
+                            f"{req.storage_index.fqn}: {tuple(tensor.size())} stored, {tuple(target.size())} wanted"
+                        )
+                    target.copy_(tensor)
+                    planner.commit_tensor(req, target)
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    def _raw_tensor(self, req, data: memoryview) -> torch.Tensor:
+        """The stored chunk ``req`` reads from, as a tensor over ``data``."""
+        md = self._tensors.get(req.storage_index.fqn)
+        chunk = None
+        if isinstance(md, TensorStorageMetadata):
+            offsets = torch.Size(req.storage_index.offset or ())
+            chunk = next((c for c in md.chunks if torch.Size(c.offsets) == offsets), None)
+        fqn = req.storage_index.fqn
+        if chunk is None:
+            raise CheckpointIntegrityError(f"{fqn}: no stored chunk at {tuple(req.storage_index.offset or ())}")
+        dtype = md.properties.dtype
+        if len(data) != chunk.sizes.numel() * dtype.itemsize:
+            raise CheckpointIntegrityError(f"{fqn}: {len(data)} bytes for a chunk of {tuple(chunk.sizes)} {dtype}")
+        if not data:
+            return torch.empty(chunk.sizes, dtype=dtype)
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(chunk.sizes)
 
 
 class VerifyingFileSystemReader(_VerifyingReads, FileSystemReader):

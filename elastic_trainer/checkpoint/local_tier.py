@@ -5,8 +5,8 @@ a node never see each other's copies)::
 
     <epoch>/step-XXXXXXXX/rank-R-of-W/   __R_0.distcp  .metadata  .checksums.json  manifest.json
 
-Each rank writes its own shards with ``dcp.save(no_dist=True)`` (a plain DCP checkpoint of this
-rank's part of the state; the same checksummed writer as the object store) and then commits its
+Each rank writes its own shards as a DCP checkpoint of its part of the state, tensors as their raw
+bytes, planned by DCP once per layout (:class:`~.integrity.RawCopier`), and then commits its
 copy by itself: ``manifest.json`` (sealed, HMAC-signed with the checkpoint key when one is set)
 is written last and names every file with the size and XXH3 DCP reported writing. A rank's copy
 is *its* proof; whether a step is usable is agreed by every rank at load (:meth:`usable` on every
@@ -91,13 +91,13 @@ class LocalTier:
         return os.path.join(root, _slug(epoch), layout.step_dir_name(step), f"rank-{rank}-of-{world_size}")
 
     # ------------------------------------------------------------------ saving
-    def writer(self, epoch: str, step: int):
-        """A checksummed DCP writer for this rank's copy of ``step`` (any earlier, unusable
-        attempt at the same step is removed first)."""
+    def prepare(self, epoch: str, step: int) -> str:
+        """The empty directory of this rank's copy of ``step``, for :class:`~.integrity.RawCopier`
+        (any earlier, unusable attempt at the same step is removed first)."""
         d = self.rank_dir(epoch, step)
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d, exist_ok=True)
-        return integrity.ChecksummedWriter(self.storage.dcp_writer(d))
+        return d
 
     def commit(
         self,

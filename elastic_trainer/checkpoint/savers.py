@@ -73,6 +73,11 @@ def staging_options(*, cuda: bool, shared_memory: bool):
     )
 
 
+def _state_dicts(states: dict[str, Stateful]) -> dict[str, Any]:
+    """What DCP's save takes of ``states``: each ``Stateful``'s state dict."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in states.items()}
+
+
 def _failed(e: BaseException) -> Started:
     f: Future = Future()
     f.set_exception(e)
@@ -100,7 +105,7 @@ class _Uploads:
         """``dcp.async_save``'s thread path: the states' state dicts are taken on the calling
         thread and handed to ``stager``; ``save(staged)`` runs on the upload thread once staged.
         Returns (staging, written)."""
-        state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in states.items()}
+        state_dict = _state_dicts(states)
         staging = stager.stage(state_dict)  # a future: the stager copies in the background
 
         def upload():
@@ -341,20 +346,20 @@ class LocalSaver:
         self.sync = mode == "sync"
         self._stager = _Staged(cuda_staging, shared_memory=False)
         self._uploads = _Uploads("et-local-upload")
+        self._copier = integrity.RawCopier()
 
     def start(self, save: Save, states: dict[str, Stateful], manifest: dict[str, Any]) -> Started:
         """This rank's copy of ``save`` (named by its epoch and step), committed with ``manifest``
         once written: ``done`` resolves to whether it was. No collectives."""
         done: Future = Future()
         try:
-            writer = self.tier.writer(save.epoch, save.step)
+            path = self.tier.prepare(save.epoch, save.step)
             if self.sync:
-                dcp.save(states, storage_writer=writer, no_dist=True)
+                self._copier.save(_state_dicts(states), path)
                 started = _done()
             else:
-                started = self._uploads.start(
-                    states, self._stager.get(), lambda staged: dcp.save(staged, storage_writer=writer, no_dist=True)
-                )
+                copy = self._copier.save
+                started = self._uploads.start(states, self._stager.get(), lambda staged: copy(staged, path))
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - as a failed local copy
             started = _failed(e)
         started.done.add_done_callback(lambda f: done.set_result(self.commit(save, f, manifest)))

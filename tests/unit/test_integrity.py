@@ -294,6 +294,14 @@ def test_torch_private_apis_integrity_relies_on_still_exist():
     # The coordinator writes ``.metadata`` through a ``.metadata.tmp`` stream.
     assert ".tmp" in inspect.getsource(FileSystemWriter.finish) or ".tmp" in inspect.getsource(filesystem)
     assert callable(torch.serialization.get_crc32_options) and callable(torch.serialization.set_crc32_options)
+    # Raw copies: each item's storage info carries descriptors; narrow_tensor_by_index cuts a stored chunk.
+    assert "transform_descriptors" in inspect.signature(info).parameters
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    assert list(inspect.signature(narrow_tensor_by_index).parameters) == ["tensor", "offsets", "sizes"]
+    assert hasattr(FileSystemReader("/nonexistent-but-unused"), "storage_data") or "storage_data" in inspect.getsource(
+        FileSystemReader.set_up_storage_reader
+    )
 
 
 def test_checksummed_and_verifying_refuse_unknown_storage_classes():
@@ -304,3 +312,179 @@ def test_checksummed_and_verifying_refuse_unknown_storage_classes():
         integrity.ChecksummedWriter(Other("/x"))
     with pytest.raises(TypeError, match="no verifying variant"):
         integrity.verifying(object(), layout.Checks(None, {}))
+
+
+# ------------------------------------------------------------------ raw copies (local and peer tiers)
+def _raw_state() -> dict:
+    g = torch.Generator().manual_seed(5)
+    return {
+        "model": {
+            "w": torch.randn(33, 7, generator=g),
+            "h": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+            "n": torch.arange(11, dtype=torch.int64),
+            "s": torch.tensor(2.5, dtype=torch.float64),  # a 0-dim tensor
+            "e": torch.zeros(0, 4),  # an empty one
+            "t": torch.randn(6, 8, generator=g).t(),  # not contiguous
+        },
+        "train": {"step": 9, "skipped": [[1, 2]], "name": "raw"},
+    }
+
+
+def _raw_save(path: Path, sd: dict) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(sd, storage_writer=integrity.RawCopyWriter(str(path)), no_dist=True)
+
+
+def _raw_load(path: Path, out: dict, checks: layout.Checks | None = None) -> None:
+    reader = integrity.verifying(FileSystemReader(str(path)), checks or _checks(path))
+    dcp.load(out, storage_reader=reader, no_dist=True)
+
+
+def _zeros_like(sd: dict) -> dict:
+    model = {k: torch.zeros_like(v) for k, v in sd["model"].items()}
+    return {"model": model, "train": {"step": 0, "skipped": [], "name": ""}}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_raw_copy_is_the_tensors_bytes_listed_and_loads_back_bitwise(tmp_path):
+    """Every tensor item is its own bytes (no torch.save archive), every item is listed with its
+    XXH3 and tiles the file, and the verifying reader gives back every tensor and object exactly."""
+    path, sd = tmp_path / "raw", _raw_state()
+    _raw_save(path, sd)
+    table = _table(path)
+    assert set(table) == {integrity.RAW_FILE, layout.METADATA}
+    data = (path / integrity.RAW_FILE).read_bytes()
+    f = table[integrity.RAW_FILE]
+    assert f["size"] == len(data) and f["xxh3"] == xxhash.xxh3_64_intdigest(data)
+    pos = 0
+    for off, length, h in f["items"]:
+        assert off == pos and h == xxhash.xxh3_64_intdigest(data[off : off + length])
+        pos += length
+    assert pos == len(data)
+    md = pickle.loads((path / layout.METADATA).read_bytes())  # noqa: S301 - just written
+    for idx, info in md.storage_data.items():
+        assert info.transform_descriptors == [integrity.RAW], idx
+        if idx.fqn in ("model.w", "model.n"):  # the tensor's own bytes, nothing around them
+            t = sd["model"][idx.fqn.split(".")[1]]
+            assert data[info.offset : info.offset + info.length] == t.numpy().tobytes()
+    out = _zeros_like(sd)
+    _raw_load(path, out)
+    for k, v in sd["model"].items():
+        assert out["model"][k].dtype == v.dtype and torch.equal(out["model"][k], v), k
+    assert out["train"] == sd["train"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_flipped_byte_in_a_raw_copy_is_refused_and_torch_reader_refuses_it_by_name(tmp_path):
+    path, sd = tmp_path / "raw", _raw_state()
+    _raw_save(path, sd)
+    shard = path / integrity.RAW_FILE
+    pristine = shard.read_bytes()
+    for off in (0, len(pristine) // 2, len(pristine) - 1):
+        _flip(shard, off)
+        _raises_integrity(lambda: _raw_load(path, _zeros_like(sd)), "checksum mismatch (corrupted shard)")
+        shard.write_bytes(pristine)
+    # torch's own reader cannot take raw items: it fails naming the encoding, never misreads them.
+    with pytest.raises(CheckpointException, match=integrity.RAW.replace(".", r"\.")):
+        dcp.load(_zeros_like(sd), storage_reader=FileSystemReader(str(path)), no_dist=True)
+    _raw_load(path, _zeros_like(sd))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_raw_copy_loads_into_a_narrower_request(tmp_path):
+    """A load that asks for part of a stored chunk (a reshard) gets exactly that part."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    path, sd = tmp_path / "raw", _raw_state()
+    _raw_save(path, sd)
+    reader = integrity.verifying(FileSystemReader(str(path)), _checks(path))
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    got = {}
+
+    class Planner:
+        def resolve_tensor(self, req):
+            return torch.empty(10, 7)
+
+        def commit_tensor(self, req, t):
+            got["t"] = t.clone()
+
+    req = ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex("model.w", torch.Size([0, 0])),
+        dest_offsets=torch.Size([0, 0]),
+        storage_index=MetadataIndex("model.w", torch.Size([0, 0])),
+        storage_offsets=torch.Size([20, 0]),
+        lengths=torch.Size([10, 7]),
+    )
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    reader.read_data(LoadPlan([req]), Planner()).wait()
+    assert torch.equal(got["t"], sd["model"]["w"][20:30])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_raw_copier_plans_once_per_layout_and_every_copy_loads_back_bitwise(tmp_path):
+    """While the layout holds, a copy is written from the first plan (DCP plans once), with the
+    objects' new lengths in its metadata; each copy loads back exactly as its own state was. A
+    changed shape, dtype or key makes DCP plan again."""
+    copier = integrity.RawCopier()
+    states = []
+    for i in range(5):
+        sd = _raw_state()
+        sd["model"]["w"] += i
+        sd["train"] = {"step": i, "skipped": [[1, 2]] * i, "name": "x" * (i % 3)}  # objects of another length
+        path = tmp_path / f"c{i}"
+        path.mkdir()
+        copier.save(sd, str(path))
+        states.append((path, sd))
+    assert copier.plans == 1
+    for path, sd in states:
+        out = _zeros_like(sd)
+        _raw_load(path, out)
+        for k, v in sd["model"].items():
+            assert torch.equal(out["model"][k], v), (path.name, k)
+        assert out["train"] == sd["train"], path.name
+    for i, change in enumerate(
+        (
+            lambda sd: sd["model"].update(w=torch.zeros(34, 7)),  # another shape
+            lambda sd: sd["model"].update(n=torch.arange(11, dtype=torch.int32)),  # another dtype
+            lambda sd: sd["model"].update(extra=torch.ones(2)),  # another key
+        )
+    ):
+        sd = _raw_state()
+        change(sd)
+        path = tmp_path / f"changed{i}"
+        path.mkdir()
+        copier.save(sd, str(path))
+        assert copier.plans == 2 + i
+        out = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "train": {}}
+        _raw_load(path, out)
+        assert all(torch.equal(out["model"][k], v) for k, v in sd["model"].items())
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_raw_copier_reads_a_refilled_staged_copy_in_place_and_each_copy_has_its_own_bytes(tmp_path):
+    """A stager refills the same tensors at every save: the copier reads their bytes in place, and
+    every copy holds the values of its own save, never an earlier one's."""
+    copier = integrity.RawCopier()
+    sd = _raw_state()
+    kept = {"model": dict(sd["model"]), "train": dict(sd["train"])}
+    want = []
+    for i in range(4):
+        for k, v in kept["model"].items():
+            if v.is_floating_point():
+                v.copy_(sd["model"][k] + i)  # in place, as the stager does
+        kept["train"]["step"] = i
+        path = tmp_path / f"c{i}"
+        path.mkdir()
+        copier.save(kept, str(path))
+        want.append((path, {k: v.clone() for k, v in kept["model"].items()}, i))
+    assert copier.plans == 1
+    for path, model, step in want:
+        out = _zeros_like({"model": model})
+        _raw_load(path, out)
+        assert all(torch.equal(out["model"][k], v) for k, v in model.items()), path.name
+        assert out["train"]["step"] == step
