@@ -166,30 +166,40 @@ class Catalog:
         return self.reader(c).read_metadata()
 
     # ------------------------------------------------------------------ epochs
+    def epoch_names(self) -> list[str]:
+        """Epoch names (``NNNNNNNN-<launch>``), oldest first: one listing, no record read."""
+        names = [
+            rel.removesuffix(".json")
+            for rel in self.storage.list_files(self.storage.join(EPOCHS))
+            if rel.endswith(".json") and "/" not in rel
+        ]
+        return sorted(names, key=layout.epoch_key)
+
+    def epoch_record(self, name: str) -> dict[str, Any]:
+        """One epoch's record ({} when it is missing or not an object; ``unreadable`` when damaged)."""
+        try:
+            rec = self.storage.read_json(self.storage.join(EPOCHS, name + ".json"))
+        except FileNotFoundError:
+            return {}
+        except (ValueError, OSError) as e:
+            return {"unreadable": str(e)}
+        return rec if isinstance(rec, dict) else {}
+
     def epochs(self) -> dict[str, dict[str, Any]]:
-        """Epoch name (``NNNNNNNN-<launch>``) -> its record, oldest first."""
-        out = {}
-        for rel in sorted(
-            self.storage.list_files(self.storage.join(EPOCHS)), key=lambda r: layout.epoch_key(r.removesuffix(".json"))
-        ):
-            if not rel.endswith(".json") or "/" in rel:
-                continue
-            try:
-                rec = self.storage.read_json(self.storage.join(EPOCHS, rel))
-            except (ValueError, OSError) as e:
-                rec = {"unreadable": str(e)}
-            out[rel.removesuffix(".json")] = rec if isinstance(rec, dict) else {}
-        return out
+        """Epoch name -> its record, oldest first."""
+        return {name: self.epoch_record(name) for name in self.epoch_names()}
 
     def current_epoch(self) -> str | None:
-        names = list(self.epochs())
-        return max(names, key=layout.epoch_key) if names else None
+        names = self.epoch_names()
+        return names[-1] if names else None
 
-    def acquire_epoch(self, launch_id: str) -> str:
-        """Take (or, for another node of the same launch, join) this launch's epoch. Never waits."""
+    def acquire_epoch(self, launch_id: str, names: list[str] | None = None) -> str:
+        """Take (or, for another node of the same launch, join) this launch's epoch. Never waits.
+        ``names``: :meth:`epoch_names` as just listed (else listed here)."""
         slug = _launch_slug(launch_id)
         with self._lock:
-            current = self.current_epoch()
+            names = self.epoch_names() if names is None else names
+            current = names[-1] if names else None
             if current is not None and current.partition("-")[2] == slug:
                 self.epoch = current
                 return current
@@ -230,21 +240,28 @@ class Catalog:
             self.storage.write_json_atomic(path, rec)
 
     # ------------------------------------------------------------------ resume planning
-    def plan_resume(self, resume: str, exclude: frozenset[str] = frozenset()) -> ResumePlan:
-        """Which checkpoint this start loads (pure decisions over one scan)."""
-        candidates = self.scan()
-        epochs = self.epochs()
-        mine = epochs.get(self.epoch or "", {})
+    def plan_resume(
+        self,
+        resume: str,
+        exclude: frozenset[str] = frozenset(),
+        *,
+        candidates: list[layout.Candidate] | None = None,
+    ) -> ResumePlan:
+        """Which checkpoint this start loads (pure decisions over one scan; ``candidates``:
+        :meth:`scan` as just read, else read here). A restart of this launch reads its own epoch's
+        record only; a first start every epoch's."""
+        candidates = self.scan() if candidates is None else candidates
+        mine = self.epoch_record(self.epoch) if self.epoch else {}
         restart = "base" in mine
         if restart:
-            order = self._lineage_order(candidates, epochs, only=self.epoch)
+            order = self._lineage_order(candidates, {self.epoch: mine}, only=self.epoch)
         elif resume == "none":
             return ResumePlan(None, [], True)
         elif resume != "latest":
             sel = layout.select_for_resume(candidates, resume, self.key, exclude)
             return ResumePlan(sel.chosen, sel.skipped, True)
         else:
-            order = self._lineage_order(candidates, epochs)
+            order = self._lineage_order(candidates, self.epochs())
         plan = ResumePlan(None, [], not restart)
         # Leftovers of crashed saves are reported (and cleaned at start-up), never loaded.
         plan.skipped += [
@@ -434,12 +451,15 @@ class Catalog:
                     self.events.emit("checkpoint_deleted", step=c.step, name=c.name, reason="retention")
             return deleted
 
-    def clean_uncommitted(self, keep: frozenset[str] = frozenset()) -> list[layout.Candidate]:
-        """Start-up only: delete uncommitted leftovers this epoch may delete (see layout)."""
+    def clean_uncommitted(
+        self, keep: frozenset[str] = frozenset(), candidates: list[layout.Candidate] | None = None
+    ) -> list[layout.Candidate]:
+        """Start-up only: delete uncommitted leftovers this epoch may delete (see layout), of
+        ``candidates`` (this start's :meth:`scan`; else scanned here). Fenced first."""
         with self._lock:
             self.check_epoch()
             cleaned = []
-            for c in layout.cleanable_uncommitted(self.scan(), self.epoch or ""):
+            for c in layout.cleanable_uncommitted(self.scan() if candidates is None else candidates, self.epoch or ""):
                 if c.name in keep:
                     continue
                 logger.info("removing uncommitted leftover %s", c.name)

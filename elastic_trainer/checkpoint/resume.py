@@ -87,9 +87,12 @@ def decide(
     ``clean``: remove uncommitted directories (at a process's first load only: a later one, a
     rollback, may have abandoned a save that is still writing)."""
     try:
+        # One scan for the whole decision: on a slow or distant checkpoint.dir every read is a
+        # round trip on the restart's path.
         if cat.epoch is None:
             cat.acquire_epoch(launch_id or f"standalone-{time.time_ns()}")
-        plan = cat.plan_resume(resume, exclude)
+        candidates = cat.scan()
+        plan = cat.plan_resume(resume, exclude, candidates=candidates)
         for name in cat.ignored_entries():
             events.emit("checkpoint_ignored", path=name, reason="not a step-XXXXXXXX directory")
         for step, reason in plan.skipped:
@@ -112,13 +115,15 @@ def decide(
         if stop is not None:
             events.emit("resume_refused", reason=stop, unusable=[n for n, _ in plan.unusable])
             return Decision(NoUsableCheckpointError, stop)
+        cleaned: set[str] = set()
         if clean:
-            cat.clean_uncommitted(frozenset({plan.chosen.name}) if plan.chosen else frozenset())
+            keep = frozenset({plan.chosen.name}) if plan.chosen else frozenset()
+            cleaned = {c.name for c in cat.clean_uncommitted(keep, candidates)}
             if plan.first_start:
                 cat.record_base(plan.chosen.name if plan.chosen else None)
         out = Decision(
             skipped=plan.skipped,
-            taken=sorted(c.name for c in cat.scan()),
+            taken=sorted(c.name for c in candidates if c.name not in cleaned),
             first_start=plan.first_start,
             # lineage: names the local copies this start writes
             epoch=cat.epoch or "",

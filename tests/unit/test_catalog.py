@@ -430,3 +430,67 @@ def test_clean_uncommitted_removes_leftovers_but_not_a_newer_launchs_save(tmp_pa
     with pytest.raises(FencedError):
         b.clean_uncommitted()
     assert (tmp_path / "step-00000013").exists()
+
+
+class _Held:
+    """A Stateful shaped like what ``_write`` saves under one key."""
+
+    def __init__(self, sd: dict):
+        self.sd = sd
+
+    def state_dict(self):
+        return self.sd
+
+    def load_state_dict(self, sd):
+        self.sd = sd
+
+
+def test_a_restarts_decision_reads_each_object_once_and_only_its_own_epoch_record(tmp_path, two_launches):
+    """On a slow checkpoint.dir every read is a round trip on the restart's path: deciding what a
+    restart of launch B loads reads each manifest once, B's epoch record once (no other launch's),
+    and the chosen commit's ``.metadata``; checking the fence before a commit reads no record."""
+    from collections import Counter
+
+    from elastic_trainer.checkpoint import resume
+
+    _, b, n = two_launches
+    again = _catalog(tmp_path)
+    reads: Counter = Counter()
+    storage = again.storage
+    inner = storage.read_bytes  # read_json reads through it
+
+    def counted(path):
+        reads[os.path.relpath(path, str(tmp_path))] += 1
+        return inner(path)
+
+    storage.read_bytes = counted
+    opened = storage.dcp_reader
+
+    def reader(path):
+        r = opened(path)
+        fs = r.fs
+        create = fs.create_stream
+
+        def stream(p, mode):
+            reads[os.path.relpath(str(p), str(tmp_path))] += 1
+            return create(p, mode)
+
+        fs.create_stream = stream
+        return r
+
+    storage.dcp_reader = reader
+    states = {
+        "model": _Held({"w": torch.zeros(16), "b": torch.zeros(4, dtype=torch.int64)}),
+        "train": _Held({"step": 0}),
+    }
+    decision = resume.decide(again, states, 1, "latest", frozenset(), clean=True, launch_id="B", events=EventLog(None))
+    assert decision.refused is None, decision.message
+    assert decision.chosen == n["b15"] and not decision.first_start
+    manifests = [p for p in reads if p.endswith(layout.MANIFEST)]
+    assert manifests and all(reads[p] == 1 for p in manifests), reads
+    epoch_reads = {p: k for p, k in reads.items() if p.startswith("_epochs")}
+    assert epoch_reads == {f"_epochs/{b.epoch}.json": 1}, reads
+    assert reads[f"{n['b15']}/{layout.METADATA}"] == 1, reads
+    reads.clear()
+    again.check_epoch()
+    assert not reads, f"the fence is a listing: {reads}"
