@@ -3,7 +3,7 @@
 Layout, under ``<local_dir>/<job>/`` (``job``: a hash of ``checkpoint.dir``, so two jobs that share
 a node never see each other's copies)::
 
-    <epoch>/step-XXXXXXXX/rank-R-of-W/   __R_0.distcp  .metadata  .checksums.json  manifest.json
+    <epoch>/step-XXXXXXXX/rank-R-of-W/   __0_0.distcp  .metadata  .checksums.json  manifest.json
 
 Each rank writes its own shards as a DCP checkpoint of its part of the state, tensors as their raw
 bytes, planned by DCP once per layout (:class:`~.integrity.RawCopier`), and then commits its

@@ -38,8 +38,9 @@ SMOKE: dict[str, list[str]] = {
     "throughput.py": ["--smoke"],
     "write_cost.py": ["--smoke"],
 }
-# smoke runs that train on a cluster (about 30 s and more): soak only
-SOAK = {"peer_recovery.py"}
+# smoke runs that train on a cluster or start a framework's workers several times (about 13 s and
+# more; what they run is covered by the e2e tests of the same paths): soak only
+SOAK = {"peer_recovery.py", "lightning_checkpoint.py", "accelerate_checkpoint.py", "run_recovery.py"}
 
 
 def test_every_bench_script_has_a_smoke_run():

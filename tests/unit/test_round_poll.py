@@ -123,7 +123,10 @@ def test_a_node_that_joined_once_rejoins_without_torch_s_first_join_skew(store, 
         asked.clear()
         t0 = time.monotonic()
         h.next_rendezvous()  # the first restart
-        assert round_poll.FIRST_JOIN_SKEW_SECONDS not in asked, asked
-        assert time.monotonic() - t0 < 0.25
+        # No delay asked at all (every delay torch asks for is recorded here, never slept), and no
+        # real wait of a second or more (torch's own poll) either; the wall bound leaves room for
+        # a loaded machine, the recorded delays are what tells the skew apart.
+        assert asked == [], asked
+        assert time.monotonic() - t0 < 0.9
     finally:
         h.shutdown()
