@@ -193,13 +193,11 @@ class Catalog:
         names = self.epoch_names()
         return names[-1] if names else None
 
-    def acquire_epoch(self, launch_id: str, names: list[str] | None = None) -> str:
-        """Take (or, for another node of the same launch, join) this launch's epoch. Never waits.
-        ``names``: :meth:`epoch_names` as just listed (else listed here)."""
+    def acquire_epoch(self, launch_id: str) -> str:
+        """Take (or, for another node of the same launch, join) this launch's epoch. Never waits."""
         slug = _launch_slug(launch_id)
         with self._lock:
-            names = self.epoch_names() if names is None else names
-            current = names[-1] if names else None
+            current = self.current_epoch()
             if current is not None and current.partition("-")[2] == slug:
                 self.epoch = current
                 return current
