@@ -106,17 +106,8 @@ class Catalog:
 
         One recursive listing of the root. An unreadable manifest becomes ``{"unreadable": why}``,
         which :func:`layout.verify` reports, so a damaged commit marker is skipped, never trusted."""
-        listing = self.storage.list_files(self.storage.root)
-        per_dir: dict[str, dict[str, int]] = {}
-        for rel, size in listing.items():
-            top, sep, rest = rel.partition("/")
-            if sep and layout.parse_dir(top) is not None:
-                per_dir.setdefault(top, {})[rest] = size
-        for name in self.storage.list_dirs():
-            if layout.parse_dir(name) is not None:
-                per_dir.setdefault(name, {})  # an empty directory is an uncommitted leftover
         out = []
-        for name, files in sorted(per_dir.items()):
+        for name, files in sorted(self._listing().items()):
             step, _ = layout.parse_dir(name)
             manifest = self._read_marker(name, layout.MANIFEST, files, unreadable_ok=True)
             quarantine = self._read_marker(name, layout.QUARANTINE, files)
@@ -128,6 +119,26 @@ class Catalog:
             }
             out.append(layout.Candidate(step, name, manifest, plain, quarantine, writer))
         return out
+
+    def _listing(self) -> dict[str, dict[str, int]]:
+        """``step-*`` directory -> its files (relative name -> size): one recursive listing."""
+        per_dir: dict[str, dict[str, int]] = {}
+        for rel, size in self.storage.list_files(self.storage.root).items():
+            top, sep, rest = rel.partition("/")
+            if sep and layout.parse_dir(top) is not None:
+                per_dir.setdefault(top, {})[rest] = size
+        for name in self.storage.list_dirs():
+            if layout.parse_dir(name) is not None:
+                per_dir.setdefault(name, {})  # an empty directory is an uncommitted leftover
+        return per_dir
+
+    def names(self) -> tuple[list[str], str | None]:
+        """What the listing alone says, reading no object: every ``step-*`` directory's name, and
+        the newest (by step, then generation) that lists a commit marker and no quarantine
+        marker: committed by its name, *not verified* (None: there is none)."""
+        per_dir = self._listing()
+        marked = [n for n, f in per_dir.items() if layout.MANIFEST in f and layout.QUARANTINE not in f]
+        return sorted(per_dir), max(marked, key=layout.parse_dir, default=None)
 
     def _read_marker(
         self, name: str, marker: str, files: dict[str, int], unreadable_ok: bool = False

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -78,11 +79,19 @@ class Restorer:
         failed: set[str] = set()
         skipped_all: list[tuple[int, str]] = []
         try_local = self.local is not None and resume == "latest"
+        local_failed, listed = False, None
         if self.peer is not None:
             self.peer.connect(self.agreement)
+        if try_local:  # a restart whose copies descend from the newest commit reads nothing of checkpoint.dir
+            listed = self._plan(lambda: resume_plan.from_names(self.catalog, self.launch_id))
+            position = self._learnt(position, listed)
+            local = self._load_local(position, listed, skipped_all)
+            if isinstance(local, Restored):
+                return local
+            local_failed = local is LocalLoad.FAILED
         while True:
-            decision = (
-                resume_plan.decide(
+            decision = self._plan(
+                lambda: resume_plan.decide(
                     self.catalog,
                     self.states,
                     self.ctx.world_size,
@@ -92,26 +101,17 @@ class Restorer:
                     launch_id=self.launch_id,
                     events=self.ctx.events,
                 )
-                if self.ctx.rank == 0
-                else None
             )
-            decision = self.agreement.broadcast(decision)
-            if decision.refused is not None:
-                raise decision.refused(decision.message)
-            position = replace(
-                position,
-                # never forget a name: an abandoned save may still write into it
-                taken=position.taken | set(decision.taken),
-                epoch=decision.epoch,
-                lineage=decision.lineage,
-            )
+            position = self._learnt(position, decision)
             skipped_all += [tuple(s) for s in decision.skipped]
             if try_local:
                 try_local = False
-                local = self._load_local(position, decision, skipped_all)
-                if isinstance(local, Restored):
-                    return local
-                if local is LocalLoad.FAILED and decision.chosen is None:
+                if not local_failed and decision.chosen != listed.chosen:  # else: the same copies, just tried
+                    local = self._load_local(position, decision, skipped_all)
+                    if isinstance(local, Restored):
+                        return local
+                    local_failed = local is LocalLoad.FAILED
+                if local_failed and decision.chosen is None:
                     raise CheckpointError(
                         "the local copies failed to load and checkpoint.dir has no commit; "
                         "restarting from a clean state"
@@ -142,6 +142,23 @@ class Restorer:
             self._skip(name, step, f"load failed: {reason}")
             skipped_all.append((step, f"load failed: {reason}"))
             failed.add(name)
+
+    def _plan(self, plan: Callable[[], Decision]) -> Decision:
+        """Rank 0's ``plan()``, on every rank; raises the error it refuses with."""
+        decision = self.agreement.broadcast(plan() if self.ctx.rank == 0 else None)
+        if decision.refused is not None:
+            raise decision.refused(decision.message)
+        return decision
+
+    @staticmethod
+    def _learnt(position: Position, decision: Decision) -> Position:
+        return replace(
+            position,
+            # never forget a name: an abandoned save may still write into it
+            taken=position.taken | set(decision.taken),
+            epoch=decision.epoch,
+            lineage=decision.lineage,
+        )
 
     def _skip(self, name: str, step: int, reason: str) -> None:
         logger.error("checkpoint %s %s", name, reason)
@@ -203,7 +220,8 @@ class Restorer:
         )
         position = position.loaded(
             chosen,
-            int(manifest.get("seq", 0)) if chosen else 0,
+            # a plan from names knows no seq: the copy's is at least the chosen commit's (it descends from it)
+            int((copy.manifest if decision.listed else manifest).get("seq", 0)) if chosen else 0,
             chain=copy.manifest.get("remote_chain") or [chosen or ""],
             local_step=None if peer else copy.step,  # a peer load leaves no copy of this rank at this world size
         )

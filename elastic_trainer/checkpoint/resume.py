@@ -64,11 +64,43 @@ class Decision:
     absent: list[str] = field(default_factory=list)
     epoch: str = ""
     lineage: str = ""
+    listed: bool = False  # from names alone (:func:`from_names`): ``chosen`` unverified, ``manifest`` its step only
 
 
 class LocalLoad(enum.Enum):
     NONE = "no copy every rank has"
     FAILED = "a copy failed to load"
+
+
+def _take_epoch(cat: Catalog, launch_id: str) -> None:
+    if cat.epoch is None:
+        cat.acquire_epoch(launch_id or f"standalone-{time.time_ns()}")
+
+
+def from_names(cat: Catalog, launch_id: str) -> Decision:
+    """Rank 0, before :func:`decide` when a local tier may hold this launch's state: the plan
+    from checkpoint.dir's listings alone, reading no object there (on a slow or distant
+    checkpoint.dir a restart's reads are its cost). ``chosen``: the newest directory that lists
+    a commit marker and no quarantine, unverified: only a local or peer copy of this launch that
+    descends from it (it is in the copy's signed lineage) and is at least as new is loaded on
+    this plan, and those copies are verified byte by byte as they load. Anything else (no such
+    copy, a failed load) takes :func:`decide`, which verifies. Never raises."""
+    try:
+        _take_epoch(cat, launch_id)
+        names, newest = cat.names()
+        return Decision(
+            chosen=newest,
+            manifest={"step": layout.parse_step_dir(newest)} if newest else {},
+            taken=names,
+            first_start=False,  # a copy of this launch's epoch exists only after a start of it
+            epoch=cat.epoch or "",
+            lineage=uuid.uuid4().hex[:12],
+            listed=True,
+        )
+    except FencedError as e:
+        return Decision(FencedError, str(e))
+    except Exception as e:  # noqa: BLE001 - reported on every rank
+        return Decision(CheckpointError, f"{type(e).__name__}: {e}")
 
 
 def decide(
@@ -89,8 +121,7 @@ def decide(
     try:
         # One scan for the whole decision: on a slow or distant checkpoint.dir every read is a
         # round trip on the restart's path.
-        if cat.epoch is None:
-            cat.acquire_epoch(launch_id or f"standalone-{time.time_ns()}")
+        _take_epoch(cat, launch_id)
         candidates = cat.scan()
         plan = cat.plan_resume(resume, exclude, candidates=candidates)
         for name in cat.ignored_entries():

@@ -19,7 +19,9 @@ from tests.dist.harness import run_ranks
 pytestmark = pytest.mark.timeout(300)
 
 
-def _mgr(cfg, root, local, model, opt, sched, ts, rank, world, remote_every=2, launch_id="dist-local-tier"):
+def _mgr(
+    cfg, root, local, model, opt, sched, ts, rank, world, remote_every=2, launch_id="dist-local-tier", storage=None
+):
     import torch.distributed as dist
 
     from elastic_trainer.checkpoint.manager import CheckpointManager
@@ -36,7 +38,7 @@ def _mgr(cfg, root, local, model, opt, sched, ts, rank, world, remote_every=2, l
     }
     return CheckpointManager(
         ccfg,
-        open_storage(root),
+        storage or open_storage(root),
         states,
         rank=rank,
         world_size=world,
@@ -105,7 +107,8 @@ def _resume(rank, world, root, local, damage, preempt=False, launch_id="dist-loc
     dist.barrier()
     cfg, _, model, opt, sched = build(world)
     ts = TrainState()
-    mgr = _mgr(cfg, root, local, model, opt, sched, ts, rank, world, launch_id=launch_id)
+    storage, reads = _counting(root)
+    mgr = _mgr(cfg, root, local, model, opt, sched, ts, rank, world, launch_id=launch_id, storage=storage)
     loaded = mgr.load()
     state = full_state(model, opt)  # a collective
     out = {
@@ -114,12 +117,40 @@ def _resume(rank, world, root, local, damage, preempt=False, launch_id="dist-loc
         "train_step": ts.step,
         "state": state if rank == 0 else None,
         "committed_now": mgr.is_committed(loaded.step),
+        "reads": sorted(reads),  # objects of checkpoint.dir the load read (listings are not reads)
     }
     if preempt:  # what preempt_exit does when the loaded step is not committed in checkpoint.dir
         mgr.save(loaded.step, force=True)
         out["preempt_commit"] = mgr.settle(None) and mgr.committed_everywhere(loaded.step)
     mgr.close()
     return out
+
+
+def _counting(root):
+    """A storage of ``root`` that records every object read through it (manifests, records,
+    DCP's files), relative to the root."""
+    from elastic_trainer.storage.fs import open_storage
+
+    storage, reads = open_storage(root), []
+    read_bytes, dcp_reader = storage.read_bytes, storage.dcp_reader
+
+    def counted(path):
+        reads.append(os.path.relpath(path, root))
+        return read_bytes(path)
+
+    def reader(path):
+        r = dcp_reader(path)
+        create = r.fs.create_stream
+
+        def stream(p, mode):
+            reads.append(os.path.relpath(str(p), root))
+            return create(p, mode)
+
+        r.fs.create_stream = stream
+        return r
+
+    storage.read_bytes, storage.dcp_reader = counted, reader
+    return storage, reads
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -168,6 +199,8 @@ def test_restart_loads_the_newest_local_step_bit_for_bit(saved, tmp_path):
     out = run_ranks(_resume, 2, root, local, [], True)
     assert [(o["step"], o["tier"], o["train_step"]) for o in out] == [(6, "local", 6)] * 2
     assert _same(out[0]["state"], states[6])
+    # its copies descend from the newest commit (step 4): decided from the listing, nothing read there
+    assert [o["reads"] for o in out] == [[], []]
     # a local load is not a commit in checkpoint.dir: a preemption save writes it there
     assert not out[0]["committed_now"]
     assert [o["preempt_commit"] for o in out] == [True, True]

@@ -494,3 +494,33 @@ def test_a_restarts_decision_reads_each_object_once_and_only_its_own_epoch_recor
     reads.clear()
     again.check_epoch()
     assert not reads, f"the fence is a listing: {reads}"
+
+
+def test_a_plan_from_names_reads_no_object_and_names_the_newest_unquarantined_commit(tmp_path):
+    """What a restart with local copies decides before any read (``resume.from_names``): every
+    step directory's name (a new save never takes one), and the newest that lists a commit
+    marker and no quarantine marker; a leftover without a manifest, a quarantined commit and a
+    later generation of a step are told apart by name alone."""
+    from elastic_trainer.checkpoint import resume
+
+    cat = _catalog(tmp_path, "A")
+    five = _save(cat, 5)
+    seven = _save(cat, 7, five, 2)
+    again = _save(cat, 7, seven, 3)  # a second save of step 7: step-00000007.1
+    _write(cat, "step-00000009", 9)  # written, never committed
+    eight = _save(cat, 8, again, 4)
+    cat.quarantine(eight, "test")
+    reads: list[str] = []
+    restart = _catalog(tmp_path)
+    inner = restart.storage.read_bytes
+    restart.storage.read_bytes = lambda p: reads.append(p) or inner(p)
+    decision = resume.from_names(restart, "A")
+    assert decision.refused is None, decision.message
+    assert reads == [], "nothing is read: listings only"
+    assert again == "step-00000007.1"
+    assert (decision.chosen, decision.manifest, decision.listed) == (again, {"step": 7}, True)
+    assert decision.taken == sorted([five, seven, again, "step-00000009", eight])
+    assert decision.epoch == cat.epoch and not decision.first_start
+    # with nothing committed there is no commit to descend from
+    empty = _catalog(tmp_path / "empty")
+    assert resume.from_names(empty, "B").chosen is None
