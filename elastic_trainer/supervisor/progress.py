@@ -78,14 +78,17 @@ class CommitWatch:
 
 
 def newest_commit_reader(cfg) -> Callable[[], int | None]:
-    """``read`` for :class:`CommitWatch` over ``cfg.checkpoint.dir`` (what ``latest`` would resume)."""
+    """``read`` for :class:`CommitWatch` over ``cfg.checkpoint.dir``: the newest step whose
+    directory lists a commit marker and no quarantine. Listings only: it runs while the workers
+    restart, and reads no object the restart may be waiting for on a slow store."""
+    from ..checkpoint import layout
     from ..checkpoint.catalog import Catalog
     from ..storage.fs import Storage
 
     storage = Storage.for_checkpoint(cfg.checkpoint)
 
     def read() -> int | None:
-        head = Catalog(storage).head()
-        return None if head is None else head.step
+        _, newest = Catalog(storage).names()
+        return None if newest is None else layout.parse_step_dir(newest)
 
     return read

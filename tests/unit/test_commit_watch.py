@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -81,15 +82,25 @@ def test_a_hung_read_is_given_up_after_the_timeout_and_never_doubled():
     assert watch.progressed() is True and len(calls) == 3  # 30 after the released read's 20
 
 
-def test_the_reader_sees_what_latest_would_resume_in_real_storage(tmp_path):
+def test_the_reader_sees_the_newest_commit_in_real_storage_by_listing_alone(tmp_path, monkeypatch):
     cat = _catalog(tmp_path, launch="L1")
-    watch = CommitWatch(newest_commit_reader(_Cfg(str(tmp_path))))
+    reader = newest_commit_reader(_Cfg(str(tmp_path)))
+    watch = CommitWatch(reader)
     _noted(watch)  # nothing committed yet
     first = _save(cat, 5)
     assert watch.progressed() is True
     assert watch.progressed() is False  # no commit since
-    _save(cat, 10, parent=first, seq=2)
+    ten = _save(cat, 10, parent=first, seq=2)
     assert watch.progressed() is True
+    os.makedirs(tmp_path / "step-00000015")  # a save still writing is no progress
+    assert watch.progressed() is False
+    cat.quarantine(ten, "test")  # nor is a quarantined commit
+    assert reader() == 5
+    # only listings: no object is read (the reader runs while the workers restart)
+    from elastic_trainer.storage.fs import Storage
+
+    monkeypatch.setattr(Storage, "read_bytes", lambda self, path: pytest.fail(f"read {path}"))
+    assert reader() == 5
 
 
 class _Cfg:
