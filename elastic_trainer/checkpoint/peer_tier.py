@@ -11,13 +11,14 @@ node's holder also serves that node's own copies from ``checkpoint.local_dir``
 (:class:`NodeCopies`), so a copy is reachable while its node or one of its replicas lives.
 
 **Load** (:meth:`PeerTier.load`, every rank, when the own-copy local load is not possible): each
-rank lists what it can reach (its node's disk, and every live holder's inventory), keeping only
+rank lists what its node can reach (its disk, and every live holder's inventory, asked once per
+node and load), keeping only
 copies whose manifest is sealed and signed, of this launch epoch and model, descending from the
 remote checkpoint the catalog chose, at that step or newer. The ranks agree on the newest step
 (and lineage, and the world size W it was saved at) for which *every* rank reaches a copy of
 every source rank 0..W-1. Each rank then loads it through DCP with the resharding load planner,
 over a private directory where each source rank ``r`` is ``r<r>/`` (its node-local directory, or
-files fetched from a holder on first use, each checked against the source's manifest) and one
+files fetched from a holder on first use, once per node, each checked against the source's manifest) and one
 ``.metadata`` merges the W sources' metadata (every source's verified before it is unpickled).
 Every item DCP reads is checked against its source manifest's checksums. Any gap, unreachable
 holder or bad byte on any rank: every rank falls back to checkpoint.dir (never a partial load),
@@ -30,7 +31,9 @@ test fails loudly if a torch release changes that.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -66,6 +69,7 @@ logger = logging.getLogger(__name__)
 _RANK_DIR_RE = re.compile(r"^rank-(\d+)-of-(\d+)$")
 _SOURCE_RE = re.compile(r"\br(\d+)/")
 DISK = "disk"  # a location: this node's checkpoint.local_dir (else a holder's address)
+_SHARE = ".peer-load-"  # + a load's attempt: what the ranks of a node fetch once, under the job's local dir
 
 
 def ring_targets(nodes: list[int], me: int, replicas: int) -> list[int]:
@@ -311,21 +315,18 @@ class PeerTier:
             and layout.METADATA in (m.get("files") or {})
         )
 
-    def reachable(self, epoch: str, *, min_step: int, remote: str | None, fingerprint: str) -> dict[tuple, dict]:
-        """``{(step, lineage, W): {src: (location, manifest)}}`` this rank can read: its node's disk
-        first, then every holder (its own node's first)."""
+    def reachable(
+        self, epoch: str, *, min_step: int, remote: str | None, fingerprint: str, share: str
+    ) -> dict[tuple, dict]:
+        """``{(step, lineage, W): {src: (location, manifest)}}`` this node can read: its disk first,
+        then every holder (its own node's first), each asked once per node (``share``)."""
         out: dict[tuple, dict[int, tuple[str, dict]]] = {}
         sources: list[tuple[str, list[dict]]] = [(DISK, self.disk.inventory())]
         order = sorted((self.holders or {}).items(), key=lambda kv: (kv[0] != self.node, kv[0]))
-        for _, address in order:
-            try:
-                client = Client(address, self.job, self.key, timeout=10.0)
-                try:
-                    sources.append((address, client.inventory()))
-                finally:
-                    client.close()
-            except (PeerError, ValueError) as e:
-                logger.warning("peer holder %s unreachable: %s", address, e)
+        for node, address in order:
+            entries = self._inventory(share, node, address)
+            if entries is not None:
+                sources.append((address, entries))
         for location, entries in sources:
             for e in entries:
                 try:
@@ -340,6 +341,31 @@ class PeerTier:
                 out.setdefault((step, m.get("lineage"), world), {}).setdefault(src, (location, m))
         return out
 
+    def _inventory(self, share: str, node: int, address: str) -> list[dict] | None:
+        """Holder ``address``'s inventory (None: unreachable), asked by the first rank of this
+        node to need it in this load; the others read its answer (an unreachable holder, too, is
+        waited for once). Entries are checked by the caller (sealed, signed, this launch)."""
+        path = os.path.join(share, f"inventory-{node}.json")
+        with _locked(path):
+            if not os.path.exists(path):
+                try:
+                    client = Client(address, self.job, self.key, timeout=10.0)
+                    try:
+                        answer: dict[str, Any] = {"entries": client.inventory()}
+                    finally:
+                        client.close()
+                except (PeerError, ValueError) as e:
+                    answer = {"error": f"{type(e).__name__}: {e}"}
+                with open(path + ".part", "w") as f:
+                    json.dump(answer, f)
+                os.rename(path + ".part", path)
+            with open(path) as f:
+                answer = json.load(f)
+        if "error" in answer:
+            logger.warning("peer holder %s unreachable: %s", address, answer["error"])
+            return None
+        return answer["entries"]
+
     # -------------------------------------------------------------------- load
     def load(
         self,
@@ -351,13 +377,20 @@ class PeerTier:
         min_step: int,
         fingerprint: str,
         skipped: list[tuple[int, str]],
+        attempt: str,
     ) -> PeerCopy | LocalLoad:
         """Every rank: the newest step every rank can assemble from the nodes' copies, loaded
         (see the module docstring); NONE (no such step) or FAILED (a load failed somewhere: the
-        state may be partly overwritten; every rank must load checkpoint.dir)."""
+        state may be partly overwritten; every rank must load checkpoint.dir). ``attempt``: names
+        this load, the same on every rank (what the ranks of a node fetch once goes there)."""
         rank = self.tier.rank
+        share = os.path.join(self.tier.root, f"{_SHARE}{attempt}")
         try:
-            mine = self.reachable(epoch, min_step=min_step, remote=remote, fingerprint=fingerprint)
+            for n in os.listdir(self.tier.root):  # an interrupted load's leftovers
+                if n.startswith(_SHARE) and n != os.path.basename(share):
+                    shutil.rmtree(os.path.join(self.tier.root, n), ignore_errors=True)
+            os.makedirs(share, exist_ok=True)
+            mine = self.reachable(epoch, min_step=min_step, remote=remote, fingerprint=fingerprint, share=share)
         except OSError as e:
             logger.warning("peer tier unreadable: %s", e)
             mine = {}
@@ -376,21 +409,19 @@ class PeerTier:
         best = max(common, key=_order)
         step, _, world = best
         sources = mine[best]
-        error, fetched, bad = "", False, None
-        work = os.path.join(self.tier.root, f".peer-load-{rank}-{os.getpid()}")
+        error, held, bad = "", False, None
         try:
-            reader = _SourcesReader(work, sources, self.job, self.key, epoch, step, world)
+            reader = _SourcesReader(share, rank, self.tier.root, sources, self.job, self.key, epoch, step, world)
             for s in states.values():
                 if isinstance(s, PerRank):
                     s.expect_world(world)
             integrity.load(states, reader, planner=load_planner(states), no_dist=True)
-            fetched = reader.fetched_bytes > 0
+            held = reader.from_holders
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
             error = compat.one_line(e, 2000)
             bad = _bad_source(e) if compat.is_integrity(e) else None
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        results = agreement.gather((error, fetched))
+        results = agreement.gather((error, held))
+        shutil.rmtree(share, ignore_errors=True)  # every rank of the node has read what it needs
         if any(err for err, _ in results):
             if bad is not None and bad in sources:
                 self._drop(sources[bad][0], epoch, step, bad, world)
@@ -438,27 +469,32 @@ def _order(k: tuple) -> tuple:
 
 
 class _SourcesReader(integrity.VerifyingFileSystemReader):
-    """A verifying DCP reader over ``work``: ``r<src>/`` is each source rank's copy (a link to its
-    node-local directory, or files fetched from a holder on first read), ``.metadata`` the merge
-    of theirs."""
+    """A verifying DCP reader over ``<share>/rank-<rank>/``: ``r<src>/`` is each source rank's
+    copy, a link to its node-local directory under ``root``, or to ``<share>/r<src>/`` where the
+    files fetched from a holder go, once per node (the first rank of the node to need a file
+    fetches and verifies it under a lock; the others read it); ``.metadata`` the merge of theirs."""
 
-    def __init__(self, work: str, sources: dict, job: str, key: bytes, epoch: str, step: int, world: int):
+    def __init__(
+        self, share: str, rank: int, root: str, sources: dict, job: str, key: bytes, epoch: str, step: int, world: int
+    ):
+        work = os.path.join(share, f"rank-{rank}")
         shutil.rmtree(work, ignore_errors=True)
         os.makedirs(work)
         self._work = work
         self._sources = sources
         self._where = (job, key, epoch, step, world)
         self._clients: dict[str, Client] = {}
-        self.fetched_bytes = 0
+        self.from_holders = False  # read a file another node's holder served (this rank or its node fetched it)
         items: dict[tuple[str, int], tuple[int, int]] = {}
         merged: Metadata | None = None
         for src in range(world):
             location, manifest = sources[src]
             d = os.path.join(work, f"r{src}")
             if location == DISK:
-                os.symlink(LocalTier.copy_dir(os.path.dirname(work), epoch, step, src, world), d)
+                os.symlink(LocalTier.copy_dir(root, epoch, step, src, world), d)
             else:
-                os.makedirs(d)
+                os.makedirs(os.path.join(share, f"r{src}"), exist_ok=True)
+                os.symlink(os.path.join(share, f"r{src}"), d)
             raw = self._read(src, layout.METADATA)
             checks = layout.Checks.from_manifest(manifest)
             items.update({(f"r{src}/{f}", off): v for (f, off), v in checks.items.items()})
@@ -476,26 +512,29 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
         there, and then checked whole against the source's manifest (every item DCP reads from
         it is checked again by the verifying reader)."""
         path = os.path.join(self._work, f"r{src}", name)
-        if os.path.exists(path):
-            return
         location, manifest = self._sources[src]
+        if location == DISK and os.path.exists(path):
+            return
         want = (manifest.get("files") or {}).get(name)
         if location == DISK or not isinstance(want, dict):
             raise _source_error(src, f"{name} is missing")
-        job, key, epoch, step, world = self._where
-        client = self._clients.setdefault(location, Client(location, job, key))
-        part = path + ".part"
-        try:
-            with open(part, "wb") as f:
-                out = _Hashing(f)
-                n = client.get(epoch, step, src, world, name, out=out)
-                got = out.hasher.intdigest()
-        except PeerError as e:
-            raise _source_error(src, str(e)) from e
-        self.fetched_bytes += n
-        if n != int(want["size"]) or got != int(want["xxh3"]):
-            raise _source_error(src, f"{name}: size or checksum does not match its manifest")
-        os.rename(part, path)
+        self.from_holders = True
+        with _locked(path):  # through the link: one lock per file and node
+            if os.path.exists(path):
+                return  # fetched and verified by this node's first rank to need it
+            job, key, epoch, step, world = self._where
+            client = self._clients.setdefault(location, Client(location, job, key))
+            part = path + ".part"
+            try:
+                with open(part, "wb") as f:
+                    out = _Hashing(f)
+                    n = client.get(epoch, step, src, world, name, out=out)
+                    got = out.hasher.intdigest()
+            except PeerError as e:
+                raise _source_error(src, str(e)) from e
+            if n != int(want["size"]) or got != int(want["xxh3"]):
+                raise _source_error(src, f"{name}: size or checksum does not match its manifest")
+            os.rename(part, path)
 
     def _read(self, src: int, name: str) -> bytes:
         """A small file of source ``src`` (its ``.metadata``), checked whole against its manifest."""
@@ -516,6 +555,17 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
         finally:
             for c in self._clients.values():
                 c.close()
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    """``path``'s lock file (``<path>.lock``), held exclusively: one rank of the node at a time."""
+    fd = os.open(path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 class _Hashing:

@@ -198,6 +198,7 @@ class Restorer:
                 min_step=int(manifest["step"]) if decision.chosen else 0,
                 fingerprint=self.ctx.fingerprint,
                 skipped=skipped,
+                attempt=position.lineage,  # this decision's: the same on every rank
             )
             loaded = loaded if from_peers is LocalLoad.NONE else from_peers
         if isinstance(loaded, LocalLoad):

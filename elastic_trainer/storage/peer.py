@@ -40,6 +40,7 @@ timeout.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import json
@@ -166,6 +167,7 @@ class Holder:
         self._copies: dict[CopyKey, _Copy] = {}
         self._nonces: dict[str, float] = {}
         self.refused = 0  # requests refused (authentication or job): a test and a log line see them
+        self.answered: collections.Counter = collections.Counter()  # (op, file, offset) -> requests answered
         self._logged_at: float | None = None
         self._server: socketserver.ThreadingTCPServer | None = None
         self._thread: threading.Thread | None = None
@@ -262,6 +264,8 @@ class Holder:
         return None
 
     def _handle(self, op: str, a: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        with self._lock:
+            self.answered[op, str(a.get("name", "")), int(a.get("offset", 0))] += 1
         if op == "INVENTORY":
             return {"ok": True}, json.dumps(self.inventory()).encode()
         key: CopyKey = (str(a["epoch"]), int(a["step"]), int(a["src"]), int(a["world"]))

@@ -122,6 +122,12 @@ def test_a_source_rank_held_by_a_peer_is_fetched_and_a_corrupted_byte_falls_back
     assert [(o["step"], o["tier"]) for o in out] == [(6, "peer")] * 2
     assert "peer" in out[0]["tiers"] and set(out[0]["tiers"]) <= {"local", "peer"}
     assert _same(out[0]["state"], states[6])
+    # the two ranks are one node: it asked the holder for its inventory once and fetched each
+    # file once (both ranks read rank 2's .metadata for the merge)
+    assert h.answered[("INVENTORY", "", 0)] == 1, h.answered
+    gets = {k: n for k, n in h.answered.items() if k[0] == "GET"}
+    assert ("GET", ".metadata", 0) in gets and set(gets.values()) == {1}, h.answered
+    assert not [n for n in os.listdir(os.path.join(local, os.listdir(local)[0])) if n.startswith(".peer-load")]
 
     # the held copy of rank 2's shard, corrupted at the same size after it was sealed
     (key,) = [k for k in h._copies if k[1:] == (6, 2, 3)]
