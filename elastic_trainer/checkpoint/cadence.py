@@ -197,7 +197,9 @@ class AutoCadence:
     steps), averaged over the last :data:`COST_WINDOWS` saves with its sign (a save whose
     window happened to run fast counts negative, so step-time noise cancels instead of pulling
     the estimate to zero); commit lag = that window's length. One measurement shortens the
-    interval at most :data:`MAX_STEP_DOWN` times."""
+    interval at most :data:`MAX_STEP_DOWN` times. A save started with ``measured=False`` (with a
+    local tier: one that also goes to checkpoint.dir, whose cadence ``remote_every`` sets) is
+    no measurement of the interval's save: its window counts as neither a step nor a save cost."""
 
     def __init__(
         self,
@@ -222,6 +224,7 @@ class AutoCadence:
         self._costs: deque[float] = deque(maxlen=COST_WINDOWS)
         self._lag = lineage.commit_lag or 0.0
         self._window: list[float] | None = None
+        self._window_measured = True  # the open window's save measures the interval's cost
         self._iterations = 0
         self._proposal = min(max(INITIAL_STEPS, min_steps), max_steps)
         self.basis: dict[str, Any] = {
@@ -256,9 +259,12 @@ class AutoCadence:
         self.last_saved = step
 
     # -- measured (rank 0) ----------------------------------------------------------------------
-    def observe(self, seconds: float, save_started: bool, save_in_progress: bool, now: float) -> bool:
-        """One loop iteration took ``seconds`` (wall); it started a save / a save is still being
-        written at its end. Returns True when the proposal was re-evaluated."""
+    def observe(
+        self, seconds: float, save_started: bool, save_in_progress: bool, now: float, measured: bool = True
+    ) -> bool:
+        """One loop iteration took ``seconds`` (wall); it started a save (``measured``: one whose
+        cost is the interval's, see the class) / a save is still being written at its end.
+        Returns True when the proposal was re-evaluated."""
         self._iterations += 1
         evaluated = False
         if self._window is not None:
@@ -267,7 +273,7 @@ class AutoCadence:
                 return self._close_window(now) if not save_in_progress else False
             evaluated = self._close_window(now)  # a new save began before the last one was written
         if save_started:
-            self._window = [seconds]
+            self._window, self._window_measured = [seconds], measured
             if not save_in_progress:
                 evaluated = self._close_window(now) or evaluated
         elif self._iterations > WARMUP_ITERATIONS:
@@ -276,7 +282,7 @@ class AutoCadence:
 
     def _close_window(self, now: float) -> bool:
         window, self._window = self._window or [], None
-        if not self._steps:
+        if not self._steps or not self._window_measured:
             return False
         step = statistics.median(self._steps)
         self._costs.append(sum(window) - len(window) * step)  # signed: noise cancels in the mean
@@ -344,7 +350,9 @@ class Cadence:
         self._events, self._metrics = events or EventLog(None), metrics or NullSink()
         self._last_save_time = now
         self._time_due = False  # agreed at this step
-        self._tick: tuple[float, bool] | None = None  # (start of the loop iteration, it started a save)
+        # (start of the loop iteration, it started a save, that save measures the interval's cost)
+        self._tick: tuple[float, bool, bool] | None = None
+        self._tiered = bool(cfg.local_dir)  # the interval is the local tier's; checkpoint.dir's is remote_every
         self.auto: AutoCadence | None = None
         if cfg.interval_steps == "auto":
             self.auto = AutoCadence(
@@ -370,8 +378,9 @@ class Cadence:
         if self.auto is None or self.rank != 0:
             return
         if self._tick is not None:
-            self.auto.observe(now - self._tick[0], self._tick[1], save_in_progress, now)
-        self._tick = (now, False)
+            start, started, measured = self._tick
+            self.auto.observe(now - start, started, save_in_progress, now, measured)
+        self._tick = (now, False, True)
 
     def votes(self, now: float) -> tuple[float, float]:
         """This rank's elements of the step's all-reduce (SUM): the time trigger, and rank 0's
@@ -410,14 +419,16 @@ class Cadence:
             return True
         return self._time_due or (self.auto is not None and self.auto.due(step))
 
-    def saved(self, step: int, now: float) -> None:
-        """A save of ``step`` started (every rank)."""
+    def saved(self, step: int, now: float, *, remote: bool = True) -> None:
+        """A save of ``step`` started (every rank); ``remote``: it goes to checkpoint.dir. With a
+        local tier, ``auto`` sets the local tier's interval and measures its cost on the saves that
+        go there alone (the ``remote_every``-th save's own cost is not the interval's)."""
         self._last_save_time = now
         self._time_due = False
         if self.auto is not None:
             self.auto.saved(step)
         if self._tick is not None:
-            self._tick = (self._tick[0], True)
+            self._tick = (self._tick[0], True, not (self._tiered and remote))
 
 
 def from_run(

@@ -235,6 +235,7 @@ class CheckpointManager:
             stats.skipped = plan.skipped
             return stats
         t1 = time.monotonic()
+        stats.remote = plan.name is not None
         self._start(step, plan, t1, meta)
         stats.call = time.monotonic() - t1
         self._last_stats = stats

@@ -195,6 +195,7 @@ class SaveStats:
     call: float = 0.0  # time async_save (or save) blocked the caller
     staging_wait: float = 0.0  # time wait_for_staging blocked the caller
     skipped: str = ""  # why no save was started ("" when one was)
+    remote: bool = False  # it goes to checkpoint.dir (with a local tier, also to the local tier)
 
     @property
     def stall(self) -> float:

@@ -504,7 +504,7 @@ class Checkpointer:
             self._final_saved = step
         if not stats.skipped:
             self._rollback_window_open = False
-        self.cadence.saved(step, time.monotonic())
+        self.cadence.saved(step, time.monotonic(), remote=stats.remote)
         return stats
 
     # ------------------------------------------------------------------ ending

@@ -394,3 +394,33 @@ def test_a_restart_reads_only_the_recent_lineage(tmp_path, monkeypatch):
     assert 200 < c.auto.lineage.observed_seconds < 300
     monkeypatch.setattr(cadence, "LINEAGE_TAIL_BYTES", 1 << 30)
     assert _cadence(cfg, RecordingSink(), log).auto.lineage.failures == 6
+
+
+@pytest.mark.parametrize("local_dir", ["", "/dev/shm/job"])
+def test_with_a_local_tier_auto_measures_the_local_saves_alone(local_dir):
+    """With a local tier the interval is the local tier's (checkpoint.dir gets every
+    ``remote_every``-th save): a save that also goes to checkpoint.dir, slower by far, is no
+    measurement of its cost; without one every save is."""
+    overrides = ["checkpoint.interval_steps=auto", "checkpoint.auto_prior_mtbf_seconds=120"]
+    cfg = load_config(None, overrides + ([f"checkpoint.local_dir={local_dir}"] if local_dir else []))
+    c = cadence.Cadence(cfg.checkpoint, rank=0, start_step=0, now=0.0)
+    t = 0.0
+
+    def iteration(seconds, save=None):
+        nonlocal t
+        c.begin_step(t, save_in_progress=False)
+        t += seconds
+        if save is not None:
+            c.saved(1, t, remote=save == "remote")
+
+    for _ in range(cadence.WARMUP_ITERATIONS + 8):
+        iteration(0.2)  # the median step: 0.2 s
+    for k in range(6):  # a local copy costs 0.02 s; every third save also goes to checkpoint.dir: 1.5 s
+        remote = k % 3 == 2
+        iteration(0.2 + (1.5 if remote else 0.02), save="remote" if remote else "local")
+        iteration(0.2)
+    costs = list(c.auto._costs)
+    if local_dir:
+        assert costs == pytest.approx([0.02] * 4)
+    else:
+        assert sorted(costs) == pytest.approx([0.02] * 4 + [1.5] * 2)
