@@ -59,11 +59,11 @@ def _train_and_save(rank, world, root, local):
     ts = TrainState()
     mgr = _mgr(cfg, root, local, model, opt, sched, ts, rank, world)
     assert mgr.load() is None
-    states = {}
+    states, remote = {}, []
     for step in (2, 4, 6):
         _train_steps(model, opt, sched, cfg, 2, rank, world, start=step - 2)
         ts.step = step
-        mgr.save(step)
+        remote.append(mgr.save(step).remote)  # what the cadence is told: this save goes to checkpoint.dir
         mgr.wait_for_staging()
         # full_state may alias live tensors (the optimizer's scalar 'step'): a deep copy
         states[step] = torch.utils._pytree.tree_map(
@@ -72,7 +72,7 @@ def _train_and_save(rank, world, root, local):
         assert mgr.finish() is True
     committed = mgr.last_committed_step
     mgr.close()
-    return {"states": states if rank == 0 else None, "committed": committed}
+    return {"states": states if rank == 0 else None, "committed": committed, "remote": remote}
 
 
 def _damage(rank, world, root, local, step, how, on_rank):
@@ -165,6 +165,7 @@ def saved(tmp_path_factory):
     base = tmp_path_factory.mktemp("lt")
     root, local = str(base / "remote"), str(base / "local")
     out = run_ranks(_train_and_save, 2, root, local)
+    assert [o["remote"] for o in out] == [[False, True, False]] * 2
     return root, local, out[0]["states"], out[0]["committed"]
 
 

@@ -150,17 +150,37 @@ def _feed(c, step_s, save_every, save_extra, overlap, n, t=0.0):
     return t
 
 
+def _warm(c, t=0.0):
+    """The incarnation's first save (its one-time costs: no measurement), at a 0.5 s step."""
+    t = _feed(c, 0.5, 1000, 0.0, 0, cadence.WARMUP_ITERATIONS + 1, t)
+    for secs, saved in ((0.5 + 9.0, True), (0.5, False)):
+        t += secs
+        assert c.observe(secs, saved, False, t) is False
+    return t
+
+
+def test_the_first_save_of_an_incarnation_is_no_measurement():
+    c = _auto()
+    c.agree(c.vote())
+    t = _warm(c)  # 9 s of one-time costs (the staging buffer, DCP's plan)
+    assert c.basis["reason"] == "initial" and not c._costs
+    assert 9.5 not in c._steps, "nor a step"
+    t = _feed(c, 0.5, 1, 0.25, 0, 1, t)
+    assert c.basis["reason"] == "measured" and c.basis["save_cost_s"] == pytest.approx(0.25)
+
+
 def test_auto_starts_at_the_initial_interval_then_follows_measurements():
     c = _auto()
     assert c.vote() == cadence.INITIAL_STEPS and c.basis["reason"] == "initial"
     assert c.agree(c.vote()).previous is None and c.interval == cadence.INITIAL_STEPS
-    _feed(c, 0.5, 10, 2.0, 0, 10)  # one save of 2 s extra stall
+    t0 = _warm(c)
+    _feed(c, 0.5, 10, 2.0, 0, 10, t0)  # one save of 2 s extra stall
     assert (
         c.basis["reason"] == "measured"
         and c.basis["save_cost_s"] == pytest.approx(2.0)
         and c.basis["step_seconds"] == pytest.approx(0.5)
     )
-    rate = cadence.failure_rate(0, 5.0 + 2.0, 3600, 60)
+    rate = cadence.failure_rate(0, t0 + 5.0 + 2.0, 3600, 60)
     assert c.vote() == cadence.optimal_interval(0.5, 2.0, 0.0, rate, 2.5, 1, 1000)
     change = c.agree(c.vote())
     assert (
@@ -174,7 +194,7 @@ def test_auto_starts_at_the_initial_interval_then_follows_measurements():
 def test_overlap_slowdown_counts_as_save_cost():
     c = _auto()
     c.agree(c.vote())
-    t = _feed(c, 0.5, 1000, 0.0, 0, 9)  # baseline only
+    t = _feed(c, 0.5, 1000, 0.0, 0, 9, _warm(c))  # baseline only
     for secs, saved, writing in [(0.6, True, True), (0.9, False, True), (0.8, False, True), (0.5, False, False)]:
         t += secs
         c.observe(secs, saved, writing, t)
@@ -188,7 +208,7 @@ def test_saves_that_look_free_by_noise_neither_zero_the_cost_nor_collapse_the_in
     signed mean, and one measurement at most halves the interval."""
     c = _auto(prior_mtbf_seconds=40.0, prior_weight_seconds=1e6)  # a failure every 40 s, firmly
     c.agree(c.vote())
-    t = _feed(c, 0.2, 1000, 0.0, 0, 9)  # the median step: 0.2 s
+    t = _feed(c, 0.2, 1000, 0.0, 0, 9, _warm(c))  # the median step: 0.2 s
     # Saves whose measured excess is +0.3, then three at or below zero (step-time noise).
     for extra in (0.3, 0.0, -0.05, -0.02):
         t += 0.2 + extra
@@ -415,6 +435,8 @@ def test_with_a_local_tier_auto_measures_the_local_saves_alone(local_dir):
 
     for _ in range(cadence.WARMUP_ITERATIONS + 8):
         iteration(0.2)  # the median step: 0.2 s
+    iteration(0.2 + 5.0, save="local")  # the incarnation's first save: no measurement
+    iteration(0.2)
     for k in range(6):  # a local copy costs 0.02 s; every third save also goes to checkpoint.dir: 1.5 s
         remote = k % 3 == 2
         iteration(0.2 + (1.5 if remote else 0.02), save="remote" if remote else "local")
