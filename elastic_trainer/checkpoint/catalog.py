@@ -132,13 +132,15 @@ class Catalog:
                 per_dir.setdefault(name, {})  # an empty directory is an uncommitted leftover
         return per_dir
 
-    def names(self) -> tuple[list[str], str | None]:
-        """What the listing alone says, reading no object: every ``step-*`` directory's name, and
-        the newest (by step, then generation) that lists a commit marker and no quarantine
-        marker: committed by its name, *not verified* (None: there is none)."""
+    def names(self) -> tuple[list[str], str | None, list[str]]:
+        """What the listing alone says, reading no object: every ``step-*`` directory's name; the
+        newest (by step, then generation) that lists a commit marker and no quarantine marker:
+        committed by its name, *not verified* (None: there is none); and those that list no
+        commit marker (uncommitted)."""
         per_dir = self._listing()
         marked = [n for n, f in per_dir.items() if layout.MANIFEST in f and layout.QUARANTINE not in f]
-        return sorted(per_dir), max(marked, key=layout.parse_dir, default=None)
+        unmarked = sorted(n for n, f in per_dir.items() if layout.MANIFEST not in f)
+        return sorted(per_dir), max(marked, key=layout.parse_dir, default=None), unmarked
 
     def _read_marker(
         self, name: str, marker: str, files: dict[str, int], unreadable_ok: bool = False
@@ -469,10 +471,27 @@ class Catalog:
             self.check_epoch()
             cleaned = []
             for c in layout.cleanable_uncommitted(self.scan() if candidates is None else candidates, self.epoch or ""):
-                if c.name in keep:
-                    continue
-                logger.info("removing uncommitted leftover %s", c.name)
-                self.storage.delete_tree(self.storage.join(c.name))
-                self.events.emit("checkpoint_cleaned", step=c.step, name=c.name, reason="uncommitted")
-                cleaned.append(c)
+                if c.name not in keep:
+                    self._remove_leftover(c.name)
+                    cleaned.append(c)
             return cleaned
+
+    def clean_listed(self, uncommitted: list[str]) -> list[str]:
+        """Start-up only, from a listing (:meth:`names`): delete the directories listed without a
+        commit marker when this launch holds the newest epoch — no newer launch can be writing
+        one, so no writer marker is read (what :func:`layout.cleanable_uncommitted` would
+        allow). Fenced first. Returns the names deleted."""
+        if not uncommitted or not self.epoch:
+            return []
+        with self._lock:
+            self.check_epoch()
+            if self.current_epoch() != self.epoch:
+                return []  # the epoch record went missing: leave them to the verifying decision
+            for name in uncommitted:
+                self._remove_leftover(name)
+            return list(uncommitted)
+
+    def _remove_leftover(self, name: str) -> None:
+        logger.info("removing uncommitted leftover %s", name)
+        self.storage.delete_tree(self.storage.join(name))
+        self.events.emit("checkpoint_cleaned", step=layout.parse_step_dir(name), name=name, reason="uncommitted")

@@ -83,7 +83,7 @@ class Restorer:
         if self.peer is not None:
             self.peer.connect(self.agreement)
         if try_local:  # a restart whose copies descend from the newest commit reads nothing of checkpoint.dir
-            listed = self._plan(lambda: resume_plan.from_names(self.catalog, self.launch_id))
+            listed = self._plan(lambda: resume_plan.from_names(self.catalog, self.launch_id, clean=clean))
             position = self._learnt(position, listed)
             local = self._load_local(position, listed, skipped_all)
             if isinstance(local, Restored):

@@ -77,21 +77,23 @@ def _take_epoch(cat: Catalog, launch_id: str) -> None:
         cat.acquire_epoch(launch_id or f"standalone-{time.time_ns()}")
 
 
-def from_names(cat: Catalog, launch_id: str) -> Decision:
+def from_names(cat: Catalog, launch_id: str, *, clean: bool) -> Decision:
     """Rank 0, before :func:`decide` when a local tier may hold this launch's state: the plan
     from checkpoint.dir's listings alone, reading no object there (on a slow or distant
     checkpoint.dir a restart's reads are its cost). ``chosen``: the newest directory that lists
     a commit marker and no quarantine, unverified: only a local or peer copy of this launch that
     descends from it (it is in the copy's signed lineage) and is at least as new is loaded on
     this plan, and those copies are verified byte by byte as they load. Anything else (no such
-    copy, a failed load) takes :func:`decide`, which verifies. Never raises."""
+    copy, a failed load) takes :func:`decide`, which verifies. ``clean``: as for :func:`decide`
+    (uncommitted directories go, by the listing: :meth:`.Catalog.clean_listed`). Never raises."""
     try:
         _take_epoch(cat, launch_id)
-        names, newest = cat.names()
+        names, newest, uncommitted = cat.names()
+        cleaned = set(cat.clean_listed(uncommitted)) if clean else set()
         return Decision(
             chosen=newest,
             manifest={"step": layout.parse_step_dir(newest)} if newest else {},
-            taken=names,
+            taken=[n for n in names if n not in cleaned],
             first_start=False,  # a copy of this launch's epoch exists only after a start of it
             epoch=cat.epoch or "",
             lineage=uuid.uuid4().hex[:12],

@@ -88,7 +88,7 @@ def newest_commit_reader(cfg) -> Callable[[], int | None]:
     storage = Storage.for_checkpoint(cfg.checkpoint)
 
     def read() -> int | None:
-        _, newest = Catalog(storage).names()
+        _, newest, _ = Catalog(storage).names()
         return None if newest is None else layout.parse_step_dir(newest)
 
     return read

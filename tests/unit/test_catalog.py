@@ -514,13 +514,30 @@ def test_a_plan_from_names_reads_no_object_and_names_the_newest_unquarantined_co
     restart = _catalog(tmp_path)
     inner = restart.storage.read_bytes
     restart.storage.read_bytes = lambda p: reads.append(p) or inner(p)
-    decision = resume.from_names(restart, "A")
+    decision = resume.from_names(restart, "A", clean=False)
     assert decision.refused is None, decision.message
     assert reads == [], "nothing is read: listings only"
     assert again == "step-00000007.1"
     assert (decision.chosen, decision.manifest, decision.listed) == (again, {"step": 7}, True)
     assert decision.taken == sorted([five, seven, again, "step-00000009", eight])
     assert decision.epoch == cat.epoch and not decision.first_start
+    # a process's first load also removes the uncommitted leftover, still by the listing alone
+    # (this launch holds the newest epoch: no newer launch can be writing it)
+    first = _catalog(tmp_path, events=tmp_path / "events.jsonl")
+    first.storage.read_bytes = restart.storage.read_bytes
+    decision = resume.from_names(first, "A", clean=True)
+    assert reads == [] and decision.refused is None, decision.message
+    assert not (tmp_path / "step-00000009").exists() and (tmp_path / again / layout.MANIFEST).exists()
+    assert decision.taken == sorted([five, seven, again, eight])
+    cleaned = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["name"]) for e in cleaned] == [("checkpoint_cleaned", "step-00000009")]
+    # a newer launch fences it: refused, nothing deleted
+    _write(cat, "step-00000010", 10)
+    _catalog(tmp_path, "B")
+    stale = _catalog(tmp_path)
+    stale.epoch = cat.epoch
+    assert resume.from_names(stale, "A", clean=True).refused is FencedError
+    assert (tmp_path / "step-00000010").exists()
     # with nothing committed there is no commit to descend from
     empty = _catalog(tmp_path / "empty")
-    assert resume.from_names(empty, "B").chosen is None
+    assert resume.from_names(empty, "B", clean=False).chosen is None
