@@ -151,9 +151,14 @@ def maybe_inject(kind: str, step: int, committed: Callable[[int], bool] | None =
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def maybe_damage_local(step: int, list_copies) -> None:
-    """``lose_local`` / ``corrupt_local`` at ``step``: ``list_copies()`` gives this rank's local
-    copy directories, newest first (listed only when such a fault fires)."""
+def maybe_damage_local(step: int, list_copies, settle: Callable[[], None]) -> None:
+    """``lose_local`` / ``corrupt_local`` at ``step``: ``settle()`` first lets the save in flight
+    land (a copy still being written when its directory is removed could finish into it before the
+    kill: the damage would depend on timing), then ``list_copies()`` gives this rank's local copy
+    directories, newest first (both called only when such a fault fires)."""
+    if not (active("lose_local", step) or active("corrupt_local", step)):
+        return
+    settle()
     if active("lose_local", step):
         for d in list_copies():
             shutil.rmtree(d, ignore_errors=True)

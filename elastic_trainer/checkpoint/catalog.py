@@ -484,9 +484,9 @@ class Catalog:
         if not uncommitted or not self.epoch:
             return []
         with self._lock:
-            self.check_epoch()
             if self.current_epoch() != self.epoch:
-                return []  # the epoch record went missing: leave them to the verifying decision
+                self.check_epoch()  # raises when a newer launch holds the root
+                return []  # our epoch record went missing: leave them to the verifying decision
             for name in uncommitted:
                 self._remove_leftover(name)
             return list(uncommitted)

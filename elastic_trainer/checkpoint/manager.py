@@ -433,7 +433,11 @@ class CheckpointManager:
     def inject_local_faults(self, step: int) -> None:
         """Fault injection (tests): lose or corrupt this rank's local copies at ``step``."""
         if self.local is not None:
-            faults.maybe_damage_local(step, lambda: self.local.copies_on_disk(self._position.epoch))
+            faults.maybe_damage_local(step, lambda: self.local.copies_on_disk(self._position.epoch), self._settle)
+
+    def _settle(self) -> None:
+        if self._inflight is not None:
+            self._inflight.wait(time.monotonic() + DRAIN_SECONDS)
 
     def close(self, finished: bool = False) -> None:
         """``finished``: the run ended normally; this rank's local copies are dropped (no restart

@@ -356,9 +356,7 @@ class PeerTier:
                         client.close()
                 except (PeerError, ValueError) as e:
                     answer = {"error": f"{type(e).__name__}: {e}"}
-                with open(path + ".part", "w") as f:
-                    json.dump(answer, f)
-                os.rename(path + ".part", path)
+                self.tier.storage.write_json_atomic(path, answer)
             with open(path) as f:
                 answer = json.load(f)
         if "error" in answer:
@@ -398,6 +396,7 @@ class PeerTier:
         views = agreement.gather(sorted(complete, key=_order))
         common = set.intersection(*(set(map(tuple, v)) for v in views))
         if not common:
+            shutil.rmtree(share, ignore_errors=True)  # after the gather: the node's ranks read their inventories
             if rank == 0 and any(views):
                 self.events.emit(
                     "checkpoint_peer_skipped",

@@ -58,3 +58,38 @@ def test_corrupt_peer_flips_the_replicas_of_its_rank_from_its_step_on(monkeypatc
         assert len(bad) == len(data) and bad[100:164] == b"\xff" * 64 and bad[:100] + bad[164:] == bytes(136)
     monkeypatch.setenv(contract.RANK_ENV, "0")
     assert faults.maybe_corrupt_replica(6, data) == data
+
+
+class _Killed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["lose_local", "corrupt_local"])
+def test_local_damage_lets_the_save_in_flight_land_first_and_reaches_its_copy(monkeypatch, rank1, tmp_path, kind):
+    """A copy still being written when the fault fires must not survive it by finishing after the
+    listing (the CI run that resumed from a "lost" node's step 10): the save lands, then the damage."""
+    monkeypatch.setenv(contract.INJECT_FAULT_ENV, f"{kind}@rank=1,step=11")
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: (_ for _ in ()).throw(_Killed()))
+    calls = []
+    landed = tmp_path / "step-10"
+
+    def settle():
+        calls.append("settle")
+        landed.mkdir()
+        (landed / "manifest.json").write_text("{}")
+        (landed / "__0_0.distcp").write_bytes(bytes(256))
+
+    def copies():
+        calls.append("list")
+        return [str(p) for p in sorted(tmp_path.iterdir(), reverse=True)]
+
+    faults.maybe_damage_local(10, copies, settle)  # another step: nothing settles, nothing is listed
+    assert calls == []
+    with pytest.raises(_Killed):
+        faults.maybe_damage_local(11, copies, settle)
+    assert calls == ["settle", "list"]
+    if kind == "lose_local":
+        assert not landed.exists()
+    else:
+        data = (landed / "__0_0.distcp").read_bytes()
+        assert len(data) == 256 and data[128:192] == b"\xa5" * 64
