@@ -11,8 +11,9 @@ node's holder also serves that node's own copies from ``checkpoint.local_dir``
 (:class:`NodeCopies`), so a copy is reachable while its node or one of its replicas lives.
 
 **Load** (:meth:`PeerTier.load`, every rank, when the own-copy local load is not possible): each
-rank lists what its node can reach (its disk, and every live holder's inventory, asked once per
-node and load), keeping only
+rank lists what it can reach (its node's disk, and every live holder's copies: each holder is
+asked for its inventory by its own node's first rank and the answers are gathered, one request per
+holder and load), keeping only
 copies whose manifest is sealed and signed, of this launch epoch and model, descending from the
 remote checkpoint the catalog chose, at that step or newer. The ranks agree on the newest step
 (and lineage, and the world size W it was saved at) for which *every* rank reaches a copy of
@@ -276,6 +277,7 @@ class PeerTier:
         self.metrics, self.events = metrics, events
         self.disk = NodeCopies(tier.root)
         self.holders: dict[int, str] | None = None  # node rank -> holder address, learnt at connect
+        self.leader = False  # the first rank of its node (asks its node's holder), learnt at connect
         self.replicator: Replicator | None = None  # None: nowhere to replicate to
 
     def connect(self, agreement: Agreement) -> None:
@@ -284,6 +286,7 @@ class PeerTier:
             return
         views = agreement.gather((self.node, self.holder))
         self.holders = {n: a for n, a in views if a}
+        self.leader = all(n != self.node for n, _ in views[: self.tier.rank])  # its node's first rank
         targets = [self.holders[n] for n in ring_targets(list(self.holders), self.node, self.replicas)]
         if targets:
             self.replicator = Replicator(self.job, self.key, self.tier.rank, targets, self.metrics)
@@ -316,53 +319,53 @@ class PeerTier:
         )
 
     def reachable(
-        self, epoch: str, *, min_step: int, remote: str | None, fingerprint: str, share: str
+        self, agreement: Agreement, epoch: str, *, min_step: int, remote: str | None, fingerprint: str
     ) -> dict[tuple, dict]:
-        """``{(step, lineage, W): {src: (location, manifest)}}`` this node can read: its disk first,
-        then every holder (its own node's first), each asked once per node (``share``)."""
+        """Collective. ``{(step, lineage, W): {src: (location, manifest)}}`` this rank can read: its
+        node's disk first, then every holder's copies (its own node's first). Each holder is asked
+        for its inventory once, by the first rank of its own node, and the usable entries are
+        gathered: one inventory per node and load, not one per pair of nodes."""
+        want = {"epoch": epoch, "min_step": min_step, "remote": remote, "fp": fingerprint}
+        disk, held = [], None
+        try:
+            disk = self._entries(self.disk.inventory(), **want)
+            if self.leader and self.holder:
+                held = self._inventory(self.holder, want)
+        except OSError as e:
+            logger.warning("peer tier unreadable: %s", e)
+        answers = agreement.gather((self.node, self.holder, held) if held is not None else None)
+        held_by = sorted({(n, a): e for n, a, e in filter(None, answers)}.items(), key=lambda kv: kv[0][0] != self.node)
         out: dict[tuple, dict[int, tuple[str, dict]]] = {}
-        sources: list[tuple[str, list[dict]]] = [(DISK, self.disk.inventory())]
-        order = sorted((self.holders or {}).items(), key=lambda kv: (kv[0] != self.node, kv[0]))
-        for node, address in order:
-            entries = self._inventory(share, node, address)
-            if entries is not None:
-                sources.append((address, entries))
-        for location, entries in sources:
-            for e in entries:
-                try:
-                    m = json.loads(e["manifest"])
-                    step, src, world = int(e["step"]), int(e["src"]), int(e["world"])
-                except (KeyError, TypeError, ValueError):
-                    continue
-                if step < min_step or not self._usable(
-                    m, src=src, world=world, step=step, epoch=epoch, remote=remote, fp=fingerprint
-                ):
-                    continue
+        for location, entries in [(DISK, disk), *(((a, e) for (_, a), e in held_by))]:
+            for step, src, world, m in entries:
                 out.setdefault((step, m.get("lineage"), world), {}).setdefault(src, (location, m))
         return out
 
-    def _inventory(self, share: str, node: int, address: str) -> list[dict] | None:
-        """Holder ``address``'s inventory (None: unreachable), asked by the first rank of this
-        node to need it in this load; the others read its answer (an unreachable holder, too, is
-        waited for once). Entries are checked by the caller (sealed, signed, this launch)."""
-        path = os.path.join(share, f"inventory-{node}.json")
-        with _locked(path):
-            if not os.path.exists(path):
-                try:
-                    client = Client(address, self.job, self.key, timeout=10.0)
-                    try:
-                        answer: dict[str, Any] = {"entries": client.inventory()}
-                    finally:
-                        client.close()
-                except (PeerError, ValueError) as e:
-                    answer = {"error": f"{type(e).__name__}: {e}"}
-                self.tier.storage.write_json_atomic(path, answer)
-            with open(path) as f:
-                answer = json.load(f)
-        if "error" in answer:
-            logger.warning("peer holder %s unreachable: %s", address, answer["error"])
+    def _entries(self, entries: list[dict], *, epoch: str, min_step: int, remote: str | None, fp: str) -> list:
+        """The usable ones of an inventory's ``entries``: ``[step, src, world, manifest]``."""
+        out = []
+        for e in entries:
+            try:
+                m = json.loads(e["manifest"])
+                step, src, world = int(e["step"]), int(e["src"]), int(e["world"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if step >= min_step and self._usable(m, src=src, world=world, step=step, epoch=epoch, remote=remote, fp=fp):
+                out.append([step, src, world, m])
+        return out
+
+    def _inventory(self, address: str, want: dict) -> list | None:
+        """This node's holder's usable copies (None: unreachable). Entries are checked (sealed,
+        signed, this launch) before they go to the other ranks."""
+        try:
+            client = Client(address, self.job, self.key, timeout=10.0)
+            try:
+                return self._entries(client.inventory(), **want)
+            finally:
+                client.close()
+        except (PeerError, ValueError) as e:
+            logger.warning("peer holder %s unreachable: %s", address, e)
             return None
-        return answer["entries"]
 
     # -------------------------------------------------------------------- load
     def load(
@@ -388,15 +391,14 @@ class PeerTier:
                 if n.startswith(_SHARE) and n != os.path.basename(share):
                     shutil.rmtree(os.path.join(self.tier.root, n), ignore_errors=True)
             os.makedirs(share, exist_ok=True)
-            mine = self.reachable(epoch, min_step=min_step, remote=remote, fingerprint=fingerprint, share=share)
         except OSError as e:
             logger.warning("peer tier unreadable: %s", e)
-            mine = {}
+        mine = self.reachable(agreement, epoch, min_step=min_step, remote=remote, fingerprint=fingerprint)
         complete = {k for k, srcs in mine.items() if set(srcs) >= set(range(k[2]))}
         views = agreement.gather(sorted(complete, key=_order))
         common = set.intersection(*(set(map(tuple, v)) for v in views))
         if not common:
-            shutil.rmtree(share, ignore_errors=True)  # after the gather: the node's ranks read their inventories
+            shutil.rmtree(share, ignore_errors=True)  # nothing was fetched into it
             if rank == 0 and any(views):
                 self.events.emit(
                     "checkpoint_peer_skipped",

@@ -140,6 +140,37 @@ def test_a_source_rank_held_by_a_peer_is_fetched_and_a_corrupted_byte_falls_back
     assert not any(k[1:] == (6, 2, 3) for k in h._copies), "the bad replica is dropped"
 
 
+def _resume_on_node(rank, world, root, locals_, holders):
+    """``_resume`` with rank r on node r: its ``checkpoint.local_dir`` ``locals_[r]``, its holder
+    ``holders[r]``."""
+    os.environ[contract.GROUP_RANK_ENV] = str(rank)
+    os.environ[contract.PEER_HOLDER_ENV] = holders[rank]
+    return _resume(rank, world, root, locals_[rank])
+
+
+def test_each_holder_is_asked_for_its_inventory_once_by_its_own_node(holder):
+    """Two nodes, each with its holder; rank 2's copies only in node 1's. Each node asks its own
+    holder and the answers are gathered: every holder answers one inventory per load (two, one per
+    node, when every node asked every holder), and node 0 still reads rank 2 from node 1's."""
+    from elastic_trainer.checkpoint.local_tier import job_key
+    from elastic_trainer.storage.peer import Holder
+
+    root, local, states, held = holder
+    other = local + "-node1"  # node 1's disk: the same copies of ranks 0 and 1
+    shutil.copytree(local, other)
+    mine = Holder(job_key(root), KEY.encode(), "127.0.0.1").start()
+    try:
+        out = run_ranks(_resume_on_node, 2, root, [local, other], [mine.address, held.address])
+    finally:
+        mine.close()
+    assert [(o["step"], o["tier"], o["tiers"]) for o in out] == [(6, "peer", ["peer", "peer"])] * 2
+    assert _same(out[0]["state"], states[6])
+    assert mine.answered[("INVENTORY", "", 0)] == 1 and held.answered[("INVENTORY", "", 0)] == 1, (
+        mine.answered,
+        held.answered,
+    )
+
+
 def test_a_step_some_source_rank_lacks_everywhere_is_not_loaded(saved, tmp_path, monkeypatch):
     root, local, states = _copy(saved, tmp_path)
     base = _job_dir(root, local)
