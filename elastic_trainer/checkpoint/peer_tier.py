@@ -20,7 +20,8 @@ remote checkpoint the catalog chose, at that step or newer. The ranks agree on t
 every source rank 0..W-1. Each rank then loads it through DCP with the resharding load planner,
 over a private directory where each source rank ``r`` is ``r<r>/`` (its node-local directory, or
 files fetched from a holder on first use, once per node, each checked against the source's manifest) and one
-``.metadata`` merges the W sources' metadata (every source's verified before it is unpickled).
+``.metadata`` merges the W sources' metadata (each source's read by one rank, verified before it is
+unpickled, and gathered: read once per load, not once per node).
 Every item DCP reads is checked against its source manifest's checksums. Any gap, unreachable
 holder or bad byte on any rank: every rank falls back to checkpoint.dir (never a partial load),
 and the source copy that failed is dropped where it was held.
@@ -43,6 +44,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -411,8 +413,17 @@ class PeerTier:
         step, _, world = best
         sources = mine[best]
         error, held, bad = "", False, None
+        reader: _SourcesReader | None = None
         try:
             reader = _SourcesReader(share, rank, self.tier.root, sources, self.job, self.key, epoch, step, world)
+            own: dict[int, bytes | str] | str = reader.metadata_of(range(rank, world, agreement.world_size))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must reach the gather
+            own = compat.one_line(e, 2000)
+        gathered = agreement.gather(own)  # each source's .metadata read once in the job, not once per node
+        try:
+            if reader is None:
+                raise RuntimeError(f"could not start the peer load: {own}")
+            reader.merge(gathered)
             for s in states.values():
                 if isinstance(s, PerRank):
                     s.expect_world(world)
@@ -486,26 +497,52 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
         self._where = (job, key, epoch, step, world)
         self._clients: dict[str, Client] = {}
         self.from_holders = False  # read a file another node's holder served (this rank or its node fetched it)
-        items: dict[tuple[str, int], tuple[int, int]] = {}
-        merged: Metadata | None = None
         for src in range(world):
-            location, manifest = sources[src]
             d = os.path.join(work, f"r{src}")
-            if location == DISK:
+            if sources[src][0] == DISK:
                 os.symlink(LocalTier.copy_dir(root, epoch, step, src, world), d)
             else:
                 os.makedirs(os.path.join(share, f"r{src}"), exist_ok=True)
                 os.symlink(os.path.join(share, f"r{src}"), d)
-            raw = self._read(src, layout.METADATA)
-            checks = layout.Checks.from_manifest(manifest)
+        super().__init__(work)
+
+    def metadata_of(self, srcs: Iterable[int]) -> dict[int, bytes | str]:
+        """The verified ``.metadata`` of each source in ``srcs`` (this rank's share of them), or
+        why it could not be read."""
+        out: dict[int, bytes | str] = {}
+        for src in srcs:
+            try:
+                out[src] = self._read(src, layout.METADATA)
+            except CheckpointIntegrityError as e:
+                out[src] = str(e)
+            except OSError as e:
+                out[src] = str(_source_error(src, f"{layout.METADATA}: {e}"))
+        return out
+
+    def merge(self, gathered: list[dict[int, bytes | str] | str]) -> None:
+        """Every rank's :meth:`metadata_of` (each source read by one rank of the job), checked
+        against the sources' manifests again and merged into this rank's ``.metadata``."""
+        raw: dict[int, bytes | str] = {}
+        for part in gathered:
+            if isinstance(part, str):
+                raise RuntimeError(f"another rank could not start its peer load: {part}")
+            raw.update(part)
+        items: dict[tuple[str, int], tuple[int, int]] = {}
+        merged: Metadata | None = None
+        for src in range(self._where[4]):
+            data = raw.get(src, "no rank read it")
+            if isinstance(data, str):
+                raise CheckpointIntegrityError(data) if data.startswith(f"r{src}/") else _source_error(src, data)
+            self._check(src, layout.METADATA, data)
+            checks = layout.Checks.from_manifest(self._sources[src][1])
             items.update({(f"r{src}/{f}", off): v for (f, off), v in checks.items.items()})
-            merged = _merge(merged, pickle.loads(raw), src)  # noqa: S301 - verified against the signed manifest
+            merged = _merge(merged, pickle.loads(data), src)  # noqa: S301 - verified against the signed manifest
         _check_coverage(merged)
+        self.from_holders |= any(location != DISK for location, _ in self._sources.values())  # its metadata, at least
         self._items = merged.storage_data
         data = pickle.dumps(merged)
-        with open(os.path.join(work, layout.METADATA), "wb") as f:
+        with open(os.path.join(self._work, layout.METADATA), "wb") as f:
             f.write(data)
-        super().__init__(work)
         self.checks = layout.Checks((len(data), layout.digest(data)), items)
 
     def _ensure(self, src: int, name: str) -> None:
@@ -542,10 +579,13 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
         self._ensure(src, name)
         with open(os.path.join(self._work, f"r{src}", name), "rb") as f:
             data = f.read()
+        self._check(src, name, data)
+        return data
+
+    def _check(self, src: int, name: str, data: bytes) -> None:
         want = (self._sources[src][1].get("files") or {}).get(name) or {}
         if len(data) != int(want.get("size", -1)) or xxh3(data) != int(want.get("xxh3", -1)):
             raise _source_error(src, f"{name}: size or checksum does not match its manifest")
-        return data
 
     def read_data(self, plan, planner):
         try:

@@ -148,10 +148,11 @@ def _resume_on_node(rank, world, root, locals_, holders):
     return _resume(rank, world, root, locals_[rank])
 
 
-def test_each_holder_is_asked_for_its_inventory_once_by_its_own_node(holder):
+def test_each_holder_is_asked_for_its_inventory_once_and_each_metadata_is_read_once(holder):
     """Two nodes, each with its holder; rank 2's copies only in node 1's. Each node asks its own
     holder and the answers are gathered: every holder answers one inventory per load (two, one per
-    node, when every node asked every holder), and node 0 still reads rank 2 from node 1's."""
+    node, when every node asked every holder), and node 0 still reads rank 2 from node 1's. Each
+    source's .metadata is read by one rank and gathered (was: once per node)."""
     from elastic_trainer.checkpoint.local_tier import job_key
     from elastic_trainer.storage.peer import Holder
 
@@ -161,14 +162,23 @@ def test_each_holder_is_asked_for_its_inventory_once_by_its_own_node(holder):
     mine = Holder(job_key(root), KEY.encode(), "127.0.0.1").start()
     try:
         out = run_ranks(_resume_on_node, 2, root, [local, other], [mine.address, held.address])
+        asked = (mine.answered.copy(), held.answered.copy())
+        # the held .metadata of rank 2 corrupted at the same size: the rank that reads it tells
+        # the others, every rank loads checkpoint.dir, and the bad replica is dropped
+        (key,) = [k for k in held._copies if k[1:] == (6, 2, 3)]
+        meta = held._copies[key].files[".metadata"].data
+        meta[:8] = bytes(b ^ 0xFF for b in meta[:8])
+        fallback = run_ranks(_resume_on_node, 2, root, [local, other], [mine.address, held.address])
     finally:
         mine.close()
     assert [(o["step"], o["tier"], o["tiers"]) for o in out] == [(6, "peer", ["peer", "peer"])] * 2
     assert _same(out[0]["state"], states[6])
-    assert mine.answered[("INVENTORY", "", 0)] == 1 and held.answered[("INVENTORY", "", 0)] == 1, (
-        mine.answered,
-        held.answered,
-    )
+    assert asked[0][("INVENTORY", "", 0)] == 1 and asked[1][("INVENTORY", "", 0)] == 1, asked
+    # rank 2's .metadata, which both nodes merge, was read from its holder once in the job
+    assert asked[1][("GET", ".metadata", 0)] == 1, asked
+    assert [(o["step"], o["tier"]) for o in fallback] == [(4, "remote")] * 2
+    assert _same(fallback[0]["state"], states[4])
+    assert not any(k[1:] == (6, 2, 3) for k in held._copies), "the bad replica is dropped"
 
 
 def test_a_step_some_source_rank_lacks_everywhere_is_not_loaded(saved, tmp_path, monkeypatch):
