@@ -24,7 +24,8 @@ files fetched from a holder on first use, once per node, each checked against th
 unpickled, and gathered: read once per load, not once per node).
 Every item DCP reads is checked against its source manifest's checksums. Any gap, unreachable
 holder or bad byte on any rank: every rank falls back to checkpoint.dir (never a partial load),
-and the source copy that failed is dropped where it was held.
+and a source copy whose bytes failed their check is dropped where it was held (one a holder did not
+serve is kept: a failed request is no bad byte).
 
 The merge relies on DCP's storage items (``Metadata.storage_data`` values) being dataclasses with a
 ``relative_path``, as :mod:`.integrity` does; tests/unit/test_peer_holder.py's merged-metadata
@@ -467,8 +468,11 @@ class PeerTier:
 
 
 def _bad_source(e: BaseException) -> int | None:
-    """The source rank whose bytes an integrity failure names (``r<src>/...``), if any."""
+    """The source rank whose bytes an integrity failure names (``r<src>/...``), if any; not one
+    whose holder did not serve them (:class:`PeerError`: a request that failed is no bad byte)."""
     for cause in compat.root_causes(e):
+        if isinstance(cause, PeerError) or isinstance(cause.__cause__, PeerError):
+            continue
         m = _SOURCE_RE.search(str(cause))
         if m:
             return int(m.group(1))
@@ -506,23 +510,26 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
                 os.symlink(os.path.join(share, f"r{src}"), d)
         super().__init__(work)
 
-    def metadata_of(self, srcs: Iterable[int]) -> dict[int, bytes | str]:
+    def metadata_of(self, srcs: Iterable[int]) -> dict[int, bytes | tuple[str, str]]:
         """The verified ``.metadata`` of each source in ``srcs`` (this rank's share of them), or
-        why it could not be read."""
-        out: dict[int, bytes | str] = {}
+        why it could not be read: ``("unreachable", why)`` (its holder did not serve it) or
+        ``("integrity", why)`` (bad or missing bytes)."""
+        out: dict[int, bytes | tuple[str, str]] = {}
         for src in srcs:
             try:
                 out[src] = self._read(src, layout.METADATA)
             except CheckpointIntegrityError as e:
-                out[src] = str(e)
+                out[src] = ("integrity", str(e))
+            except PeerError as e:
+                out[src] = ("unreachable", str(e))
             except OSError as e:
-                out[src] = str(_source_error(src, f"{layout.METADATA}: {e}"))
+                out[src] = ("integrity", str(_source_error(src, f"{layout.METADATA}: {e}")))
         return out
 
-    def merge(self, gathered: list[dict[int, bytes | str] | str]) -> None:
+    def merge(self, gathered: list[dict[int, bytes | tuple[str, str]] | str]) -> None:
         """Every rank's :meth:`metadata_of` (each source read by one rank of the job), checked
         against the sources' manifests again and merged into this rank's ``.metadata``."""
-        raw: dict[int, bytes | str] = {}
+        raw: dict[int, bytes | tuple[str, str]] = {}
         for part in gathered:
             if isinstance(part, str):
                 raise RuntimeError(f"another rank could not start its peer load: {part}")
@@ -530,9 +537,10 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
         items: dict[tuple[str, int], tuple[int, int]] = {}
         merged: Metadata | None = None
         for src in range(self._where[4]):
-            data = raw.get(src, "no rank read it")
-            if isinstance(data, str):
-                raise CheckpointIntegrityError(data) if data.startswith(f"r{src}/") else _source_error(src, data)
+            data = raw.get(src, ("unreachable", f"r{src}/ (source rank {src}): no rank read its metadata"))
+            if isinstance(data, tuple):
+                kind, why = data
+                raise CheckpointIntegrityError(why) if kind == "integrity" else PeerError(why)
             self._check(src, layout.METADATA, data)
             checks = layout.Checks.from_manifest(self._sources[src][1])
             items.update({(f"r{src}/{f}", off): v for (f, off), v in checks.items.items()})
@@ -561,15 +569,15 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
             if os.path.exists(path):
                 return  # fetched and verified by this node's first rank to need it
             job, key, epoch, step, world = self._where
-            client = self._clients.setdefault(location, Client(location, job, key))
             part = path + ".part"
             try:
+                client = self._clients.get(location) or self._clients.setdefault(location, Client(location, job, key))
                 with open(part, "wb") as f:
                     out = _Hashing(f)
                     n = client.get(epoch, step, src, world, name, out=out)
                     got = out.hasher.intdigest()
-            except PeerError as e:
-                raise _source_error(src, str(e)) from e
+            except PeerError as e:  # not served: no byte of it was bad (the copy is kept)
+                raise PeerError(f"r{src}/ (source rank {src}): {e}") from e
             if n != int(want["size"]) or got != int(want["xxh3"]):
                 raise _source_error(src, f"{name}: size or checksum does not match its manifest")
             os.rename(part, path)

@@ -163,10 +163,17 @@ def test_each_holder_is_asked_for_its_inventory_once_and_each_metadata_is_read_o
     try:
         out = run_ranks(_resume_on_node, 2, root, [local, other], [mine.address, held.address])
         asked = (mine.answered.copy(), held.answered.copy())
+        # the holder does not serve rank 2's .metadata (a request that fails is no bad byte):
+        # every rank loads checkpoint.dir and the replica is kept
+        (key,) = [k for k in held._copies if k[1:] == (6, 2, 3)]
+        files = held._copies[key].files
+        kept = files.pop(".metadata")
+        unserved = run_ranks(_resume_on_node, 2, root, [local, other], [mine.address, held.address])
+        still_held = key in held._copies
+        files[".metadata"] = kept
         # the held .metadata of rank 2 corrupted at the same size: the rank that reads it tells
         # the others, every rank loads checkpoint.dir, and the bad replica is dropped
-        (key,) = [k for k in held._copies if k[1:] == (6, 2, 3)]
-        meta = held._copies[key].files[".metadata"].data
+        meta = files[".metadata"].data
         meta[:8] = bytes(b ^ 0xFF for b in meta[:8])
         fallback = run_ranks(_resume_on_node, 2, root, [local, other], [mine.address, held.address])
     finally:
@@ -176,6 +183,7 @@ def test_each_holder_is_asked_for_its_inventory_once_and_each_metadata_is_read_o
     assert asked[0][("INVENTORY", "", 0)] == 1 and asked[1][("INVENTORY", "", 0)] == 1, asked
     # rank 2's .metadata, which both nodes merge, was read from its holder once in the job
     assert asked[1][("GET", ".metadata", 0)] == 1, asked
+    assert [(o["step"], o["tier"]) for o in unserved] == [(4, "remote")] * 2 and still_held
     assert [(o["step"], o["tier"]) for o in fallback] == [(4, "remote")] * 2
     assert _same(fallback[0]["state"], states[4])
     assert not any(k[1:] == (6, 2, 3) for k in held._copies), "the bad replica is dropped"
