@@ -192,10 +192,11 @@ def _early_zygote(argv: list[str]):
     import torch.distributed.elastic.agent.server.local_elastic_agent
     import torch.distributed.run  # noqa: F401 - imported to be loaded in the processes forked from this one
 
-    from .supervisor.warm import Zygote
+    from .storage.fs import backend_modules
+    from .supervisor.warm import Zygote, trainer_preload
     from .worker import zygote
 
-    return Zygote().start(fork=zygote.fork)
+    return Zygote(preload=trainer_preload(backend_modules(cfg.checkpoint.dir))).start(fork=zygote.fork)
 
 
 def _launch(argv: list[str], zygote) -> int:

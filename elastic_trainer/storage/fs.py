@@ -291,3 +291,16 @@ class Storage:
 
 def open_storage(uri: str, endpoint_url: str = "", timeout_seconds: float = 20.0, retries: int = 3) -> Storage:
     return Storage(uri, StorageOptions(endpoint_url=endpoint_url, timeout_seconds=timeout_seconds, retries=retries))
+
+
+def backend_modules(uri: str) -> tuple[str, ...]:
+    """The module of the fsspec filesystem ``uri`` opens (``s3://`` → ``s3fs``), for a process
+    that imports it ahead of need (the warm-start zygote); () for a local path."""
+    from fsspec.core import split_protocol
+    from fsspec.registry import known_implementations
+
+    protocol = split_protocol(uri)[0]
+    if protocol in (None, "file", "local"):
+        return ()
+    path = known_implementations.get(protocol, {}).get("class", "")
+    return (path.rsplit(".", 1)[0],) if "." in path else ()

@@ -257,9 +257,11 @@ def start_zygote(cfg: Config, cmd, cmd_args, early=None, preload: tuple[str, ...
     script, or None. ``early``: one already started (kept if it preloads what this entry point
     needs, else closed); ``preload``: modules besides its own list (``run --preload``); ``fork``:
     see ``warm.Zygote.start``."""
+    from ..storage.fs import backend_modules
     from . import warm
 
-    modules = warm.preload_for(cmd, cmd_args, options.WORKER_MODULE, tuple(preload))
+    backend = backend_modules(cfg.checkpoint.dir)
+    modules = warm.preload_for(cmd, cmd_args, options.WORKER_MODULE, tuple(preload), backend)
     if early is not None and (not cfg.elastic.warm_start or modules != early.preload):
         early.close()
         early = None

@@ -290,15 +290,25 @@ class ZygoteProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def preload_for(cmd, cmd_args, trainer_module: str, extra: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+def trainer_preload(backend: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """What a zygote for ``launch``'s trainer imports: ``()``, its own list (torch and the
+    trainer), plus ``backend``, the checkpoint storage's filesystem module (:func:`..storage.fs.backend_modules`)."""
+    return _unique((contract.ZYGOTE_PRELOAD_TRAINER, *backend)) if backend else ()
+
+
+def preload_for(
+    cmd, cmd_args, trainer_module: str, extra: tuple[str, ...] = (), backend: tuple[str, ...] = ()
+) -> tuple[str, ...] | None:
     """What a zygote for this entry point imports (pure), or None when it cannot start it warm.
 
-    ``python [-u] -m trainer_module``: ``()``, the zygote's own list (torch and the trainer).
+    ``python [-u] -m trainer_module``: :func:`trainer_preload` (torch, the trainer, ``backend``).
     ``python [-u] -m MODULE`` / ``python [-u] SCRIPT.py`` (``run``): torch and elastic_trainer's
     public API (``@script``), the script's own top-level imports of installed packages
-    (:func:`script_imports`), then ``extra`` (``run --preload MODULE``). Anything else (torchrun's
-    ``--no-python``, ``--run-path``, other interpreter options) is started cold. Raises
-    ConfigError for an ``extra`` name that is not a dotted module name."""
+    (:func:`script_imports`), ``backend``, then ``extra`` (``run --preload MODULE``). Anything
+    else (torchrun's ``--no-python``, ``--run-path``, other interpreter options) is started cold.
+    ``backend``: the checkpoint storage's filesystem module (``s3fs``), which every worker imports
+    when it opens ``checkpoint.dir``. Raises ConfigError for an ``extra`` name that is not a
+    dotted module name."""
     for name in extra:
         if not name or not all(part.isidentifier() for part in name.split(".")):
             raise ConfigError(
@@ -311,10 +321,10 @@ def preload_for(cmd, cmd_args, trainer_module: str, extra: tuple[str, ...] = ())
         rest.pop(0)
     if len(rest) >= 2 and rest[0] == "-m":
         if rest[1] == trainer_module and not extra:
-            return ()
-        return _unique((contract.ZYGOTE_PRELOAD_SCRIPT, *extra))
+            return trainer_preload(backend)
+        return _unique((contract.ZYGOTE_PRELOAD_SCRIPT, *backend, *extra))
     if rest and not rest[0].startswith("-") and rest[0].endswith(".py"):
-        return _unique((contract.ZYGOTE_PRELOAD_SCRIPT, *script_imports(rest[0]), *extra))
+        return _unique((contract.ZYGOTE_PRELOAD_SCRIPT, *script_imports(rest[0]), *backend, *extra))
     return None
 
 

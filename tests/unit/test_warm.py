@@ -401,3 +401,58 @@ def test_closing_the_handler_of_a_worker_that_already_exited_does_not_raise(zygo
     h.close()
     h.close(signal.SIGKILL)  # torch's _close escalates with a second close
     assert h._stdout.closed and h._stderr.closed
+
+
+def test_the_checkpoint_storage_module_is_preloaded_for_every_entry_point():
+    from elastic_trainer.storage.fs import backend_modules
+
+    assert backend_modules("s3://bucket/run") == ("s3fs",)
+    assert backend_modules("gs://bucket/run") == ("gcsfs",)
+    assert backend_modules("/data/ckpt") == backend_modules("file:///data/ckpt") == ()
+    s3 = ("s3fs",)
+    assert warm.preload_for(sys.executable, ["-u", "-m", WORKER_MODULE], WORKER_MODULE, backend=s3) == (
+        "@trainer",
+        "s3fs",
+    )
+    assert warm.preload_for(sys.executable, ["-u", "-m", "m"], WORKER_MODULE, ("x",), s3) == ("@script", "s3fs", "x")
+    assert warm.preload_for(sys.executable, ["-u", "-m", WORKER_MODULE], WORKER_MODULE, backend=()) == ()
+
+
+def test_the_early_zygote_preloads_what_launch_needs_so_it_is_kept(tmp_path, monkeypatch):
+    """``launch`` forks its zygote before parsing everything; with ``checkpoint.dir`` on S3 both
+    must name the same modules, or the early zygote is closed and a second one started."""
+    from elastic_trainer import cli
+    from elastic_trainer.config import load_config
+    from elastic_trainer.supervisor import launcher
+
+    made = []
+
+    class Fake:
+        def __init__(self, preload=()):
+            self.preload, self.closed = tuple(preload), False
+            made.append(self)
+
+        def start(self, fork=None):
+            return self
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(warm, "Zygote", Fake)
+    cfg_file = tmp_path / "job.toml"
+    cfg_file.write_text('[checkpoint]\ndir = "s3://bucket/run"\ns3_endpoint_url = "http://127.0.0.1:9"\n')
+    early = cli._early_zygote([str(cfg_file)])
+    assert early is made[0] and early.preload == ("@trainer", "s3fs")
+    cfg = load_config(str(cfg_file), [])
+    kept = launcher.start_zygote(cfg, sys.executable, ["-u", "-m", WORKER_MODULE], early=early)
+    assert kept is early and not early.closed and len(made) == 1
+
+
+def test_a_zygote_that_preloads_the_s3_filesystem_stays_single_threaded():
+    """s3fs (aiobotocore, aiohttp) starts no thread at import: a zygote can preload it and fork."""
+    z = warm.Zygote(preload=("s3fs",), ready_timeout=120).start()
+    try:
+        info = z.wait_ready()
+        assert info["threads"] == 1 and not info.get("missing"), info
+    finally:
+        z.close()
