@@ -358,7 +358,9 @@ class RawCopyWriter(StorageWriter):
         tensors)."""
         whole = xxhash.xxh3_64()
         rows, results, offset = [], [], 0
-        with open(os.path.join(self.path, RAW_FILE), "wb") as f:
+        path = os.path.join(self.path, RAW_FILE)
+        # a recycled copy's file is overwritten in place (its pages reused), then cut to size
+        with open(path, "r+b" if os.path.exists(path) else "wb") as f:
             for i, wi in enumerate(items):
                 buf = views.get(i) if views is not None else None
                 if buf is None:
@@ -372,6 +374,7 @@ class RawCopyWriter(StorageWriter):
                 info = _StorageInfo(RAW_FILE, offset, len(buf), transform_descriptors=[RAW])
                 results.append(WriteResult(index=wi.index, size_in_bytes=len(buf), storage_data=info))
                 offset += len(buf)
+            f.truncate(offset)
             f.flush()
             os.fsync(f.fileno())
         self._files = {RAW_FILE: {"size": offset, "xxh3": whole.intdigest(), "items": rows}}

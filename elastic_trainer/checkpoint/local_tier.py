@@ -18,9 +18,14 @@ rank, then the manager takes the newest step every rank can prove). A copy is us
 * when it descends from the remote checkpoint the catalog chose (``remote_chain``: the remote
   saves its lineage went through), at that step or newer.
 
-Retention keeps this rank's newest :data:`KEEP` committed copies; an older copy is deleted only
-after a newer one is committed. The object store stays the durable record: nothing here is
-needed for the guarantees of ``checkpoint.dir``, and every doubt falls back to it.
+Retention keeps this rank's newest :data:`KEEP` committed copies; an older copy is retired only
+after a newer one is committed. A retired copy is not deleted but kept as this rank's *spare*
+(``<epoch>/.spare-rank-R-of-W/``, uncommitted: its manifest is removed first) and becomes the next
+copy's directory, whose data file is then overwritten in place: rewriting pages the file already
+has costs a fraction of allocating new ones (tmpfs zeroes every new page), and the memory held is
+the peak a save reaches anyway (:data:`KEEP` copies and the one being written). The object store
+stays the durable record: nothing here is needed for the guarantees of ``checkpoint.dir``, and
+every doubt falls back to it.
 """
 
 from __future__ import annotations
@@ -91,13 +96,39 @@ class LocalTier:
         return os.path.join(root, _slug(epoch), layout.step_dir_name(step), f"rank-{rank}-of-{world_size}")
 
     # ------------------------------------------------------------------ saving
+    def _spare(self, epoch: str) -> str:
+        return os.path.join(self._epoch_dir(epoch), f".spare-rank-{self.rank}-of-{self.world_size}")
+
     def prepare(self, epoch: str, step: int) -> str:
-        """The empty directory of this rank's copy of ``step``, for :class:`~.integrity.RawCopier`
-        (any earlier, unusable attempt at the same step is removed first)."""
+        """The directory of this rank's copy of ``step``, for :class:`~.integrity.RawCopier`: the
+        spare (its data file alone, to be overwritten in place), else a new empty one; any
+        earlier, unusable attempt at the same step is removed first."""
         d = self.rank_dir(epoch, step)
         shutil.rmtree(d, ignore_errors=True)
-        os.makedirs(d, exist_ok=True)
+        os.makedirs(os.path.dirname(d), exist_ok=True)
+        spare = self._spare(epoch)
+        try:
+            for name in os.listdir(spare):
+                if name != integrity.RAW_FILE:
+                    os.remove(os.path.join(spare, name))
+            os.rename(spare, d)
+        except OSError:
+            shutil.rmtree(spare, ignore_errors=True)
+            os.makedirs(d, exist_ok=True)
         return d
+
+    def _retire(self, epoch: str, d: str) -> None:
+        """Retire this rank's committed copy ``d``: uncommitted first, then kept as the spare (or
+        deleted when there is one)."""
+        spare = self._spare(epoch)
+        try:
+            if os.path.exists(spare):
+                raise FileExistsError(spare)
+            os.remove(os.path.join(d, layout.MANIFEST))
+            os.rename(d, spare)
+            os.rmdir(os.path.dirname(d))  # its step directory, once no rank of this node uses it
+        except OSError:
+            _remove(d)
 
     def commit(
         self,
@@ -156,7 +187,11 @@ class LocalTier:
                 continue
             if kept == KEEP:
                 self._drop_other_worlds(epoch, step)
-            _remove(d)
+                self._drop_other_spares(epoch)
+            if committed:
+                self._retire(epoch, d)
+            else:
+                _remove(d)
 
     # ------------------------------------------------------------------ loading
     def usable(
@@ -235,6 +270,18 @@ class LocalTier:
         for step in self._steps(epoch):
             self._drop_other_worlds(epoch, step)
             _remove(self.rank_dir(epoch, step))
+        shutil.rmtree(self._spare(epoch), ignore_errors=True)
+        self._drop_other_spares(epoch)
+
+    def _drop_other_spares(self, epoch: str) -> None:
+        """The spares of another world size than this one (from before a reshard)."""
+        try:
+            names = os.listdir(self._epoch_dir(epoch))
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name.startswith(".spare-rank-") and not name.endswith(f"-of-{self.world_size}"):
+                shutil.rmtree(os.path.join(self._epoch_dir(epoch), name), ignore_errors=True)
 
     def _drop_other_worlds(self, epoch: str, step: int) -> None:
         base = os.path.dirname(self.rank_dir(epoch, step))

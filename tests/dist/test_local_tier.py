@@ -186,8 +186,15 @@ def test_every_save_is_local_and_every_second_reaches_checkpoint_dir(saved):
     assert committed == 4
     assert sorted(d for d in os.listdir(root) if d.startswith("step-")) == ["step-00000004"]
     (epoch,) = os.listdir(os.path.join(local, os.listdir(local)[0]))
-    steps = sorted(os.listdir(os.path.join(local, os.listdir(local)[0], epoch)))
+    names = sorted(os.listdir(os.path.join(local, os.listdir(local)[0], epoch)))
+    steps = [n for n in names if n.startswith("step-")]
     assert steps == ["step-00000004", "step-00000006"]  # retention: the newest two per rank
+    # the retired copy of step 2 is each rank's spare: uncommitted, its data file kept for reuse
+    spares = [n for n in names if not n.startswith("step-")]
+    assert spares == [".spare-rank-0-of-2", ".spare-rank-1-of-2"], names
+    for n in spares:
+        held = os.listdir(os.path.join(local, os.listdir(local)[0], epoch, n))
+        assert "__0_0.distcp" in held and "manifest.json" not in held, held
     for s in steps:
         for r in (0, 1):
             assert os.path.exists(

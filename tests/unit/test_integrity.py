@@ -488,3 +488,53 @@ def test_the_raw_copier_reads_a_refilled_staged_copy_in_place_and_each_copy_has_
         _raw_load(path, out)
         assert all(torch.equal(out["model"][k], v) for k, v in model.items()), path.name
         assert out["train"]["step"] == step
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_copy_into_a_recycled_directory_overwrites_its_data_file_in_place_and_cuts_it_to_size(tmp_path):
+    """The local tier's spare keeps a retired copy's data file and the next copy rewrites it in
+    place: a smaller state leaves no tail of the old one, and the copy loads back exactly."""
+    copier = integrity.RawCopier()
+    big = _raw_state()
+    big["model"]["w"] = torch.randn(300, 7)
+    copier.save(big, str(tmp_path))
+    data = tmp_path / integrity.RAW_FILE
+    inode, size = data.stat().st_ino, data.stat().st_size
+    for name in os.listdir(tmp_path):  # what LocalTier.prepare leaves of a spare: the data file alone
+        if name != integrity.RAW_FILE:
+            os.remove(tmp_path / name)
+    small = _raw_state()
+    copier.save(small, str(tmp_path))
+    assert data.stat().st_ino == inode and data.stat().st_size < size
+    out = _zeros_like(small)
+    _raw_load(tmp_path, out)
+    assert all(torch.equal(out["model"][k], v) for k, v in small["model"].items())
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_local_tier_writes_each_copy_into_the_retired_ones_data_file(tmp_path):
+    """Retention retires the copy older than the newest two as the rank's spare (uncommitted
+    first), and the next copy is written into its data file: the same inode, never listed as a
+    copy, and every kept copy loads back as its own state."""
+    from elastic_trainer.checkpoint.local_tier import LocalTier
+
+    tier = LocalTier(str(tmp_path / "local"), str(tmp_path / "ckpt"), rank=0, world_size=1, key=None)
+    copier, inodes, states = integrity.RawCopier(), {}, {}
+    for step in (1, 2, 3, 4):
+        sd = _raw_state()
+        sd["model"]["w"] += step
+        d = tier.prepare("e1", step)
+        copier.save(sd, d)
+        tier.commit("e1", step, mesh_shape=[1], fingerprint="f", torch_version="t", extra={"remote_chain": [""]})
+        inodes[step], states[step] = os.stat(os.path.join(d, integrity.RAW_FILE)).st_ino, sd
+    assert inodes[4] == inodes[1] and len({inodes[1], inodes[2], inodes[3]}) == 3
+    copies, _ = tier.usable("e1", min_step=0, remote=None, mesh_shape=[1], fingerprint="f")
+    assert [c.step for c in copies] == [4, 3]
+    spare = os.listdir(os.path.join(tier.root, "e1", ".spare-rank-0-of-1"))
+    assert spare and "manifest.json" not in spare  # step 2's, retired after 4 committed
+    for c in copies:
+        out = _zeros_like(states[c.step])
+        _raw_load(Path(c.path), out)
+        assert all(torch.equal(out["model"][k], v) for k, v in states[c.step]["model"].items()), c.step
+    tier.drop_epoch("e1")
+    assert os.listdir(os.path.join(tier.root, "e1")) == []
