@@ -33,6 +33,7 @@ SMOKE: dict[str, list[str]] = {
     "recovery.py": ["--smoke"],
     "run_recovery.py": ["--smoke"],
     "s3_throughput.py": ["--smoke"],
+    "shm_rewrite.py": ["--smoke"],
     "save_gil.py": ["--smoke"],
     "step_phases.py": ["--smoke"],
     "throughput.py": ["--smoke"],
