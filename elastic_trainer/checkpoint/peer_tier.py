@@ -417,7 +417,7 @@ class PeerTier:
         reader: _SourcesReader | None = None
         try:
             reader = _SourcesReader(share, rank, self.tier.root, sources, self.job, self.key, epoch, step, world)
-            own: dict[int, bytes | str] | str = reader.metadata_of(range(rank, world, agreement.world_size))
+            own: dict[int, bytes | tuple[str, str]] | str = reader.metadata_of(range(rank, world, agreement.world_size))
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must reach the gather
             own = compat.one_line(e, 2000)
         gathered = agreement.gather(own)  # each source's .metadata read once in the job, not once per node
