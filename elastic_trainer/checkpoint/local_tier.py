@@ -173,9 +173,10 @@ class LocalTier:
         return sorted((int(m.group(1)) for n in names if (m := _STEP_RE.match(n))), reverse=True)
 
     def _retain(self, epoch: str, newest: int) -> None:
-        """Keep this rank's KEEP newest committed copies (``newest`` among them); remove older
-        copies and attempts older than ``newest`` that never committed, and, once KEEP are
-        committed, the copies of another world size older than them (from before a reshard)."""
+        """Keep this rank's KEEP newest committed copies (``newest`` among them); retire older
+        copies (:meth:`_retire`), remove attempts older than ``newest`` that never committed, and,
+        once KEEP are committed, the copies of another world size older than them and that world
+        size's spares (from before a reshard)."""
         kept = 0
         for step in self._steps(epoch):
             d = self.rank_dir(epoch, step)
@@ -187,11 +188,12 @@ class LocalTier:
                 continue
             if kept == KEEP:
                 self._drop_other_worlds(epoch, step)
-                self._drop_other_spares(epoch)
             if committed:
                 self._retire(epoch, d)
             else:
                 _remove(d)
+        if kept == KEEP:
+            self._drop_other_spares(epoch)
 
     # ------------------------------------------------------------------ loading
     def usable(

@@ -500,7 +500,6 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
         self._sources = sources
         self._where = (job, key, epoch, step, world)
         self._clients: dict[str, Client] = {}
-        self.from_holders = False  # read a file another node's holder served (this rank or its node fetched it)
         for src in range(world):
             d = os.path.join(work, f"r{src}")
             if sources[src][0] == DISK:
@@ -509,6 +508,12 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
                 os.makedirs(os.path.join(share, f"r{src}"), exist_ok=True)
                 os.symlink(os.path.join(share, f"r{src}"), d)
         super().__init__(work)
+
+    @property
+    def from_holders(self) -> bool:
+        """Whether this rank read bytes another node's holder served: at least a source's
+        ``.metadata``, which every rank merges."""
+        return any(location != DISK for location, _ in self._sources.values())
 
     def metadata_of(self, srcs: Iterable[int]) -> dict[int, bytes | tuple[str, str]]:
         """The verified ``.metadata`` of each source in ``srcs`` (this rank's share of them), or
@@ -546,7 +551,6 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
             items.update({(f"r{src}/{f}", off): v for (f, off), v in checks.items.items()})
             merged = _merge(merged, pickle.loads(data), src)  # noqa: S301 - verified against the signed manifest
         _check_coverage(merged)
-        self.from_holders |= any(location != DISK for location, _ in self._sources.values())  # its metadata, at least
         self._items = merged.storage_data
         data = pickle.dumps(merged)
         with open(os.path.join(self._work, layout.METADATA), "wb") as f:
@@ -564,7 +568,6 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
         want = (manifest.get("files") or {}).get(name)
         if location == DISK or not isinstance(want, dict):
             raise _source_error(src, f"{name} is missing")
-        self.from_holders = True
         with _locked(path):  # through the link: one lock per file and node
             if os.path.exists(path):
                 return  # fetched and verified by this node's first rank to need it
