@@ -8,6 +8,7 @@ built with its collaborators: the restart ledger, liveness, warm start and the j
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -141,7 +142,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
     os.makedirs(cfg.run.dir, exist_ok=True)
     events = EventLog(os.path.join(cfg.run.dir, contract.EVENTS_FILE))
     marker = os.path.join(cfg.run.dir, contract.PREEMPT_MARKER)
-    if os.path.exists(marker):
+    with contextlib.suppress(FileNotFoundError):  # a run.dir shared by the nodes: another may remove it first
         os.remove(marker)
     os.environ[contract.CONFIG_ENV] = cfg.to_json()
     os.environ[contract.SUPERVISOR_PID_ENV] = str(os.getpid())

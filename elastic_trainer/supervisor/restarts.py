@@ -6,6 +6,7 @@ and never touches torch's agent: the agent hands it torch's restart count and ap
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -89,8 +90,9 @@ class RestartLedger:
         the agent then adds it to torch's ``remaining`` count."""
         if restart.failed and self._commits is not None:
             self._commits.note()  # the baseline: read once the failed generation is stopped
-        if self._marker and os.path.exists(self._marker):
-            os.remove(self._marker)  # written by the incarnation just replaced
+        if self._marker:  # written by the incarnation just replaced; a shared run.dir: any node's
+            with contextlib.suppress(FileNotFoundError):  # another node's supervisor may remove it first
+                os.remove(self._marker)
         refund = False
         if nodes[1] != nodes[0]:
             refund = policy.refund_restart(failed=restart.failed, nodes_before=nodes[0], nodes_after=nodes[1])

@@ -375,9 +375,12 @@ def _handler_class(zygote: Zygote, on_fallback):
             try:
                 super().close(death_sig)
             except ProcessLookupError:
-                # The zygote reaps a worker the moment it exits, so a group whose members all
-                # exited is gone (a Popen child stays a zombie, and its group, until waited
-                # for): there is nothing left to signal. torch's close would raise here.
+                # No process group: the zygote reaps a worker the moment it exits, so a group
+                # whose members all exited is gone (a Popen child stays a zombie, and its group,
+                # until waited for); or the worker was forked a moment ago and has not made its
+                # own group yet (the zygote blocks the signal until it can act on it). Signal the
+                # worker itself unless the zygote reported its exit. torch's close would raise.
+                self.proc.send_signal(death_sig or signal.SIGTERM)
                 for f in (self._stdout, self._stderr):
                     if f:
                         f.close()

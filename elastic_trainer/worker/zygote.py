@@ -156,8 +156,13 @@ def _send(sock: socket.socket, msg: dict) -> None:
     sock.send(json.dumps(msg).encode())
 
 
-def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int) -> None:
-    """In the forked child: become ``python -u -m MODULE`` with the request's env; never returns."""
+def _forwarded() -> set[signal.Signals]:
+    return {getattr(signal, name) for name in contract.FORWARDED_SIGNALS}
+
+
+def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int, mask) -> None:
+    """In the forked child: become ``python -u -m MODULE`` with the request's env; never returns.
+    ``mask``: the signal mask to restore once the forwarded signals have their default actions."""
     code = 1
     try:
         os.setsid()  # like torch's SubprocessHandler (start_new_session): the agent signals the group
@@ -168,6 +173,7 @@ def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int) -
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for name in contract.FORWARDED_SIGNALS:  # a fresh interpreter's dispositions
             signal.signal(getattr(signal, name), signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a signal sent since the fork acts now
         for fd in keep_closed:
             os.close(fd)
         for name, fd in zip(req.get("fds", []), fds, strict=True):
@@ -280,9 +286,13 @@ def serve(sock: socket.socket) -> int:
                 continue
             sys.stdout.flush()
             sys.stderr.flush()
+            # Signalled before it resets the zygote's dispositions (ignore), the child would lose
+            # the signal: blocked, it stays pending until the child can act on it.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, _forwarded())
             pid = os.fork()
             if pid == 0:
-                _child(req, fds, [sock.fileno(), wake_r, wake_w], zygote_pid)
+                _child(req, fds, [sock.fileno(), wake_r, wake_w], zygote_pid, mask)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             for fd in fds:
                 os.close(fd)
             _send(sock, {"id": req.get("id"), "pid": pid})

@@ -4,6 +4,7 @@ their own (no agent, no rendezvous): a fake clock, a recorded sleep, torch's Pro
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -131,6 +132,28 @@ def test_the_replaced_incarnation_s_marker_is_removed(journal, tmp_path):
     restart(ledger, clock)
     assert not marker.exists() and not ledger.workers_ending()
     restart(ledger, clock)  # none left: nothing to do
+
+
+def test_a_marker_another_node_removed_first_does_not_stop_the_restart(journal, tmp_path, monkeypatch):
+    """Nodes that share run.dir share the marker, and every node's supervisor removes it when its
+    workers restart: another node's may remove it between this one's look and its remove. Seen in
+    the namespace cluster: the agent's loop died there, after starting the workers it then could
+    not stop."""
+    marker = tmp_path / "preempted.json"
+    marker.write_text("{}")
+    clock = Clock()
+    ledger = RestartLedger(journal, marker=str(marker), clock=clock, sleep=clock.sleep)
+    remove = os.remove
+
+    def other_node_first(path, *args, **kwargs):
+        if os.path.exists(path) and str(path) == str(marker):
+            remove(path)  # the other node's supervisor
+        return remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", other_node_first)
+    restart(ledger, clock, failed=False, nodes=(1, 2))
+    assert not marker.exists()
+    assert [(e["from_nodes"], e["to_nodes"]) for e in events(journal, "membership_change")] == [(1, 2)]
 
 
 @pytest.mark.parametrize(

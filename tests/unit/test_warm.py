@@ -456,3 +456,43 @@ def test_a_zygote_that_preloads_the_s3_filesystem_stays_single_threaded():
         assert info["threads"] == 1 and not info.get("missing"), info
     finally:
         z.close()
+
+
+def _handler(zygote, tmp_path, *args: str):
+    cls = warm._handler_class(zygote, lambda reason: None)
+    return cls(
+        entrypoint=sys.executable,
+        args=("-u", "-m", "warm_child", *args),
+        env={"PATH": os.environ["PATH"]},
+        stdout=str(tmp_path / "out"),
+        stderr=str(tmp_path / "err"),
+        local_rank_id=0,
+        numa_options=None,
+    )
+
+
+def test_a_worker_stopped_the_moment_it_is_forked_stops(zygote, tmp_path):
+    """The agent may stop a group right after starting it (its loop failed there): the worker
+    has not made its own process group yet (killpg: ESRCH) or still has the zygote's ignored
+    dispositions. Each worker must still act on the signal, not train on unsignalled. Seen in the
+    namespace cluster: a worker kept training after its supervisor stopped it."""
+    zygote.wait_ready()
+    for _ in range(20):
+        h = _handler(zygote, tmp_path, "0", "sleep")
+        h.close(signal.SIGTERM)  # at once, as torch's _close after a failed restart
+        assert h.proc.wait(30) == -signal.SIGTERM
+
+
+def test_closing_the_handler_of_a_worker_without_its_own_group_signals_the_worker(zygote, tmp_path):
+    """killpg finds no group (ESRCH) while the worker itself runs: the signal goes to the worker."""
+    zygote.wait_ready()
+    h = _handler(zygote, tmp_path, "0")
+    assert h.proc.wait(30) == 0
+    h.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # in this process's group
+    try:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(h.proc.pid, signal.SIGTERM)
+        h.close(signal.SIGTERM)
+        assert h.proc.wait(30) == -signal.SIGTERM
+    finally:
+        h.proc.kill()
