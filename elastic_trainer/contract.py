@@ -15,7 +15,9 @@ Pure data and pure functions; imports nothing of the package.
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -104,9 +106,16 @@ EVENTS_FILE = "events.jsonl"  # run.dir: the event log (rank 0 and the superviso
 PREEMPT_MARKER = "PREEMPTED"
 PREEMPT_MARKER_FIELDS = ("step", "exit_code", "committed_step", "restartable")  # its JSON object
 RESOLVED_CONFIG_FILE = "config.json"  # run.dir: the resolved config of the last start (rank 0)
-RUNTIME_DIR = ".runtime"  # run.dir/.runtime/<supervisor pid>/: the supervisor's per-launch files
+RUNTIME_DIR = ".runtime"  # run.dir/.runtime/<host>-<supervisor pid>/: the supervisor's per-launch files
 TIMER_FILE = "watchdog.timer"  # in the runtime directory: the hang watchdog's pipe (TIMER_FILE_ENV)
 EVENTS_MIRROR_DIR = "_events"  # checkpoint root: each supervisor's mirrored event log segments
+
+
+def runtime_dir(run_dir: str, pid: int | None = None) -> str:
+    """A supervisor's per-launch directory in ``run_dir`` (``pid``: the supervisor's, default this
+    process). Named by host and pid: nodes that share run.dir have their own pid spaces."""
+    return os.path.join(run_dir, RUNTIME_DIR, f"{socket.gethostname()}-{pid or os.getpid()}")
+
 
 # ---------------------------------------------------------------------------------------------
 # The warm-start zygote's protocol (supervisor/warm.py ↔ worker/zygote.py): one JSON object per

@@ -256,8 +256,8 @@ def _torch_version() -> str:
 
 
 def multiproc_dir(cfg: Config, pid: int | None = None) -> str:
-    """This supervisor's metrics directory: ``<run.dir>/.runtime/<pid>/prometheus``."""
-    return os.path.abspath(os.path.join(cfg.run.dir, contract.RUNTIME_DIR, str(pid or os.getpid()), "prometheus"))
+    """This supervisor's metrics directory: ``prometheus`` in its runtime directory."""
+    return os.path.abspath(os.path.join(contract.runtime_dir(cfg.run.dir, pid), "prometheus"))
 
 
 def start_supervisor_exporter(cfg: Config, *, serve: bool = True) -> SupervisorExporter:

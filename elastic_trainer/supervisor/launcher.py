@@ -341,6 +341,6 @@ def _check_store(config, timeout_seconds: float = 60.0) -> None:
 
 
 def _runtime_dir(cfg: Config) -> str:
-    d = os.path.join(cfg.run.dir, contract.RUNTIME_DIR, str(os.getpid()))
+    d = contract.runtime_dir(cfg.run.dir)
     os.makedirs(d, exist_ok=True)
     return d

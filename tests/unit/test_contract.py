@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import signal
 from pathlib import Path
@@ -256,7 +257,14 @@ def test_every_contract_name_is_used_by_the_package():
         "PREEMPT_MARKER_FIELDS",
         "EVENT_NAMES",
     }  # checked here
-    unused = sorted(set(constants) - docs_only - _contract_refs())
+    own = {  # read by the contract's own functions (e.g. runtime_dir), which the package calls
+        n.id
+        for f in ast.parse(Path(contract.__file__).read_text()).body
+        if isinstance(f, ast.FunctionDef) and f.name in _contract_refs()
+        for n in ast.walk(f)
+        if isinstance(n, ast.Name)
+    }
+    unused = sorted(set(constants) - docs_only - _contract_refs() - own)
     assert unused == []
 
 
@@ -445,3 +453,23 @@ def test_every_variable_the_documents_name_is_in_the_contract_or_read_by_the_scr
     harness = {n for p in scripts for n in token.findall(p.read_text(errors="replace"))}
     unknown = sorted(named - {v.name for v in contract.ENV_VARS} - harness)
     assert unknown == [], f"documents name variables nothing reads: {unknown}"
+
+
+def test_nodes_that_share_run_dir_get_their_own_runtime_directories(monkeypatch, tmp_path):
+    """run.dir may be one directory every node mounts, and nodes have their own pid spaces (a
+    container's supervisor is often pid 1): the metrics directory, wiped at each launch, and the
+    watchdog's pipe must not be another node's."""
+    import socket
+
+    from elastic_trainer.config import Config, RunConfig
+    from elastic_trainer.metrics.prometheus import multiproc_dir
+
+    dirs = set()
+    for host in ("node-a", "node-b"):
+        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
+        d = contract.runtime_dir(str(tmp_path), pid=1)
+        assert d.startswith(str(tmp_path / contract.RUNTIME_DIR))
+        dirs.add(d)
+    assert len(dirs) == 2
+    cfg = Config(run=RunConfig(dir=str(tmp_path)))
+    assert multiproc_dir(cfg) == str(tmp_path / contract.RUNTIME_DIR / f"node-b-{os.getpid()}" / "prometheus")
