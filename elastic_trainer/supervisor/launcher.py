@@ -9,7 +9,6 @@ built with its collaborators: the restart ledger, liveness, warm start and the j
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -21,7 +20,7 @@ from ..metrics.sink import MetricsSink, NullSink
 from . import options, policy, round_poll
 from .journal import Journal
 from .liveness import NodeLiveness
-from .restarts import RestartLedger
+from .restarts import RestartLedger, read_marker
 from .warm import WarmStart
 
 logger = logging.getLogger(__name__)
@@ -205,10 +204,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
             zygote.close()
         if holder is not None:
             holder.close()
-    preempt = None
-    if os.path.exists(marker):
-        with open(marker) as f:
-            preempt = json.load(f)
+    preempt = read_marker(marker)
     code = policy.launch_exit_code(
         failed=failed, signalled=signalled, preempt_marker=preempt, worker_exit_codes=worker_codes
     )

@@ -119,8 +119,14 @@ class RestartLedger:
 
     def _read_marker(self) -> dict | None:
         """This node's marker (how its workers are ending; its first worker writes it), or None."""
-        try:
-            with open(self._marker) as f:
-                return json.load(f)
-        except (TypeError, OSError, ValueError):
-            return None
+        return read_marker(self._marker)
+
+
+def read_marker(path: str | None) -> dict | None:
+    """The marker at ``path`` (written atomically), or None: none there, or another node's
+    supervisor removed it a moment ago (a run.dir shared by the nodes)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (TypeError, OSError, ValueError):
+        return None

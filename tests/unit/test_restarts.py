@@ -13,7 +13,7 @@ from elastic_trainer import exit_codes
 from elastic_trainer.events import EventLog, read_events
 from elastic_trainer.metrics.sink import RecordingSink
 from elastic_trainer.supervisor.journal import Journal
-from elastic_trainer.supervisor.restarts import RestartLedger
+from elastic_trainer.supervisor.restarts import RestartLedger, read_marker
 
 
 class Clock:
@@ -154,6 +154,17 @@ def test_a_marker_another_node_removed_first_does_not_stop_the_restart(journal, 
     restart(ledger, clock, failed=False, nodes=(1, 2))
     assert not marker.exists()
     assert [(e["from_nodes"], e["to_nodes"]) for e in events(journal, "membership_change")] == [(1, 2)]
+
+
+def test_a_marker_gone_or_unreadable_reads_as_none(tmp_path):
+    """The supervisor reads the marker at exit; on a shared run.dir another node may have removed
+    it since (no crash: the workers' own exit codes decide then)."""
+    path = tmp_path / "PREEMPTED"
+    assert read_marker(str(path)) is None and read_marker(None) is None
+    path.write_text('{"exit_code": 75')
+    assert read_marker(str(path)) is None
+    path.write_text('{"exit_code": 75}')
+    assert read_marker(str(path)) == {"exit_code": 75}
 
 
 @pytest.mark.parametrize(
