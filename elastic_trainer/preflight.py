@@ -36,12 +36,13 @@ def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 
 def check_storage(cfg: Config) -> tuple[Catalog, ResumePlan | None]:
     """What ``launch`` and ``run`` check before any worker starts, without the training code:
-    ``checkpoint.dir`` reachable with the credentials at hand and writable, ``checkpoint.local_dir``
-    writable, and what a resume would load: the newest commit of the lineage verifies (sealed
+    ``run.dir`` writable, ``checkpoint.dir`` reachable with the credentials at hand and writable,
+    ``checkpoint.local_dir`` writable, and what a resume would load: the newest commit of the lineage verifies (sealed
     manifest, every file at its size), its format is one this version reads, and commits that
     exist are not all unusable. Returns the catalog and the resume plan (None for
     ``checkpoint.resume = "none"``). Raises ConfigError naming the key, or CheckpointStopError."""
     c = cfg.checkpoint
+    _check_writable_dir("run.dir", cfg.run.dir)
     try:
         storage = Storage.for_checkpoint(c)
         storage.check_access()
@@ -51,7 +52,7 @@ def check_storage(cfg: Config) -> tuple[Catalog, ResumePlan | None]:
     except Exception as e:  # noqa: BLE001 - e.g. credentials or endpoint errors from the client
         raise ConfigError("checkpoint.dir", f"cannot access {c.dir}: {type(e).__name__}: {e}") from None
     if c.local_dir:
-        _check_local_dir(c.local_dir)
+        _check_writable_dir("checkpoint.local_dir", c.local_dir)
     catalog = Catalog(storage)
     if c.resume == "none":
         return catalog, None
@@ -90,14 +91,14 @@ def preflight(cfg: Config) -> int | None:
     return plan.chosen.step
 
 
-def _check_local_dir(path: str) -> None:
-    """checkpoint.local_dir must be a writable directory on this node (created if absent)."""
+def _check_writable_dir(key: str, path: str) -> None:
+    """``key``'s ``path`` must be a writable directory on this node (created if absent)."""
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
     except OSError as e:
-        raise ConfigError("checkpoint.local_dir", f"cannot write to {path}: {e.strerror or e}") from None
+        raise ConfigError(key, f"cannot write to {path}: {e.strerror or e}") from None
 
 
 def _check_data_view(cfg: Config, catalog: Catalog, chosen) -> None:

@@ -173,3 +173,18 @@ def test_preflight_refuses_a_local_dir_it_cannot_write(tmp_path):
     assert e.value.key == "checkpoint.local_dir" and str(blocker) in str(e.value)
     ok = config_from_dict({"checkpoint": {"dir": str(tmp_path / "ckpt"), "local_dir": str(tmp_path / "local")}})
     assert preflight(ok) is None and (tmp_path / "local").is_dir()
+
+
+def test_launch_and_run_refuse_a_run_dir_they_cannot_write_before_any_worker_starts(tmp_path):
+    """run.dir holds the event log and the preemption marker: one that cannot be a directory is
+    named with exit 2 before anything starts (was a traceback from the supervisor)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    sets = ["--set", f"run.dir={blocker / 'run'}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    for args in (
+        ["launch", "configs/demo-cpu.toml", *sets],
+        ["run", "--config", "configs/demo-cpu.toml", *sets, str(tmp_path / "train.py")],
+    ):
+        r = _cli(*args)
+        assert r.returncode == 2, (args, r.stderr[-2000:])
+        assert "run.dir" in r.stderr and "cannot write to" in r.stderr and "Traceback" not in r.stderr, r.stderr
