@@ -6,11 +6,16 @@ written with a single ``write`` on a file opened in append mode, so concurrent w
 (supervisor and rank 0, or a background commit thread) never interleave within a line.
 Every record carries ``event`` and ``time`` (unix seconds); the events, their fields and their
 meaning are catalogued in :data:`elastic_trainer.contract.EVENTS`.
+
+The log is a record, not a dependency: a write that fails (run.dir's disk full, its mount gone)
+drops the record with one warning, and training goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -18,6 +23,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import contract
+
+logger = logging.getLogger(__name__)
 
 
 class EventLog:
@@ -29,6 +36,7 @@ class EventLog:
         self.path = path
         self.enabled = enabled and path is not None
         self._lock = threading.Lock()
+        self.dropped = 0  # records not written since the last one that was
         if self.enabled:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
@@ -41,12 +49,45 @@ class EventLog:
         if self.enabled:
             line = json.dumps(record, sort_keys=False, default=str) + "\n"
             with self._lock:
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 try:
-                    os.write(fd, line.encode())
-                finally:
-                    os.close(fd)
+                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                    try:
+                        os.write(fd, line.encode())
+                    finally:
+                        os.close(fd)
+                except OSError as e:
+                    if not self.dropped:
+                        logger.warning(
+                            "event log %s not written (%s): training goes on, events are dropped until it can be",
+                            self.path,
+                            e.strerror or e,
+                        )
+                    self.dropped += 1
+                else:
+                    if self.dropped:
+                        logger.warning("event log %s written again; %d event(s) dropped", self.path, self.dropped)
+                        self.dropped = 0
         return record
+
+
+def write_record(path: str, obj: dict[str, Any], what: str) -> bool:
+    """Write ``obj`` as JSON to ``path`` in run.dir atomically (a temporary file beside it, named
+    by host and pid: run.dir may be shared by the nodes, then renamed over it). Best effort, like
+    the event log: a failure leaves no temporary file, warns naming ``what``, returns False."""
+    import socket
+
+    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+        return True
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        logger.warning("%s not written to %s (%s)", what, path, e.strerror or e)
+        return False
 
 
 def read_events(path: str, tail_bytes: int | None = None) -> Iterator[dict[str, Any]]:

@@ -177,7 +177,8 @@ def closing_summary(
         return None
     events = list(read_events(path))
     starts = [i for i, e in enumerate(events) if e.get("event") == "launch" and (pid is None or e.get("pid") == pid)]
-    s = summarize(events[starts[-1] :] if starts else events)
+    mine = events[starts[-1] :] if starts else events
+    s = summarize(mine)
     g = s["goodput"]
     goodput = f"goodput {100 * g['goodput']:.0f}%" if g["goodput"] is not None else "no steps"
     ending, detail = _ENDINGS.get(exit_code, (f"ended with exit code {exit_code}", ""))
@@ -202,7 +203,15 @@ def closing_summary(
             f"restarts, goodput -> {os.path.join(run_dir, 'report.png')})",
             again,
         ]
+        # The launcher records its exit just before this: without it the log missed records.
+        + ([] if any(e.get("event") == "supervisor_exit" for e in mine) else [INCOMPLETE_LOG])
     )
+
+
+INCOMPLETE_LOG = (
+    "  note:        the event log in run.dir is incomplete (it could not be written: disk full?); "
+    "the steps and goodput above cover what it holds"
+)
 
 
 def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):

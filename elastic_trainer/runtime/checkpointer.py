@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import os
-import socket
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -43,6 +42,7 @@ from ..checkpoint.state import (
 )
 from ..config import TrainConfig, check_run_identity
 from ..errors import ConfigError
+from ..events import write_record
 from ..storage.fs import Storage
 from .loop import Accumulator, StepData
 from .session import Session
@@ -649,11 +649,8 @@ class Checkpointer:
                     "restartable": self._restartable,
                 }
                 path = os.path.join(s.cfg.run.dir, contract.PREEMPT_MARKER)
-                os.makedirs(s.cfg.run.dir, exist_ok=True)
-                tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump(marker, f)
-                os.replace(tmp, path)
+                # Not written (run.dir full): the supervisor goes by the workers' exit codes.
+                write_record(path, marker, f"the marker of exit code {code}")
             if not self._restartable:  # no rank exits before the marker that tells the supervisor not to restart
                 self.manager.agreement.all_true(True)
         self.manager.close(finished=code == exit_codes.OK)

@@ -19,7 +19,7 @@ import torch
 
 from .. import contract, exit_codes, log
 from ..config import Config, check_world_size, config_from_dict
-from ..events import EventLog
+from ..events import EventLog, write_record
 
 logger = logging.getLogger("elastic_trainer.worker")
 
@@ -134,11 +134,7 @@ def build_and_train(cfg: Config, t_start: float) -> int:
 def _write_resolved_config(cfg: Config) -> str:
     """``run.dir/config.json``: the resolved config of this start (rank 0), for the record."""
     path = os.path.join(cfg.run.dir, contract.RESOLVED_CONFIG_FILE)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(cfg.to_dict(), f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-    return path
+    return path if write_record(path, cfg.to_dict(), "the resolved config") else "no file: run.dir not writable"
 
 
 def die_with_supervisor() -> None:

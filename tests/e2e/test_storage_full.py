@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from elastic_trainer import report
 from tests import runs
 
 
@@ -93,3 +94,29 @@ def test_two_nodes_with_their_own_run_dirs_both_end_74_at_once_on_a_full_disk(tm
         assert stopped["exit_code"] == 74, stopped
     (fin,) = runs.read_events(tmp_path / "a", "final_checkpoint_failed")
     assert fin["restartable"] is False and "No space left on device" in fin["reason"], fin
+
+
+def test_a_full_run_dir_drops_events_and_training_goes_on_to_its_final_commit(tmp_path, token_file):
+    """``run.dir`` (event log, resolved config, marker) on a tiny tmpfs that fills after a few
+    steps: the event log is a record, not a dependency. The job trains to the end and commits
+    its final step in ``checkpoint.dir`` (exit 0; was: rank 0 and then the supervisor died on
+    ENOSPC, the job failed), one warning per process names the log, and the closing summary says
+    the log is incomplete instead of presenting its last step as the end."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare: a mount namespace with a small file system for run.dir")
+    run = tmp_path / "run"
+    run.mkdir()
+    ckpt = tmp_path / "ckpt"
+    steps = 40
+    cfg = runs.write_config(tmp_path / "c.toml", token_file, run, str(ckpt), train={"steps": steps})
+    r = runs.run_launch(cfg, "--nproc-per-node", "2", tmpfs=(str(run), "12k"))
+    text = cfg.with_suffix(".log").read_text()
+    assert r.returncode == 0, text[-4000:]
+    assert "No space left on device" in text and "events are dropped" in text, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    assert report.INCOMPLETE_LOG in text
+    listing = subprocess.run(
+        [*runs.CLI, "ckpt", "list", str(ckpt)], capture_output=True, text=True, timeout=120, env=runs.env_for_tests()
+    )
+    head = [line.split() for line in listing.stdout.splitlines() if " head " in f" {line} "]
+    assert head and int(head[0][0]) == steps, listing.stdout

@@ -340,6 +340,7 @@ def test_a_commit_recorded_mid_step_charges_only_the_steps_slowdown():
 def test_closing_summary_covers_this_launch_only(tmp_path):
     older = Log().at(0, "launch", pid=1).steps(1, 6).at(0.1, "checkpoint_committed", step=5, bytes=1, seconds=0.1)
     mine = Log().at(0, "launch", pid=2).steps(6, 9).at(0.1, "checkpoint_committed", step=8, bytes=1, seconds=0.1)
+    mine.at(0.1, "supervisor_exit", exit_code=75, preempted=None, signalled=True)
     run = _write(tmp_path, older.events + mine.events)
     text = report.closing_summary(
         str(run), "s3://b/ckpt", 20, 75, "elastic-trainer", ["c.toml", "--set", "train.steps=20"], pid=2
@@ -368,3 +369,34 @@ def test_closing_summary_covers_this_launch_only(tmp_path):
         == "  train longer: .venv/bin/elastic-trainer launch c.toml --set train.steps=N   (continues from step 8)"
     )
     assert report.closing_summary(str(tmp_path / "elsewhere"), "ck", 8, 0, "elastic-trainer", [], pid=2) is None
+
+
+def test_closing_summary_says_when_the_event_log_missed_records(tmp_path):
+    """run.dir full: the event log drops records and training goes on; the summary must not
+    present the steps it holds as the whole launch."""
+    log = Log().at(0, "launch", pid=2).steps(1, 4)  # no supervisor_exit: the writes failed from step 5 on
+    run = _write(tmp_path, log.events)
+    text = report.closing_summary(str(run), "ck", 9, 0, "elastic-trainer", [], pid=2)
+    assert text.splitlines()[-1] == report.INCOMPLETE_LOG and "finished at step 4/9" in text
+
+
+def test_an_event_log_that_cannot_be_written_drops_records_warns_once_and_recovers(tmp_path, caplog):
+    from elastic_trainer.events import EventLog, read_events, write_record
+
+    path = tmp_path / "events.jsonl"
+    path.mkdir()  # any write fails (as on a full disk): EISDIR
+    log = EventLog(str(path))
+    with caplog.at_level("WARNING", logger="elastic_trainer.events"):
+        assert log.emit("finished", step=1, tokens_seen=0, last_committed_step=None)["step"] == 1
+        log.emit("finished", step=2, tokens_seen=0, last_committed_step=None)
+        assert log.dropped == 2 and len(caplog.records) == 1 and str(path) in caplog.text
+        path.rmdir()
+        log.emit("finished", step=3, tokens_seen=0, last_committed_step=None)
+    assert log.dropped == 0 and "2 event(s) dropped" in caplog.records[-1].getMessage()
+    assert [r["step"] for r in read_events(str(path))] == [3]
+    marker = tmp_path / "blocked" / "PREEMPTED"
+    (tmp_path / "blocked").write_text("a file where run.dir should be")
+    assert write_record(str(marker), {"exit_code": 75}, "the marker") is False
+    assert write_record(str(tmp_path / "PREEMPTED"), {"exit_code": 75}, "the marker") is True
+    assert json.loads((tmp_path / "PREEMPTED").read_text()) == {"exit_code": 75}
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
