@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -111,10 +110,10 @@ TIMER_FILE = "watchdog.timer"  # in the runtime directory: the hang watchdog's p
 EVENTS_MIRROR_DIR = "_events"  # checkpoint root: each supervisor's mirrored event log segments
 
 
-def runtime_dir(run_dir: str, pid: int | None = None) -> str:
-    """A supervisor's per-launch directory in ``run_dir`` (``pid``: the supervisor's, default this
-    process). Named by host and pid: nodes that share run.dir have their own pid spaces."""
-    return os.path.join(run_dir, RUNTIME_DIR, f"{socket.gethostname()}-{pid or os.getpid()}")
+def runtime_dir(run_dir: str, host: str, pid: int) -> str:
+    """The per-launch directory in ``run_dir`` of the supervisor ``pid`` on ``host``: named by
+    both, as nodes that share run.dir have their own pid spaces."""
+    return os.path.join(run_dir, RUNTIME_DIR, f"{host}-{pid}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -74,8 +75,6 @@ def write_record(path: str, obj: dict[str, Any], what: str) -> bool:
     """Write ``obj`` as JSON to ``path`` in run.dir atomically (a temporary file beside it, named
     by host and pid: run.dir may be shared by the nodes, then renamed over it). Best effort, like
     the event log: a failure leaves no temporary file, warns naming ``what``, returns False."""
-    import socket
-
     tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

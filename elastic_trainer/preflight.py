@@ -37,9 +37,9 @@ def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 def check_storage(cfg: Config) -> tuple[Catalog, ResumePlan | None]:
     """What ``launch`` and ``run`` check before any worker starts, without the training code:
     ``run.dir`` writable, ``checkpoint.dir`` reachable with the credentials at hand and writable,
-    ``checkpoint.local_dir`` writable, and what a resume would load: the newest commit of the lineage verifies (sealed
-    manifest, every file at its size), its format is one this version reads, and commits that
-    exist are not all unusable. Returns the catalog and the resume plan (None for
+    ``checkpoint.local_dir`` writable, and what a resume would load: the newest commit of the
+    lineage verifies (sealed manifest, every file at its size), its format is one this version
+    reads, and commits that exist are not all unusable. Returns the catalog and the resume plan (None for
     ``checkpoint.resume = "none"``). Raises ConfigError naming the key, or CheckpointStopError."""
     c = cfg.checkpoint
     _check_writable_dir("run.dir", cfg.run.dir)

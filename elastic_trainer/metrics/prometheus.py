@@ -22,6 +22,7 @@ import glob
 import logging
 import os
 import shutil
+import socket
 import threading
 
 import prometheus_client
@@ -255,9 +256,11 @@ def _torch_version() -> str:
         return "unknown"
 
 
-def multiproc_dir(cfg: Config, pid: int | None = None) -> str:
+def multiproc_dir(cfg: Config) -> str:
     """This supervisor's metrics directory: ``prometheus`` in its runtime directory."""
-    return os.path.abspath(os.path.join(contract.runtime_dir(cfg.run.dir, pid), "prometheus"))
+    return os.path.abspath(
+        os.path.join(contract.runtime_dir(cfg.run.dir, socket.gethostname(), os.getpid()), "prometheus")
+    )
 
 
 def start_supervisor_exporter(cfg: Config, *, serve: bool = True) -> SupervisorExporter:

@@ -8,9 +8,9 @@ built with its collaborators: the restart ledger, liveness, warm start and the j
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
+import socket
 import time
 
 from .. import contract, exit_codes
@@ -20,7 +20,7 @@ from ..metrics.sink import MetricsSink, NullSink
 from . import options, policy, round_poll
 from .journal import Journal
 from .liveness import NodeLiveness
-from .restarts import RestartLedger, read_marker
+from .restarts import RestartLedger, read_marker, remove_marker
 from .warm import WarmStart
 
 logger = logging.getLogger(__name__)
@@ -141,8 +141,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
     os.makedirs(cfg.run.dir, exist_ok=True)
     events = EventLog(os.path.join(cfg.run.dir, contract.EVENTS_FILE))
     marker = os.path.join(cfg.run.dir, contract.PREEMPT_MARKER)
-    with contextlib.suppress(FileNotFoundError):  # a run.dir shared by the nodes: another may remove it first
-        os.remove(marker)
+    remove_marker(marker)
     os.environ[contract.CONFIG_ENV] = cfg.to_json()
     os.environ[contract.SUPERVISOR_PID_ENV] = str(os.getpid())
     # Workers get a fresh store per rendezvous round instead of reusing keys of dead workers.
@@ -337,6 +336,6 @@ def _check_store(config, timeout_seconds: float = 60.0) -> None:
 
 
 def _runtime_dir(cfg: Config) -> str:
-    d = contract.runtime_dir(cfg.run.dir)
+    d = contract.runtime_dir(cfg.run.dir, socket.gethostname(), os.getpid())
     os.makedirs(d, exist_ok=True)
     return d

@@ -90,9 +90,7 @@ class RestartLedger:
         the agent then adds it to torch's ``remaining`` count."""
         if restart.failed and self._commits is not None:
             self._commits.note()  # the baseline: read once the failed generation is stopped
-        if self._marker:  # written by the incarnation just replaced; a shared run.dir: any node's
-            with contextlib.suppress(FileNotFoundError):  # another node's supervisor may remove it first
-                os.remove(self._marker)
+        remove_marker(self._marker)  # written by the incarnation just replaced
         refund = False
         if nodes[1] != nodes[0]:
             refund = policy.refund_restart(failed=restart.failed, nodes_before=nodes[0], nodes_after=nodes[1])
@@ -120,6 +118,14 @@ class RestartLedger:
     def _read_marker(self) -> dict | None:
         """This node's marker (how its workers are ending; its first worker writes it), or None."""
         return read_marker(self._marker)
+
+
+def remove_marker(path: str | None) -> None:
+    """Remove the marker at ``path`` if there is one; on a run.dir shared by the nodes another
+    node's supervisor may remove it first."""
+    if path:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def read_marker(path: str | None) -> dict | None:

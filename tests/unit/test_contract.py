@@ -464,12 +464,8 @@ def test_nodes_that_share_run_dir_get_their_own_runtime_directories(monkeypatch,
     from elastic_trainer.config import Config, RunConfig
     from elastic_trainer.metrics.prometheus import multiproc_dir
 
-    dirs = set()
-    for host in ("node-a", "node-b"):
-        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
-        d = contract.runtime_dir(str(tmp_path), pid=1)
-        assert d.startswith(str(tmp_path / contract.RUNTIME_DIR))
-        dirs.add(d)
-    assert len(dirs) == 2
+    dirs = {contract.runtime_dir(str(tmp_path), host, 1) for host in ("node-a", "node-b")}
+    assert len(dirs) == 2 and all(d.startswith(str(tmp_path / contract.RUNTIME_DIR)) for d in dirs)
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-b")
     cfg = Config(run=RunConfig(dir=str(tmp_path)))
     assert multiproc_dir(cfg) == str(tmp_path / contract.RUNTIME_DIR / f"node-b-{os.getpid()}" / "prometheus")
