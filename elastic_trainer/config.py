@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import tomllib
@@ -284,8 +285,9 @@ class ElasticConfig:
     # Multi-node rendezvous settings (torchrun's --rdzv-conf), used when an endpoint is given.
     # The default re-forms the group within seconds of a node loss or join (torch's defaults:
     # ~45 s). Run the store with 'elastic-trainer store' so that no node's loss stops the job
-    # (docs/elasticity.md); add is_host=false to require it.
-    rdzv_conf: str = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+    # (docs/elasticity.md); add is_host=false to require it. A node silent for longer than
+    # keep_alive_interval x keep_alive_max_attempt (2 s; a heartbeat every 0.25 s) is gone.
+    rdzv_conf: str = "last_call_timeout=1,keep_alive_interval=0.25,keep_alive_max_attempt=8"
     # How often a supervisor reads the rendezvous state: how soon a training node sees a node
     # waiting to join, and a waiting node sees its round complete (torch's own: 1 s).
     rdzv_poll_seconds: float = 0.2
@@ -610,6 +612,13 @@ _RDZV_OTHER_KEYS = (
 )
 
 
+def _positive_decimal(value: str) -> bool:
+    try:
+        return 0 < float(value) < math.inf
+    except ValueError:
+        return False
+
+
 def parse_rdzv_conf(value: str, key: str = "elastic.rdzv_conf") -> dict[str, str]:
     """``k=v,k=v`` → dict, checking names and value types torch's rendezvous handlers read."""
     out: dict[str, str] = {}
@@ -622,7 +631,9 @@ def parse_rdzv_conf(value: str, key: str = "elastic.rdzv_conf") -> dict[str, str
             key,
             f"unknown rendezvous setting {k!r} (known: {', '.join(_RDZV_INT_KEYS + _RDZV_OTHER_KEYS)})",
         )
-        if k in _RDZV_INT_KEYS:
+        if k == "keep_alive_interval":  # the supervisor sets it on torch's handler, which reads whole seconds
+            _require(_positive_decimal(v), key, f"{k} must be a positive number of seconds, got {v!r}")
+        elif k in _RDZV_INT_KEYS:
             _require(v.isdigit() and int(v) > 0, key, f"{k} must be a positive integer (seconds or count), got {v!r}")
         if k == "is_host":
             _require(

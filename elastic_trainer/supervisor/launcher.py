@@ -9,6 +9,7 @@ built with its collaborators: the restart ledger, liveness, warm start and the j
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -19,7 +20,7 @@ from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from . import options, policy, round_poll
 from .journal import Journal
-from .liveness import NodeLiveness
+from .liveness import NodeLiveness, set_keep_alive_interval
 from .restarts import RestartLedger, read_marker, remove_marker
 from .warm import WarmStart
 
@@ -71,6 +72,11 @@ def run_agent(
 
     if not config.run_id:
         config.run_id = "elastic-trainer"
+    # torch's handlers read whole seconds; a decimal keep-alive interval is set on the handler
+    keep_alive = config.rdzv_configs.get("keep_alive_interval")
+    rdzv_configs = dict(config.rdzv_configs)
+    if keep_alive is not None:
+        rdzv_configs["keep_alive_interval"] = str(math.ceil(float(keep_alive)))
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -78,7 +84,7 @@ def run_agent(
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
         local_addr=config.local_addr,
-        **config.rdzv_configs,
+        **rdzv_configs,
     )
     master_addr, master_port = master_address(params)
     os.environ[contract.SIGNALS_TO_HANDLE_ENV] = config.signals_to_handle
@@ -99,6 +105,8 @@ def run_agent(
         duplicate_stderr_filters=config.duplicate_stderr_filters,
         virtual_local_rank=config.virtual_local_rank,
     )
+    if keep_alive is not None:
+        set_keep_alive_interval(spec.rdzv_handler, float(keep_alive))
     if rdzv_poll_seconds is not None:
         round_poll.install(spec.rdzv_handler, rdzv_poll_seconds)
     journal = Journal(events, metrics or NullSink(), node_name())

@@ -21,7 +21,8 @@ Here each supervisor compares the group it joined with what torch's handler curr
 
 :func:`verdict` decides (pure, table-tested); :class:`NodeLiveness` is the supervised agent's
 collaborator that applies it (and runs the :class:`ContactWatch`). Every use of torch's private rendezvous state
-lives in :func:`membership`, :func:`last_contact` and :func:`bound_seconds`;
+lives in :func:`membership`, :func:`last_contact`, :func:`bound_seconds`, :func:`set_keep_alive_interval`
+and :func:`rejoin_of`;
 ``tests/unit/test_liveness.py`` fails loudly when torch changes it.
 """
 
@@ -33,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 from .journal import Journal
 
@@ -112,6 +114,39 @@ def bound_seconds(handler) -> float | None:
     if _holder(handler) is None or settings is None:
         return None
     return settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
+
+
+def set_keep_alive_interval(handler, seconds: float) -> None:
+    """Make ``handler`` heartbeat every ``seconds`` (torch's rendezvous parameters take whole
+    seconds only; its settings, shared by the handler, its state holder and its op executor, are
+    a frozen dataclass). Before the first rendezvous: the keep-alive timer starts with it.
+    Nothing for other handlers."""
+    settings = getattr(handler, "_settings", None)
+    if _holder(handler) is not None and settings is not None:
+        object.__setattr__(settings, "keep_alive_interval", timedelta(seconds=seconds))
+
+
+@contextlib.contextmanager
+def rejoin_of(handler, survivors: int) -> Iterator[None]:
+    """The rendezvous right after a verdict of peer loss, without torch's last call.
+
+    torch completes a round at ``max_nodes`` at once, or ``last_call_timeout`` after
+    ``min_nodes`` joined; after a loss the survivors are fewer than ``max_nodes``, so every loss
+    paid the last call although each survivor knows how many are left. Inside this block the
+    round completes as soon as ``survivors`` nodes joined; when fewer come, the last call ends
+    it as before, and a node that comes after it completed joins through the next round, as it
+    would after a last call. ``max_nodes`` is put back on exit. Nothing for other handlers, or
+    when ``survivors`` is outside ``[min_nodes, max_nodes)``."""
+    settings = getattr(handler, "_settings", None)
+    max_nodes = getattr(settings, "max_nodes", None)
+    if _holder(handler) is None or max_nodes is None or not settings.min_nodes <= survivors < max_nodes:
+        yield
+        return
+    object.__setattr__(settings, "max_nodes", survivors)
+    try:
+        yield
+    finally:
+        object.__setattr__(settings, "max_nodes", max_nodes)
 
 
 class ContactWatch:
@@ -205,10 +240,18 @@ class NodeLiveness:
 
     @contextlib.contextmanager
     def restarting(self, found: Verdict) -> Iterator[None]:
-        """While the agent restarts its workers for ``found``: :attr:`node_lost` is set."""
+        """While the agent restarts its workers for ``found``: :attr:`node_lost` is set. After a
+        peer loss the survivors re-form through :func:`rejoin_of` (this node isolated: who is
+        left is unknown, torch's rendezvous as it is)."""
         self.node_lost = found
+        joined = self._joined
+        lost = found.reason == PEER_LOST and joined is not None
+        rejoin = (
+            rejoin_of(self._handler, len(joined.participants) - len(found.lost)) if lost else contextlib.nullcontext()
+        )
         try:
-            yield
+            with rejoin:
+                yield
         finally:
             self.node_lost = None
 

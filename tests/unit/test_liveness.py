@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 
@@ -61,18 +62,18 @@ def test_not_a_dynamic_handler():
     )
 
 
-def _handler(store_port: int, run_id: str, interval: int = 1, attempts: int = 3):
+def _handler(store_port: int, run_id: str, interval: int = 1, attempts: int = 3, nodes=(1, 2), last_call: int = 1):
     from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
 
     params = RendezvousParameters(
         backend="c10d",
         endpoint=f"127.0.0.1:{store_port}",
         run_id=run_id,
-        min_nodes=1,
-        max_nodes=2,
+        min_nodes=nodes[0],
+        max_nodes=nodes[1],
         local_addr="127.0.0.1",
         is_host="false",
-        last_call_timeout="1",
+        last_call_timeout=str(last_call),
         keep_alive_interval=str(interval),
         keep_alive_max_attempt=str(attempts),
     )
@@ -119,6 +120,67 @@ def test_torch_private_rendezvous_state():
         del server
 
 
+def _in_threads(fns) -> list:
+    """Run ``fns`` at once, one thread each; their results (an exception is re-raised)."""
+    with ThreadPoolExecutor(len(fns)) as pool:
+        return [f.result(60) for f in [pool.submit(fn) for fn in fns]]
+
+
+def test_survivors_of_a_peer_loss_heartbeat_in_fractions_of_a_second_and_rejoin_without_the_last_call():
+    """Three real c10d handlers (2:3 nodes, a 10 s last call) heartbeating every 0.25 s
+    (``set_keep_alive_interval``; torch's parameters take whole seconds), bound 0.25 × 8 = 2 s.
+    One stops heartbeating: torch drops it within ~2 s, not the 8 s of its whole-second interval;
+    the two survivors re-form inside ``rejoin_of(handler, 2)`` well before the last call would
+    have ended the round, and ``max_nodes`` is back to 3 afterwards."""
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    hs = [_handler(server.port, "liveness-rejoin", attempts=8, nodes=(2, 3), last_call=10) for _ in range(3)]
+    try:
+        for h in hs:
+            liveness.set_keep_alive_interval(h, 0.25)
+            assert liveness.bound_seconds(h) == 2.0
+        _in_threads([h.next_rendezvous for h in hs])  # 3 = max_nodes: complete at once
+        joined = [liveness.membership(h) for h in hs[:2]]
+        assert all(len(m.participants) == 3 for m in joined), joined
+        stopped = time.monotonic()
+        hs[2]._stop_heartbeats()  # silent from now on
+        while any(len(liveness.membership(h).participants) == 3 for h in hs[:2]):
+            assert time.monotonic() - stopped < 6, "the silent node was not dropped within 6 s"
+            for h in hs[:2]:
+                h.num_nodes_waiting()  # a sync: torch's sanitize drops stale heartbeats
+            time.sleep(0.05)
+        dropped = time.monotonic() - stopped
+        found = [liveness.verdict(j, liveness.membership(h)) for j, h in zip(joined, hs[:2], strict=True)]
+        assert found[0] == Verdict(PEER_LOST, (repr(hs[2]._this_node),)), found
+
+        def rejoin(h):
+            t0 = time.monotonic()
+            with liveness.rejoin_of(h, 2):
+                assert h._settings.max_nodes == 2
+                info = h.next_rendezvous()
+            return time.monotonic() - t0, info.world_size
+
+        took = _in_threads([lambda h=h: rejoin(h) for h in hs[:2]])
+        assert [w for _, w in took] == [2, 2], took
+        assert max(s for s, _ in took) < 5, f"re-formed after {took} s: the last call (10 s) ended the round"
+        assert dropped < 4, f"dropped {dropped:.2f} s after its last heartbeat (bound 2 s)"
+        assert [h._settings.max_nodes for h in hs] == [3, 3, 3]
+    finally:
+        for h in hs:
+            h._stop_heartbeats()
+        del server
+
+
+def test_no_rejoin_shortcut_outside_min_and_max_nodes():
+    h = _fake_handler("a", {"a", "b", "c"})
+    for survivors in (1, 3, 4):  # below min_nodes (2), or no fewer than max_nodes (3)
+        with liveness.rejoin_of(h, survivors):
+            assert h._settings.max_nodes == 3
+    with liveness.rejoin_of(object(), 2):  # not torch's dynamic handler
+        pass
+
+
 # ---------------------------------------------------------------------- the agent's collaborator
 def _fake_handler(me: str, participants: set[str], bound_seconds: float = 0.2):
     """What liveness reads of torch's ``DynamicRendezvousHandler`` (pinned above on a real one)."""
@@ -128,7 +190,9 @@ def _fake_handler(me: str, participants: set[str], bound_seconds: float = 0.2):
     return SimpleNamespace(
         _this_node=me,
         _state_holder=SimpleNamespace(state=state, _last_sync_time=time.monotonic()),
-        _settings=SimpleNamespace(keep_alive_interval=timedelta(seconds=bound_seconds), keep_alive_max_attempt=1),
+        _settings=SimpleNamespace(
+            keep_alive_interval=timedelta(seconds=bound_seconds), keep_alive_max_attempt=1, min_nodes=2, max_nodes=3
+        ),
     )
 
 
@@ -173,6 +237,22 @@ def test_node_lost_is_set_only_while_the_group_restarts(journal):
         assert node.node_lost is found
         raise RuntimeError("the restart failed")
     assert node.node_lost is None
+
+
+@pytest.mark.parametrize(
+    "found, max_nodes",
+    [(Verdict(PEER_LOST, (repr("c"),)), 2), (Verdict(PEER_LOST, (repr("b"), repr("c"))), 3), (Verdict(ISOLATED), 3)],
+)
+def test_a_restart_after_a_peer_loss_completes_its_round_once_the_survivors_joined(journal, found, max_nodes):
+    """a, b, c joined (2:3 nodes): c lost → the round completes at 2; b and c lost → 1 survivor is
+    below min_nodes, torch's rendezvous as it is; this node isolated → who is left is unknown."""
+    handler = _fake_handler("a", {"a", "b", "c"})
+    node = liveness.NodeLiveness(handler, journal, watch=True)
+    node.rejoined()
+    with pytest.raises(RuntimeError), node.restarting(found):
+        assert handler._settings.max_nodes == max_nodes
+        raise RuntimeError("the restart failed")
+    assert handler._settings.max_nodes == 3
 
 
 def test_a_node_out_of_contact_kills_its_workers_and_is_isolated_until_it_rejoins(journal):

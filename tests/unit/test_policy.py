@@ -107,6 +107,12 @@ def test_stop_grace(failed, grace):
     [
         ("foo=1", "unknown rendezvous setting 'foo'"),
         ("last_call_timeout=x", "positive integer"),
+        ("last_call_timeout=0.5", "positive integer"),
+        ("keep_alive_interval=0", "positive number of seconds"),
+        ("keep_alive_interval=-0.5", "positive number of seconds"),
+        ("keep_alive_interval=nan", "positive number of seconds"),
+        ("keep_alive_interval=inf", "positive number of seconds"),
+        ("keep_alive_interval=fast", "positive number of seconds"),
         ("is_host=maybe", "true or false"),
         ("novalue", "key=value"),
     ],
@@ -115,6 +121,11 @@ def test_rdzv_conf_errors_name_the_key(value, fragment):
     with pytest.raises(ConfigError, match="elastic.rdzv_conf") as e:
         load_config(None, [f'elastic.rdzv_conf="{value}"', "data.path=x", "checkpoint.dir=/tmp/x"])
     assert fragment in str(e.value)
+
+
+def test_the_keep_alive_interval_may_be_a_fraction_of_a_second():
+    cfg = load_config(None, ['elastic.rdzv_conf="keep_alive_interval=0.5"', "data.path=x", "checkpoint.dir=/tmp/x"])
+    assert cfg.elastic.rdzv_conf == "keep_alive_interval=0.5"
 
 
 @pytest.mark.parametrize(

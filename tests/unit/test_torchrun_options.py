@@ -76,21 +76,21 @@ def test_precedence_cli_then_pet_then_config(cli, env, key, expected):
 @pytest.mark.parametrize(
     "cli, env, expected",
     [
-        ({}, {}, "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"),
+        ({}, {}, "last_call_timeout=1,keep_alive_interval=0.25,keep_alive_max_attempt=8"),
         (
             {"rdzv_conf": "last_call_timeout=5,is_host=false"},
             {},
-            "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3,is_host=false",
+            "last_call_timeout=5,keep_alive_interval=0.25,keep_alive_max_attempt=8,is_host=false",
         ),
         (
             {},
             {"rdzv_conf": "join_timeout=900"},
-            "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=900",
+            "last_call_timeout=1,keep_alive_interval=0.25,keep_alive_max_attempt=8,join_timeout=900",
         ),
         (
             {"rdzv_conf": "join_timeout=60"},
             {"rdzv_conf": "join_timeout=900"},
-            "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=60",
+            "last_call_timeout=1,keep_alive_interval=0.25,keep_alive_max_attempt=8,join_timeout=60",
         ),
     ],
 )
