@@ -136,6 +136,7 @@ class SupervisedAgent(LocalElasticAgent):
         )
 
     def _start_workers(self, worker_group):
+        self._liveness.wait_for_fence()
         return self._warm.start(functools.partial(super()._start_workers, worker_group))
 
     def _restart_workers(self, worker_group):

@@ -21,8 +21,8 @@ Here each supervisor compares the group it joined with what torch's handler curr
 
 :func:`verdict` decides (pure, table-tested); :class:`NodeLiveness` is the supervised agent's
 collaborator that applies it (and runs the :class:`ContactWatch`). Every use of torch's private rendezvous state
-lives in :func:`membership`, :func:`last_contact`, :func:`bound_seconds`, :func:`set_keep_alive_interval`
-and :func:`rejoin_of`;
+lives in :func:`membership`, :func:`last_contact`, :func:`bound_seconds`, :func:`fence_seconds`,
+:func:`set_keep_alive_interval` and :func:`rejoin_of`;
 ``tests/unit/test_liveness.py`` fails loudly when torch changes it.
 """
 
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 PEER_LOST = "peer_lost"
 ISOLATED = "isolated"
+CONTACT_POLL_SECONDS = 0.1  # how often the ContactWatch reads the time of the last store contact
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,18 @@ def bound_seconds(handler) -> float | None:
     return settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
 
 
+def fence_seconds(handler) -> float:
+    """After a verdict of peer loss, how long until the lost node's own :class:`ContactWatch` has
+    stopped its workers, at the latest, if it is alive but cut off: its last contact with the
+    store came at most two keep-alive intervals after its last heartbeat landed (torch writes one
+    when the previous is an interval old), and its watch fires within one poll of the bound. 0
+    for other handlers."""
+    settings = getattr(handler, "_settings", None)
+    if _holder(handler) is None or settings is None:
+        return 0.0
+    return 2 * settings.keep_alive_interval.total_seconds() + CONTACT_POLL_SECONDS
+
+
 def set_keep_alive_interval(handler, seconds: float) -> None:
     """Make ``handler`` heartbeat every ``seconds`` (torch's rendezvous parameters take whole
     seconds only; its settings, shared by the handler, its state holder and its op executor, are
@@ -155,7 +168,11 @@ class ContactWatch:
     :meth:`reset`. The agent's own loop cannot do this: it blocks in the store call."""
 
     def __init__(
-        self, handler, armed: Callable[[], bool], on_isolated: Callable[[float], None], poll_seconds: float = 0.2
+        self,
+        handler,
+        armed: Callable[[], bool],
+        on_isolated: Callable[[float], None],
+        poll_seconds: float = CONTACT_POLL_SECONDS,
     ):
         self._handler, self._armed, self._on_isolated, self._poll = handler, armed, on_isolated, poll_seconds
         self._bound = bound_seconds(handler)
@@ -202,6 +219,7 @@ class NodeLiveness:
         self._joined: Membership | None = None  # right after this node's last rendezvous
         self._isolated: float | None = None  # seconds without store contact when the watch stopped the workers
         self.node_lost: Verdict | None = None  # the verdict of the restart under way
+        self._fenced_at = 0.0  # time.monotonic() when a lost node has fenced itself, at the latest
         self._contact: ContactWatch | None = None
 
     def start(self, running: Callable[[], bool], kill_workers: Callable[[], list[int]]) -> NodeLiveness:
@@ -241,11 +259,13 @@ class NodeLiveness:
     @contextlib.contextmanager
     def restarting(self, found: Verdict) -> Iterator[None]:
         """While the agent restarts its workers for ``found``: :attr:`node_lost` is set. After a
-        peer loss the survivors re-form through :func:`rejoin_of` (this node isolated: who is
-        left is unknown, torch's rendezvous as it is)."""
+        peer loss the survivors re-form through :func:`rejoin_of` and start their new workers
+        no sooner than :func:`fence_seconds` after the verdict (:meth:`wait_for_fence`); this
+        node isolated: who is left is unknown, torch's rendezvous as it is."""
         self.node_lost = found
         joined = self._joined
         lost = found.reason == PEER_LOST and joined is not None
+        self._fenced_at = time.monotonic() + fence_seconds(self._handler) if lost else 0.0
         rejoin = (
             rejoin_of(self._handler, len(joined.participants) - len(found.lost)) if lost else contextlib.nullcontext()
         )
@@ -254,6 +274,14 @@ class NodeLiveness:
                 yield
         finally:
             self.node_lost = None
+
+    def wait_for_fence(self) -> None:
+        """Before the workers of a restart start: after a peer loss, until the lost node, if it
+        is alive but cut off, has stopped its own workers (:func:`fence_seconds` after the
+        verdict), so that the old group's workers never run beside the new group's."""
+        delay = self._fenced_at - time.monotonic() if self.node_lost is not None else 0.0
+        if delay > 0:
+            time.sleep(delay)
 
     def _on_isolated(self, seconds: float, kill_workers: Callable[[], list[int]]) -> None:
         """ContactWatch thread: no store contact beyond the liveness bound. The others drop this

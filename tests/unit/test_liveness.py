@@ -281,6 +281,26 @@ def test_a_node_out_of_contact_kills_its_workers_and_is_isolated_until_it_rejoin
     assert node.check(WorkerState.FAILED) is None
 
 
+@pytest.mark.parametrize("found, waits", [(Verdict(PEER_LOST, (repr("c"),)), True), (Verdict(ISOLATED), False)])
+def test_after_a_peer_loss_new_workers_wait_until_the_lost_node_fenced_itself(journal, found, waits):
+    """Keep-alive every 0.2 s: a cut-off node's last contact came at most 0.4 s after its last
+    heartbeat landed, and its watch fires within 0.1 s of the bound; the survivors' new workers
+    start no sooner than that after the verdict. This node isolated: nothing to wait for."""
+    handler = _fake_handler("a", {"a", "b", "c"}, bound_seconds=0.2)
+    node = liveness.NodeLiveness(handler, journal, watch=True)
+    node.rejoined()
+    assert liveness.fence_seconds(handler) == pytest.approx(0.5)
+    t0 = time.monotonic()
+    with node.restarting(found):
+        node.wait_for_fence()
+        waited = time.monotonic() - t0
+    assert (waited >= 0.5) is waits and waited < 5, waited
+    t0 = time.monotonic()
+    node.wait_for_fence()  # no restart under way
+    assert time.monotonic() - t0 < 0.1
+    assert liveness.fence_seconds(object()) == 0.0
+
+
 def _contact_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "liveness-contact"}
 
