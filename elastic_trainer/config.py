@@ -592,11 +592,12 @@ _RDZV_INT_KEYS = (
     "last_call_timeout",
     "close_timeout",
     "heartbeat_timeout",
-    "keep_alive_interval",
     "keep_alive_max_attempt",
     "read_timeout",
     "timeout",
 )
+# Decimal seconds: torch's handlers read whole seconds; the launcher sets the exact interval on it.
+_RDZV_SECONDS_KEYS = ("keep_alive_interval",)
 _RDZV_OTHER_KEYS = (
     "is_host",
     "store_type",
@@ -627,11 +628,12 @@ def parse_rdzv_conf(value: str, key: str = "elastic.rdzv_conf") -> dict[str, str
         k, v = k.strip(), v.strip()
         _require(bool(sep and k), key, f"expected key=value items separated by commas, got {item!r}")
         _require(
-            k in _RDZV_INT_KEYS or k in _RDZV_OTHER_KEYS,
+            k in _RDZV_INT_KEYS + _RDZV_SECONDS_KEYS + _RDZV_OTHER_KEYS,
             key,
-            f"unknown rendezvous setting {k!r} (known: {', '.join(_RDZV_INT_KEYS + _RDZV_OTHER_KEYS)})",
+            f"unknown rendezvous setting {k!r} "
+            f"(known: {', '.join(_RDZV_INT_KEYS + _RDZV_SECONDS_KEYS + _RDZV_OTHER_KEYS)})",
         )
-        if k == "keep_alive_interval":  # the supervisor sets it on torch's handler, which reads whole seconds
+        if k in _RDZV_SECONDS_KEYS:
             _require(_positive_decimal(v), key, f"{k} must be a positive number of seconds, got {v!r}")
         elif k in _RDZV_INT_KEYS:
             _require(v.isdigit() and int(v) > 0, key, f"{k} must be a positive integer (seconds or count), got {v!r}")
