@@ -22,7 +22,10 @@ it; the verifying readers read both encodings.
 Private torch APIs used here, and only here (``tests/unit/test_integrity.py`` fails loudly when
 torch changes them): ``torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter/Reader``,
 ``filesystem._StorageInfo`` (and its ``transform_descriptors``),
-``torch.distributed._shard._utils.narrow_tensor_by_index``, the readers' ``_slice_file`` /
+``torch.distributed._shard._utils.narrow_tensor_by_index``,
+``torch.distributed.checkpoint._nested_dict.flatten_state_dict`` and
+``torch.distributed._shard.sharded_tensor.ShardedTensor`` (the raw copier flattens a state as
+DCP's planner does), the readers' ``_slice_file`` /
 ``_get_metadata_path`` methods and ``storage_data`` attribute, the writers' ``fs`` and ``path``
 attributes and the one-segment-per-item ``tell()`` pattern of ``_write_item``.
 """
@@ -43,7 +46,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -303,6 +308,23 @@ def _raw_bytes(data: io.BytesIO | torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def _write_all(fd: int, bufs: list[memoryview]) -> None:
+    """Write ``bufs`` one after the other from the start of ``fd``: a few ``writev`` calls, not one
+    write per item (a rank's state is hundreds of small items)."""
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i : i + _IOV_MAX])
+        while i < len(views) and n >= len(views[i]):  # the items written whole
+            n -= len(views[i])
+            i += 1
+        if n:  # the rest of an item written in part
+            views[i] = views[i][n:]
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX")
+
+
 def _in_place(t: torch.Tensor) -> bool:
     """Whether :func:`_raw_bytes` of ``t`` reads its own memory (not a copy)."""
     return t.device.type == "cpu" and t.is_contiguous()
@@ -322,6 +344,7 @@ class RawCopyWriter(StorageWriter):
         self.items: list | None = None
         self.metadata = None
         self._files: dict[str, dict[str, Any]] = {}
+        self.files: dict[str, dict[str, Any]] = {}  # every file written, once written (write_metadata)
 
     def reset(self, checkpoint_id=None) -> None:
         self._files = {}
@@ -357,26 +380,29 @@ class RawCopyWriter(StorageWriter):
         ``views``: the bytes of items read in place, by position (filled here for contiguous CPU
         tensors)."""
         whole = xxhash.xxh3_64()
-        rows, results, offset = [], [], 0
+        bufs, rows, results, offset = [], [], [], 0
+        for i, wi in enumerate(items):
+            buf = views.get(i) if views is not None else None
+            if buf is None:
+                data = planner.resolve_data(wi)
+                buf = _raw_bytes(data)
+                if views is not None and isinstance(data, torch.Tensor) and _in_place(data):
+                    views[i] = buf
+            bufs.append(buf)
+            whole.update(buf)
+            rows.append([offset, len(buf), xxhash.xxh3_64_intdigest(buf)])
+            info = _StorageInfo(RAW_FILE, offset, len(buf), transform_descriptors=[RAW])
+            results.append(WriteResult(index=wi.index, size_in_bytes=len(buf), storage_data=info))
+            offset += len(buf)
         path = os.path.join(self.path, RAW_FILE)
         # a recycled copy's file is overwritten in place (its pages reused), then cut to size
-        with open(path, "r+b" if os.path.exists(path) else "wb") as f:
-            for i, wi in enumerate(items):
-                buf = views.get(i) if views is not None else None
-                if buf is None:
-                    data = planner.resolve_data(wi)
-                    buf = _raw_bytes(data)
-                    if views is not None and isinstance(data, torch.Tensor) and _in_place(data):
-                        views[i] = buf
-                f.write(buf)
-                whole.update(buf)
-                rows.append([offset, len(buf), xxhash.xxh3_64_intdigest(buf)])
-                info = _StorageInfo(RAW_FILE, offset, len(buf), transform_descriptors=[RAW])
-                results.append(WriteResult(index=wi.index, size_in_bytes=len(buf), storage_data=info))
-                offset += len(buf)
-            f.truncate(offset)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+        try:
+            _write_all(fd, bufs)
+            os.ftruncate(fd, offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         self._files = {RAW_FILE: {"size": offset, "xxh3": whole.intdigest(), "items": rows}}
         return results
 
@@ -386,11 +412,13 @@ class RawCopyWriter(StorageWriter):
         self.metadata = metadata
         self.write_metadata(pickle.dumps(metadata))
 
-    def write_metadata(self, data: bytes) -> None:
-        """``.metadata`` (pickled), then ``.checksums.json`` listing it and the data file."""
+    def write_metadata(self, data: bytes) -> dict[str, dict[str, Any]]:
+        """``.metadata`` (pickled), then ``.checksums.json`` listing it and the data file; returns
+        that listing (name -> size, XXH3 and, for the data file, its items)."""
         self._write(METADATA, data)
-        files = {**self._files, METADATA: {"size": len(data), "xxh3": digest(data)}}
-        self._write(CHECKSUMS, json.dumps({"version": 1, "files": files}, sort_keys=True).encode())
+        self.files = {**self._files, METADATA: {"size": len(data), "xxh3": digest(data)}}
+        self._write(CHECKSUMS, json.dumps({"version": 1, "files": self.files}, sort_keys=True).encode())
+        return self.files
 
     def _write(self, name: str, data: bytes) -> None:
         tmp = os.path.join(self.path, name + ".tmp")
@@ -432,6 +460,7 @@ class _Planned:
     pickled: dict  # item lengths -> pickled .metadata with those lengths
     tensors: dict
     views: dict
+    sharded: bool  # the state holds ShardedTensors (which DCP's planner flattens further)
 
     def same_objects(self, flat: dict[str, Any]) -> bool:
         """Whether ``flat`` has this plan's keys and the very tensors it was last used with (a kept
@@ -460,11 +489,10 @@ class RawCopier:
         self._planned: _Planned | None = None
         self.plans = 0  # how many times DCP planned a copy (tests)
 
-    def save(self, state_dict: dict[str, Any], path: str) -> None:
-        """Write the copy of ``state_dict`` into the (empty, existing) directory ``path``."""
-        planner = DefaultSavePlanner()
-        planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=True)
-        flat = planner.state_dict
+    def save(self, state_dict: dict[str, Any], path: str) -> dict[str, dict[str, Any]]:
+        """Write the copy of ``state_dict`` into the (empty, existing) directory ``path``; returns
+        the files written (:meth:`RawCopyWriter.write_metadata`)."""
+        flat, _ = flatten_state_dict(state_dict)
         writer = RawCopyWriter(path)
         planned = self._planned
         if planned is not None and not planned.same_objects(flat):
@@ -472,10 +500,14 @@ class RawCopier:
             planned = dataclasses.replace(planned, tensors=_tensors(flat), views={}) if same_layout else None
         if planned is None:
             dcp.save(state_dict, storage_writer=writer, no_dist=True)
-            self._planned = _Planned(_layout(flat), writer.items, writer.metadata, {}, _tensors(flat), {})
+            sharded = any(isinstance(v, ShardedTensor) for v in flat.values())
+            self._planned = _Planned(_layout(flat), writer.items, writer.metadata, {}, _tensors(flat), {}, sharded)
             self.plans += 1
-            return
+            return writer.files
         self._planned = planned
+        # the flattened state as DCP's planner resolves an item of it (flattened once, here)
+        planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=planned.sharded)
+        planner.set_up_planner(flat, storage_meta=None, is_coordinator=True)
         results = writer.write_items(planned.items, planner, planned.views)
         lengths = tuple(r.storage_data.length for r in results)
         data = planned.pickled.get(lengths)
@@ -485,7 +517,7 @@ class RawCopier:
             if len(planned.pickled) >= self._METADATA_KEPT:
                 planned.pickled.clear()
             planned.pickled[lengths] = data
-        writer.write_metadata(data)
+        return writer.write_metadata(data)
 
 
 # ---------------------------------------------------------------------------------- reading

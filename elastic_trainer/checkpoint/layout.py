@@ -91,12 +91,21 @@ def _canonical(manifest: dict[str, Any]) -> bytes:
 def seal(manifest: dict[str, Any], key: bytes | None) -> dict[str, Any]:
     """The manifest with its self-checksum (catches corruption of the manifest itself) and, when
     ``key`` is given, an HMAC-SHA256 over the same bytes (catches forgery)."""
+    return sealed(manifest, key)[0]
+
+
+def sealed(manifest: dict[str, Any], key: bytes | None) -> tuple[dict[str, Any], bytes]:
+    """:func:`seal`, and the sealed manifest as JSON: the canonical bytes the seal is computed
+    over with the seal's keys added, so a manifest is encoded once (the local tier commits one
+    at every save)."""
     out = {k: v for k, v in manifest.items() if k not in _SEAL_KEYS}
     data = _canonical(out)
-    out["checksum"] = hashlib.sha256(data).hexdigest()
+    marks = {"checksum": hashlib.sha256(data).hexdigest()}
     if key:
-        out["hmac"] = hmac.new(key, data, hashlib.sha256).hexdigest()
-    return out
+        marks["hmac"] = hmac.new(key, data, hashlib.sha256).hexdigest()
+    out.update(marks)
+    tail = json.dumps(marks, sort_keys=True, separators=(",", ":")).encode()
+    return out, (data[:-1] + b"," + tail[1:]) if out.keys() - marks.keys() else tail
 
 
 def seal_problem(manifest: dict[str, Any], key: bytes | None) -> str | None:

@@ -139,12 +139,12 @@ class LocalTier:
         fingerprint: str,
         torch_version: str,
         extra: dict[str, Any],
+        written: dict[str, dict[str, Any]],
     ) -> dict[str, Any]:
-        """This rank's proof for its copy of ``step``: every file DCP reported writing is there
-        with that size; the sealed manifest is written last. Then retention. Raises on a problem."""
+        """This rank's proof for its copy of ``step``: every file the copier reported ``written``
+        (name -> size, XXH3, items) is there with that size; the sealed manifest is written last.
+        Then retention. Raises on a problem."""
         d = self.rank_dir(epoch, step)
-        with open(os.path.join(d, layout.CHECKSUMS)) as f:
-            written = json.load(f)["files"]
         listed = {n: os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)}
         problem = layout.commit_problem(written, listed)
         if problem:
@@ -160,8 +160,8 @@ class LocalTier:
             epoch=epoch,
             extra={**extra, "rank": self.rank, "tier": "local"},
         )
-        manifest = layout.seal(manifest, self.key)
-        self.storage.write_json_atomic(os.path.join(d, layout.MANIFEST), manifest)
+        manifest, data = layout.sealed(manifest, self.key)
+        self.storage.write_bytes_atomic(os.path.join(d, layout.MANIFEST), data)
         self._retain(epoch, step)
         return manifest
 

@@ -84,9 +84,9 @@ def _failed(e: BaseException) -> Started:
     return Started(None, f)
 
 
-def _done() -> Started:
+def _done(result: Any = None) -> Started:
     f: Future = Future()
-    f.set_result(None)
+    f.set_result(result)
     return Started(None, f)
 
 
@@ -355,8 +355,7 @@ class LocalSaver:
         try:
             path = self.tier.prepare(save.epoch, save.step)
             if self.sync:
-                self._copier.save(_state_dicts(states), path)
-                started = _done()
+                started = _done(self._copier.save(_state_dicts(states), path))
             else:
                 copy = self._copier.save
                 started = self._uploads.start(states, self._stager.get(), lambda staged: copy(staged, path))
@@ -366,7 +365,8 @@ class LocalSaver:
         return Started(started.staging, done)
 
     def commit(self, save: Save, written: Future, manifest: dict[str, Any]) -> bool:
-        """Upload thread: commit this rank's copy of ``save`` once ``written``. Never raises."""
+        """Upload thread: commit this rank's copy of ``save`` once ``written`` (its result: the
+        files the copier wrote). Never raises."""
         try:
             exc = written.exception()
             if exc is not None:
@@ -378,6 +378,7 @@ class LocalSaver:
                 fingerprint=self.ctx.fingerprint,
                 torch_version=torch.__version__,
                 extra=manifest,
+                written=written.result(),
             )
         except BaseException as e:  # noqa: BLE001 - the local tier is best effort; checkpoint.dir is the record
             logger.warning("local copy of step %d failed on this rank: %s: %s", save.step, type(e).__name__, e)

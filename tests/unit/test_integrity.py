@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from elastic_trainer.checkpoint import integrity, layout
 from elastic_trainer.errors import CheckpointIntegrityError
@@ -302,6 +303,15 @@ def test_torch_private_apis_integrity_relies_on_still_exist():
     assert hasattr(FileSystemReader("/nonexistent-but-unused"), "storage_data") or "storage_data" in inspect.getsource(
         FileSystemReader.set_up_storage_reader
     )
+    # The raw copier flattens a state as DCP's planner does (then plans with flattening off):
+    # flatten_state_dict gives (flat, mappings); ShardedTensor is what the planner flattens further.
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, mappings = flatten_state_dict({"a": {"b": torch.ones(1)}, "c": [1]})
+    assert list(flat) == ["a.b", "c"] and set(mappings) == {"a.b", "c"}
+    assert issubclass(ShardedTensor, torch.Tensor)
+    assert {"flatten_state_dict", "flatten_sharded_tensors"} <= set(inspect.signature(DefaultSavePlanner).parameters)
 
 
 def test_checksummed_and_verifying_refuse_unknown_storage_classes():
@@ -524,8 +534,16 @@ def test_the_local_tier_writes_each_copy_into_the_retired_ones_data_file(tmp_pat
         sd = _raw_state()
         sd["model"]["w"] += step
         d = tier.prepare("e1", step)
-        copier.save(sd, d)
-        tier.commit("e1", step, mesh_shape=[1], fingerprint="f", torch_version="t", extra={"remote_chain": [""]})
+        written = copier.save(sd, d)
+        tier.commit(
+            "e1",
+            step,
+            mesh_shape=[1],
+            fingerprint="f",
+            torch_version="t",
+            extra={"remote_chain": [""]},
+            written=written,
+        )
         inodes[step], states[step] = os.stat(os.path.join(d, integrity.RAW_FILE)).st_ino, sd
     assert inodes[4] == inodes[1] and len({inodes[1], inodes[2], inodes[3]}) == 3
     copies, _ = tier.usable("e1", min_step=0, remote=None, mesh_shape=[1], fingerprint="f")
@@ -538,3 +556,25 @@ def test_the_local_tier_writes_each_copy_into_the_retired_ones_data_file(tmp_pat
         assert all(torch.equal(out["model"][k], v) for k, v in states[c.step]["model"].items()), c.step
     tier.drop_epoch("e1")
     assert os.listdir(os.path.join(tier.root, "e1")) == []
+
+
+def test_a_copy_written_in_short_writes_is_whole(tmp_path, monkeypatch):
+    """The raw writer hands the kernel all items in a few ``writev`` calls; a call that writes
+    less than asked (as a file system may) is continued where it stopped, mid-item included."""
+    real = os.writev
+    calls = []
+
+    def short(fd, bufs):
+        calls.append(len(bufs))
+        return real(fd, [bytes(bufs[0])[:7]])  # a prefix of what was asked: 7 bytes at most
+
+    monkeypatch.setattr(integrity.os, "writev", short)
+    bufs = [memoryview(bytes(range(i, i + 20 + i))) for i in range(9)] + [memoryview(b"")]
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        integrity._write_all(fd, bufs)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(bytes(b) for b in bufs)
+    assert len(calls) > len(bufs)  # every call wrote only part of what it was given

@@ -1,5 +1,7 @@
 """Pure checkpoint decisions: naming, verification, resume selection, retention, cadence."""
 
+import json
+
 import pytest
 
 from elastic_trainer.checkpoint import layout
@@ -64,6 +66,20 @@ def test_manifest_seal_and_signature():
     assert "signature" in layout.verify(Candidate(5, "step-00000005", signed, {".metadata": 5}), key=b"other")
     forged = layout.seal(dict(signed, world_size=2), None) | {"hmac": signed["hmac"]}
     assert "signature" in layout.verify(Candidate(5, "step-00000005", forged, {".metadata": 5}), key=b"k")
+
+
+@pytest.mark.parametrize("key", [None, b"k"])
+def test_a_manifest_sealed_to_bytes_reads_back_as_the_sealed_manifest_and_verifies(key):
+    """``sealed`` encodes a manifest once (the canonical bytes with the seal added): the bytes
+    parse to exactly what ``seal`` gives, the seal verifies, and one changed byte does not."""
+    m = manifest(5, {".metadata": 5, "__0_0.distcp": 10}) | {"time": 1.25, "extra": {"rank": 1, "chain": ["a", ""]}}
+    out, data = layout.sealed(m, key)
+    assert json.loads(data) == out == layout.seal(m, key)
+    files = {".metadata": 5, "__0_0.distcp": 10}
+    assert layout.verify(Candidate(5, "step-00000005", json.loads(data), files), key=key) is None
+    forged = json.loads(data.replace(b'"world_size":1', b'"world_size":2'))
+    assert forged["world_size"] == 2
+    assert layout.verify(Candidate(5, "step-00000005", forged, files), key=key) is not None
 
 
 def test_commit_problem_names_the_missing_shard():
