@@ -308,6 +308,9 @@ def _raw_bytes(data: io.BytesIO | torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+_IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers one writev takes
+
+
 def _write_all(fd: int, bufs: list[memoryview]) -> None:
     """Write ``bufs`` one after the other from the start of ``fd``: a few ``writev`` calls, not one
     write per item (a rank's state is hundreds of small items)."""
@@ -320,9 +323,6 @@ def _write_all(fd: int, bufs: list[memoryview]) -> None:
             i += 1
         if n:  # the rest of an item written in part
             views[i] = views[i][n:]
-
-
-_IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
 def _in_place(t: torch.Tensor) -> bool:
@@ -343,11 +343,10 @@ class RawCopyWriter(StorageWriter):
         self.path = path
         self.items: list | None = None
         self.metadata = None
-        self._files: dict[str, dict[str, Any]] = {}
-        self.files: dict[str, dict[str, Any]] = {}  # every file written, once written (write_metadata)
+        self.files: dict[str, dict[str, Any]] = {}  # every file written so far: name -> size, XXH3 (items)
 
     def reset(self, checkpoint_id=None) -> None:
-        self._files = {}
+        self.files = {}
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         pass
@@ -403,7 +402,7 @@ class RawCopyWriter(StorageWriter):
             os.fsync(fd)
         finally:
             os.close(fd)
-        self._files = {RAW_FILE: {"size": offset, "xxh3": whole.intdigest(), "items": rows}}
+        self.files = {RAW_FILE: {"size": offset, "xxh3": whole.intdigest(), "items": rows}}
         return results
 
     def finish(self, metadata, results) -> None:
@@ -416,7 +415,7 @@ class RawCopyWriter(StorageWriter):
         """``.metadata`` (pickled), then ``.checksums.json`` listing it and the data file; returns
         that listing (name -> size, XXH3 and, for the data file, its items)."""
         self._write(METADATA, data)
-        self.files = {**self._files, METADATA: {"size": len(data), "xxh3": digest(data)}}
+        self.files = {**self.files, METADATA: {"size": len(data), "xxh3": digest(data)}}
         self._write(CHECKSUMS, json.dumps({"version": 1, "files": self.files}, sort_keys=True).encode())
         return self.files
 
