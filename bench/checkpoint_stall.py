@@ -1,9 +1,11 @@
 """Training-loop stall per checkpoint: async save vs synchronous DCP vs full state dict.
 
     python bench/checkpoint_stall.py [--rounds 3] [--every 20] [--dim 768 --layers 13]
-                                     [--seq-len 64 --global-batch 2] [--json-out F]
+                                     [--seq-len 64 --global-batch 2] [--device cpu|cuda] [--json-out F]
 
-One run, 2 gloo ranks in-process (``tests/dist/harness.py``, no elastic agent). Each rank builds
+One run, 2 gloo ranks in-process (``tests/dist/harness.py``, no elastic agent; ``--device cuda``:
+NCCL, one GPU per rank, bf16 mixed precision, the stager copying into pinned host memory as the
+worker's does). Each rank builds
 the demo GPT exactly as ``elastic_trainer.worker.main`` does (FSDP2 over the mesh, deterministic
 init, AdamW, LambdaLR, a separate gloo group for checkpoints, the real ``CheckpointManager`` and
 ``Trainer.train`` on the demo byte data), scaled up so that params + AdamW moments are
@@ -99,6 +101,8 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
                 "min_lr": 3e-5,
                 "warmup_steps": 10,
                 "log_every": 1_000_000,
+                "device": o["device"],
+                "mixed_precision": "bf16" if o["device"] == "cuda" else "fp32",
             },
             "checkpoint": {
                 "dir": os.path.join(work, "ckpt"),
@@ -121,7 +125,14 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         "rng": RNGState(),
     }
 
+    cuda = d.device.type == "cuda"
+
+    def sync_device() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     def manager(ccfg, storage, **kw):
+        kw.setdefault("use_cuda_staging", cuda)  # as the worker's checkpointer does
         return CheckpointManager(
             ccfg,
             storage,
@@ -146,10 +157,14 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         if mode.startswith("torchtitan-"):
             managers[mode] = _torchtitan_manager(mode, work, model, states)
             continue
-        writer, _, nice = mode.partition("-nice")
+        # "thread-pageable": the thread writer staging CUDA tensors into pageable (not pinned) host memory
+        writer, _, nice = mode.removesuffix("-pageable").partition("-nice")
         mcfg = dataclasses.replace(cfg.checkpoint, dir=os.path.join(work, f"ckpt-{mode}"), writer=writer)
         storage = Storage.for_checkpoint(mcfg)
-        remote = remote_saver(storage, d.ckpt_group, mode=mcfg.mode, writer=writer, upload_nice=int(nice or 0))
+        pinned = cuda and not mode.endswith("-pageable")
+        remote = remote_saver(
+            storage, d.ckpt_group, mode=mcfg.mode, writer=writer, cuda_staging=pinned, upload_nice=int(nice or 0)
+        )
         managers[mode] = manager(mcfg, storage, remote=remote)
 
     class _BlockCheckpointer(Checkpointer):
@@ -236,13 +251,17 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         dist.barrier()
         t0 = time.monotonic()
         clones = [x.clone() for x in tensors]
+        sync_device()
         clone_s = time.monotonic() - t0
         dist.barrier()
         t0 = time.monotonic()
         for c, x in zip(clones, tensors, strict=True):
             c.copy_(x)
+        sync_device()
         copy_s = time.monotonic() - t0
         del clones
+        if cuda:  # the write floor and the checksum are of host bytes: one plain copy to host first
+            tensors = [x.cpu() for x in tensors]
         # what any save of these bytes costs at least: writing them to the checkpoint's file
         # system (one file, plain write() of each tensor's memory, fsync), CPU of the writing thread
         path = os.path.join(work, f"write-floor-{rank}.bin")
@@ -543,13 +562,19 @@ def main() -> int:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--warmup-steps", type=int, default=3)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: NCCL, bf16 mixed precision, staging into pinned host memory (mode thread-pageable: without)",
+    )
     ap.add_argument("--data", default=str(REPO / "runs/data/demo.bin"))
     ap.add_argument("--workdir", default=None, help="parent of the temp checkpoint dir (default: the system temp dir)")
     ap.add_argument(
         "--modes",
         default="thread",
         help="comma-separated upload variants measured side by side as B blocks: "
-        "thread, process, thread-nice10, process-nice10",
+        "thread, process, thread-nice10, process-nice10, thread-pageable (CUDA staging without pinned memory)",
     )
     ap.add_argument(
         "--peer",
@@ -606,6 +631,7 @@ def main() -> int:
         "warmup_steps": a.warmup_steps,
         "modes": a.modes.split(",") + PEER_MODES.get(a.peer, []),
         "skip_sync": a.skip_sync,
+        "device": a.device,
     }
     t0 = time.monotonic()
     try:

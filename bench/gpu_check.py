@@ -44,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import REPO, machine_info, table
+from elastic_trainer.config import PROCESS_WRITER_MIN_TORCH, torch_release
 from tests import runs
 
 
@@ -86,7 +87,7 @@ class Check:
         sections.setdefault("elastic", {}).setdefault("max_restarts", 1)
         cfg = runs.write_config(self.work / f"{name}.toml", self.data, run_dir, **sections)
         t0 = time.monotonic()
-        r = runs.run_launch(cfg, "--nproc-per-node", str(nproc or self.world), env=env, timeout=self._timeout(240))
+        r = runs.run_launch(cfg, "--nproc-per-node", str(nproc or self.world), env=env, timeout=self._timeout(150))
         wall = time.monotonic() - t0
         if check and r.returncode != 0:
             raise RuntimeError(f"launch exit {r.returncode}: {cfg.with_suffix('.log').read_text()[-2000:]}")
@@ -118,7 +119,14 @@ class Check:
         restarts = runs.read_events(killed, "restart")
         a, b = self.losses(ref), self.losses(killed)
         if [e["step"] for e in resumes] != [every] or a != b:
-            raise RuntimeError(f"resumes {resumes}; losses equal: {a == b}")
+            # which steps differ, and whether already before the kill (the device's kernels not
+            # reproducible run to run) or only after the resume (what the resume restored)
+            differ = [i + 1 for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
+            raise RuntimeError(
+                f"resumes {[e['step'] for e in resumes]} (want [{every}]); {len(a)} vs {len(b)} steps; "
+                f"steps whose losses differ: {differ[:10]}; before the kill at {every * 2}: "
+                f"{[i for i in differ if i < every * 2]}"
+            )
         return {
             "fault": kill,
             "resumed_from": every,
@@ -167,9 +175,12 @@ class Check:
         return {"from_world": self.world, "resumed_step": resume["step"], "max_loss_rel_diff": diff}
 
     def checkpoint_stall(self) -> dict:
-        modes = "thread,process"
+        # the writer process where this torch has it; on CUDA also staging without pinned memory
+        process = ["process"] if torch_release() >= PROCESS_WRITER_MIN_TORCH else []
+        modes = ",".join(["thread", *(["thread-pageable"] if self.device == "cuda" else []), *process])
         out = self.work / "stall.json"
         args = [sys.executable, str(REPO / "bench" / "checkpoint_stall.py"), "--world", str(self.world)]
+        args += ["--device", self.device]
         args += [*self.size["stall"], "--modes", modes, "--data", self.data, "--json-out", str(out)]
         if importlib.util.find_spec("torchtitan") is not None:
             args += ["--peer", "torchtitan"]
@@ -193,7 +204,7 @@ class Check:
                 stderr=subprocess.STDOUT,
                 env=runs.env_for_tests({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}),
                 cwd=REPO,
-                timeout=self._timeout(180),
+                timeout=self._timeout(150),
             )
         if r.returncode != 0:
             raise RuntimeError(f"exit {r.returncode}: {(run_dir / 'run.log').read_text()[-2000:]}")
@@ -256,7 +267,7 @@ def run_check(device: str, out: Path, budget: float, only: list[str] | None = No
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     t_start = time.monotonic()
-    results = []
+    report = {"device": device, "world": world, "info": info, "steps": []}
     try:
         data = str(work / "tokens.bin")
         from elastic_trainer.worker.tokens import build_token_file, default_demo_texts
@@ -275,16 +286,21 @@ def run_check(device: str, out: Path, budget: float, only: list[str] | None = No
                 row["status"], row["error"] = "failed", f"{type(e).__name__}: {e}"
                 row["traceback"] = traceback.format_exc()[-3000:]
             row["seconds"] = round(time.monotonic() - t0, 1)
-            results.append(row)
+            report["steps"].append(row)
+            report["wall_seconds"] = round(time.monotonic() - t_start, 1)
+            _write(report, out)  # after every step: a check stopped from outside still leaves its report
             print(f"gpu_check: {name}: {row['status']} ({row['seconds']} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report = {"device": device, "world": world, "info": info, "steps": results}
     report["wall_seconds"] = round(time.monotonic() - t_start, 1)
+    _write(report, out)
+    return report
+
+
+def _write(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "gpu_check.md").write_text(markdown(report))
-    return report
 
 
 def markdown(report: dict) -> str:

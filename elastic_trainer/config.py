@@ -235,10 +235,10 @@ class CheckpointConfig:
             "process needs storage another process can reach; memory:// lives in one process",
         )
         _require(
-            self.writer == "thread" or _torch_release() >= PROCESS_WRITER_MIN_TORCH,
+            self.writer == "thread" or torch_release() >= PROCESS_WRITER_MIN_TORCH,
             "checkpoint.writer",
             f"process needs torch>={'.'.join(map(str, PROCESS_WRITER_MIN_TORCH))} (installed: "
-            f"{'.'.join(map(str, _torch_release()))}); use thread",
+            f"{'.'.join(map(str, torch_release()))}); use thread",
         )
         for k in ("preempt_grace_seconds", "storage_timeout_seconds"):
             _require(getattr(self, k) > 0, f"checkpoint.{k}", "must be > 0")
@@ -554,7 +554,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
 PROCESS_WRITER_MIN_TORCH = (2, 13)
 
 
-def _torch_release() -> tuple[int, int]:
+def torch_release() -> tuple[int, int]:
     """The installed torch's (major, minor), read from its package metadata (no torch import)."""
     from importlib.metadata import version
 

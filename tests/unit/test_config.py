@@ -86,7 +86,7 @@ def test_the_process_writer_on_a_torch_it_does_not_finish_on_is_refused_by_name(
         config_from_dict({"checkpoint": {"writer": "process"}})
     assert e.value.key == "checkpoint.writer" and "torch>=2.13 (installed: 2.11)" in str(e.value)
     assert config_from_dict({}).checkpoint.writer == "thread"  # the default stays valid there
-    assert config._torch_release() == (2, 11)
+    assert config.torch_release() == (2, 11)
 
 
 def test_global_batch_that_cannot_be_split():
