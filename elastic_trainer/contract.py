@@ -387,6 +387,14 @@ EVENTS: tuple[Event, ...] = (
         "step bytes seconds",
     ),
     _e(
+        "checkpoint_local_failed",
+        _RANK0,
+        "Rank 0's local-tier copy failed and was not committed (`checkpoint.dir` is unaffected): `error` names the "
+        "cause in one line (exception type, errno, message, file name). Every rank counts its own failures in "
+        "`elastic_trainer_checkpoint_local_save_failures_total`.",
+        "step error seconds",
+    ),
+    _e(
         "checkpoint_local_skipped",
         _RANK0,
         "The local tier could not be used at this start (not every rank had the copy, or a load failed); "

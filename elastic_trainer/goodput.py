@@ -24,7 +24,8 @@ Two views of the same wall time:
   - ``checkpoint_load`` — the ``load_seconds`` of ``resume`` records;
   - ``checkpoint_stall`` — what a save costs the training: the time between step N and the next
     step when step N was saved (a ``checkpoint_committed``/``checkpoint_failed`` record of step N,
-    or ``checkpoint_local_saved`` for a save to the local tier only: the save call blocking),
+    or ``checkpoint_local_saved``/``checkpoint_local_failed`` for a save to the local tier only:
+    the save call blocking),
     plus, for each step that started while that save was still being written (before its record),
     the step's excess over the median of the recent steps (the slowdown of the steps the
     background write overlaps);
@@ -91,7 +92,7 @@ REFERENCE_STEPS = 32  # a step's slowdown is its excess over the median of this 
 MIN_REFERENCE_STEPS = 5  # (at the same world size; with fewer, no slowdown is charged)
 OVERLAP_MEMORY_STEPS = 256  # recent steps a late commit record can still charge
 # A save of step N was written: to checkpoint.dir (committed or failed) or to the local tier only
-SAVE_RECORDS = ("checkpoint_committed", "checkpoint_failed", "checkpoint_local_saved")
+SAVE_RECORDS = ("checkpoint_committed", "checkpoint_failed", "checkpoint_local_saved", "checkpoint_local_failed")
 _DISRUPTIONS = {"failure": "worker_failure", "preempt_requested": "preempted", "preempted": "preempted"}
 
 

@@ -400,6 +400,8 @@ class RawCopyWriter(StorageWriter):
             _write_all(fd, bufs)
             os.ftruncate(fd, offset)
             os.fsync(fd)
+        except OSError as e:  # writes to a descriptor name no file: name it (a full disk: which one)
+            raise OSError(e.errno, e.strerror, path) from None
         finally:
             os.close(fd)
         self.files = {RAW_FILE: {"size": offset, "xxh3": whole.intdigest(), "items": rows}}

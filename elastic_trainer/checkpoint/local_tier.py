@@ -117,6 +117,13 @@ class LocalTier:
             os.makedirs(d, exist_ok=True)
         return d
 
+    def abandon(self, epoch: str, step: int) -> None:
+        """Remove this rank's attempt at ``step`` after it failed, unless it committed: a file
+        system that filled up keeps no partial copies, so the next copy finds their room."""
+        d = self.rank_dir(epoch, step)
+        if not os.path.exists(os.path.join(d, layout.MANIFEST)):
+            _remove(d)
+
     def _retire(self, epoch: str, d: str) -> None:
         """Retire this rank's committed copy ``d``: uncommitted first, then kept as the spare (or
         deleted when there is one)."""

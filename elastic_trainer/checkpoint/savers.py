@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..events import EventLog
 from ..storage.fs import Storage
-from . import integrity, save_planner, writer_process
+from . import failure, integrity, save_planner, writer_process
 from .agreement import Agreement
 from .local_tier import LocalTier
 from .save import Save, SaveContext
@@ -347,6 +347,7 @@ class LocalSaver:
         self._stager = _Staged(cuda_staging, shared_memory=False)
         self._uploads = _Uploads("et-local-upload")
         self._copier = integrity.RawCopier()
+        self._failing = False  # the last copy failed: the next failure's traceback is not logged again
 
     def start(self, save: Save, states: dict[str, Stateful], manifest: dict[str, Any]) -> Started:
         """This rank's copy of ``save`` (named by its epoch and step), committed with ``manifest``
@@ -381,9 +382,9 @@ class LocalSaver:
                 written=written.result(),
             )
         except BaseException as e:  # noqa: BLE001 - the local tier is best effort; checkpoint.dir is the record
-            logger.warning("local copy of step %d failed on this rank: %s: %s", save.step, type(e).__name__, e)
-            self.ctx.metrics.counter("elastic_trainer_checkpoint_local_save_failures_total")
+            self._failed(save, e)
             return False
+        self._failing = False
         self.ctx.metrics.counter("elastic_trainer_checkpoint_local_saves_total")
         if self.ctx.rank == 0:
             self.ctx.events.emit(
@@ -393,6 +394,21 @@ class LocalSaver:
                 seconds=round(time.monotonic() - save.started, 4),
             )
         return True
+
+    def _failed(self, save: Save, e: BaseException) -> None:
+        """A copy that failed: its attempt removed (:meth:`.LocalTier.abandon`), its cause on one
+        line (log, rank 0's event), the traceback in the log at the first failure of a run of them
+        (a full disk fails every save)."""
+        error = failure.describe(e)
+        self.tier.abandon(save.epoch, save.step)
+        logger.warning(
+            "local copy of step %d failed on this rank: %s", save.step, error, exc_info=None if self._failing else e
+        )
+        self._failing = True
+        self.ctx.metrics.counter("elastic_trainer_checkpoint_local_save_failures_total")
+        if self.ctx.rank == 0:
+            seconds = round(time.monotonic() - save.started, 4)
+            self.ctx.events.emit("checkpoint_local_failed", step=save.step, error=error, seconds=seconds)
 
     def healthy(self) -> bool:
         return True

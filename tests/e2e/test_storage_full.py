@@ -120,3 +120,37 @@ def test_a_full_run_dir_drops_events_and_training_goes_on_to_its_final_commit(tm
     )
     head = [line.split() for line in listing.stdout.splitlines() if " head " in f" {line} "]
     assert head and int(head[0][0]) == steps, listing.stdout
+
+
+def test_a_full_local_tier_fails_its_copies_by_name_and_training_and_commits_go_on(tmp_path, token_file):
+    """``checkpoint.local_dir`` on a tmpfs with room for one copy of each rank: the copies after it
+    fail with ENOSPC. Each failed copy is a ``checkpoint_local_failed`` event naming the cause and
+    the file on one line (the traceback once per rank in the log); ``checkpoint.dir`` commits every
+    ``remote_every``-th save as before; the run is not restarted and ends 0."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare: a mount namespace with a small file system for checkpoint.dir")
+    run = tmp_path / "run"
+    local = tmp_path / "local"
+    local.mkdir()
+    cfg = runs.write_config(
+        tmp_path / "c.toml",
+        token_file,
+        run,
+        train={"steps": 12},
+        checkpoint={"interval_steps": 2, "local_dir": str(local), "remote_every": 3},
+        elastic={"max_restarts": 2},
+    )
+    r = runs.run_launch(cfg, "--nproc-per-node", "2", tmpfs=(str(local), "600k"))
+    text = cfg.with_suffix(".log").read_text()
+    assert r.returncode == 0, text[-4000:]
+    assert runs.read_events(run, "restart") == []
+    assert [e["step"] for e in runs.read_events(run, "checkpoint_committed")] == [6, 12]
+    saved = [e["step"] for e in runs.read_events(run, "checkpoint_local_saved")]
+    failed = runs.read_events(run, "checkpoint_local_failed")
+    assert saved[:1] == [2] and failed, (saved, failed)
+    assert sorted(saved + [e["step"] for e in failed]) == [2, 4, 6, 8, 10, 12]  # each copy: one or the other
+    for f in failed:
+        assert len(f["error"].splitlines()) == 1, f
+        assert f["error"].startswith("OSError: [Errno 28] No space left on device: ") and str(local) in f["error"], f
+    logged = text.count("failed on this rank: OSError: [Errno 28]")
+    assert logged >= len(failed) and text.count("Traceback") < logged  # a traceback at a run's first only

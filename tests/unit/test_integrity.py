@@ -558,6 +558,39 @@ def test_the_local_tier_writes_each_copy_into_the_retired_ones_data_file(tmp_pat
     assert os.listdir(os.path.join(tier.root, "e1")) == []
 
 
+def test_a_copy_that_fills_its_file_system_names_the_file_and_leaves_no_partial_copy(tmp_path, monkeypatch):
+    """A write into a full local tier fails naming its errno and the data file (a descriptor's
+    error names none); the failed attempt is removed (its room is free for the next copy), a
+    committed copy of the same tier is not."""
+    import errno
+
+    from elastic_trainer.checkpoint import failure
+    from elastic_trainer.checkpoint.local_tier import LocalTier
+
+    tier = LocalTier(str(tmp_path / "local"), str(tmp_path / "ckpt"), rank=0, world_size=1, key=None)
+    copier = integrity.RawCopier()
+    d1 = tier.prepare("e1", 1)
+    meta = {"mesh_shape": [1], "fingerprint": "f", "torch_version": "t", "extra": {"remote_chain": [""]}}
+    tier.commit("e1", 1, written=copier.save(_raw_state(), d1), **meta)
+
+    def full(fd, bufs):
+        os.write(fd, bytes(bufs[0])[:3])  # part of it lands, then the file system is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(integrity.os, "writev", full)
+    d2 = tier.prepare("e1", 2)
+    with pytest.raises(OSError) as e:
+        copier.save(_raw_state(), d2)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == os.path.join(d2, integrity.RAW_FILE)
+    assert failure.describe(e.value) == f"OSError: [Errno 28] No space left on device: {e.value.filename!r}"
+    assert os.listdir(d2)  # the partial attempt
+    tier.abandon("e1", 2)
+    tier.abandon("e1", 1)  # committed: kept
+    assert not os.path.exists(d2) and not os.path.exists(os.path.dirname(d2))
+    copies, _ = tier.usable("e1", min_step=0, remote=None, mesh_shape=[1], fingerprint="f")
+    assert [c.step for c in copies] == [1]
+
+
 def test_a_copy_written_in_short_writes_is_whole(tmp_path, monkeypatch):
     """The raw writer hands the kernel all items in a few ``writev`` calls; a call that writes
     less than asked (as a file system may) is continued where it stopped, mid-item included."""

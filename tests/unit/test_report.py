@@ -62,7 +62,7 @@ def test_clean_run_is_all_productive_but_startup_and_checkpoints():
 
 def test_a_save_to_the_local_tier_only_is_a_checkpoint_stall_like_a_commit():
     """Between step 10 and 11 the save call blocked 0.5 s; that the save went only to the local
-    tier (no commit record) does not make the time idle."""
+    tier (no commit record) does not make the time idle, whether its copy committed or failed."""
 
     def run(record: str, **fields) -> report.Goodput:
         log = Log().at(0, "launch").at(1, "start", world_size=2, restart_count=0).steps(1, 10)
@@ -71,9 +71,11 @@ def test_a_save_to_the_local_tier_only_is_a_checkpoint_stall_like_a_commit():
 
     local = run("checkpoint_local_saved", bytes=100, seconds=0.1)
     remote = run("checkpoint_committed", bytes=100, seconds=0.1)
+    failed = run("checkpoint_local_failed", error="OSError: [Errno 28] No space left on device", seconds=0.1)
     assert local.categories["checkpoint_stall"] == pytest.approx(remote.categories["checkpoint_stall"])
+    assert failed.categories["checkpoint_stall"] == pytest.approx(remote.categories["checkpoint_stall"])
     assert local.categories["checkpoint_stall"] >= 0.5 - 1e-9
-    assert local.goodput == pytest.approx(remote.goodput)
+    assert local.goodput == pytest.approx(remote.goodput) == pytest.approx(failed.goodput)
 
 
 def test_restart_splits_recompute_and_recovery():
