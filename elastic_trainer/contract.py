@@ -40,6 +40,7 @@ PARENT_PID_ENV = "ELASTIC_TRAINER_PARENT_PID"
 CHECKPOINT_EPOCH_ENV = "ELASTIC_TRAINER_CHECKPOINT_EPOCH"
 CHECKPOINT_ROOT_ENV = "ELASTIC_TRAINER_CHECKPOINT_ROOT"
 CHECKPOINT_KEY_ENV = "ELASTIC_TRAINER_CHECKPOINT_KEY"
+METRICS_TOKEN_ENV = "ELASTIC_TRAINER_METRICS_TOKEN"  # the bearer token of every node's metrics endpoint
 NODE_ENV = "ELASTIC_TRAINER_NODE"
 PEER_HOLDER_ENV = "ELASTIC_TRAINER_PEER_HOLDER"
 LOG_LEVEL_ENV = "ELASTIC_TRAINER_LOG_LEVEL"
@@ -71,6 +72,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(CHECKPOINT_EPOCH_ENV, _SUP, "rank 0", "This launch's fencing epoch on the checkpoint root."),
     EnvVar(CHECKPOINT_ROOT_ENV, _SUP, "rank 0", "The checkpoint.dir of that epoch (a script elsewhere takes its own)."),
     EnvVar(CHECKPOINT_KEY_ENV, "user", "supervisor, workers, ckpt", "Key of the manifests' HMAC (never logged)."),
+    EnvVar(
+        METRICS_TOKEN_ENV,
+        "user",
+        "supervisor",
+        "Bearer token every request to a node's metrics endpoint must carry (never logged); "
+        "unset: a random one, in metrics.token in the supervisor's runtime directory.",
+    ),
     EnvVar(PEER_HOLDER_ENV, _SUP, "workers", "host:port of this node's peer holder (checkpoint.peer_replicas)."),
     EnvVar(NODE_ENV, "user", "supervisor, logs", "This node's name in events and logs (default: the host name)."),
     EnvVar(LOG_LEVEL_ENV, "user", "every process", "Log level of the elastic_trainer logger (default INFO)."),

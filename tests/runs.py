@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -63,8 +64,20 @@ def write_config(path: Path, data_path: str, run_dir: Path, ckpt_dir: str | None
     return path
 
 
+# every job the tests launch serves its metrics to requests that carry this token (env_for_tests)
+METRICS_TOKEN = "elastic-trainer-tests-metrics-token"
+
+
+def scrape(port: int, host: str = "127.0.0.1", timeout: float = 5, token: str = METRICS_TOKEN) -> str:
+    """A node's metrics exposition, asked for with the job's bearer token."""
+    req = urllib.request.Request(f"http://{host}:{port}/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
 def env_for_tests(extra: dict | None = None) -> dict:
     env = dict(os.environ)
+    env[contract.METRICS_TOKEN_ENV] = METRICS_TOKEN
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

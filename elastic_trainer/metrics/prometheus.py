@@ -14,16 +14,26 @@ ever ran, so they survive restarts; gauges per their multiprocess mode.
 
 Metrics are a side channel: an unknown name or a wrong type is logged once and dropped, and an
 exporter that cannot bind its port logs an error and lets training run without metrics.
+
+The endpoint authenticates every request: it answers only a request whose ``Authorization``
+header is ``Bearer <token>``, the token being ``ELASTIC_TRAINER_METRICS_TOKEN`` (the same on every
+node of a job: a Kubernetes Secret, say, which the scraper sends too), else a random one made at
+start and written, readable by its owner alone, to ``metrics.token`` in the supervisor's runtime
+directory (:func:`metrics_token`). Anything else gets 401 and no metrics.
 """
 
 from __future__ import annotations
 
 import glob
+import hmac
 import logging
 import os
+import secrets
 import shutil
 import socket
 import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import prometheus_client
 from prometheus_client import values
@@ -197,6 +207,30 @@ class NodeCollector:
             return list(self._inner.collect())
 
 
+class _Authenticated:
+    """WSGI: ``app`` for a request that carries ``Authorization: Bearer <token>``, else 401."""
+
+    def __init__(self, app, token: str):
+        self.app = app
+        self._want = f"Bearer {token}".encode()
+
+    def __call__(self, request: dict, start_response):  # WSGI's environ: the request's CGI variables
+        got = request.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        if hmac.compare_digest(got, self._want):
+            return self.app(request, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+        return [b"this endpoint needs the job's metrics token: Authorization: Bearer <token>\n"]
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):
+        pass  # a scrape every few seconds is not news
+
+
 class SupervisorExporter:
     """The node's HTTP endpoint plus the supervisor's own sink. ``stop()`` is idempotent."""
 
@@ -208,15 +242,21 @@ class SupervisorExporter:
         self._thread = None
         self._collector = collector
 
-    def serve(self, host: str, port: int) -> None:
-        """Serve the node's aggregate on ``host:port``. A port that cannot be bound is logged as an
-        error; training continues without metrics."""
+    def serve(self, host: str, port: int, token: str) -> None:
+        """Serve the node's aggregate on ``host:port`` to requests that carry ``token`` (see the
+        module's docstring). A port that cannot be bound is logged as an error; training
+        continues without metrics."""
+        app = _Authenticated(prometheus_client.make_wsgi_app(self.registry), token)
         try:
-            self._httpd, self._thread = prometheus_client.start_http_server(port, addr=host, registry=self.registry)
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            server = type("_Server", (_Server,), {"address_family": family})
+            self._httpd = make_server(host, port, app, server_class=server, handler_class=_QuietHandler)
         except OSError as e:
             logger.error("metrics endpoint %s:%d not started (%s); training continues without it", host, port, e)
-        else:
-            logger.info("metrics: http://%s:%d/metrics (files in %s)", host, port, self.path)
+            return
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="et-metrics", daemon=True)
+        self._thread.start()
+        logger.info("metrics: http://%s:%d/metrics (files in %s)", host, port, self.path)
 
     def before_collect(self, hook) -> None:
         """Run ``hook()`` at each scrape, before the files are aggregated (e.g. to set gauges
@@ -263,6 +303,26 @@ def multiproc_dir(cfg: Config) -> str:
     )
 
 
+def metrics_token(cfg: Config) -> str:
+    """The token every request to this node's endpoint must carry: ``ELASTIC_TRAINER_METRICS_TOKEN``
+    (surrounding whitespace dropped, as a Secret mounted from a file ends in a newline), else a
+    random one written to ``metrics.token`` in the supervisor's runtime directory, readable by its
+    owner alone; where it is is logged, never the token."""
+    token = os.environ.get(contract.METRICS_TOKEN_ENV, "").strip()
+    if token:
+        return token
+    token = secrets.token_urlsafe(32)
+    path = os.path.join(os.path.dirname(multiproc_dir(cfg)), METRICS_TOKEN_FILE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    logger.info("metrics: %s is not set; this node's endpoint takes the token in %s", contract.METRICS_TOKEN_ENV, path)
+    return token
+
+
+METRICS_TOKEN_FILE = "metrics.token"
+
+
 def start_supervisor_exporter(cfg: Config, *, serve: bool = True) -> SupervisorExporter:
     """Make a fresh metrics directory, export it to future workers through the environment,
     and serve the node's aggregate on ``metrics.host:metrics.port``. Call before any worker
@@ -281,5 +341,5 @@ def start_supervisor_exporter(cfg: Config, *, serve: bool = True) -> SupervisorE
     sink.gauge("elastic_trainer_build_info", 1, {"version": _version(), "torch_version": _torch_version()})
     exporter = SupervisorExporter(path, sink, registry, collector=collector)
     if serve:
-        exporter.serve(cfg.metrics.host, cfg.metrics.port)
+        exporter.serve(cfg.metrics.host, cfg.metrics.port, metrics_token(cfg))
     return exporter

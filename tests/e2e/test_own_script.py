@@ -305,7 +305,6 @@ def test_a_raising_rank_of_a_script_exits_within_seconds_while_a_save_is_stuck_u
 def test_hung_rank_is_restarted_and_metrics_are_served(tmp_path, reference):
     """A SIGSTOPped rank of the user's script is reaped by the hang watchdog, the group restarts
     and resumes exactly; the supervisor's exporter serves the script's step metrics meanwhile."""
-    import urllib.request
 
     from tests.fixtures.procs import free_port
 
@@ -345,9 +344,7 @@ def test_hung_rank_is_restarted_and_metrics_are_served(tmp_path, reference):
         )
     try:
         runs.wait_event(run_dir, "step", 120, proc, where=lambda r: r["step"] >= 3)
-        body = runs.wait_for(
-            lambda: _scrape(urllib.request, port), 60, "step metrics on the supervisor's endpoint", proc
-        )
+        body = runs.wait_for(lambda: _scrape(port), 60, "step metrics on the supervisor's endpoint", proc)
         assert "elastic_trainer_train_loss" in body
         code = proc.wait(240)
     finally:
@@ -369,9 +366,9 @@ def test_hung_rank_is_restarted_and_metrics_are_served(tmp_path, reference):
     assert runs.step_losses(run_dir) == reference["dropout"]
 
 
-def _scrape(urllib_request, port: int) -> str | None:
+def _scrape(port: int) -> str | None:
     try:
-        body = urllib_request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        body = runs.scrape(port)
     except OSError:
         return None
     return body if "elastic_trainer_train_step{" in body or "elastic_trainer_train_step " in body else None

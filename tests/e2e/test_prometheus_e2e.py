@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -59,6 +60,10 @@ def test_prometheus_scrapes_a_run_through_a_worker_kill(tmp_path, token_file, pr
         assert prom.value("elastic_trainer_train_step_duration_seconds_count") >= step - 1
         assert prom.value("elastic_trainer_restarts_total") == 0
         assert prom.value("elastic_trainer_rendezvous_rounds_total") == 1
+        # Prometheus sends the job's token (tests/fixtures/prometheus.py); a request without it gets nothing
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        assert refused.value.code == 401
         ranks = {r["metric"]["rank"] for r in prom.query("elastic_trainer_process_resident_memory_bytes")}
         assert ranks == {"0", "1"}
 
@@ -80,8 +85,7 @@ def test_prometheus_scrapes_a_run_through_a_worker_kill(tmp_path, token_file, pr
         assert prom.value("increase(elastic_trainer_restarts_total[1m])") > 0
 
         # 3. The live exposition is valid, and every dashboard query evaluates in Prometheus.
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-            exposition = resp.read().decode()
+        exposition = runs.scrape(port)
         check = subprocess.run(
             [promtool, "check", "metrics"], input=exposition, capture_output=True, text=True, timeout=60
         )

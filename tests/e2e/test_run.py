@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.runs import CLI, REPO, children, env_for_tests, is_zygote, kill, read_events, wait_event, wait_for
+from tests.runs import CLI, REPO, children, env_for_tests, is_zygote, kill, read_events, scrape, wait_event, wait_for
 
 SCRIPT = REPO / "tests" / "e2e" / "run_scripts" / "dist_script.py"
 MODULE = "tests.e2e.run_scripts.dist_script"
@@ -238,7 +237,7 @@ def test_preemption_exits_75(tmp_path, target):
         wait_for(lambda: (out / "ready-0").exists() and (out / "ready-1").exists(), 90, "both ranks ready", proc)
         pids = script_pids(proc.pid)
         assert len(pids) == 2
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        body = scrape(port, timeout=10)
         assert "elastic_trainer_rendezvous_rounds_total" in body
         if target == "supervisor":
             proc.send_signal(signal.SIGTERM)

@@ -18,7 +18,6 @@ import json
 import re
 import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -249,8 +248,7 @@ def test_transient_storage_faults_during_a_save_are_absorbed(s3_run, ref, s3_ser
 
 
 def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return resp.read().decode()
+    return runs.scrape(port)
 
 
 def _failures_metric(text: str) -> float:

@@ -60,6 +60,7 @@ TREES = BASES + OVERLAYS
 
 CONFIG_MOUNT_FILE = "config.toml"
 SECRET_NAME = "elastic-trainer-s3"
+METRICS_SECRET = {"name": "elastic-trainer-metrics", "key": "token"}  # the metrics endpoint's bearer token
 METRICS_PORT_NAME = "metrics"
 RDZV_PORT = 29400
 STORE_NAME = "elastic-trainer-store"
@@ -850,7 +851,7 @@ def test_no_literal_credentials_in_rendered_objects(tree: Path):
     for where, e in envs:
         if SENSITIVE_ENV.search(e["name"]):
             assert "value" not in e, f"{where}: env {e['name']} has a literal value"
-            assert e["valueFrom"]["secretKeyRef"]["name"] == SECRET_NAME
+            assert e["valueFrom"]["secretKeyRef"]["name"] in (SECRET_NAME, METRICS_SECRET["name"])
 
 
 @pytest.mark.parametrize("tree", TREES, ids=_rel)
@@ -873,6 +874,9 @@ def test_no_credentials_in_any_file_and_example_secret_not_deployed():
     assert example["kind"] == "Secret" and example["metadata"]["name"] == SECRET_NAME
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         assert example["stringData"][key].startswith("<"), "the example must hold placeholders only"
+    metrics = yaml.safe_load((K8S / "metrics-secret.example.yaml").read_text())
+    assert metrics["kind"] == "Secret" and metrics["metadata"]["name"] == METRICS_SECRET["name"]
+    assert metrics["stringData"][METRICS_SECRET["key"]].startswith("<"), "the example must hold placeholders only"
     for kfile in K8S.rglob("kustomization.yaml"):
         k = yaml.safe_load(kfile.read_text())
         listed = [*k.get("resources", []), *k.get("components", [])]
@@ -952,9 +956,13 @@ def test_podmonitor_scrapes_the_metrics_port(tree: Path):
     endpoints = pm["spec"]["podMetricsEndpoints"]
     assert [e["port"] for e in endpoints] == [METRICS_PORT_NAME]
     assert endpoints[0].get("path", "/metrics") == "/metrics"
+    # the endpoint answers only its bearer token: the PodMonitor sends the Secret the pods take
+    assert endpoints[0]["authorization"] == {"type": "Bearer", "credentials": METRICS_SECRET}
     for where, template in pod_templates(objs):
         labels = template["metadata"]["labels"]
         assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items(), where
+        token = env_of(trainer_container(template))["ELASTIC_TRAINER_METRICS_TOKEN"]
+        assert token["valueFrom"]["secretKeyRef"] == {**METRICS_SECRET, "optional": True}, where
         ports = {p["name"]: p["containerPort"] for p in trainer_container(template)["ports"]}
         assert ports[METRICS_PORT_NAME] == metrics_port, where
     for where, template in store_pod_templates(objs):

@@ -4,6 +4,7 @@ The dashboard's queries are checked against the real exposition in test_metrics_
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -90,10 +91,14 @@ def test_alert_set_covers_the_issue():
     } <= names
 
 
-def test_example_prometheus_config_is_valid(promtool):
+def test_example_prometheus_config_is_valid(promtool, tmp_path):
+    """Valid where it is meant to be used: beside its rules and the job's metrics token file."""
+    for name in ("prometheus.yml", "alerts.yml"):
+        shutil.copy(DEPLOY / "prometheus" / name, tmp_path / name)
+    (tmp_path / "elastic-trainer-metrics.token").write_text("a-token\n")
     r = subprocess.run(
         [promtool, "check", "config", "prometheus.yml"],
-        cwd=DEPLOY / "prometheus",
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=60,

@@ -10,14 +10,17 @@ import os
 import re
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from elastic_trainer import contract
 from elastic_trainer.config import Config, MetricsConfig, RunConfig
 from elastic_trainer.metrics import catalog, factory
 from elastic_trainer.metrics.sink import NullSink
+from tests import runs
 from tests.fixtures.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,6 +67,7 @@ def exporter(tmp_path, monkeypatch):
     from prometheus_client import values
 
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setenv(contract.METRICS_TOKEN_ENV, runs.METRICS_TOKEN)
     original = values.ValueClass
     cfg = Config(run=RunConfig(dir=str(tmp_path / "run")), metrics=MetricsConfig(port=free_port(), host="127.0.0.1"))
     exp = factory.start_supervisor_exporter(cfg)
@@ -77,8 +81,7 @@ def exporter(tmp_path, monkeypatch):
 
 def scrape(exp) -> str:
     host, port = exp.address
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
-        return resp.read().decode()
+    return runs.scrape(port, host)
 
 
 def samples(text: str, run: str = "elastic-trainer") -> dict[str, float]:
@@ -169,6 +172,68 @@ def test_unknown_and_mistyped_metrics_are_dropped_with_one_warning(caplog):
     assert sum("elastic_trainer_no_such_metric" in m for m in msgs) == 1
     assert any("elastic_trainer_train_loss" in m and "gauge" in m for m in msgs)
     assert any("elastic_trainer_restarts_total" in m and "counter" in m for m in msgs)
+
+
+def _status(exp, headers: dict) -> tuple[int, str]:
+    host, port = exp.address
+    req = urllib.request.Request(f"http://{host}:{port}/metrics", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_the_endpoint_answers_only_requests_with_the_jobs_token(exporter):
+    """No credentials, another token, the token in another scheme or with a suffix: 401 and no
+    metric in the answer; ``Bearer <token>``: the exposition."""
+    token = runs.METRICS_TOKEN
+    for headers in (
+        {},
+        {"Authorization": "Bearer not-the-token"},
+        {"Authorization": f"Basic {token}"},
+        {"Authorization": f"Bearer {token}x"},
+        {"Authorization": token},
+    ):
+        code, body = _status(exporter, headers)
+        assert code == 401 and "elastic_trainer_" not in body, (headers, code, body)
+    code, body = _status(exporter, {"Authorization": f"Bearer {token}"})
+    assert code == 200 and "elastic_trainer_restarts_total" in body
+
+
+def test_without_a_token_set_the_node_makes_one_readable_by_its_owner_alone(tmp_path, monkeypatch, caplog):
+    """``ELASTIC_TRAINER_METRICS_TOKEN`` unset: a random token in ``metrics.token`` (mode 0600)
+    beside the metrics files, which the endpoint takes and which is never logged; set with the
+    newline a Secret file ends in: the token without it."""
+    from prometheus_client import values
+
+    original = values.ValueClass
+    for i, (env, want) in enumerate(((None, None), ("  from-a-secret-file\n", "from-a-secret-file"))):
+        monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+        if env is None:
+            monkeypatch.delenv(contract.METRICS_TOKEN_ENV, raising=False)
+        else:
+            monkeypatch.setenv(contract.METRICS_TOKEN_ENV, env)
+        cfg = Config(
+            run=RunConfig(dir=str(tmp_path / f"run{i}")), metrics=MetricsConfig(port=free_port(), host="127.0.0.1")
+        )
+        try:
+            with caplog.at_level(logging.DEBUG):
+                exp = factory.start_supervisor_exporter(cfg)
+            path = Path(exp.path).parent / "metrics.token"
+            if want is None:
+                want = path.read_text().strip()
+                assert len(want) >= 32 and (path.stat().st_mode & 0o777) == 0o600
+                assert str(path) in caplog.text
+            else:
+                assert not path.exists()
+            assert want not in caplog.text, "the token is never logged"
+            assert _status(exp, {"Authorization": f"Bearer {want}"})[0] == 200
+            assert _status(exp, {})[0] == 401
+            exp.stop()
+        finally:
+            values.ValueClass = original
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
 
 def test_port_in_use_logs_and_training_goes_on(tmp_path, monkeypatch, caplog):
