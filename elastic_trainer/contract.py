@@ -115,6 +115,7 @@ PREEMPT_MARKER_FIELDS = ("step", "exit_code", "committed_step", "restartable")  
 RESOLVED_CONFIG_FILE = "config.json"  # run.dir: the resolved config of the last start (rank 0)
 RUNTIME_DIR = ".runtime"  # run.dir/.runtime/<host>-<supervisor pid>/: the supervisor's per-launch files
 TIMER_FILE = "watchdog.timer"  # in the runtime directory: the hang watchdog's pipe (TIMER_FILE_ENV)
+METRICS_TOKEN_FILE = "metrics.token"  # in the runtime directory: the metrics token made when METRICS_TOKEN_ENV is unset
 EVENTS_MIRROR_DIR = "_events"  # checkpoint root: each supervisor's mirrored event log segments
 
 

@@ -312,15 +312,13 @@ def metrics_token(cfg: Config) -> str:
     if token:
         return token
     token = secrets.token_urlsafe(32)
-    path = os.path.join(os.path.dirname(multiproc_dir(cfg)), METRICS_TOKEN_FILE)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    path = os.path.join(os.path.dirname(multiproc_dir(cfg)), contract.METRICS_TOKEN_FILE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # a file left from before keeps its mode through O_CREAT
         f.write(token + "\n")
     logger.info("metrics: %s is not set; this node's endpoint takes the token in %s", contract.METRICS_TOKEN_ENV, path)
     return token
-
-
-METRICS_TOKEN_FILE = "metrics.token"
 
 
 def start_supervisor_exporter(cfg: Config, *, serve: bool = True) -> SupervisorExporter:
