@@ -10,14 +10,19 @@ import pytest
 from elastic_trainer import report
 from tests import runs
 
+# each test mounts a small tmpfs in a mount namespace of its own (runs.run_launch's tmpfs=)
+SMALL_FILE_SYSTEM = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="needs root and unshare: a mount namespace with a small file system",
+)
 
+
+@SMALL_FILE_SYSTEM
 def test_a_full_checkpoint_file_system_ends_74_at_once_naming_the_cause(tmp_path, token_file):
     """``checkpoint.dir`` on its own small tmpfs (a mount namespace of the test's): the first
     commits fit, then saves fail with ENOSPC while training goes on. The final save fails for a
     cause no restart can change: the run ends 74 without the supervisor restarting the group
     (restarts were allowed), and every ``checkpoint_failed`` event names the cause on one line."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare: a mount namespace with a small file system for checkpoint.dir")
     run = tmp_path / "run"
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -51,13 +56,12 @@ def test_a_full_checkpoint_file_system_ends_74_at_once_naming_the_cause(tmp_path
     assert "Traceback" in text and "No space left on device" in text  # the traceback went to the log
 
 
+@SMALL_FILE_SYSTEM
 def test_two_nodes_with_their_own_run_dirs_both_end_74_at_once_on_a_full_disk(tmp_path, token_file, store):
     """Two nodes (one supervisor and one worker each, ``--nnodes 2``), each with its own
     ``run.dir`` as on two machines, one ``checkpoint.dir`` on a small tmpfs: the node without
     rank 0 must not restart its worker for a final save no restart can change (it would wait
     for a rendezvous its peer never joins): both supervisors end 74, neither restarts."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare: a mount namespace with a small file system for checkpoint.dir")
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     cfg = runs.write_config(
@@ -96,14 +100,13 @@ def test_two_nodes_with_their_own_run_dirs_both_end_74_at_once_on_a_full_disk(tm
     assert fin["restartable"] is False and "No space left on device" in fin["reason"], fin
 
 
+@SMALL_FILE_SYSTEM
 def test_a_full_run_dir_drops_events_and_training_goes_on_to_its_final_commit(tmp_path, token_file):
     """``run.dir`` (event log, resolved config, marker) on a tiny tmpfs that fills after a few
     steps: the event log is a record, not a dependency. The job trains to the end and commits
     its final step in ``checkpoint.dir`` (exit 0; was: rank 0 and then the supervisor died on
     ENOSPC, the job failed), one warning per process names the log, and the closing summary says
     the log is incomplete instead of presenting its last step as the end."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare: a mount namespace with a small file system for run.dir")
     run = tmp_path / "run"
     run.mkdir()
     ckpt = tmp_path / "ckpt"
@@ -122,13 +125,12 @@ def test_a_full_run_dir_drops_events_and_training_goes_on_to_its_final_commit(tm
     assert head and int(head[0][0]) == steps, listing.stdout
 
 
+@SMALL_FILE_SYSTEM
 def test_a_full_local_tier_fails_its_copies_by_name_and_training_and_commits_go_on(tmp_path, token_file):
     """``checkpoint.local_dir`` on a tmpfs with room for one copy of each rank: the copies after it
     fail with ENOSPC. Each failed copy is a ``checkpoint_local_failed`` event naming the cause and
     the file on one line (the traceback once per rank in the log); ``checkpoint.dir`` commits every
     ``remote_every``-th save as before; the run is not restarted and ends 0."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare: a mount namespace with a small file system for checkpoint.dir")
     run = tmp_path / "run"
     local = tmp_path / "local"
     local.mkdir()
