@@ -11,11 +11,16 @@ only once the worker thread has let go of the tensor, so Python always frees it.
 
 ``Tensor._use_count`` (private) is the only way to see that; ``tests/unit/test_collectives.py``
 fails loudly if torch changes it.
+
+DCP's own collectives (a save's or a load's gathered plans, as pickled tensors) cannot be waited
+for so. A world of one needs none of them: :func:`dcp_group` gives DCP ``no_dist`` there, so a
+``python train.py`` that resumes and ends, or ends on its final save, leaves gloo nothing to free.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,3 +44,11 @@ def wait_released(t: torch.Tensor, held: int, timeout: float = RELEASE_TIMEOUT_S
             return False
         time.sleep(50e-6)  # no GIL needed by the releasing thread: Python still holds t
     return True
+
+
+def dcp_group(group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """DCP's save/load keywords for ``group``: ``process_group`` where it has peers, ``no_dist``
+    in a world of one (the same files and plan, without a collective)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        return {"process_group": group}
+    return {"no_dist": True}

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import faults
+from .. import collectives, faults
 from ..errors import CheckpointError, CheckpointIncompatibleError, FencedError, NoUsableCheckpointError
 from ..events import EventLog
 from ..storage.fs import Storage
@@ -218,7 +218,7 @@ def load_remote(
     mine: tuple[str, str] = ("", "")
     try:
         reader = integrity.verifying(storage.dcp_reader(storage.join(name)), layout.Checks.from_manifest(manifest))
-        integrity.load(some, reader, process_group=group, planner=load_planner(some))
+        integrity.load(some, reader, planner=load_planner(some), **collectives.dcp_group(group))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
         mine = ("integrity" if compat.is_integrity(e) else "incompatible", compat.one_line(e))
     if agreement.all_true(not mine[0], control=False):

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .. import collectives
 from ..events import EventLog
 from ..storage.fs import Storage
 from . import failure, integrity, save_planner, writer_process
@@ -209,13 +210,14 @@ class RemoteSaver:
         0's commit's, not the saver's)."""
         try:
             writer, planner = self._writer_and_planner(save.name)
+            group = collectives.dcp_group(self.group)
             if self.sync:
-                dcp.save(states, storage_writer=writer, process_group=self.group, planner=planner)
+                dcp.save(states, storage_writer=writer, planner=planner, **group)
                 return _done()
             return self._uploads.start(
                 states,
                 self._stager.get(),
-                lambda staged: dcp.save(staged, storage_writer=writer, process_group=self.group, planner=planner),
+                lambda staged: dcp.save(staged, storage_writer=writer, planner=planner, **group),
             )
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a save that cannot start is a failed save
             return _failed(e)
