@@ -4,6 +4,7 @@ logits as the sharded model it came from."""
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -14,6 +15,7 @@ from .harness import run_ranks
 from .workloads import TINY, logits_after_load, save_after_training
 
 
+@pytest.mark.soak  # tests/e2e/test_user_models.py's export test checks the same logits (through from_pretrained)
 def test_exported_weights_reproduce_the_sharded_logits(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     run_ranks(save_after_training, 2, ckpt, "sync")
