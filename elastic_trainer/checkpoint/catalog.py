@@ -59,6 +59,13 @@ class ResumePlan:
     unusable: list[tuple[str, str]] = field(default_factory=list)  # (name, reason): commits of the lineage skipped
     incompatible: tuple[str, str] | None = None  # (name, reason): a commit in a format this version does not read
 
+    def skip(self, c: layout.Candidate, reason: str) -> None:
+        """``c`` is not loaded for ``reason``; a deterministic one (its content) quarantines it."""
+        self.skipped.append((c.step, reason))
+        self.unusable.append((c.name, reason))
+        if c.quarantine is None and layout.is_corruption(reason):
+            self.corrupt.append((c.name, reason))
+
     def stop_reason(self) -> str | None:
         """Why this start must stop (exit 2) instead of training: the newest commit of the lineage
         is in a format this version does not read (falling back would drop newer work), or
@@ -154,7 +161,10 @@ class Catalog:
             return data
         except (ValueError, OSError) as e:
             logger.warning("unreadable %s in %s: %s", marker, name, e)
-            return {"unreadable": str(e)} if unreadable_ok else {"reason": f"unreadable {marker}: {e}"}
+            if not unreadable_ok:
+                return {"reason": f"unreadable {marker}: {e}"}
+            # bytes that are no JSON object are damage; a read that failed may be the storage's moment
+            return {"unreadable": str(e), "read_failed": isinstance(e, OSError)}
 
     def ignored_entries(self) -> list[str]:
         """Directories under the root that are neither checkpoints nor reserved (reported, never touched)."""
@@ -292,10 +302,15 @@ class Catalog:
             if layout.is_format_problem(reason):
                 plan.incompatible = (c.name, reason)
                 break
-            plan.skipped.append((c.step, reason))
-            plan.unusable.append((c.name, reason))
-            if c.quarantine is None and layout.is_corruption(reason):
-                plan.corrupt.append((c.name, reason))
+            plan.skip(c, reason)
+        # A manifest that cannot be read names no lineage, so the order above may never reach it
+        # (an older commit of the lineage loads first): one newer than what loads is still skipped
+        # by name, and quarantined when its bytes are the problem.
+        for c in candidates:
+            if c.manifest is not None and "unreadable" in c.manifest and c.name not in exclude:
+                newer = plan.chosen is None or (c.step, c.gen) > (plan.chosen.step, plan.chosen.gen)
+                if newer and c.name not in {n for n, _ in plan.unusable}:
+                    plan.skip(c, self.problem(c) or "")
         return plan
 
     def _lineage_order(

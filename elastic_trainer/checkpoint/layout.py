@@ -206,6 +206,8 @@ def verify(c: Candidate, key: bytes | None = None) -> str | None:
     if c.manifest is None:
         return "uncommitted (no manifest)"
     if "unreadable" in c.manifest:
+        if c.manifest.get("read_failed"):  # not damage (is_corruption): re-read at the next start
+            return f"manifest could not be read: {c.manifest['unreadable']}"
         return f"manifest unreadable: {c.manifest['unreadable']}"
     if c.quarantine is not None:
         return f"quarantined: {c.quarantine.get('reason', 'unknown reason')}"

@@ -218,6 +218,40 @@ def test_quarantine_marks_without_deleting_and_resume_skips_it(tmp_path):
     assert layout.next_dir_name(10, {c.name for c in cat.scan()}) == "step-00000010.1"
 
 
+def test_an_unreadable_newer_manifest_is_skipped_by_name_and_quarantined_and_a_failed_read_is_not(
+    tmp_path, monkeypatch
+):
+    # A manifest that is no JSON object names no lineage: the lineage's older commit loads first,
+    # and the newer commit must still be reported (and quarantined: its bytes are the damage), at a
+    # first start and at a restart inside the launch alike.
+    root = tmp_path / "root"
+    a = _catalog(root, "A")
+    a.record_base(None)
+    five = _save(a, 5)
+    ten = _save(a, 10, parent=five, seq=2)
+    (root / ten / layout.MANIFEST).write_bytes(b"\x8e\x00 not json")
+    for plan in (a.plan_resume("latest"), _catalog(root, "B").plan_resume("latest")):
+        assert plan.chosen.name == five
+        ((step, reason),) = plan.skipped
+        assert step == 10 and reason.startswith("manifest unreadable: "), reason
+        assert plan.corrupt == [(ten, reason)]
+    # A read that failed (the storage, not the bytes) is skipped by name but never quarantined.
+    (root / ten / layout.MANIFEST).write_text("[]")
+    assert _catalog(root, "C").plan_resume("latest").corrupt == [(ten, "manifest unreadable: not a JSON object")]
+    storage = a.storage
+    read_json = storage.read_json
+
+    def failing(path):
+        if path.endswith(f"{ten}/{layout.MANIFEST}"):
+            raise ConnectionResetError("connection reset by peer")
+        return read_json(path)
+
+    monkeypatch.setattr(storage, "read_json", failing)
+    plan = a.plan_resume("latest")
+    assert plan.chosen.name == five and plan.corrupt == []
+    assert plan.skipped == [(10, "manifest could not be read: connection reset by peer")]
+
+
 # ------------------------------------------------------------------ lineage
 @pytest.fixture
 def two_launches(tmp_path):
