@@ -267,6 +267,7 @@ class CheckpointConfig:
         if self.local_dir:
             check_local_dir(self.local_dir, self.dir)
         if self.s3_endpoint_url:
+            refuse_credentials(self.s3_endpoint_url, "checkpoint.s3_endpoint_url")
             _require(
                 self.s3_endpoint_url.startswith(("http://", "https://")),
                 "checkpoint.s3_endpoint_url",
@@ -655,6 +656,25 @@ def validate(cfg: Config) -> None:
 
 
 _SUPPORTED_SCHEMES = ("file", "s3", "memory")
+_S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming rules
+
+
+def refuse_credentials(url: str, key: str) -> None:
+    """A URL's user-info (``scheme://user:secret@host/...``) is a credential: refused before
+    anything uses it, and never echoed (the message shows the URL without it). A secret may hold a
+    ``/`` (AWS secrets do), so an S3 URL whose bucket part holds a ``:`` counts too (buckets have
+    none), and an endpoint URL any ``@``."""
+    scheme, sep, rest = url.partition("://")
+    netloc = rest.split("/", 1)[0]
+    at = rest.rfind("@")
+    if sep and ("@" in netloc or (scheme == "s3" and ":" in netloc) or (scheme in ("http", "https") and at >= 0)):
+        shown = f"{scheme}://***" + (rest[at:] if at >= 0 else "")
+        raise ConfigError(
+            key,
+            f"credentials in a URL are not accepted (not used, not logged): {shown}; give them through the "
+            "environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) or the node's role"
+            + ("; an S3 server's host:port goes in checkpoint.s3_endpoint_url" if scheme == "s3" else ""),
+        )
 
 
 def check_local_dir(local_dir: str, ckpt_dir: str) -> None:
@@ -674,6 +694,7 @@ def check_uri(uri: str, key: str = "checkpoint.dir") -> str:
         raise ConfigError(key, "must be a non-empty path or URL")
     if "://" not in uri:
         return "file"
+    refuse_credentials(uri, key)
     proto, rest = uri.split("://", 1)
     if proto not in _SUPPORTED_SCHEMES:
         raise ConfigError(
@@ -681,7 +702,7 @@ def check_uri(uri: str, key: str = "checkpoint.dir") -> str:
         )
     if proto == "s3":
         bucket = rest.split("/", 1)[0]
-        if not bucket or bucket != bucket.lower() or not (3 <= len(bucket) <= 63) or "_" in bucket:
+        if not _S3_BUCKET.fullmatch(bucket):
             raise ConfigError(key, f"invalid S3 bucket name {bucket!r} in {uri!r}")
     if proto == "file" and not rest.startswith("/"):
         raise ConfigError(key, f"file:// URLs must be absolute, got {uri!r}")

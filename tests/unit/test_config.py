@@ -20,6 +20,24 @@ def test_demo_and_cluster_configs_load():
 
 
 @pytest.mark.parametrize(
+    "key, value",
+    [
+        ("dir", "s3://AKIAEXAMPLE:sEcReT/42@bucket/run"),
+        ("dir", "s3://akiaexample:secret42@bucket/run"),  # lower case: a valid-looking bucket before the @
+        ("dir", "file://user:secret42@host/data/ckpt"),
+        ("dir", "memory://user:secret42@x/ckpt"),
+        ("s3_endpoint_url", "http://minio:secret42@127.0.0.1:9000"),
+    ],
+)
+def test_credentials_in_a_url_are_refused_without_being_echoed(key, value):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"checkpoint": {key: value}})
+    assert e.value.key == f"checkpoint.{key}"
+    assert "credentials in a URL are not accepted" in str(e.value) and "***@" in str(e.value)
+    assert "secret42" not in str(e.value) and "sEcReT" not in str(e.value)
+
+
+@pytest.mark.parametrize(
     "data, key, fragment",
     [
         ({"trian": {"steps": 1}}, "trian", "unknown section"),
@@ -41,6 +59,8 @@ def test_demo_and_cluster_configs_load():
         ({"model": {"vocab_size": 70000}}, "model.vocab_size", "does not fit data.dtype=uint16"),
         ({"checkpoint": {"dir": "gs://bucket/x"}}, "checkpoint.dir", "unsupported scheme"),
         ({"checkpoint": {"dir": "s3://Bad_Bucket/x"}}, "checkpoint.dir", "invalid S3 bucket"),
+        ({"checkpoint": {"dir": "s3://bucket:9000/x"}}, "checkpoint.dir", "host:port goes in checkpoint.s3_endpoint"),
+        ({"checkpoint": {"dir": "s3://-bucket/x"}}, "checkpoint.dir", "invalid S3 bucket"),
         ({"checkpoint": {"dir": "file://relative/x"}}, "checkpoint.dir", "must be absolute"),
         ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last", ">= 1"),
         ({"checkpoint": {"resume": "yesterday"}}, "checkpoint.resume", "'latest', 'none' or a step"),
