@@ -226,7 +226,14 @@ class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
 
+IDLE_SECONDS = 10.0  # a connection that sends no full request within this is closed (Prometheus sends at once)
+
+
 class _QuietHandler(WSGIRequestHandler):
+    # Each connection holds a thread of its own: without a timeout, connections that never send a
+    # request (from anywhere that reaches the port) would hold their threads forever.
+    timeout = IDLE_SECONDS
+
     def log_message(self, format, *args):
         pass  # a scrape every few seconds is not news
 

@@ -8,8 +8,10 @@ import json
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 
 from elastic_trainer import contract
 from elastic_trainer.config import Config, MetricsConfig, RunConfig
-from elastic_trainer.metrics import catalog, factory
+from elastic_trainer.metrics import catalog, factory, prometheus
 from elastic_trainer.metrics.sink import NullSink
 from tests import runs
 from tests.fixtures.procs import free_port
@@ -199,6 +201,25 @@ def test_the_endpoint_answers_only_requests_with_the_jobs_token(exporter):
         assert code == 401 and "elastic_trainer_" not in body, (headers, code, body)
     code, body = _status(exporter, {"Authorization": f"Bearer {token}"})
     assert code == 200 and "elastic_trainer_restarts_total" in body
+
+
+def test_a_connection_that_sends_nothing_is_closed_and_scrapes_go_on(exporter, monkeypatch):
+    """Idle connections (which need no token to open) are closed after ``IDLE_SECONDS``, not held
+    forever on a thread each; a scrape meanwhile is answered."""
+    assert prometheus._QuietHandler.timeout == prometheus.IDLE_SECONDS <= 30
+    monkeypatch.setattr(prometheus._QuietHandler, "timeout", 0.5)  # the same mechanism, faster
+    host, port = exporter.address
+    idle = [socket.create_connection((host, port), timeout=10) for _ in range(3)]
+    try:
+        code, _ = _status(exporter, {"Authorization": f"Bearer {runs.METRICS_TOKEN}"})
+        assert code == 200
+        t0 = time.monotonic()
+        for sock in idle:
+            assert sock.recv(1024) == b"", "the server closes an idle connection"
+        assert time.monotonic() - t0 < 5
+    finally:
+        for sock in idle:
+            sock.close()
 
 
 def test_without_a_token_set_the_node_makes_one_readable_by_its_owner_alone(tmp_path, monkeypatch, caplog):
