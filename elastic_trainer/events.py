@@ -106,9 +106,14 @@ def read_events(path: str, tail_bytes: int | None = None) -> Iterator[dict[str, 
                 yield record
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def parse_record(line: bytes | str) -> dict[str, Any] | None:
     """One line of an event log as a record; None for a blank, torn or damaged line (anything
-    but a JSON object), which every reader skips."""
+    but a JSON object with a string ``event``, a numeric ``time`` and an integer or null
+    ``step`` where it has them), which every reader skips."""
     line = line.strip()
     if not line:
         return None
@@ -116,4 +121,11 @@ def parse_record(line: bytes | str) -> dict[str, Any] | None:
         record = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict) or not isinstance(record.get("event"), str):
+        return None
+    if "time" in record and not _number(record["time"]):
+        return None
+    step = record.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        return None
+    return record

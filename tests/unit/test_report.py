@@ -193,6 +193,25 @@ def test_cli_report_writes_png_and_text(tmp_path, capsys):
     assert (run / "report.png").exists() and f"plot: {run / 'report.png'}" in capsys.readouterr().out
 
 
+def test_records_damaged_into_other_types_are_skipped_like_torn_lines(tmp_path, capsys):
+    # Bytes damaged in place can still parse as JSON: a record whose event, time or step has
+    # another type is damage, skipped as a torn line is, not a crash of every reader.
+    log = Log().at(0, "launch").steps(1, 6).at(0, "finished", step=6, tokens_seen=600)
+    run = _write(tmp_path, log.events)
+    with open(run / "events.jsonl", "a") as f:
+        f.write("\n")  # after _write's torn line
+        for bad in (
+            {"event": "step", "time": 1.0, "step": "x"},
+            {"event": 5, "time": 1.0},
+            {"event": "step", "time": "t"},
+        ):
+            f.write(json.dumps(bad) + "\n")
+        f.write('[1, 2]\n{"event": "step", "ste')
+    assert report.main(argparse.Namespace(run_dir=str(run), out=None, json=True)) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["restarts"] == 0 and data["goodput"]["recompute_steps"] == 0
+
+
 def test_plot_draws_the_kept_curve_and_markers(tmp_path):
     log = Log().at(0, "launch").steps(1, 6).at(0.1, "checkpoint_committed", step=5, bytes=1, seconds=0.1)
     log.at(0.1, "restart", reason="worker_failure").steps(6, 8)

@@ -217,7 +217,7 @@ def test_a_relaunch_on_a_long_log_mirrors_it_in_bounded_segments(tmp_path, monke
 
 def test_damaged_lines_are_skipped_by_the_follower_and_the_report(tmp_path):
     """A log (or a mirrored object) with lines that parse as JSON but are no record, bytes that are
-    not UTF-8, or a record whose time is not a number: skipped or kept in place, never a crash
+    not UTF-8, or a record whose time is not a number: skipped, never a crash
     (a crash in poll() left the rest of the chunk unfed)."""
     log = tmp_path / "events.jsonl"
     good = _records(0, 3)
@@ -232,5 +232,5 @@ def test_damaged_lines_are_skipped_by_the_follower_and_the_report(tmp_path):
     h.close()
     got = read_mirrored_events(store.inner)
     assert [e for e in got if e["event"] == "step"] == good
-    assert got[-1] == {"event": "checkpoint_committed", "time": "soon", "step": 2}
+    assert not [e for e in got if e["event"] == "checkpoint_committed"], "a record of the wrong types is damage"
     assert h.ledger.result().wall_seconds == pytest.approx(2.0), "every good record was fed"
