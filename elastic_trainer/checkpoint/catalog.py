@@ -306,11 +306,11 @@ class Catalog:
         # A manifest that cannot be read names no lineage, so the order above may never reach it
         # (an older commit of the lineage loads first): one newer than what loads is still skipped
         # by name, and quarantined when its bytes are the problem.
+        reported = exclude | {n for n, _ in plan.unusable}
         for c in candidates:
-            if c.manifest is not None and "unreadable" in c.manifest and c.name not in exclude:
-                newer = plan.chosen is None or (c.step, c.gen) > (plan.chosen.step, plan.chosen.gen)
-                if newer and c.name not in {n for n, _ in plan.unusable}:
-                    plan.skip(c, self.problem(c) or "")
+            newer = plan.chosen is None or (c.step, c.gen) > (plan.chosen.step, plan.chosen.gen)
+            if newer and c.manifest is not None and "unreadable" in c.manifest and c.name not in reported:
+                plan.skip(c, self.problem(c))
         return plan
 
     def _lineage_order(
