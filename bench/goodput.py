@@ -40,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import REPO, TINY_DEMO, parse_with_smoke
+from elastic_trainer.goodput import MIN_REFERENCE_STEPS, REFERENCE_STEPS
 from elastic_trainer.report import account
 from tests import runs
 
@@ -112,8 +113,36 @@ def run_once(config: str, minutes: float, kill_every: float, seed: int, override
         logs=str(work),
         commits=sum(1 for e in events if e["event"] == "checkpoint_committed"),
         chosen=[e["interval_steps"] for e in events if e["event"] == "checkpoint_interval_changed"],
+        **step_times(events),
     )
     return out
+
+
+def step_times(events: list[dict]) -> dict:
+    """What the steps themselves say: the median step, the mean time between consecutive steps
+    (the save call on the training thread, logging), and the mean excess of a step over the median
+    of the recent steps, by the ledger's own rule (``elastic_trainer.goodput``), over *every* step:
+    what the ledger would charge a save that overlaps every step, were its cost zero (in a run whose
+    steps overlap no save, this machine's step-time noise)."""
+    steps = [e for e in events if e["event"] == "step" and isinstance(e.get("step_time_s"), (int, float))]
+    if not steps:
+        return {}
+    recent: list[float] = []
+    excess, gaps, prev = [], [], None
+    for e in steps:
+        if prev is not None and e.get("world_size") != prev.get("world_size"):
+            recent = []
+        if len(recent) >= MIN_REFERENCE_STEPS:
+            excess.append(max(0.0, e["step_time_s"] - statistics.median(recent[-REFERENCE_STEPS:])))
+        recent = [*recent[-REFERENCE_STEPS:], e["step_time_s"]]
+        if prev is not None and e["step"] == prev["step"] + 1:
+            gaps.append(max(0.0, e["time"] - e["step_time_s"] - prev["time"]))
+        prev = e
+    return {
+        "step_median_ms": round(statistics.median(e["step_time_s"] for e in steps) * 1e3, 2),
+        "between_steps_ms": round(statistics.mean(gaps) * 1e3, 2) if gaps else None,
+        "excess_over_recent_median_ms": round(statistics.mean(excess) * 1e3, 2) if excess else None,
+    }
 
 
 def print_one(out: dict) -> None:
@@ -123,6 +152,11 @@ def print_one(out: dict) -> None:
         print(f"| {k.removesuffix('_seconds')} | {out[k]:.1f} | {out[k] / out['wall_seconds']:.3f} |")
     g = f"{out['goodput']:.3f}" if out["goodput"] is not None else "-"
     print(f"| **wall** | {out['wall_seconds']:.1f} | goodput **{g}** |")
+    if out.get("step_median_ms") is not None:
+        print(
+            f"steps: median {out['step_median_ms']} ms, {out['between_steps_ms']} ms between steps, "
+            f"{out['excess_over_recent_median_ms']} ms mean excess over the recent median (every step)"
+        )
 
 
 def print_sweep(results: list[dict]) -> None:
