@@ -8,7 +8,9 @@ Runs the config for ``--minutes`` under ``elastic-trainer launch``, SIGKILLs one
 random rank, seeded) every ``--kill-every`` seconds, then stops the job with SIGTERM (it
 checkpoints and exits 75) and accounts the wall time with ``elastic_trainer.report.account``:
 goodput = productive step time / wall time, where steps redone after a resume are not
-productive. Prints the accounting as JSON and a Markdown table.
+productive. Prints the accounting as JSON and a Markdown table, and what the steps themselves say
+(:func:`step_times`: the median step, the time between steps, and the step-time excess the ledger
+would charge a save that overlapped every step).
 
 With several ``--kill-every`` rates, ``--interval`` values (``auto`` or a step count, set
 as ``checkpoint.interval_steps``) and/or ``--tier`` values, runs every combination one after the
