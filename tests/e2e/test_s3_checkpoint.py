@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.s3, pytest.mark.timeout(240)]
 
 STEPS = 20  # every run here trains this many steps, saving every 5
 OUTAGE_FAILURE_BOUND_S = 45.0  # a save under a permanent outage must fail within this
-FAST_STORAGE = {"storage_timeout_seconds": 5.0, "storage_retries": 0}
+FAST_STORAGE = {"storage_timeout_seconds": 8.0, "storage_retries": 0}
 
 
 def _creds(s3) -> dict[str, str]:
@@ -273,9 +273,9 @@ def test_permanent_outage_fails_saves_visibly_while_training_goes_on(
         checkpoint={"s3_endpoint_url": fault_proxy.endpoint_url, **FAST_STORAGE},
         metrics={"port": port, "host": "127.0.0.1"},
     )
-    # Steps 16..20 take 2.5 s each, so training is still running when save 15's failure (storage
-    # timeout 5 s) is reported: the loop must go on after a failure, not only around one.
-    slow_tail = {"ELASTIC_TRAINER_INJECT_FAULT": "slow@rank=0,step=16,seconds=2.5"}
+    # Steps 16..20 take 5 s each, so training is still running when save 15's failure (storage
+    # timeout 8 s) is reported: the loop must go on after a failure, not only around one.
+    slow_tail = {"ELASTIC_TRAINER_INJECT_FAULT": "slow@rank=0,step=16,seconds=5.0"}
     sup = runs.start_launch(cfg, env={**_creds(s3_server), **slow_tail})
     try:
         runs.wait_event(run, "checkpoint_committed", timeout=120, proc=sup, where=lambda r: r["step"] == 10)
