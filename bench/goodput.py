@@ -26,6 +26,7 @@ only; ``--tier memory`` adds the node-local tier in memory (``checkpoint.local_d
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -129,14 +130,14 @@ def step_times(events: list[dict]) -> dict:
     steps = [e for e in events if e["event"] == "step" and isinstance(e.get("step_time_s"), (int, float))]
     if not steps:
         return {}
-    recent: list[float] = []
+    recent: collections.deque[float] = collections.deque(maxlen=REFERENCE_STEPS)
     excess, gaps, prev = [], [], None
     for e in steps:
         if prev is not None and e.get("world_size") != prev.get("world_size"):
-            recent = []
+            recent.clear()
         if len(recent) >= MIN_REFERENCE_STEPS:
-            excess.append(max(0.0, e["step_time_s"] - statistics.median(recent[-REFERENCE_STEPS:])))
-        recent = [*recent[-REFERENCE_STEPS:], e["step_time_s"]]
+            excess.append(max(0.0, e["step_time_s"] - statistics.median(recent)))
+        recent.append(e["step_time_s"])
         if prev is not None and e["step"] == prev["step"] + 1:
             gaps.append(max(0.0, e["time"] - e["step_time_s"] - prev["time"]))
         prev = e
