@@ -81,7 +81,11 @@ def _parser() -> argparse.ArgumentParser:
         "--limit-mb", type=float, default=8.0, help="read at most this many MiB of the default texts (default 8)"
     )
 
-    p = sub.add_parser("ckpt", help="checkpoint tools (read-only)")
+    p = sub.add_parser(
+        "ckpt",
+        help="checkpoint tools: list, inspect and export only read the checkpoint root; release writes to it "
+        "(it deletes a checkpoint's quarantine marker)",
+    )
     ksub = p.add_subparsers(dest="ckpt_cmd", required=True)
     uri_help = "checkpoint root (checkpoint.dir): a path, file:///abs/path, s3://bucket/prefix"
     endpoint_help = "S3 endpoint for an s3:// URI (default: AWS_ENDPOINT_URL_S3 / FSSPEC_S3_ENDPOINT_URL)"

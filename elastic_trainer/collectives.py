@@ -30,7 +30,7 @@ RELEASE_TIMEOUT_SECONDS = 5.0
 
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """``dist.all_reduce(t, group)`` (SUM, in place) that returns once the backend has released ``t``."""
-    held = t._use_count()
+    held = t._use_count()  # type: ignore[attr-defined]  # not in torch's stubs
     dist.all_reduce(t, group=group)
     if t.device.type == "cpu":  # gloo; NCCL frees on its own watchdog thread, never at exit like this
         wait_released(t, held)
@@ -39,7 +39,7 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
 def wait_released(t: torch.Tensor, held: int, timeout: float = RELEASE_TIMEOUT_SECONDS) -> bool:
     """Until no more than ``held`` references to ``t``'s tensor remain (bounded). False on timeout."""
     deadline = time.monotonic() + timeout
-    while t._use_count() > held:
+    while t._use_count() > held:  # type: ignore[attr-defined]  # not in torch's stubs
         if time.monotonic() > deadline:
             return False
         time.sleep(50e-6)  # no GIL needed by the releasing thread: Python still holds t

@@ -374,7 +374,8 @@ def run_changes(
 ) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
     """(refused, allowed) changes between a checkpoint's run identity and the config's, each
     ``(key, checkpoint value, config value)``. Keys absent from ``recorded`` are not compared. Pure."""
-    refused, ok = [], []
+    refused: list[tuple[str, Any, Any]] = []
+    ok: list[tuple[str, Any, Any]] = []
     for key in sorted(recorded):
         if key in current and recorded[key] != current[key]:
             (ok if key in allowed else refused).append((key, recorded[key], current[key]))
@@ -560,7 +561,9 @@ def torch_release() -> tuple[int, int]:
     from importlib.metadata import version
 
     major, minor = version("torch").split(".")[:2]
-    return int(major), int(re.match(r"\d+", minor).group())
+    digits = re.match(r"\d+", minor)
+    assert digits is not None, f"torch minor version {minor!r}"
+    return int(major), int(digits.group())
 
 
 def _require(cond: bool, key: str, message: str) -> None:

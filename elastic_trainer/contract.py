@@ -256,7 +256,15 @@ EVENTS: tuple[Event, ...] = (
         "from_nodes to_nodes from_world_size to_world_size restart_refunded remaining_restarts node",
         restart_refunded="a node loss or join does not use up a restart",
     ),
-    _e("job_stopped", _SUPERVISOR, "A terminal code (65 or 73): the group is not restarted.", "exit_code failures"),
+    _e(
+        "job_stopped",
+        _SUPERVISOR,
+        "Every failed worker ended with a code a restart would only repeat, so the group is not restarted: "
+        "2 (configuration, a checkpoint the code cannot take), 65 (non-finite stop), 73 (fenced), or 74 when "
+        "the final save failed for a cause a restart cannot change (no space, permission denied, ...). "
+        "Written while restarts remain; with none left the supervisor ends with the same code.",
+        "exit_code failures",
+    ),
     _e("job_failed", _SUPERVISOR, "Restarts exhausted.", "failures", failures="the last failures, as in `restart`"),
     _e(
         "supervisor_exit",
@@ -277,7 +285,8 @@ EVENTS: tuple[Event, ...] = (
         "resume",
         _RANK0,
         "Resumed from a checkpoint; a script's `after_load` may add fields.",
-        "step tier from_world_size world_size load_seconds since_start_seconds cursor skipped rng tiers? data_view?",
+        "step tier from_world_size world_size load_seconds since_start_seconds cursor skipped rng tiers? data_view? "
+        "phases decision_reads",
         extensible=True,
         tier="`remote`: `checkpoint.dir`; `local`: every rank's `checkpoint.local_dir` copy; `peer`: the nodes' "
         "copies (own node first, then other nodes' holders), resharded if need be",
@@ -285,6 +294,12 @@ EVENTS: tuple[Event, ...] = (
         rng=f"`restored` or `{_RESEEDED}`",
         data_view="`recorded`, or `resolved now (the checkpoint has none)` for a checkpoint written before data "
         "views were recorded",
+        phases="rank 0's seconds per phase between the worker's start and the resume, in the order they ran: "
+        "`session` (process groups), `build` (model, sharding, optimizer), `decision` (rank 0's catalog), "
+        "`agreement` (the plan shared), `state_init` (every rank's state initialised), `check` (the layout "
+        "against the code), `planning`, `reading`, `verifying` (checksums), `set_state_dict`, `data_position`; "
+        "`peer_load` with the peer tier",
+        decision_reads="storage operations of rank 0's decision (listings and objects of `checkpoint.dir`)",
     ),
     _e("init_from", _RANK0, "A fresh start loaded `model.init_from`.", "path files tensors seconds"),
     _e(
@@ -318,6 +333,7 @@ EVENTS: tuple[Event, ...] = (
         "One optimizer step; a script adds fields with `s.record(...)`.",
         "step loss lr grad_norm world_size step_time_s tokens_per_s",
         extensible=True,
+        lr="the learning rate this step's update used, the first optimizer's; `null` when none is recorded",
     ),
     _e(
         "nonfinite",

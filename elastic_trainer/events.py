@@ -38,7 +38,7 @@ class EventLog:
         self.enabled = enabled and path is not None
         self._lock = threading.Lock()
         self.dropped = 0  # records not written since the last one that was
-        if self.enabled:
+        if self.enabled and path is not None:  # enabled implies a path
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
@@ -48,6 +48,7 @@ class EventLog:
                 raise ValueError("; ".join(problems))
         record = {"event": event, "time": time.time(), **fields}
         if self.enabled:
+            assert self.path is not None  # enabled implies a path
             line = json.dumps(record, sort_keys=False, default=str) + "\n"
             with self._lock:
                 try:

@@ -135,9 +135,9 @@ def maybe_inject(kind: str, step: int, committed: Callable[[int], bool] | None =
     if kind == "slow":
         rank = int(os.environ.get(contract.RANK_ENV, "0"))
         restart = int(os.environ.get(contract.RESTART_COUNT_ENV, "0"))
-        for f in _active():
-            if f.kind == "slow" and f.rank == rank and f.step <= step and f.restart == restart:
-                time.sleep(f.seconds)
+        for slow in _active():
+            if slow.kind == "slow" and slow.rank == rank and slow.step <= step and slow.restart == restart:
+                time.sleep(slow.seconds)
         return
     f = _match(kind, step)
     if f is None:

@@ -205,7 +205,7 @@ class Ledger:
             return
         self._timeline(ev, e, t)
 
-    def _timeline(self, ev: str, e: dict[str, Any], t: float) -> None:
+    def _timeline(self, ev: str | None, e: dict[str, Any], t: float) -> None:
         if ev == "rendezvous":
             secs = float(e.get("seconds") or 0.0)
             self._upto(t - secs)
@@ -319,6 +319,7 @@ class Ledger:
         if self._t_first is None:
             g.categories = dict.fromkeys(CATEGORIES, 0.0)
             return g
+        assert self._t_last is not None and self._cursor is not None  # set with _t_first
         end = self._t_last if now is None else max(self._t_last, now)
         spent = dict(self._spent)
         for cat, secs in self._gap_total.items():

@@ -77,6 +77,7 @@ def preflight(cfg: Config) -> int | None:
     catalog, plan = check_storage(cfg)
     if plan is None or plan.chosen is None:
         return None
+    assert plan.chosen.manifest is not None  # the chosen checkpoint is verified
     if plan.chosen.manifest.get("config_fingerprint") != cfg.model_fingerprint():
         # A different architecture is named as such (tensor and shapes) before any config key.
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata

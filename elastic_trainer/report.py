@@ -233,7 +233,7 @@ def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
                 runs.append([])
             runs[-1].append(e)
     kept_ids = {id(e) for e in kept}
-    label = "rolled back (redone after a restart)"
+    label: str | None = "rolled back (redone after a restart)"
     for run in runs:
         lost = [e for e in run if id(e) not in kept_ids]
         if lost:

@@ -9,7 +9,7 @@ default: the tiny Llama in tests/data/hf); the corpus is any text files (default
 repository's docs), tokenised byte-wise.
 
     elastic-trainer run --nproc-per-node 2 examples/accelerate_clm.py --steps 20
-    accelerate launch --num_processes 2 examples/accelerate_clm.py --steps 20
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_clm.py --steps 20   # also without GPUs
     python examples/accelerate_clm.py --steps 20
 """
 

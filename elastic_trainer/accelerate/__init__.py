@@ -31,8 +31,8 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sized
+from typing import Any, cast
 
 import accelerate
 import torch
@@ -118,6 +118,7 @@ class Accelerator(accelerate.Accelerator):
         return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
 
     def _prepare_train_loader(self, loader: DataLoader, device_placement: bool | None) -> Any:
+        assert loader.batch_size is not None  # prepare_data_loader checked
         s = self.session
         self._layout = {
             "global_batch_size": loader.batch_size * self.num_processes * self.gradient_accumulation_steps,
@@ -125,7 +126,7 @@ class Accelerator(accelerate.Accelerator):
         }
         g = self._layout["global_batch_size"]
         self._sampler = EpochBatchSampler(
-            len(loader.dataset),
+            len(cast(Sized, loader.dataset)),  # a map-style dataset
             g,
             loader.batch_size,
             seed=s.cfg.train.seed,
@@ -157,7 +158,8 @@ class Accelerator(accelerate.Accelerator):
 
     def prepare_scheduler(self, scheduler: Any):
         prepared = super().prepare_scheduler(scheduler)
-        _api.step_per_global_batch(prepared, self._layout.get("scheduler_steps", self.num_processes))
+        processes: int = self.num_processes
+        _api.step_per_global_batch(prepared, self._layout.get("scheduler_steps", processes))
         return prepared
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):

@@ -131,7 +131,8 @@ def lineage_from_events(events: Iterable[dict[str, Any]]) -> Lineage:
     ledger = Ledger()
     failures = 0
     last: dict[str, Any] | None = None
-    first_t = last_t = None
+    first_t: float | None = None
+    last_t: float | None = None
     for e in events:
         ledger.feed(e)
         t = e.get("time")
@@ -150,7 +151,7 @@ def lineage_from_events(events: Iterable[dict[str, Any]]) -> Lineage:
     costs = [i.seconds for i in ledger.result().interruptions if i.reason in INTERRUPTED_BY_FAILURE]
     return Lineage(
         failures=failures,
-        observed_seconds=float(last_t - first_t) if first_t is not None else 0.0,
+        observed_seconds=float(last_t - first_t) if first_t is not None and last_t is not None else 0.0,
         restart_cost=statistics.mean(costs) if costs else None,
         step_seconds=float(last["step_seconds"]) if last else None,
         save_cost=float(last["save_cost_s"]) if last else None,

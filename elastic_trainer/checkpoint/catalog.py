@@ -89,6 +89,13 @@ class ResumePlan:
         return None
 
 
+def _step_dir(name: str) -> tuple[int, int]:
+    """(step, generation) of a name the listing kept: a step directory's."""
+    parsed = layout.parse_dir(name)
+    assert parsed is not None
+    return parsed
+
+
 class Catalog:
     """The checkpoints under one root (``storage``), as rank 0, the preflight and the tools see them.
 
@@ -115,7 +122,7 @@ class Catalog:
         which :func:`layout.verify` reports, so a damaged commit marker is skipped, never trusted."""
         out = []
         for name, files in sorted(self._listing().items()):
-            step, _ = layout.parse_dir(name)
+            step, _ = _step_dir(name)
             manifest = self._read_marker(name, layout.MANIFEST, files, unreadable_ok=True)
             quarantine = self._read_marker(name, layout.QUARANTINE, files)
             writer = self._read_marker(name, layout.WRITER, files) if manifest is None else None
@@ -147,7 +154,7 @@ class Catalog:
         per_dir = self._listing()
         marked = [n for n, f in per_dir.items() if layout.MANIFEST in f and layout.QUARANTINE not in f]
         unmarked = sorted(n for n, f in per_dir.items() if layout.MANIFEST not in f)
-        return sorted(per_dir), max(marked, key=layout.parse_dir, default=None), unmarked
+        return sorted(per_dir), max(marked, key=_step_dir, default=None), unmarked
 
     def _read_marker(
         self, name: str, marker: str, files: dict[str, int], unreadable_ok: bool = False
@@ -180,6 +187,7 @@ class Catalog:
             raise CheckpointError(f"checkpoint {c.name} is unusable: {problem}")
         from . import integrity  # torch's DCP: the supervisor's checks before start need none of it
 
+        assert c.manifest is not None  # verified
         return integrity.verifying(
             self.storage.dcp_reader(self.storage.join(c.name)), layout.Checks.from_manifest(c.manifest)
         )
@@ -275,6 +283,7 @@ class Catalog:
         mine = self.epoch_record(self.epoch) if self.epoch else {}
         restart = "base" in mine
         if restart:
+            assert self.epoch is not None  # a record is read only with an epoch
             order = self._lineage_order(candidates, {self.epoch: mine}, only=self.epoch)
         elif resume == "none":
             return ResumePlan(None, [], True)
@@ -310,7 +319,9 @@ class Catalog:
         for c in candidates:
             newer = plan.chosen is None or (c.step, c.gen) > (plan.chosen.step, plan.chosen.gen)
             if newer and c.manifest is not None and "unreadable" in c.manifest and c.name not in reported:
-                plan.skip(c, self.problem(c))
+                problem = self.problem(c)
+                assert problem is not None  # an unreadable manifest is one
+                plan.skip(c, problem)
         return plan
 
     def _lineage_order(
@@ -333,7 +344,7 @@ class Catalog:
         names = [only] if only else sorted(epochs, key=layout.epoch_key, reverse=True)
         for e in names:
             own = [c for c in candidates if c.manifest and c.manifest.get("epoch") == e]
-            for c in sorted(own, key=lambda c: (c.manifest.get("seq", 0), c.step, c.gen), reverse=True):
+            for c in sorted(own, key=lambda c: ((c.manifest or {}).get("seq", 0), c.step, c.gen), reverse=True):
                 add(c)
             base = epochs.get(e, {}).get("base")
             if isinstance(base, str):

@@ -81,6 +81,7 @@ class Committer:
         if self._marks_off:
             return
         try:
+            assert self.catalog is not None  # rank 0 (its pool runs this)
             self.catalog.mark_writer(name)
         except Exception as e:  # noqa: BLE001 - the marker only refines cleanup; the save goes on
             logger.warning("could not mark %s with this epoch: %s", name, e)
@@ -103,12 +104,14 @@ class Committer:
                 self.report_failure(save, error)
             save.advance(SaveState.FAILED, error=error)
         elif save.advance(SaveState.COMMITTING):
+            assert self.pool is not None  # rank 0 (it has a catalog)
             self.pool.submit(self.commit, save, extra, generation)
 
     def commit(self, save: Save, extra: dict[str, Any], generation: int) -> None:
         """Rank 0, commit thread: prove the save complete and commit it, then retention."""
         faults.maybe_inject("kill_before_commit", save.step)
         try:
+            assert self.catalog is not None and save.name is not None  # rank 0, a save to checkpoint.dir
             manifest = self.catalog.commit(
                 save.name,
                 step=save.step,

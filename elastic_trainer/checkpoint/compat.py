@@ -90,9 +90,18 @@ def _fmt(entry: tuple) -> str:
     return f"{dtype}{list(entry[1])}"
 
 
-def check(states: dict[str, Any], metadata, manifest: dict[str, Any], world_size: int) -> Report:
+def check(
+    states: dict[str, Any],
+    metadata,
+    manifest: dict[str, Any],
+    world_size: int,
+    *,
+    state_dicts: dict[str, dict[str, Any]] | None = None,
+) -> Report:
     """Compare what ``states`` (the registered ``Stateful`` objects, by checkpoint key) would
-    load with what the checkpoint holds. Calls each ``state_dict()`` once (no collectives)."""
+    load with what the checkpoint holds. ``state_dicts``: their ``state_dict()``s, where the
+    caller has them; the others' are asked for once (no collectives)."""
+    state_dicts = state_dicts or {}
     report = Report()
     saved = _saved_entries(metadata)
     saved_tops = {k.partition(".")[0] for k in saved}
@@ -121,7 +130,8 @@ def check(states: dict[str, Any], metadata, manifest: dict[str, Any], world_size
         if getattr(obj, "per_rank", False):
             _check_per_rank(report, key, obj, key in saved_tops, saved_world, world_size, optional)
             continue
-        expected = {k: _describe(v) for k, v in flat_state({key: obj.state_dict()}).items()}
+        sd = state_dicts[key] if key in state_dicts else obj.state_dict()
+        expected = {k: _describe(v) for k, v in flat_state({key: sd}).items()}
         if key not in saved_tops:
             if optional.get(key) is True:
                 report.added += sorted(expected) or [key]

@@ -64,6 +64,7 @@ class StateDicts:
     def optimizer_state_dict(self) -> dict[str, Any]:
         with _gc_context():
             info = self._layout()
+            assert self.optimizer is not None  # asked only of a model with an optimizer
             out = _get_optim_state_dict(self.model, (self.optimizer,), info)
             _verify_state_dict({}, out, info)
             return out

@@ -40,7 +40,8 @@ import json
 import os
 import pickle
 import threading
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -51,7 +52,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -106,6 +107,7 @@ class _HashingStream(io.RawIOBase):
 
     def tell(self) -> int:
         if self._rec.size > self._seg_start:
+            assert self._rec.segments is not None  # set in __init__
             self._rec.segments[self._seg_start] = (self._rec.size - self._seg_start, self._seg.intdigest())
             self._seg_start = self._rec.size
             self._seg.reset()
@@ -141,7 +143,7 @@ class _HashingFS:
         return {"inner": self._inner}
 
     def __setstate__(self, state):
-        self.__init__(state["inner"])
+        _HashingFS.__init__(self, state["inner"])
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):
@@ -194,7 +196,8 @@ class ChecksummedWriter(StorageWriter):
         if type(inner) not in _PLAIN_WRITERS:
             raise TypeError(f"no checksummed variant of {type(inner).__name__}")
         self._inner = inner
-        self._fs = inner.fs = _HashingFS(inner.fs)
+        self._fs = _HashingFS(inner.fs)
+        inner.fs = cast(FileSystem, self._fs)  # a FileSystem to DCP (its calls are handed to it)
         self.upload_nice = upload_nice
 
     # DCP's storage-writer protocol, handed to the inner writer
@@ -305,7 +308,8 @@ def _raw_bytes(data: io.BytesIO | torch.Tensor) -> memoryview:
     t = data.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    # numpy's stubs declare an array's buffer (__buffer__) only for Python >= 3.12
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers one writev takes
@@ -501,6 +505,7 @@ class RawCopier:
             planned = dataclasses.replace(planned, tensors=_tensors(flat), views={}) if same_layout else None
         if planned is None:
             dcp.save(state_dict, storage_writer=writer, no_dist=True)
+            assert writer.items is not None  # planned by the save
             sharded = any(isinstance(v, ShardedTensor) for v in flat.values())
             self._planned = _Planned(_layout(flat), writer.items, writer.metadata, {}, _tensors(flat), {}, sharded)
             self.plans += 1
@@ -522,13 +527,26 @@ class RawCopier:
 
 
 # ---------------------------------------------------------------------------------- reading
-class _VerifyingReads:
+if TYPE_CHECKING:
+    _Reader = FileSystemReader  # what the mixin is mixed into (to the type checker)
+else:
+    _Reader = object
+
+
+class _VerifyingReads(_Reader):
     """Mixin for DCP storage readers: verify ``.metadata`` before unpickling and every item slice."""
 
     checks: Checks = Checks(None, {})
     refused: CheckpointIntegrityError | None = None  # the .metadata refusal, for :func:`load`
+    # what :meth:`read_data` took (monotonic start and end) and, of it, the checksums' seconds
+    read_span: tuple[float, float] | None = None
+    verify_seconds: float = 0.0
+    given: Any = None  # the checkpoint's metadata, already read and verified (see :func:`verifying`)
 
     def read_metadata(self, *args: Any, **kwargs: Any):
+        if self.given is not None:  # read and verified once, by the rank that chose the checkpoint
+            self.given.storage_meta.load_id = self.load_id
+            return self.given
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             data = f.read()
@@ -560,7 +578,10 @@ class _VerifyingReads:
             raise CheckpointIntegrityError(
                 f"{sinfo.relative_path}@{sinfo.offset}: short read, {len(data)} of {sinfo.length} bytes"
             )
-        if want is not None and (want[0] != sinfo.length or digest(data) != want[1]):
+        t0 = time.monotonic()
+        ok = want is None or (want[0] == sinfo.length and digest(data) == want[1])
+        self.verify_seconds += time.monotonic() - t0
+        if not ok:
             raise CheckpointIntegrityError(f"{sinfo.relative_path}@{sinfo.offset}: checksum mismatch (corrupted shard)")
         return io.BytesIO(data)
 
@@ -570,7 +591,14 @@ class _VerifyingReads:
 
     def read_data(self, plan, planner):
         """Items written :data:`RAW` are read here (verified by :meth:`_slice_file`); a checkpoint
-        in torch's own encoding is read by torch's reader."""
+        in torch's own encoding is read by torch's reader. Synchronous (the future is done)."""
+        t0 = time.monotonic()
+        try:
+            return self._read_data(plan, planner)
+        finally:
+            self.read_span = (t0, time.monotonic())
+
+    def _read_data(self, plan, planner):
         if not any(RAW in (self.storage_data[r.storage_index].transform_descriptors or ()) for r in plan.items):
             return super().read_data(plan, planner)
         per_file: dict[str, list] = {}
@@ -646,14 +674,21 @@ def load(state_dict: dict, reader, **kwargs: Any) -> None:
         raise refused from e
 
 
-def verifying(reader, checks: Checks):
-    """A copy of a DCP ``FileSystemReader`` / ``FsspecReader`` that verifies what it reads."""
-    cls = {FileSystemReader: VerifyingFileSystemReader, _FsspecReader: VerifyingFsspecReader}.get(type(reader))
+def verifying(reader, checks: Checks, *, metadata: Any = None):
+    """A copy of a DCP ``FileSystemReader`` / ``FsspecReader`` that verifies what it reads.
+    ``metadata``: the checkpoint's ``.metadata`` as another reader of it returned it (verified
+    there): not read again."""
+    variants: dict[Any, type[_VerifyingReads]] = {
+        FileSystemReader: VerifyingFileSystemReader,
+        _FsspecReader: VerifyingFsspecReader,
+    }
+    cls = variants.get(type(reader))
     if cls is None:
         raise TypeError(f"no verifying variant of {type(reader).__name__}")
     new = cls.__new__(cls)
     new.__dict__.update(reader.__dict__)
     new.checks = checks
+    new.given = metadata
     return new
 
 

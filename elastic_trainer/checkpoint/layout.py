@@ -271,7 +271,7 @@ def select_for_resume(
 
 
 def retention_victims(
-    committed_steps: list[int], keep_last: int, keep_every: int, protected: set[int] = frozenset()
+    committed_steps: list[int], keep_last: int, keep_every: int, protected: Collection[int] = frozenset()
 ) -> list[int]:
     """Committed steps to delete: all but the newest ``keep_last``, except multiples of
     ``keep_every`` (when > 0) and ``protected`` steps (e.g. the one resumed from)."""

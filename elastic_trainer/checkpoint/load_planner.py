@@ -42,13 +42,17 @@ def is_optional(fqn: str, optional: dict[str, bool | tuple[str, ...]]) -> bool:
     opt = optional.get(top)
     if opt is True:
         return True
-    return bool(opt) and any(rest == p or rest.startswith(p + ".") for p in opt)
+    if not opt:
+        return False
+    return any(rest == p or rest.startswith(p + ".") for p in opt)
 
 
 class OptionalKeysLoadPlanner(DefaultLoadPlanner):
     def __init__(self, optional: dict[str, bool | tuple[str, ...]] | Iterable[str]):
         super().__init__()
-        self.optional = optional if isinstance(optional, dict) else {k: True for k in optional}
+        self.optional: dict[str, bool | tuple[str, ...]] = (
+            optional if isinstance(optional, dict) else {k: True for k in optional}
+        )
         self.absent: list[str] = []
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:

@@ -38,7 +38,7 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ..storage.fs import open_storage
 from . import integrity, layout
@@ -215,7 +215,8 @@ class LocalTier:
             d = self.rank_dir(epoch, step)
             problem = self._problem(d, step, remote, mesh_shape, fingerprint)
             if problem is None:
-                copies.append(Copy(step, d, self._manifest(d)))
+                # verified just above (read again: a copy deleted in between would leave None here)
+                copies.append(Copy(step, d, cast(dict[str, Any], self._manifest(d))))
             elif not copies:
                 why = f"local copy of step {step}: {problem}"
         return copies, why
@@ -239,6 +240,7 @@ class LocalTier:
         problem = layout.verify(layout.Candidate(step, layout.step_dir_name(step), m, files), self.key)
         if problem:
             return problem
+        assert m is not None  # layout.verify refuses a missing manifest
         if m.get("rank") != self.rank or m.get("world_size") != self.world_size or m.get("mesh_shape") != mesh_shape:
             return (
                 f"written by rank {m.get('rank')} of {m.get('world_size')} (mesh {m.get('mesh_shape')}), not this rank"

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
@@ -60,8 +60,9 @@ from .position import Position, SavePlan, plan_save, remote_due
 from .restore import Restorer
 from .resume import LoadResult
 from .save import Save, SaveContext, SaveState, SaveStats
-from .savers import LocalSaver, RemoteSaver, remote_saver
+from .savers import LocalSaver, ProcessWriterSaver, RemoteSaver, remote_saver
 from .state import PerRank, manifest_summaries, state_types
+from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class CheckpointManager:
         launch_id: str = "",
         run_identity: dict[str, Any] | None = None,
         remote: RemoteSaver | None = None,
-        local: LocalSaver | None = None,
+        local: LocalSaver | peer_tier.PeerSaver | None = None,
         agreement: Agreement | None = None,
     ):
         self.cfg = cfg
@@ -126,9 +127,7 @@ class CheckpointManager:
         self.local = local.tier if local is not None else None
         self.catalog = Catalog(storage, epoch=epoch, events=self.events) if rank == 0 else None
         self.committer = Committer(self.catalog, ctx, keep_last=cfg.keep_last, keep_every=cfg.keep_every)
-        self.restorer = Restorer(
-            states, storage, self.catalog, self.agreement, ctx, group=group, launch_id=launch_id, local=local
-        )
+        self.restorer = Restorer(states, storage, self.catalog, self.agreement, ctx, launch_id=launch_id, local=local)
         # recorded in every manifest (state_types: compared at resume)
         self._manifest = {"launch": launch_id, "finite": True, "run_identity": run_identity or {}}
         self._manifest["state_types"] = state_types(states)
@@ -157,7 +156,7 @@ class CheckpointManager:
         return self.committer.fenced
 
     # ------------------------------------------------------------------ load
-    def load(self, resume: str | None = None) -> LoadResult | None:
+    def load(self, resume: str | None = None, *, timeline: Timeline | None = None) -> LoadResult | None:
         """Resume from what the catalog plans for ``resume`` (default ``cfg.resume``). All ranks.
 
         Before a byte of tensor data is read, rank 0 checks that the chosen checkpoint fits the
@@ -168,10 +167,13 @@ class CheckpointManager:
         with a ``checkpoint_skipped`` event and the next older valid one is loaded in the same
         start. When commits exist but none can be loaded, :class:`NoUsableCheckpointError`:
         never a silent start from step 0. Raises CheckpointError when an explicitly requested
-        step is unusable and FencedError when a newer launch owns the root."""
+        step is unusable and FencedError when a newer launch owns the root. ``timeline``: where
+        the load's phases go (:mod:`.timeline`)."""
         resume = self.cfg.resume if resume is None else resume
         self._abandon_inflight()
-        restored = self.restorer.load(self._position, resume, clean=self.committer.generation == 0)
+        restored = self.restorer.load(
+            self._position, resume, clean=self.committer.generation == 0, timeline=timeline or Timeline()
+        )
         self._position = restored.position
         self.committer.loaded(restored.committed)  # a commit of a save from before this load no longer counts
         self._loaded_step = restored.result.step if restored.result else None
@@ -223,7 +225,12 @@ class CheckpointManager:
         one, or the ``remote_every``-th): :func:`.position.plan_save`."""
         stats, t0 = SaveStats(step), time.monotonic()
         self._writers_started = True  # a save before the first step starts them itself (DCP's way)
-        due = {"force": force, "blocking": blocking, "durable": durable, "remote_every": self.cfg.remote_every}
+        due: dict[str, Any] = {
+            "force": force,
+            "blocking": blocking,
+            "durable": durable,
+            "remote_every": self.cfg.remote_every,
+        }
         due["has_local"] = self.local is not None
         settled = self._wait_previous(remote_due(self._position, **due))
         stats.wait_previous = time.monotonic() - t0
@@ -264,13 +271,15 @@ class CheckpointManager:
             if not (process and remote and not (agreed is not None and agreed.clear)):
                 return settled
         events = self.events if self.rank == 0 else None
-        if self.remote.check(self.agreement, stuck=self._inflight, doomed=doomed, events=events):
+        writers = cast(ProcessWriterSaver, self.remote)  # uses_writer_process: the process writer
+        if writers.check(self.agreement, stuck=self._inflight, doomed=doomed, events=events):
             return True
         # the stopped writer failed that save: wait for it to say so
         return self.settle(time.monotonic() + writer_process.STOP_TIMEOUT_SECONDS * 2)
 
     def _skip_behind(self, stats: SaveStats) -> SaveStats:
         """The previous save is still writing past its deadline somewhere: this one is skipped."""
+        assert self._inflight is not None  # still writing
         stats.skipped = (
             f"previous save of step {self._inflight.step} still writing after {self.cfg.save_timeout_seconds:.0f}s"
         )
@@ -297,6 +306,7 @@ class CheckpointManager:
             save.stagings.append(staging)
             save.written.add_done_callback(lambda f: self.committer.written(save, f, remote, generation))
         if plan.local:
+            assert self._local_saver is not None  # planned with a local tier only
             staging, committed = self._local_saver.start(save, self.states, {**manifest, **plan.local_extra})
             save.stagings.append(staging)
             if plan.name is not None:
@@ -310,6 +320,7 @@ class CheckpointManager:
         waited = save.wait_for_staging() if save is not None else None
         if waited is None:
             return 0.0
+        assert save is not None  # it waited
         stats = self._last_stats
         if stats is not None and stats.step == save.step:
             stats.staging_wait += waited
@@ -333,7 +344,7 @@ class CheckpointManager:
             if not pre_agreed:
                 self.agreement.all_true(True)
             return True
-        everywhere_ok = agreed.ok if pre_agreed else None
+        everywhere_ok = agreed.ok if pre_agreed and agreed is not None else None
         if not pre_agreed:
             self.wait_for_staging()
             while True:
@@ -376,7 +387,7 @@ class CheckpointManager:
         if not self._writers_started:  # the first step: every rank here together, before any save
             self._writers_started = True
             if self.remote.uses_writer_process:
-                self.remote.start_writers()
+                cast(ProcessWriterSaver, self.remote).start_writers()
 
     def finish(self, timeout: float | None = None) -> bool:
         """Collective: wait for the save in flight to be written and committed, at most

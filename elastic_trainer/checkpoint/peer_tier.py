@@ -46,6 +46,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,6 +188,7 @@ class Replicator:
                 if self._closed:
                     return
                 job, self._next, self._active = self._next, None, True
+                assert job is not None  # the wait above ends with a job unless closed
             ok = all([self._send(job, t) for t in self.targets])
             with self._cv:
                 if ok:
@@ -328,7 +330,7 @@ class PeerTier:
         node's disk first, then every holder's copies (its own node's first). Each holder is asked
         for its inventory once, by the first rank of its own node, and the usable entries are
         gathered: one inventory per node and load, not one per pair of nodes."""
-        want = {"epoch": epoch, "min_step": min_step, "remote": remote, "fp": fingerprint}
+        want: dict[str, Any] = {"epoch": epoch, "min_step": min_step, "remote": remote, "fp": fingerprint}
         disk, held = [], None
         try:
             disk = self._entries(self.disk.inventory(), **want)
@@ -550,6 +552,7 @@ class _SourcesReader(integrity.VerifyingFileSystemReader):
             checks = layout.Checks.from_manifest(self._sources[src][1])
             items.update({(f"r{src}/{f}", off): v for (f, off), v in checks.items.items()})
             merged = _merge(merged, pickle.loads(data), src)  # noqa: S301 - verified against the signed manifest
+        assert merged is not None  # at least one source rank
         _check_coverage(merged)
         self._items = merged.storage_data
         data = pickle.dumps(merged)
@@ -688,7 +691,12 @@ class PeerSaver:
 
     def start(self, save: Save, states: dict[str, Stateful], manifest: dict[str, Any]) -> Started:
         started = self.local.start(save, states, manifest)
-        started.done.add_done_callback(lambda f: f.result() and self.peer.replicate(save.epoch, save.step))
+
+        def replicate(f: Future) -> None:
+            if f.result():
+                self.peer.replicate(save.epoch, save.step)
+
+        started.done.add_done_callback(replicate)
         return started
 
     def healthy(self) -> bool:

@@ -16,9 +16,8 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..errors import CheckpointError, NoUsableCheckpointError
@@ -26,12 +25,13 @@ from ..storage.fs import Storage
 from . import resume as resume_plan
 from .agreement import Agreement
 from .catalog import Catalog
-from .local_tier import LocalTier
+from .local_tier import Copy, LocalTier
 from .peer_tier import PeerCopy, PeerSaver, PeerTier
 from .position import Position
 from .resume import Decision, LoadResult, LocalLoad
 from .save import SaveContext
 from .savers import LocalSaver
+from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,6 @@ class Restorer:
         agreement: Agreement,
         ctx: SaveContext,
         *,
-        group: dist.ProcessGroup | None,
         launch_id: str,
         local: LocalSaver | PeerSaver | None,
     ):
@@ -68,14 +67,14 @@ class Restorer:
         self.catalog = catalog
         self.agreement = agreement
         self.ctx = ctx
-        self.group = group
         self.launch_id = launch_id
         self.local: LocalTier | None = local.tier if local is not None else None
         self.peer: PeerTier | None = local.peer if isinstance(local, PeerSaver) else None
 
-    def load(self, position: Position, resume: str, *, clean: bool) -> Restored:
-        """``clean``: this manager has not loaded before (see :func:`.resume.decide`). Raises as
-        :meth:`.manager.CheckpointManager.load` documents."""
+    def load(self, position: Position, resume: str, *, clean: bool, timeline: Timeline) -> Restored:
+        """``clean``: this manager has not loaded before (see :func:`.resume.decide`); the phases
+        go into ``timeline`` (:mod:`.timeline`). Raises as :meth:`.manager.CheckpointManager.load`
+        documents."""
         failed: set[str] = set()
         skipped_all: list[tuple[int, str]] = []
         try_local = self.local is not None and resume == "latest"
@@ -83,31 +82,39 @@ class Restorer:
         if self.peer is not None:
             self.peer.connect(self.agreement)
         if try_local:  # a restart whose copies descend from the newest commit reads nothing of checkpoint.dir
-            listed = self._plan(lambda: resume_plan.from_names(self.catalog, self.launch_id, clean=clean))
+            listed = self._plan(
+                # rank 0's catalog: the plan runs there
+                lambda: resume_plan.from_names(cast(Catalog, self.catalog), self.launch_id, clean=clean),
+                timeline,
+                "decision",
+            )
             position = self._learnt(position, listed)
-            local = self._load_local(position, listed, skipped_all)
+            local = self._load_local(position, listed, skipped_all, timeline)
             if isinstance(local, Restored):
                 return local
             local_failed = local is LocalLoad.FAILED
         while True:
             decision = self._plan(
                 lambda: resume_plan.decide(
-                    self.catalog,
-                    self.states,
-                    self.ctx.world_size,
+                    cast(Catalog, self.catalog),  # rank 0's: the plan runs there
                     resume,
                     frozenset(failed),
                     clean=not failed and clean,
                     launch_id=self.launch_id,
                     events=self.ctx.events,
-                )
+                ),
+                timeline,
+                "decision",
             )
+            if decision.chosen is not None and decision.unreadable is None:
+                decision = self._check(decision, timeline)
             position = self._learnt(position, decision)
-            skipped_all += [tuple(s) for s in decision.skipped]
+            skipped_all += [cast(tuple[int, str], tuple(s)) for s in decision.skipped]
             if try_local:
                 try_local = False
+                assert listed is not None  # planned above (try_local)
                 if not local_failed and decision.chosen != listed.chosen:  # else: the same copies, just tried
-                    local = self._load_local(position, decision, skipped_all)
+                    local = self._load_local(position, decision, skipped_all, timeline)
                     if isinstance(local, Restored):
                         return local
                     local_failed = local is LocalLoad.FAILED
@@ -130,7 +137,7 @@ class Restorer:
             reason = decision.unreadable  # rank 0 could not read the checkpoint's metadata
             if reason is None:
                 t0 = time.monotonic()
-                loaded = resume_plan.load_remote(self.states, self.storage, self.group, self.agreement, decision)
+                loaded = resume_plan.load_remote(self.states, self.storage, self.agreement, decision, timeline)
                 if loaded is None:
                     seconds = time.monotonic() - t0
                     self.ctx.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
@@ -143,12 +150,32 @@ class Restorer:
             skipped_all.append((step, f"load failed: {reason}"))
             failed.add(name)
 
-    def _plan(self, plan: Callable[[], Decision]) -> Decision:
-        """Rank 0's ``plan()``, on every rank; raises the error it refuses with."""
-        decision = self.agreement.broadcast(plan() if self.ctx.rank == 0 else None)
+    def _plan(self, plan: Callable[[], Decision], timeline: Timeline, phase: str) -> Decision:
+        """Rank 0's ``plan()`` (its ``phase``, with the storage operations it took), on every
+        rank (``agreement``); raises the error it refuses with."""
+        mine = None
+        if self.ctx.rank == 0:
+            operations = self.storage.operations
+            with timeline.phase(phase):
+                mine = plan()
+            if phase == "decision":
+                timeline.count("decision_reads", self.storage.operations - operations)
+        with timeline.phase("agreement"):
+            decision = self.agreement.broadcast(mine)
         if decision.refused is not None:
             raise decision.refused(decision.message)
         return decision
+
+    def _check(self, decision: Decision, timeline: Timeline) -> Decision:
+        """Every rank initialises its state (``state_init``: at once, not one rank after the
+        other), then rank 0 checks the chosen commit's layout against it (``check``)."""
+        with timeline.phase("state_init"):
+            state_dicts = resume_plan.init_states(self.states)
+        return self._plan(
+            lambda: resume_plan.check(self.states, state_dicts, self.ctx.world_size, decision, self.ctx.events),
+            timeline,
+            "check",
+        )
 
     @staticmethod
     def _learnt(position: Position, decision: Decision) -> Position:
@@ -165,18 +192,20 @@ class Restorer:
         if self.ctx.rank == 0:
             self.ctx.events.emit("checkpoint_skipped", step=step, name=name, reason=reason)
             try:
+                assert self.catalog is not None  # rank 0's
                 self.catalog.quarantine(name, reason)
             except Exception as e:  # noqa: BLE001 - skipped in this start either way
                 logger.warning("could not quarantine %s: %s", name, e)
 
     def _load_local(
-        self, position: Position, decision: Decision, skipped: list[tuple[int, str]]
+        self, position: Position, decision: Decision, skipped: list[tuple[int, str]], timeline: Timeline
     ) -> Restored | LocalLoad:
         """Every rank: the local tier's copy, when every rank has one that fits (see
         :func:`.resume.load_local`); else, with a peer tier, the nodes' copies at any world size
         (:meth:`.peer_tier.PeerTier.load`); NONE or FAILED otherwise."""
         t0 = time.monotonic()
-        loaded = resume_plan.load_local(
+        assert self.local is not None  # tried with a local tier only
+        loaded: Copy | PeerCopy | LocalLoad = resume_plan.load_local(
             self.local,
             self.states,
             self.agreement,
@@ -187,19 +216,21 @@ class Restorer:
             mesh_shape=self.ctx.mesh_shape,
             fingerprint=self.ctx.fingerprint,
             events=self.ctx.events,
+            timeline=timeline,
         )
         manifest: dict[str, Any] = decision.manifest
         if isinstance(loaded, LocalLoad) and self.peer is not None:  # not every rank has its own copy: the nodes'
-            from_peers = self.peer.load(
-                self.states,
-                self.agreement,
-                epoch=position.epoch,
-                remote=decision.chosen,
-                min_step=int(manifest["step"]) if decision.chosen else 0,
-                fingerprint=self.ctx.fingerprint,
-                skipped=skipped,
-                attempt=position.lineage,  # this decision's: the same on every rank
-            )
+            with timeline.phase("peer_load"):
+                from_peers = self.peer.load(
+                    self.states,
+                    self.agreement,
+                    epoch=position.epoch,
+                    remote=decision.chosen,
+                    min_step=int(manifest["step"]) if decision.chosen else 0,
+                    fingerprint=self.ctx.fingerprint,
+                    skipped=skipped,
+                    attempt=position.lineage,  # this decision's: the same on every rank
+                )
             loaded = loaded if from_peers is LocalLoad.NONE else from_peers
         if isinstance(loaded, LocalLoad):
             return loaded
@@ -211,13 +242,13 @@ class Restorer:
             self.ctx.metrics.counter("elastic_trainer_checkpoint_local_resumes_total")
         result = LoadResult(
             copy.step,
-            copy.name if peer else os.path.relpath(copy.path, self.local.root),
+            copy.name if isinstance(copy, PeerCopy) else os.path.relpath(copy.path, self.local.root),
             copy.manifest,
             seconds,
             skipped,
             decision.first_start,
             tier="peer" if peer else "local",
-            tiers=copy.tiers if peer else None,
+            tiers=copy.tiers if isinstance(copy, PeerCopy) else None,
         )
         position = position.loaded(
             chosen,

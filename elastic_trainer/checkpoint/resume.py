@@ -13,14 +13,13 @@ import enum
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import collectives, faults
+from .. import faults
 from ..errors import CheckpointError, CheckpointIncompatibleError, FencedError, NoUsableCheckpointError
 from ..events import EventLog
 from ..storage.fs import Storage
@@ -30,6 +29,7 @@ from .catalog import Catalog
 from .load_planner import load_planner
 from .local_tier import Copy, LocalTier
 from .state import PerRank
+from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,9 @@ class Decision:
     epoch: str = ""
     lineage: str = ""
     listed: bool = False  # from names alone (:func:`from_names`): ``chosen`` unverified, ``manifest`` its step only
+    # the chosen commit's DCP metadata, read and verified by rank 0: every rank plans its load
+    # from it (DCP's own load reads it again on every rank and agrees on the plans)
+    metadata: Any = None
 
 
 class LocalLoad(enum.Enum):
@@ -107,8 +110,6 @@ def from_names(cat: Catalog, launch_id: str, *, clean: bool) -> Decision:
 
 def decide(
     cat: Catalog,
-    states: dict[str, Stateful],
-    world_size: int,
     resume: str,
     exclude: frozenset[str],
     *,
@@ -117,7 +118,9 @@ def decide(
     events: EventLog,
 ) -> Decision:
     """Rank 0: plan the load for ``resume`` (``latest``, ``none`` or a step), past the names in
-    ``exclude`` (failed in this start). Never raises (the answer is broadcast to every rank).
+    ``exclude`` (failed in this start), and read the chosen commit's ``.metadata`` (its layout is
+    checked against the registered state by :func:`check`, once every rank initialised its
+    state). Never raises (the answer is broadcast to every rank).
     ``clean``: remove uncommitted directories (at a process's first load only: a later one, a
     rollback, may have abandoned a save that is still writing)."""
     try:
@@ -144,6 +147,7 @@ def decide(
         stop = plan.stop_reason()
         if plan.incompatible is not None:
             events.emit("checkpoint_incompatible", name=plan.incompatible[0], reason=plan.incompatible[1])
+            assert stop is not None  # stop_reason names an incompatible commit
             return Decision(CheckpointIncompatibleError, stop)
         if stop is not None:
             events.emit("resume_refused", reason=stop, unusable=[n for n, _ in plan.unusable])
@@ -164,22 +168,48 @@ def decide(
         )
         if plan.chosen is None:
             return out
+        assert plan.chosen.manifest is not None  # verified
         out.chosen, out.manifest = plan.chosen.name, plan.chosen.manifest
         try:
-            metadata = cat.read_metadata(plan.chosen)
+            out.metadata = cat.read_metadata(plan.chosen)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - unreadable metadata is damage: quarantined by the load loop
             out.unreadable = compat.one_line(e)
-            return out
-        report = compat.check(states, metadata, out.manifest, world_size)
-        if not report.ok:
-            events.emit(
-                "checkpoint_incompatible", step=plan.chosen.step, name=plan.chosen.name, problems=report.problems
-            )
-            return Decision(CheckpointIncompatibleError, report.message(plan.chosen.name))
-        out.added, out.ignored, out.absent = report.added, report.ignored, list(report.absent)
         return out
     except FencedError as e:
         return Decision(FencedError, str(e))
+    except Exception as e:  # noqa: BLE001 - reported on every rank
+        return Decision(CheckpointError, f"{type(e).__name__}: {e}")
+
+
+def init_states(states: dict[str, Stateful]) -> dict[str, dict[str, Any]]:
+    """Every rank, once a commit is chosen and before :func:`check`: each shared state's
+    ``state_dict()``, which DCP's load would ask for anyway. The first one of an optimizer whose
+    state is still empty runs DSD's initialisation (one step with zero gradients and no learning
+    rate: on sharded parameters, most of a small model's load); done here, every rank runs it at
+    the same time instead of rank 0 in its check and then the others in the load."""
+    return {k: v.state_dict() for k, v in states.items() if not getattr(v, "per_rank", False)}
+
+
+def check(
+    states: dict[str, Stateful],
+    state_dicts: dict[str, dict[str, Any]],
+    world_size: int,
+    decision: Decision,
+    events: EventLog,
+) -> Decision:
+    """Rank 0, after :func:`init_states` on every rank: ``decision`` with what the chosen
+    commit's ``.metadata`` says against the registered state (:mod:`.compat`): the keys it adds,
+    ignores or leaves absent; or a refusal when the code cannot take it. Never raises."""
+    out = replace(decision)
+    try:
+        report = compat.check(states, decision.metadata, decision.manifest, world_size, state_dicts=state_dicts)
+        if not report.ok:
+            step = int(decision.manifest["step"])
+            events.emit("checkpoint_incompatible", step=step, name=decision.chosen, problems=report.problems)
+            assert decision.chosen is not None  # checked: a chosen commit
+            return Decision(CheckpointIncompatibleError, report.message(decision.chosen))
+        out.added, out.ignored, out.absent = report.added, report.ignored, list(report.absent)
+        return out
     except Exception as e:  # noqa: BLE001 - reported on every rank
         return Decision(CheckpointError, f"{type(e).__name__}: {e}")
 
@@ -201,26 +231,35 @@ def report_evolution(events: EventLog, name: str, step: int, decision: Decision)
 def load_remote(
     states: dict[str, Stateful],
     storage: Storage,
-    group: dist.ProcessGroup | None,
     agreement: Agreement,
     decision: Decision,
+    timeline: Timeline,
 ) -> str | None:
     """Every rank: load the chosen checkpoint from checkpoint.dir, except the optional Statefuls
     it holds nothing of (left as initialised). None when every rank loaded it; else the
     integrity problem (agreed: quarantine it). Raises CheckpointIncompatibleError (agreed) when
-    a rank's failure is not about the bytes (the code could not take them)."""
+    a rank's failure is not about the bytes (the code could not take them). Adds DCP's
+    ``planning``, ``reading``, ``verifying`` and ``set_state_dict`` to ``timeline``."""
     name, manifest = decision.chosen, decision.manifest
+    assert name is not None  # loaded: a chosen commit
     some = {k: v for k, v in states.items() if k not in decision.absent}
     faults.maybe_inject("kill_in_load", int(manifest["step"]))
     for s in states.values():
         if isinstance(s, PerRank):
             s.expect_world(manifest.get("world_size"))
     mine: tuple[str, str] = ("", "")
+    reader = None
+    t0 = time.monotonic()
     try:
-        reader = integrity.verifying(storage.dcp_reader(storage.join(name)), layout.Checks.from_manifest(manifest))
-        integrity.load(some, reader, planner=load_planner(some), **collectives.dcp_group(group))
+        reader = integrity.verifying(
+            storage.dcp_reader(storage.join(name)), layout.Checks.from_manifest(manifest), metadata=decision.metadata
+        )
+        # Every rank plans from the broadcast metadata alone: a load plan needs no other rank's
+        # (DCP's global load plan is the local ones), and the ranks agree on the outcome below.
+        integrity.load(some, reader, planner=load_planner(some), no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
         mine = ("integrity" if compat.is_integrity(e) else "incompatible", compat.one_line(e))
+    _add_load_phases(timeline, t0, time.monotonic(), reader)
     if agreement.all_true(not mine[0], control=False):
         return None
     views = [v for v in agreement.gather(mine) if v[0]]
@@ -232,6 +271,20 @@ def load_remote(
         "(nothing was quarantined or changed; register the same state as the run that wrote it, "
         'or start a new run: another checkpoint.dir, or checkpoint.resume = "none")'
     )
+
+
+def _add_load_phases(timeline: Timeline, start: float, end: float, reader: Any) -> None:
+    """DCP's load from ``start`` to ``end``, split at the reader's ``read_data``: before it the
+    plan (metadata, plans, their collectives), after it the state handed to the ``Stateful``s."""
+    span = getattr(reader, "read_span", None)
+    if span is None:  # it failed before reading
+        timeline.add("planning", end - start)
+        return
+    verify = reader.verify_seconds
+    timeline.add("planning", span[0] - start)
+    timeline.add("reading", span[1] - span[0] - verify)
+    timeline.add("verifying", verify)
+    timeline.add("set_state_dict", end - span[1])
 
 
 def load_local(
@@ -246,6 +299,7 @@ def load_local(
     mesh_shape: list[int],
     fingerprint: str,
     events: EventLog,
+    timeline: Timeline,
 ) -> Copy | LocalLoad:
     """Every rank: load the newest local copy that every rank can prove, if it is at least as
     new as the remote choice and descends from it. Returns the result, NONE (no common
@@ -281,11 +335,14 @@ def load_local(
     best = max(common)
     copy = next(c for c in copies if (c.step, c.manifest.get("lineage")) == best)
     faults.maybe_inject("kill_in_load", copy.step)
-    error = ""
+    error, reader = "", None
+    t0 = time.monotonic()
     try:
-        integrity.load(states, tier.reader(copy), planner=load_planner(states), no_dist=True)
+        reader = tier.reader(copy)
+        integrity.load(states, reader, planner=load_planner(states), no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
         error = f"{type(e).__name__}: {e}"[:2000]
+    _add_load_phases(timeline, t0, time.monotonic(), reader)
     if not agreement.all_true(not error, control=False):
         if error:  # this rank's copy is bad: never chosen again
             logger.error("local copy of step %d failed to load: %s", copy.step, error)

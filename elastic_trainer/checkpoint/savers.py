@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from . import failure, integrity, save_planner, writer_process
 from .agreement import Agreement
 from .local_tier import LocalTier
 from .save import Save, SaveContext
+
+if TYPE_CHECKING:
+    from .staging import KeptStager
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +137,7 @@ class _Staged:
 
     def __init__(self, cuda: bool, shared_memory: bool):
         self._options = (cuda, shared_memory)
-        self._stager = None
+        self._stager: KeptStager | None = None
 
     def get(self):
         if self._stager is None:
@@ -209,6 +212,7 @@ class RemoteSaver:
         """This rank's bytes of ``save`` into its checkpoint.dir directory (``manifest`` is rank
         0's commit's, not the saver's)."""
         try:
+            assert save.name is not None  # a save to checkpoint.dir
             writer, planner = self._writer_and_planner(save.name)
             group = collectives.dcp_group(self.group)
             if self.sync:
@@ -252,18 +256,22 @@ class ProcessWriterSaver(RemoteSaver):
     def start(self, save: Save, states: dict[str, Stateful], manifest: dict[str, Any]) -> Started:
         if not self.uses_writer_process:
             return super().start(save, states, manifest)
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
         try:
+            assert save.name is not None  # a save to checkpoint.dir
             writer, planner = self._writer_and_planner(save.name)
             writer_process.wait_started()
-            resp = dcp.async_save(
-                states,
-                storage_writer=writer,
-                process_group=self.group,
-                async_stager=self._stager.get(),
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                planner=planner,
+            resp = cast(  # a response, not a Future: the kept stager stages in the background
+                AsyncSaveResponse,
+                dcp.async_save(
+                    states,
+                    storage_writer=writer,
+                    process_group=self.group,
+                    async_stager=self._stager.get(),
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                    planner=planner,
+                ),
             )
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - a save that cannot start is a failed save
             return _failed(e)

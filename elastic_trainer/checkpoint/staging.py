@@ -38,7 +38,7 @@ import copy
 import dataclasses
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -176,7 +176,8 @@ class KeptStager:
             self._deep.close()
             self._deep = DefaultStager(self._deep_options)
         try:
-            return self._deep.stage(state_dict)
+            # synchronous (use_async_staging=False): a state dict, never a Future
+            return cast(dict[str, Any], self._deep.stage(state_dict))
         except RuntimeError as e:
             if not (self._shared_memory and "shared memory" in str(e)):
                 raise

@@ -29,15 +29,30 @@ from .dsd import StateDicts
 
 
 class ModelState(Stateful):
+    """The model. Its state dict's tensors share storage with the parameters and buffers, and
+    DCP's load reads into them in place: when the load hands back the very dict
+    :meth:`state_dict` returned, holding the same tensors, the model has its state already and
+    is not copied onto itself again (``set_model_state_dict`` otherwise)."""
+
     def __init__(self, model: nn.Module):
         self.model = model
         self._dicts = StateDicts(model)
+        self._given: tuple[dict[str, Any], dict[str, Any]] | None = None  # the last dict returned, and its values
 
     def state_dict(self) -> dict[str, Any]:
-        return self._dicts.model_state_dict()
+        out = self._dicts.model_state_dict()
+        self._given = (out, dict(out))
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        given = self._given
+        if given is not None and state_dict is given[0] and _same_values(state_dict, given[1]):
+            return
         set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=True))
+
+
+def _same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
 
 
 class OptimizerState(Stateful):
@@ -176,6 +191,7 @@ class PerRank(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         if self._resharding():  # what the load asks for: every old rank's copy
+            assert self._saved_world is not None
             return {per_rank_key(r, self._saved_world): b"" for r in range(self._saved_world)}
         buf = io.BytesIO()
         torch.save(self.obj.state_dict(), buf)
@@ -186,6 +202,7 @@ class PerRank(Stateful):
             return torch.load(io.BytesIO(raw), weights_only=False)  # bytes verified against the manifest's checksums
 
         if self._resharding():
+            assert self._saved_world is not None
             saved = [unpack(state_dict[per_rank_key(r, self._saved_world)]) for r in range(self._saved_world)]
             self.obj.load_state_dict(self.obj.reshard_state_dict(saved, self.rank, self.world_size))
         elif per_rank_key(self.rank, self.world_size) in state_dict:

@@ -202,7 +202,7 @@ def stop() -> None:
 class _Ref(NamedTuple):
     """A tensor of the kept copy, by its place in :attr:`Kept.tensors`."""
 
-    index: int
+    position: int  # (not ``index``: that would shadow tuple.index)
 
 
 _ids = itertools.count(1)
@@ -266,4 +266,4 @@ def _unship(kept_id: int, tensors: list | None, skeleton: Any) -> Any:
     held = _received.get(kept_id)
     if held is None:  # the writer dies of it (the save fails) and every rank's writer is replaced
         raise RuntimeError(f"checkpoint writer: staged copy {kept_id} was never received (holding {list(_received)})")
-    return _walk(skeleton, _Ref, lambda ref: held[ref.index])
+    return _walk(skeleton, _Ref, lambda ref: held[ref.position])

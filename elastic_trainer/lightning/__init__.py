@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Sized
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -92,14 +93,16 @@ class Strategy(ModelParallelStrategy):
             self.parallel_devices = [
                 torch.device(kind, i) if kind != "cpu" else torch.device("cpu") for i in range(self._local_world)
             ]
+        assert self.lightning_module is not None  # attached by the Trainer
         if self.session is None:  # once per process (a validate/test after fit reuses it)
             self.session = init(self._et_config, overrides=self._et_overrides)
             self._trainer_state = _TrainerState(self, self.lightning_module.trainer)
         self._data_parallel_size, self._tensor_parallel_size = self.session.world_size, 1
         super().setup_environment()
         trainer = self.lightning_module.trainer
-        if self._hooks not in trainer.callbacks:
-            trainer.callbacks.append(self._hooks)
+        # the Trainer's callbacks: set by its callback connector, undeclared in Lightning's types
+        if self._hooks not in trainer.callbacks:  # type: ignore[attr-defined]
+            trainer.callbacks.append(self._hooks)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ model, optimizers, resume
     def setup(self, trainer: pl.Trainer) -> None:
@@ -113,8 +116,10 @@ class Strategy(ModelParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         s = self.session
+        assert s is not None  # setup_environment made it
         _check_supported(trainer, s, self._asked_tp)
         module = self.lightning_module
+        assert module is not None  # attached by the Trainer
         _sum_reduction(module)
         optimizers = list(self.optimizers)
         schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
@@ -163,6 +168,7 @@ class Strategy(ModelParallelStrategy):
         iterable datasets are left as Lightning made them."""
         from torch.utils.data import DataLoader, IterableDataset
 
+        assert self.lightning_module is not None  # attached by the Trainer
         trainer = self.lightning_module.trainer
         if (
             trainer.state.stage != RunningStage.TRAINING
@@ -171,10 +177,16 @@ class Strategy(ModelParallelStrategy):
         ):
             return dataloader
         s = self.session
+        assert s is not None  # setup_environment made it
         t = s.cfg.train
         share = -(-t.global_batch_size // s.world_size)  # one batch per rank and step: the rank's whole share
         sampler = _EpochSampler(
-            len(dataloader.dataset), t.global_batch_size, share, seed=t.seed, rank=s.rank, world_size=s.world_size
+            len(cast(Sized, dataloader.dataset)),  # a map-style dataset
+            t.global_batch_size,
+            share,
+            seed=t.seed,
+            rank=s.rank,
+            world_size=s.world_size,
         )
         self._data.attach(sampler)
         loader = _rebuilt(dataloader, sampler, t.seed + s.rank)
@@ -185,6 +197,7 @@ class Strategy(ModelParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Open the step scope (hang watchdog, fault injection) of the optimizer step to come."""
         super().on_train_batch_start(batch, batch_idx)
+        assert self.lightning_module is not None and self.session is not None  # attached; set up
         step = self.lightning_module.trainer.global_step + 1
         self._ctx = self.session.step(step, checkpointer=self.ckpt).__enter__()
         sampler = self._data.sampler
@@ -197,6 +210,7 @@ class Strategy(ModelParallelStrategy):
         """The rank's mean loss counts with its share of the global batch (gradients are summed)."""
         if self._ctx is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+        assert self._loss_share is not None  # made with the step's context
         if faults.active("nan", self._ctx.step):
             closure_loss = closure_loss * float("nan")
         self._loss_share += closure_loss.detach().to(torch.float64) * self._weight
@@ -210,28 +224,29 @@ class Strategy(ModelParallelStrategy):
         """Before the optimizer step: the staging wait and the agreed non-finite guard (the loss,
         and the gradient norm unless a grad scaler — ``16-mixed`` — handles overflowing
         gradients itself); a non-finite step leaves every gradient None, so the optimizer changes
-        nothing."""
+        nothing. The step event's ``lr`` is the rate this optimizer step uses."""
         ctx = self._ctx
         if ctx is None:
             return
+        assert self.lightning_module is not None and self._loss_share is not None  # attached; with the context
         norm = None
         if getattr(self.precision_plugin, "scaler", None) is None:
             grads = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.root_device)
         if not ctx.check(self._loss_share, norm):
             optimizer.zero_grad(set_to_none=True)
+        ctx.record(lr=optimizer.param_groups[0]["lr"])  # the step's own: schedulers step before on_train_batch_end
 
     def _step_done(self, trainer: pl.Trainer) -> None:
         """``on_train_batch_end``: the step's bookkeeping, the agreement, then ``end_of_step``."""
         ctx, ck = self._ctx, self.ckpt
         if ctx is None:
             return
+        assert ck is not None  # a step's context is opened when fitting, with a checkpointer
         if not ctx.nonfinite:
             ck.state.step = ctx.step
             if self._data.sampler is not None:
                 self._data.sampler.advance()
-            if self.optimizers:
-                ctx.record(lr=self.optimizers[0].param_groups[0]["lr"])
         self._end_step(None)
         if self._total is None:
             total = trainer.estimated_stepping_batches
@@ -258,6 +273,7 @@ class _Hooks(Callback):
         # Lightning's signal connector has just put its SIGTERM handler (and, on SLURM with
         # auto-requeue, a SIGUSR1 handler that saves from inside the handler) in front of ours:
         # preemption is agreed at a step boundary instead, then the final step is committed.
+        assert self.strategy.session is not None  # setup_environment made it
         self.strategy.session.preempt.install()
 
     def on_before_optimizer_step(
@@ -373,7 +389,8 @@ def _check_supported(trainer: pl.Trainer, session: Session, asked_tp: Any) -> No
     problems = []
     if asked_tp not in ("auto", 1):
         problems.append(("tensor_parallel_size", "tensor parallelism is not served: every rank is data-parallel"))
-    if any(isinstance(c, OnExceptionCheckpoint) for c in trainer.callbacks):
+    # the Trainer's callbacks: set by its callback connector, undeclared in Lightning's types
+    if any(isinstance(c, OnExceptionCheckpoint) for c in trainer.callbacks):  # type: ignore[attr-defined]
         problems.append(
             ("OnExceptionCheckpoint", "it saves from the exception path; the newest commit is what a restart loads")
         )

@@ -33,6 +33,7 @@ import shutil
 import socket
 import threading
 from socketserver import ThreadingMixIn
+from typing import Any, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import prometheus_client
@@ -70,7 +71,7 @@ class PrometheusSink:
         self._labels = {"rank": str(rank)} if rank is not None else {}
         self._run = run
         self._catalog = catalog.METRICS if metrics is None else metrics
-        self._children: dict[str, object] = {}
+        self._children: dict[str | tuple[str, tuple[tuple[str, str], ...]], object] = {}
         self._lock = threading.Lock()
         self._warned: set[str] = set()
 
@@ -130,13 +131,15 @@ class PrometheusSink:
 
 
 def _build(spec: Metric):
-    kw = {"registry": None}
+    kw: dict[str, Any] = {"registry": None}
     labels = (catalog.RUN_LABEL, *spec.labels)
     if spec.type == GAUGE:
-        return prometheus_client.Gauge(spec.name, spec.help, labels, multiprocess_mode=spec.mode, **kw)
+        # a gauge's mode is one of catalog.GAUGE_MODES (catalog.problems)
+        return prometheus_client.Gauge(spec.name, spec.help, labels, multiprocess_mode=cast(Any, spec.mode), **kw)
     if spec.type == COUNTER:
         return prometheus_client.Counter(spec.name, spec.help, labels, **kw)
-    return prometheus_client.Histogram(spec.name, spec.help, labels, buckets=spec.buckets, **kw)
+    # a histogram has buckets (catalog.problems)
+    return prometheus_client.Histogram(spec.name, spec.help, labels, buckets=cast(Any, spec.buckets), **kw)
 
 
 def make_worker_sink(cfg: Config, rank: int) -> MetricsSink:
@@ -245,8 +248,8 @@ class SupervisorExporter:
         self.path = path
         self.sink = sink
         self.registry = registry
-        self._httpd = None
-        self._thread = None
+        self._httpd: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
         self._collector = collector
 
     def serve(self, host: str, port: int, token: str) -> None:
@@ -273,7 +276,8 @@ class SupervisorExporter:
 
     @property
     def address(self) -> tuple[str, int] | None:
-        return None if self._httpd is None else self._httpd.server_address[:2]
+        # after bind: getsockname()'s (str host, port); typeshed also allows the bytes a bind takes
+        return None if self._httpd is None else cast(tuple[str, int], self._httpd.server_address[:2])
 
     def exposition(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)

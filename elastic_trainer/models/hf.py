@@ -183,6 +183,6 @@ def init_buffers(model: nn.Module) -> None:
                 if bname in src:
                     buf.copy_(src[bname])
         elif hasattr(model, "_init_weights"):
-            model._init_weights(module)  # noqa: SLF001 - transformers' own buffer init
+            model._init_weights(module)  # type: ignore[operator]  # noqa: SLF001 - transformers' own buffer init
         else:
             logger.warning("no way to initialise the buffers of %s (%s)", name, type(module).__name__)

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from typing import cast
 
 from torch import nn
 
@@ -141,6 +142,7 @@ def load_pretrained(model: nn.Module, path: str) -> dict:
     """Load ``path``'s weights into the (sharded) model in place. All ranks (a DCP load)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
     t0 = time.monotonic()
     files = safetensors_files(path)
@@ -148,7 +150,7 @@ def load_pretrained(model: nn.Module, path: str) -> dict:
     state = model.state_dict()
     wanted = {n: state[n] for n in names}
     reader = HuggingFaceStorageReader(os.path.dirname(files[0]))
-    reader.fs = _OnlyFiles(reader.fs, files)
+    reader.fs = cast(FileSystem, _OnlyFiles(reader.fs, files))  # a FileSystem but for ls
     dcp.load(wanted, storage_reader=reader)
     return {"path": path, "files": len(files), "tensors": len(names), "seconds": round(time.monotonic() - t0, 4)}
 

@@ -40,6 +40,7 @@ from ..checkpoint.state import (
     TrainState,
     check_state_name,
 )
+from ..checkpoint.timeline import Timeline
 from ..config import TrainConfig, check_run_identity
 from ..errors import ConfigError
 from ..events import write_record
@@ -194,7 +195,7 @@ class Checkpointer:
         self._acc: Accumulator | None = None  # the step in progress under steps()
         # the current batch under steps(): its loss weight, its index in the step, whether it ends the step
         self._weight, self._index, self._last = 0.0, 0, True
-        self._ctx = None
+        self._ctx: StepContext | None = None
         self._stop_requested = False
         self.exit_code: int | None = None  # how steps() ended
 
@@ -205,6 +206,9 @@ class Checkpointer:
         ``start``/``resume``/``reshard``/``config_changed`` events and return the step to
         continue after (0 for a fresh start). ``after_load`` may add fields to the resume event."""
         s = self.session
+        timeline = Timeline()
+        timeline.add("session", s.init_seconds)
+        timeline.add("build", time.monotonic() - s.ready)
         self._resumed = True
         restart = int(os.environ.get(contract.RESTART_COUNT_ENV, "0"))
         s.events.emit(
@@ -215,7 +219,7 @@ class Checkpointer:
             pid=os.getpid(),
             checkpoint_dir=self.storage.describe(),
         )
-        loaded = self.loaded = self.manager.load()
+        loaded = self.loaded = self.manager.load(timeline=timeline)
         if not self.rng.restored:  # a fresh start, or per-rank streams that do not map onto this world size
             self.rng.reseed(s.cfg.train.seed, self.state.step)
         rng_note = (
@@ -223,7 +227,8 @@ class Checkpointer:
             if self.rng.restored
             else ("seeded" if loaded is None else "reseeded from (train.seed, rank, step)")
         )
-        fields = after_load(loaded) if after_load else {}
+        with timeline.phase("data_position"):
+            fields = after_load(loaded) if after_load else {}
         self.cadence = cadence.from_run(
             s.cfg.checkpoint,
             os.path.join(s.cfg.run.dir, contract.EVENTS_FILE),
@@ -256,7 +261,9 @@ class Checkpointer:
             tier=loaded.tier,
             **({"tiers": loaded.tiers} if loaded.tiers else {}),
             **fields,
+            **timeline.as_fields(),
         )
+        logger.debug("rank %d resume timeline: %s", s.rank, timeline.describe())
         if saved_world != s.world_size:
             s.events.emit(
                 "reshard",
@@ -344,6 +351,7 @@ class Checkpointer:
 
     def _step_batches(self, s: StepContext, count: Callable[[Any], int] | None) -> Iterator[tuple[int, Any]]:
         """The batches of step ``s``, each to be closed by one :meth:`optimizer_step`."""
+        assert self.data is not None  # steps() reads the data given
         batches: Iterator[tuple[Any, float]] | list[tuple[Any, float]] = self.data.step_batches()
         divisor = None
         if count is not None:
@@ -402,9 +410,11 @@ class Checkpointer:
                 opt.step()
             for sched in self.schedulers:
                 if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    assert s.loss is not None  # agreed by check()
                     sched.step(s.loss)
                 else:
                     sched.step()
+            assert self.data is not None  # under steps(), which reads it
             if self.data.sampler is not None:
                 self.data.sampler.advance()
             self.state.step = s.step

@@ -24,8 +24,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sized
+from typing import Any, cast
 
 import torch
 
@@ -86,7 +86,12 @@ class StepData:
             self._sampler, self.loader = data.batch_sampler, data
         elif isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
             self._sampler = GlobalBatchSampler(
-                len(data.dataset), global_batch, micro_batch_of(data), seed=seed, rank=rank, world_size=world_size
+                len(cast(Sized, data.dataset)),  # a map-style dataset
+                global_batch,
+                micro_batch_of(data),
+                seed=seed,
+                rank=rank,
+                world_size=world_size,
             )
             self.loader = _rebuilt(data, self._sampler, seed + rank)
         else:
@@ -134,12 +139,14 @@ class StepData:
                 yield self.next_batch()
             return
         sampler = self.source.sampler
+        assert sampler is not None  # set before the first step
         for mb in sampler.micro_batches():
             yield to_device(self.source.fetch(mb), self.device), mb.weight / sampler.global_batch_size
 
     def next_batch(self) -> tuple[Any, float]:
         """This rank's next micro-batch (on the device) and the weight of its loss."""
         if self._it is None:
+            assert self.loader is not None  # data not read by hand
             self._it = iter(self.loader)
         batch = to_device(next(self._it), self.device)
         if self.sampler is None:

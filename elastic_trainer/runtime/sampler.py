@@ -50,6 +50,7 @@ class GlobalOrder:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._perm = torch.randperm(self.n, generator=g)
             self._epoch = epoch
+        assert self._perm is not None  # drawn for the first epoch above
         return int(self._perm[offset])
 
 

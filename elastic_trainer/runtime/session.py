@@ -130,7 +130,7 @@ def init_distributed(train: TrainConfig, timeout_seconds: float, ckpt_timeout_se
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         store = group_store(timeout)
-        kw = (
+        kw: dict[str, Any] = (
             {
                 "store": store,
                 "rank": int(os.environ.get(contract.RANK_ENV, "0")),
@@ -217,6 +217,8 @@ class Session:
     metrics: MetricsSink
     preempt: PreemptionFlag
     started: float = field(default_factory=time.monotonic)
+    init_seconds: float = 0.0  # what init() took to make this session (process groups, event log, metrics)
+    ready: float = field(default_factory=time.monotonic)  # when init() made it (``started`` may be set earlier)
     checkpointer: Any = None  # the Checkpointer made on this session, if any
     _watchdog: bool = False
 
@@ -312,6 +314,7 @@ def init(
     hang-watchdog client (under the supervisor), and the ``elastic_trainer`` logger (stderr with a
     ``[node/rank - step N]`` prefix, level ``ELASTIC_TRAINER_LOG_LEVEL``, default INFO; left alone
     if the program gave that logger a handler). Call on every rank, first."""
+    t0 = time.monotonic()
     log.setup_logging()
     try:
         cfg = resolve_config(config, overrides)
@@ -329,7 +332,7 @@ def init(
     metrics = metrics_factory.worker_sink(cfg, rank=d.rank)
     metrics.gauge("elastic_trainer_world_size", d.world_size)
     timer_file = os.environ.get(contract.TIMER_FILE_ENV)
-    session = Session(cfg, d, events, metrics, preempt, _watchdog=bool(timer_file))
+    session = Session(cfg, d, events, metrics, preempt, init_seconds=time.monotonic() - t0, _watchdog=bool(timer_file))
     sys.excepthook = functools.partial(session._uncaught, sys.excepthook)  # noqa: SLF001 - init installs the Session's own hook
     if timer_file:
         from torch.distributed.elastic import timer

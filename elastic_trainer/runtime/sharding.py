@@ -8,10 +8,12 @@ gradients as a SUM instead, so the gradient is the global mean at any world size
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
@@ -39,8 +41,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, sh
         fully_shard(m, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     for m in [*targets, model]:
-        m.set_gradient_divide_factor(1.0)
-        m.set_force_sum_reduction_for_comms(True)
+        sharded = cast(FSDPModule, m)  # fully_shard made it one
+        sharded.set_gradient_divide_factor(1.0)
+        sharded.set_force_sum_reduction_for_comms(True)
     unsharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if unsharded:
         raise ConfigError("model.shard_modules", f"parameters left unsharded: {', '.join(unsharded[:5])}")

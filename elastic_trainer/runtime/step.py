@@ -20,7 +20,8 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Literal
 
 import torch
 
@@ -77,7 +78,7 @@ class StepContext:
         self.event: dict[str, Any] | None = None  # the step event, once written (a finite step)
         self._agreed = False
         self._fields: dict[str, Any] = {}
-        self._scope = None
+        self._scope: AbstractContextManager[None] | None = None
         self._t0 = 0.0
 
     def __enter__(self) -> StepContext:
@@ -97,11 +98,12 @@ class StepContext:
             raise
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         try:
             if exc_type is None and not self._agreed:
                 self.agree()
         finally:
+            assert self._scope is not None  # set by __enter__
             self._scope.__exit__(exc_type, exc, tb)
         if exc_type is not None and self.ckpt is not None:
             # The exception path starts no checkpoint and no collective; it only lets a save

@@ -16,6 +16,7 @@ import os
 import posixpath
 import random
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -74,7 +75,7 @@ def _is_transient(exc: BaseException) -> bool:
     try:
         from botocore.exceptions import BotoCoreError
     except ImportError:  # pragma: no cover - s3fs is a dependency
-        BotoCoreError = ()  # type: ignore[assignment]
+        BotoCoreError = ()
     if BotoCoreError and isinstance(exc, BotoCoreError):
         return True
     text = f"{type(exc).__name__} {exc}"
@@ -105,9 +106,12 @@ def retry(fn: Callable[[], T], *, what: str, retries: int, base_delay: float = 0
 
 
 class Storage:
-    """Filesystem-like access to one checkpoint root. Thread-safe for concurrent calls."""
+    """Filesystem-like access to one checkpoint root. Thread-safe for concurrent calls.
+    ``operations``: how many operations (a listing, a read, a write, ...) were asked of it."""
 
     def __init__(self, uri: str, options: StorageOptions | None = None):
+        self.operations = 0
+        self._ops_lock = threading.Lock()
         self.protocol = check_uri(uri)
         self.options = options or StorageOptions()
         if self.protocol == "file":
@@ -172,6 +176,8 @@ class Storage:
         self.delete_tree(path)
 
     def _retry(self, fn: Callable[[], T], what: str) -> T:
+        with self._ops_lock:
+            self.operations += 1
         return retry(fn, what=what, retries=self.options.retries)
 
     def exists(self, path: str) -> bool:

@@ -174,8 +174,9 @@ class Holder:
 
     @property
     def address(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"{host}:{port}"
+        assert self._server is not None, "the holder is not started"
+        host, port = self._server.server_address[:2]  # getsockname(): a str host
+        return f"{host!s}:{port}"
 
     def start(self) -> Holder:
         holder = self
@@ -331,7 +332,7 @@ class Holder:
             out = [
                 {"epoch": k[0], "step": k[1], "src": k[2], "world": k[3], "manifest": c.manifest.decode()}
                 for k, c in sorted(self._copies.items())
-                if c.sealed
+                if c.manifest is not None  # sealed
             ]
         if self.served is not None:
             out += self.served.inventory()

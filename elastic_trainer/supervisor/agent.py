@@ -143,7 +143,7 @@ class SupervisedAgent(LocalElasticAgent):
         failed = _failed(self._last_result)
         restart = self._ledger.begin(
             failed=failed,
-            failures=self._last_result.failures if failed else {},
+            failures=self._last_result.failures if failed and self._last_result is not None else {},
             restart_count=worker_group.spec.max_restarts - self._remaining_restarts,
             remaining=self._remaining_restarts,
         )

@@ -13,6 +13,7 @@ import math
 import os
 import socket
 import time
+from typing import Any, cast
 
 from .. import contract, exit_codes
 from ..config import Config
@@ -128,7 +129,8 @@ def run_agent(
     try:
         return agent.run()
     except SignalException as e:
-        e.worker_exit_codes = agent.worker_exit_codes()  # what the workers reported as they stopped
+        # what the workers reported as they stopped (an attribute of ours on torch's exception)
+        cast(Any, e).worker_exit_codes = agent.worker_exit_codes()
         shutdown_rdzv = False
         raise
     finally:
@@ -147,7 +149,8 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     os.makedirs(cfg.run.dir, exist_ok=True)
-    events = EventLog(os.path.join(cfg.run.dir, contract.EVENTS_FILE))
+    events_path = os.path.join(cfg.run.dir, contract.EVENTS_FILE)
+    events = EventLog(events_path)
     marker = os.path.join(cfg.run.dir, contract.PREEMPT_MARKER)
     remove_marker(marker)
     os.environ[contract.CONFIG_ENV] = cfg.to_json()
@@ -162,7 +165,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
     metrics = server.sink if server is not None else NullSink()
     config = launch_config
     metrics.gauge("elastic_trainer_world_size_expected", config.max_nodes * config.nproc_per_node)
-    history = _start_history(cfg, events.path, metrics)
+    history = _start_history(cfg, events_path, metrics)
     if server is not None:
         server.before_collect(history.export)
     if config.max_nodes > 1 and config.rdzv_backend != "static":

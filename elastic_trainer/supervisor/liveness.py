@@ -152,7 +152,12 @@ def rejoin_of(handler, survivors: int) -> Iterator[None]:
     when ``survivors`` is outside ``[min_nodes, max_nodes)``."""
     settings = getattr(handler, "_settings", None)
     max_nodes = getattr(settings, "max_nodes", None)
-    if _holder(handler) is None or max_nodes is None or not settings.min_nodes <= survivors < max_nodes:
+    if (
+        _holder(handler) is None
+        or settings is None
+        or max_nodes is None
+        or not settings.min_nodes <= survivors < max_nodes
+    ):
         yield
         return
     object.__setattr__(settings, "max_nodes", survivors)
@@ -197,7 +202,8 @@ class ContactWatch:
                 continue
             last = last_contact(self._handler)
             now = time.monotonic()
-            if out_of_contact(last, now, self._bound):
+            assert self._bound is not None  # start() runs this thread only with a bound
+            if last is not None and out_of_contact(last, now, self._bound):
                 self._fired = True
                 try:
                     self._on_isolated(now - last)
@@ -267,7 +273,9 @@ class NodeLiveness:
         lost = found.reason == PEER_LOST and joined is not None
         self._fenced_at = time.monotonic() + fence_seconds(self._handler) if lost else 0.0
         rejoin = (
-            rejoin_of(self._handler, len(joined.participants) - len(found.lost)) if lost else contextlib.nullcontext()
+            rejoin_of(self._handler, len(joined.participants) - len(found.lost))
+            if lost and joined is not None
+            else contextlib.nullcontext()
         )
         try:
             with rejoin:

@@ -182,9 +182,11 @@ def run_parser(prog: str = "elastic-trainer run") -> argparse.ArgumentParser:
     p.add_argument(
         "--config",
         default=None,
-        help="TOML config: its run, elastic, metrics and checkpoint sections apply. Without it: the built-in defaults "
-        f"(run.dir {d.run.dir}, checkpoint.dir {d.checkpoint.dir}, "
-        f"metrics port {d.metrics.port}, the elastic.* defaults shown above), "
+        help="TOML config. The supervisor reads its run, checkpoint, elastic and metrics sections; the whole "
+        "resolved config (--set included) reaches the script, whose et.init settings apply on top of it, except "
+        "run.dir and checkpoint.dir (the supervisor's). Paths it does not set: run.dir runs/<config name>, "
+        "checkpoint.dir <run.dir>/checkpoints. Without it: the built-in defaults (run.dir runs/<script name>, "
+        f"checkpoint.dir <run.dir>/checkpoints, metrics port {d.metrics.port}, the elastic.* defaults shown above), "
         "changed only by --set",
     )
     add_overrides(p)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .. import exit_codes
 
 
@@ -49,7 +51,7 @@ def terminal_code(worker_exit_codes: list[int | None], marker: dict | None = Non
 
 
 def launch_exit_code(
-    *, failed: bool, signalled: bool, preempt_marker: dict | None, worker_exit_codes: list[int | None] = ()
+    *, failed: bool, signalled: bool, preempt_marker: dict | None, worker_exit_codes: Sequence[int | None] = ()
 ) -> int:
     """Exit code of ``elastic-trainer launch`` from how the agent ended: what the workers
     reported. 75 only when rank 0's marker says the final step's commit exists; a preemption

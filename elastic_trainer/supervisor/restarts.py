@@ -131,6 +131,8 @@ def remove_marker(path: str | None) -> None:
 def read_marker(path: str | None) -> dict | None:
     """The marker at ``path`` (written atomically), or None: none there, or another node's
     supervisor removed it a moment ago (a run.dir shared by the nodes)."""
+    if path is None:
+        return None
     try:
         with open(path) as f:
             return json.load(f)

@@ -23,6 +23,8 @@ wait loop and its ``_delay(seconds=(0, 0.3))`` before a join in round 0.
 
 from __future__ import annotations
 
+from typing import Any
+
 TORCH_POLL_SECONDS = 1  # torch's fixed wait between reads of a forming round, and its read cache
 FIRST_JOIN_SKEW_SECONDS = (0, 0.3)  # torch's random delay before a join while the job is in round 0
 
@@ -46,11 +48,12 @@ def install(handler, poll_seconds: float) -> None:
 
         def next_rendezvous(*args, **kwargs):
             result = join(*args, **kwargs)
-            next_rendezvous.joined = True
+            wrapper.joined = True
             return result
 
-        next_rendezvous.joined = False
-        handler.next_rendezvous = next_rendezvous
+        wrapper: Any = next_rendezvous  # Any: mypy does not model a function's own attributes
+        wrapper.joined = False
+        handler.next_rendezvous = wrapper
     joined = handler.next_rendezvous
 
     def _delay(seconds):
@@ -58,5 +61,6 @@ def install(handler, poll_seconds: float) -> None:
             return
         torch_delay(poll_seconds if seconds == TORCH_POLL_SECONDS else seconds)
 
-    _delay.torch_delay = torch_delay
-    dynamic_rendezvous._delay = _delay
+    delay: Any = _delay  # Any: mypy does not model a function's own attributes
+    delay.torch_delay = torch_delay
+    dynamic_rendezvous._delay = delay

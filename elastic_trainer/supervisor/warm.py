@@ -55,7 +55,7 @@ class Zygote:
         self.python = python
         self.preload = tuple(preload)  # empty: the zygote's own list (torch and the trainer); see preload_for
         self.ready_timeout = ready_timeout
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedChild | None = None
         self.sock: socket.socket | None = None
         self.info: dict | None = None
         self.exits: dict[int, int] = {}
@@ -159,6 +159,7 @@ class Zygote:
             msg = json.dumps(
                 {"id": rid, "argv": [str(a) for a in argv], "env": dict(env), "cwd": os.getcwd(), "fds": names}
             ).encode()
+            assert self.sock is not None  # started
             try:
                 socket.send_fds(self.sock, [msg], fds)
             except OSError as e:
@@ -248,8 +249,10 @@ class ForkedChild:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if deadline is not None and time.monotonic() >= deadline:
+                assert timeout is not None  # a deadline comes from it
                 raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(0.01)
+        assert self.returncode is not None  # poll() set it
         return self.returncode
 
     def kill(self) -> None:
@@ -273,7 +276,8 @@ class ZygoteProcess:
         if self.returncode is None:
             self.returncode = self.zygote.exitcode(self.pid, timeout=1e9 if timeout is None else timeout)
         if self.returncode is None:
-            raise subprocess.TimeoutExpired(self.args, timeout)
+            # typeshed types TimeoutExpired's timeout as a float; None says "no timeout", as passed
+            raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -426,7 +430,8 @@ class WarmStart:
     def start(self, start_workers: Callable[[], dict[int, int]]) -> dict[int, int]:
         """Run ``start_workers()`` (torch's: local rank -> pid) through the zygote; its pids."""
         t0 = time.monotonic()
-        zygote, fallbacks = self.zygote, []
+        zygote = self.zygote
+        fallbacks: list[str] = []
         if zygote is None:
             pids = start_workers()
         else:
@@ -454,6 +459,7 @@ class WarmStart:
 
     def _fallback(self, reason: str) -> None:
         old, self.zygote = self.zygote, None
+        assert old is not None  # only called when a zygote was in use
         restart = not old.alive and self._restarts > 0
         old.close()
         if restart:

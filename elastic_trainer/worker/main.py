@@ -49,6 +49,7 @@ def build_training(cfg: Config, d, open_data: bool = True):
 
     with on_meta():
         spec = build_model_spec(cfg.model)
+    assert spec.init_param is not None and spec.init_buffers is not None  # build_model_spec resolves both
     model = spec.model
     shard_classes = parallel.resolve_shard_classes(model, spec.shard_modules)
     parallel.shard_model(model, d.mesh, parallel.mixed_precision_policy(cfg.train, d.device), shard_classes)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -61,8 +62,8 @@ def build_model_spec(cfg: ModelConfig) -> ModelSpec:
     Raises ConfigError naming ``model.factory`` (unimportable, wrong return type, buffers nobody
     initialises) or ``model.shard_modules`` (no class names, or a name that matches no module)."""
     if not cfg.factory:
-        model = GPT(cfg)
-        spec = ModelSpec(model, model.init_param, _no_buffers, list(cfg.shard_modules or ["Block"]))
+        gpt = GPT(cfg)
+        spec = ModelSpec(gpt, gpt.init_param, _no_buffers, list(cfg.shard_modules or ["Block"]))
     else:
         factory = load_factory(cfg.factory)
         try:
@@ -71,7 +72,7 @@ def build_model_spec(cfg: ModelConfig) -> ModelSpec:
             raise
         except Exception as e:
             raise ConfigError("model.factory", f"{cfg.factory} raised {type(e).__name__}: {e}") from e
-        spec = out if isinstance(out, ModelSpec) else ModelSpec(out)
+        spec = out if isinstance(out, ModelSpec) else ModelSpec(cast(nn.Module, out))  # checked just below
         if not isinstance(spec.model, nn.Module):
             raise ConfigError(
                 "model.factory",
@@ -118,6 +119,7 @@ def build_model(cfg: ModelConfig) -> tuple[nn.Module, InitFn, list[str]]:
     """``(model, init_param, shard_module_names)``: the spec without the buffer initialiser, for
     callers that only need shapes (e.g. the checkpoint preflight)."""
     spec = build_model_spec(cfg)
+    assert spec.init_param is not None  # build_model_spec resolves it
     return spec.model, spec.init_param, spec.shard_modules
 
 

@@ -427,6 +427,7 @@ def open_data_view(
             view = box[0]
         if isinstance(view, tuple):
             raise ConfigError(*view)
+        assert view is not None  # rank 0's, or broadcast from it over group
         check_recorded_view(cfg, view)  # another node may see other files than rank 0
         added: list[str] = []
     else:

@@ -52,6 +52,7 @@ class Trainer:
         """Train to ``train.steps``. Returns the process exit code (see ``exit_codes``); the
         checkpointer has ended the run (:meth:`Checkpointer.end_of_step`)."""
         self.train(self.cfg.train.steps, self._log_progress)
+        assert self.ckpt.exit_code is not None  # steps() sets it as it ends
         return self.ckpt.exit_code
 
     def train(self, total_steps: int, after_step: Callable[[StepContext], Any] | None = None) -> None:
@@ -74,6 +75,7 @@ class Trainer:
         if self.ckpt.session.rank == 0 and (
             s.step % self.cfg.train.log_every == 0 or s.step == 1 or s.step == self.cfg.train.steps
         ):
+            assert s.event is not None  # after_step: a step whose event was written
             logger.info("%s", self._progress_line(s.event))
 
     def _progress_line(self, rec: dict) -> str:

@@ -254,8 +254,9 @@ def serve(sock: socket.socket) -> int:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     while True:
+        watched: list[socket.socket | int] = [sock, wake_r]
         try:
-            ready, _, _ = select.select([sock, wake_r], [], [])
+            ready, _, _ = select.select(watched, [], [])
         except InterruptedError:
             continue
         if wake_r in ready:

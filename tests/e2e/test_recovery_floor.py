@@ -14,8 +14,9 @@ def test_the_surviving_ranks_exit_within_a_second_of_a_peer_s_death():
     group resumes. A DataLoader worker forked after the process group holds copies of the rank's
     sockets: while it lived (torch checks its parent every 5 s) the survivor's collective saw no
     error and the recovery took 5 s more."""
-    a = argparse.Namespace(nproc=2, interval=2, script=str(run_recovery.REPO / "examples" / "train_fsdp.py"))
-    r = run_recovery.one_run("run", a)
+    script = str(run_recovery.REPO / "examples" / "train_fsdp.py")
+    a = argparse.Namespace(nproc=2, interval=2, script=script, kill_rank=1, set=[])
+    r = run_recovery.one_run("run", "signal", a)
     phases = r["phases"]
     print(f"survivors exit {phases['survivors_exit']:.2f}s after the kill; first step after it {r['recovery_s']:.2f}s")
     assert phases["survivors_exit"] is not None and phases["survivors_exit"] <= SURVIVORS_EXIT_BOUND_S, phases

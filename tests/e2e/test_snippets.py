@@ -1,7 +1,8 @@
 """The documented snippets run as written. The five-call block of docs/own-script.md (the
-package docstring shows the same text) and its lower-level loop, pasted
-into a script that defines only what the documents say is the user's (a model with ``Block``s, a
-map-style dataset, a ``collate_fn``, a loss, a plain ``DataLoader(batch_size=8)``), under
+package docstring shows the same text) and its lower-level loop, pasted into a script that
+imports only what the documents say is the user's (a model with ``Block``s, a map-style dataset, a
+``collate_fn``, a loss, a plain ``DataLoader(batch_size=8)``) from a module next to it — so a
+snippet that lacks an import of its own fails here as it would for a user —, under
 ``elastic-trainer run`` with the default config: at 1, 2 and 3 workers with the loop body
 unchanged, and a resume at another world size continues the run (within 1e-5, no dropout). The
 ``train.*`` table of docs/own-script.md names every key; docs/own-model.md's factory builds."""
@@ -17,13 +18,15 @@ from tests import runs
 
 DOC = runs.REPO / "docs" / "own-script.md"
 
-# What the snippets leave to the user. No dropout: across world sizes the per-rank random
-# streams are reseeded, so only a dropout-free model continues within 1e-5.
-PRELUDE = """
+# What the snippets leave to the user, in a module of its own: the script imports these names
+# from it and nothing else, so the snippets' own imports are all the script has. No dropout: across
+# world sizes the per-rank random streams are reseeded, so only a dropout-free model continues
+# within 1e-5.
+USER_DEFS = """
 import os
-import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
@@ -66,13 +69,22 @@ def compute_loss(model, batch):
 
 def batch_for(step):  # the lower-level loop's data: this rank's part of a fixed global batch of 4
     g = torch.Generator().manual_seed(step)
-    x = torch.randn(4, 16, generator=g)[session.rank :: session.world_size]
+    x = torch.randn(4, 16, generator=g)[dist.get_rank() :: dist.get_world_size()]
     return {"x": x, "y": x.sum(1, keepdim=True).sin()}
 
 
 dataset = Points()
 total_steps = int(os.environ["SNIPPET_STEPS"])
 """
+USER_NAMES = "Block, batch_for, build_model, collate, compute_loss, dataset, total_steps"
+
+
+def user_script(tmp_path: Path, name: str, code: str) -> Path:
+    """``code`` as a script in ``tmp_path`` that imports the user's names from a module next to it."""
+    (tmp_path / "user_defs.py").write_text(USER_DEFS)
+    path = tmp_path / name
+    path.write_text(f"from user_defs import {USER_NAMES}\n\n" + code)
+    return path
 
 
 def blocks(text: str) -> list[str]:
@@ -84,14 +96,14 @@ def five_call_block() -> str:
 
 
 def lower_level_block() -> str:
-    [block] = [b for b in blocks(DOC.read_text()) if b.startswith("step = ckpt.resume()")]
+    [block] = [b for b in blocks(DOC.read_text()) if "\nstep = ckpt.resume()" in b]
     return block
 
 
 def test_the_package_docstring_shows_the_five_call_block_of_the_docs():
     shown = elastic_trainer.__doc__.split("::\n\n", 1)[1].split("\n\n``batch``", 1)[0]
     assert textwrap.dedent(shown).strip() == five_call_block().strip()
-    assert {b.split()[0] + b.split()[1] for b in blocks(DOC.read_text())} == {"importtorch", "step="}, (
+    assert [b.split("\n", 1)[0] for b in blocks(DOC.read_text())] == ["import torch", "import sys"], (
         "a new code block in docs/own-script.md needs a run here"
     )
 
@@ -109,14 +121,13 @@ def _run(tmp_path: Path, script: Path, run_dir: Path, ckpt: Path, nproc: int, st
 
 
 def test_the_five_call_block_runs_at_one_two_and_three_workers_and_resumes_at_another(tmp_path):
-    script = tmp_path / "five_calls.py"
-    script.write_text(PRELUDE + five_call_block())
+    five_calls = user_script(tmp_path, "five_calls.py", five_call_block())
     # the reference: 2 workers, 6 steps; then 1 worker to step 3 and 3 workers from its checkpoint
-    two = _run(tmp_path, script, tmp_path / "two", tmp_path / "two-ckpt", 2, 6)
+    two = _run(tmp_path, five_calls, tmp_path / "two", tmp_path / "two-ckpt", 2, 6)
     assert two.returncode == 0, two.stderr[-3000:]
-    one = _run(tmp_path, script, tmp_path / "one", tmp_path / "ckpt", 1, 3)
+    one = _run(tmp_path, five_calls, tmp_path / "one", tmp_path / "ckpt", 1, 3)
     assert one.returncode == 0, one.stderr[-3000:]
-    three = _run(tmp_path, script, tmp_path / "three", tmp_path / "ckpt", 3, 6)
+    three = _run(tmp_path, five_calls, tmp_path / "three", tmp_path / "ckpt", 3, 6)
     assert three.returncode == 0, three.stderr[-3000:]
     [resume] = runs.read_events(tmp_path / "three", "resume")
     assert (resume["step"], resume["from_world_size"], resume["world_size"]) == (3, 1, 3)
@@ -127,16 +138,15 @@ def test_the_five_call_block_runs_at_one_two_and_three_workers_and_resumes_at_an
     # what the loop uses of train.* is never silently replaced: the recorded global batch, and
     # a micro-batch that disagrees with the DataLoader's batch_size, stop with exit 2 naming the key
     for key, value, ckpt in (("global_batch_size", 24, "ckpt"), ("micro_batch_size", 2, "fresh")):
-        r = _run(tmp_path, script, tmp_path / key, tmp_path / ckpt, 1, 8, "--set", f"train.{key}={value}")
+        r = _run(tmp_path, five_calls, tmp_path / key, tmp_path / ckpt, 1, 8, "--set", f"train.{key}={value}")
         assert r.returncode == 2 and f"train.{key}" in r.stderr, (key, r.stderr[-3000:])
 
 
 def test_the_lower_level_block_runs_at_one_and_two_workers(tmp_path):
     setup = five_call_block().split("\nfor step, batch in ckpt.steps", 1)[0].replace(", data=loader)", ")")
-    script = tmp_path / "lower_level.py"
-    script.write_text(PRELUDE + setup + "\n" + lower_level_block())
+    lower_level = user_script(tmp_path, "lower_level.py", setup + "\n" + lower_level_block())
     for nproc in (1, 2):
-        r = _run(tmp_path, script, tmp_path / f"run{nproc}", tmp_path / f"ckpt{nproc}", nproc, 3)
+        r = _run(tmp_path, lower_level, tmp_path / f"run{nproc}", tmp_path / f"ckpt{nproc}", nproc, 3)
         assert r.returncode == 0, r.stderr[-3000:]
         assert sorted(runs.step_losses(tmp_path / f"run{nproc}")) == [1, 2, 3]
 

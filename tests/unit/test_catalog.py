@@ -466,19 +466,6 @@ def test_clean_uncommitted_removes_leftovers_but_not_a_newer_launchs_save(tmp_pa
     assert (tmp_path / "step-00000013").exists()
 
 
-class _Held:
-    """A Stateful shaped like what ``_write`` saves under one key."""
-
-    def __init__(self, sd: dict):
-        self.sd = sd
-
-    def state_dict(self):
-        return self.sd
-
-    def load_state_dict(self, sd):
-        self.sd = sd
-
-
 def test_a_restarts_decision_reads_each_object_once_and_only_its_own_epoch_record(tmp_path, two_launches):
     """On a slow checkpoint.dir every read is a round trip on the restart's path: deciding what a
     restart of launch B loads reads each manifest once, B's epoch record once (no other launch's),
@@ -513,13 +500,10 @@ def test_a_restarts_decision_reads_each_object_once_and_only_its_own_epoch_recor
         return r
 
     storage.dcp_reader = reader
-    states = {
-        "model": _Held({"w": torch.zeros(16), "b": torch.zeros(4, dtype=torch.int64)}),
-        "train": _Held({"step": 0}),
-    }
-    decision = resume.decide(again, states, 1, "latest", frozenset(), clean=True, launch_id="B", events=EventLog(None))
+    decision = resume.decide(again, "latest", frozenset(), clean=True, launch_id="B", events=EventLog(None))
     assert decision.refused is None, decision.message
     assert decision.chosen == n["b15"] and not decision.first_start
+    assert decision.metadata is not None  # every rank plans its load from it: none reads it again
     manifests = [p for p in reads if p.endswith(layout.MANIFEST)]
     assert manifests and all(reads[p] == 1 for p in manifests), reads
     epoch_reads = {p: k for p, k in reads.items() if p.startswith("_epochs")}

@@ -42,6 +42,19 @@ def test_every_config_key_is_in_the_readme_table():
     assert not missing, f"config keys missing from the README's configuration table: {missing}"
 
 
+def test_the_front_end_tables_name_every_train_and_checkpoint_key_once_for_each_front_end():
+    """docs/configuration.md: one row per ``train.*``/``checkpoint.*`` key (a row may list several of
+    one section), each with a cell for the built-in trainer, the own loop, Lightning and Accelerate."""
+    text = (REPO / "docs" / "configuration.md").read_text()
+    for section, cls in (("train", config.TrainConfig), ("checkpoint", config.CheckpointConfig)):
+        table = text.split(f"## `{section}.*`", 1)[1].split("\n## ", 1)[0]
+        rows = [line for line in table.splitlines() if line.startswith(f"| `{section}.")]
+        assert all(line.count(" | ") == 4 for line in rows), "a row without a cell per front end"
+        named = [k.strip().strip("`").removeprefix(f"{section}.") for r in rows for k in r.split("|")[1].split(",")]
+        keys = [f.name for f in dataclasses.fields(cls)]
+        assert sorted(named) == sorted(keys), f"docs/configuration.md's {section}.* table: {named} vs {keys}"
+
+
 def _cited_tests() -> list[str]:
     readme = (REPO / "README.md").read_text()
     guaranteed = readme.split("Guaranteed (", 1)[1].split("Best effort:", 1)[0]

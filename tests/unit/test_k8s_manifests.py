@@ -1010,11 +1010,13 @@ def test_overlay_uses_its_image_variant(tree: Path):
 # --------------------------------------------------------------------------- exit codes
 
 POD_FAILURE_CASES = [
-    # (exit code, pod conditions, action): the README's exit codes that are never restarted fail the Job
+    # (exit code, pod conditions, action): the README's exit codes that are never restarted fail the Job,
+    # and so does 74: the supervisor ends with it only after its own restarts, or at once for a cause a
+    # restart cannot change (a full disk), so a pod retry would retrain the same steps to the same end
     (EXIT_CONFIG, (), "FailJob"),
     (exit_codes.NONFINITE, (), "FailJob"),
     (exit_codes.FENCED, (), "FailJob"),
-    (exit_codes.FINAL_SAVE_FAILED, (), "Count"),
+    (exit_codes.FINAL_SAVE_FAILED, (), "FailJob"),
     (EXIT_PREEMPTED, (), "Ignore"),
     (1, (), "Count"),
     (137, (), "Count"),
@@ -1026,8 +1028,9 @@ POD_FAILURE_CASES = [
 @pytest.mark.parametrize("exit_code,conditions,action", POD_FAILURE_CASES)
 def test_job_pod_failure_policy(tree: Path, exit_code: int, conditions: tuple[str, ...], action: str):
     """Exit 2 (bad config), 65 (non-finite stop) and 73 (fenced) fail the Job at once, as the
-    README says they are not restarted; 75 (preempted, checkpoint committed) and
-    evictions replace the pod for free; anything else counts against backoffLimit."""
+    README says they are not restarted, and so does 74 (final checkpoint not committed, after the
+    supervisor's own restarts or for a cause they cannot change); 75 (preempted, checkpoint
+    committed) and evictions replace the pod for free; anything else counts against backoffLimit."""
     objs = render(tree)
     jobs = [o["spec"] for o in objs if o["kind"] == "Job"]
     jobs += [trainer_rjob(o)["template"]["spec"] for o in objs if o["kind"] == "ClusterTrainingRuntime"]
@@ -1052,9 +1055,10 @@ def readme_never_restarted() -> set[int]:
     }
 
 
-def test_the_failjob_codes_are_the_readmes_never_restarted_codes():
+def test_the_failjob_codes_are_the_readmes_never_restarted_codes_and_74():
     assert readme_never_restarted() == {EXIT_CONFIG, exit_codes.NONFINITE, exit_codes.FENCED}
-    assert {c for c, _, action in POD_FAILURE_CASES if action == "FailJob"} == readme_never_restarted()
+    failjob = {c for c, _, action in POD_FAILURE_CASES if action == "FailJob"}
+    assert failjob == readme_never_restarted() | {exit_codes.FINAL_SAVE_FAILED}
 
 
 def test_pod_failure_action_rules():

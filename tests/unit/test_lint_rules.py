@@ -1,8 +1,9 @@
 """The lint conventions ruff cannot check itself: every ``noqa`` marker names the rules it
 suppresses and why (ruff's RUF100, selected in pyproject.toml, removes the ones that suppress
-nothing)."""
+nothing); and CI type-checks the whole package (mypy, pyproject.toml's [tool.mypy])."""
 
 import re
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,3 +36,19 @@ def test_every_noqa_names_its_rules_and_reason():
         for n, line in markers_without_reason(path.read_text())
     ]
     assert not missing, "name the rules and the reason (`CODE - reason`):\n" + "\n".join(missing)
+
+
+def test_ci_type_checks_the_whole_package():
+    """scripts/test.sh runs mypy with pyproject's [tool.mypy] (pinned in the test extra): on the
+    package, no module skipped, a missing import tolerated only for named third-party packages."""
+    script = (REPO / "scripts" / "test.sh").read_text()
+    assert re.search(r"^\.venv/bin/mypy$", script, re.M), "scripts/test.sh runs .venv/bin/mypy"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert any(re.fullmatch(r"mypy==[\d.]+", r) for r in project["project"]["optional-dependencies"]["test"])
+    mypy = project["tool"]["mypy"]
+    assert mypy["files"] == ["elastic_trainer"] and mypy["check_untyped_defs"] is True
+    assert not {"ignore_errors", "ignore_missing_imports"} & set(mypy)
+    for override in mypy.get("overrides", []):
+        modules = override["module"] if isinstance(override["module"], list) else [override["module"]]
+        assert "ignore_errors" not in override, modules
+        assert not any(m.split(".")[0] == "elastic_trainer" for m in modules), modules

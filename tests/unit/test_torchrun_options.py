@@ -189,8 +189,10 @@ def test_launch_help_lists_each_option_once_with_launch_defaults():
 
 def test_run_help_says_which_config_applies_without_config():
     helps = {a.dest: " ".join(a.help.split()) for a in options.run_parser()._actions if a.help}
+    assert "the whole resolved config (--set included) reaches the script" in helps["config"]
     assert (
-        "Without it: the built-in defaults (run.dir runs/demo, checkpoint.dir runs/demo/checkpoints" in helps["config"]
+        "Without it: the built-in defaults (run.dir runs/<script name>, checkpoint.dir <run.dir>/checkpoints"
+        in helps["config"]
     )
     assert "elastic.max_restarts of the config (default 3)" in helps["max_restarts"]
 
