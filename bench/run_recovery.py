@@ -95,7 +95,8 @@ def command(variant: str, a, run_dir: Path, ckpt: Path) -> list[str]:
     if variant == "torchrun":  # the script's own --set: the same paths, no supervisor
         return [sys.executable, "-m", "torch.distributed.run", *opts, *script_args, *paths, *interval]
     cold = ["--no-warm-start"] if variant == "run-cold" else []
-    return [*runs.CLI, "run", *cold, *paths, *interval, "--set", "metrics.port=0", *opts, *script_args]
+    # the interval also as the script's own --set: its built-in settings win over the supervisor's
+    return [*runs.CLI, "run", *cold, *paths, *interval, "--set", "metrics.port=0", *opts, *script_args, *interval]
 
 
 def descendants(pid: int) -> list[int]:

@@ -62,6 +62,25 @@ def test_sigkill_and_resume_is_bitwise_identical(tmp_path, token_file, refs, wri
     )
     (resume,) = runs.read_events(tmp_path / "run", "resume")
     assert resume["step"] == resumed and resume["world_size"] == 2
+    # where the resume's time went: every phase between the worker's start and the resume, in order
+    phases = resume["phases"]
+    assert list(phases) == [
+        "session",
+        "build",
+        "decision",
+        "agreement",
+        "state_init",
+        "check",
+        "planning",
+        "reading",
+        "verifying",
+        "set_state_dict",
+        "data_position",
+    ], phases
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= resume["since_start_seconds"] + 0.01
+    dcp = phases["planning"] + phases["reading"] + phases["verifying"] + phases["set_state_dict"]
+    assert 0 < dcp <= resume["load_seconds"] + 0.001, (dcp, resume["load_seconds"])  # DCP's part of the load
+    assert resume["decision_reads"] >= 3, "a listing, the manifests, the chosen commit's .metadata"
 
 
 def test_a_process_writer_without_room_in_shared_memory_falls_back_to_the_thread_writer(tmp_path, token_file, refs):

@@ -86,3 +86,28 @@ def test_a_changed_layout_is_verified_again(change):
     if change == "param_group":
         assert_same_state(o.optimizer_state_dict(), get_optimizer_state_dict(model, opt), shares_storage=True)
         assert o.verified == 2
+
+
+def test_a_model_loaded_in_place_is_not_copied_onto_itself(tmp_path, monkeypatch):
+    """DCP's load reads into the tensors ``ModelState.state_dict()`` returned, which are the
+    model's own: the model then holds the checkpoint, and ``set_model_state_dict`` (a second copy
+    of every tensor onto itself) is skipped; any other dict is set the usual way."""
+    import torch.distributed.checkpoint as dcp
+
+    from elastic_trainer.checkpoint import state
+
+    model, _ = _trained()
+    dcp.save({"model": state.ModelState(model)}, checkpoint_id=str(tmp_path), no_dist=True)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh = Tied()
+    set_calls = []
+    real_set = state.set_model_state_dict
+    monkeypatch.setattr(state, "set_model_state_dict", lambda *a, **k: set_calls.append(1) or real_set(*a, **k))
+    loaded = state.ModelState(fresh)
+    dcp.load({"model": loaded}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert not set_calls, "the model was copied onto itself"
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    other = {k: torch.zeros_like(v) for k, v in fresh.state_dict().items()}
+    loaded.load_state_dict(other)
+    assert set_calls == [1] and all(torch.equal(v, torch.zeros_like(v)) for v in fresh.state_dict().values())

@@ -120,6 +120,33 @@ def test_verifying_reader_loads_it_back_exactly(saved):
     assert out["train"] == sd["train"]
 
 
+def test_a_reader_given_the_metadata_reads_only_the_shards_and_still_verifies_them(saved):
+    """The resume's ranks load from the metadata the deciding rank read (verified there): none
+    opens ``.metadata`` again, the shards are verified all the same, and the reader says how long
+    its reads and their checksums took (the resume's timeline)."""
+    path, sd = saved
+    md = integrity.verifying(FileSystemReader(str(path)), _checks(path)).read_metadata()
+    reader = integrity.verifying(FileSystemReader(str(path)), _checks(path), metadata=md)
+    opened: list[str] = []
+    create = reader.fs.create_stream
+
+    def stream(p, mode):
+        opened.append(os.path.basename(str(p)))
+        return create(p, mode)
+
+    reader.fs.create_stream = stream
+    out = _empty_like(sd)
+    integrity.load(out, reader, no_dist=True)
+    assert opened and layout.METADATA not in opened, opened
+    assert all(torch.equal(out["model"][k], v) for k, v in sd["model"].items()) and out["train"] == sd["train"]
+    start, end = reader.read_span
+    assert end >= start and 0 < reader.verify_seconds <= end - start
+    shard = next(p for p in path.iterdir() if p.name.endswith(".distcp"))
+    _flip(shard, 20)
+    bad = integrity.verifying(FileSystemReader(str(path)), _checks(path), metadata=md)
+    _raises_integrity(lambda: integrity.load(_empty_like(sd), bad, no_dist=True), "checksum mismatch")
+
+
 def _flip(path: Path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
