@@ -61,24 +61,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import REPO, loadavg, machine_info, median, parse_with_smoke, table
+from elastic_trainer.checkpoint.timeline import PHASES as PHASES_OF_RESUME
 from tests import runs
 
 VARIANTS = ("launch", "run", "run-cold", "torchrun")
 KILL_POINTS = ("after-commit", "mid-cycle", "mid-save", "before-next", "signal")
 PHASES = ("survivors_exit", "restart", "rendezvous", "workers_started", "start", "resume", "step")
-RESUME_PHASES = (
-    "session",
-    "build",
-    "decision",
-    "agreement",
-    "state_init",
-    "check",
-    "planning",
-    "reading",
-    "verifying",
-    "set_state_dict",
-    "data_position",
-)
 DEMO = REPO / "configs" / "demo-cpu.toml"
 DEMO_DATA = REPO / "runs" / "data" / "demo.bin"
 
@@ -310,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 ]  # fmt: skip
             )
             prow.append([v, p, *(_fmt(_med(rs, lambda r, k=k: r["phases"][k])) for k in PHASES)])
-            rrow.append([v, p, *(_fmt(_med(rs, lambda r, k=k: r["resume_phases"].get(k))) for k in RESUME_PHASES)])
+            rrow.append([v, p, *(_fmt(_med(rs, lambda r, k=k: r["resume_phases"].get(k))) for k in PHASES_OF_RESUME)])
     print(
         f"\nmachine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']}; "
         f"load {info['loadavg_start'][0]:.2f} → {info['loadavg_end'][0]:.2f}"
@@ -322,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nper-phase timeline (seconds after the kill, median over repeats):\n")
         print(table(["variant", "kill point", *PHASES], prow))
         print("\nthe resume event's phases (rank 0, seconds, median over repeats):\n")
-        print(table(["variant", "kill point", *RESUME_PHASES], rrow))
+        print(table(["variant", "kill point", *PHASES_OF_RESUME], rrow))
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"info": info, "runs": results}, indent=1))
     return 0

@@ -291,7 +291,7 @@ def _check_init_from(cfg) -> None:
 
 
 def _cmd_run(argv: list[str]) -> int:
-    from .config import load_config, run_name
+    from .config import keys_set, load_config, run_name
     from .supervisor import options
     from .supervisor.launcher import build_launch_config, launch, start_zygote
     from .worker import zygote as zygote_process
@@ -315,7 +315,7 @@ def _cmd_run(argv: list[str]) -> int:
             if plan is not None and plan.chosen is not None
             else "no commit to resume",
         )
-        return launch(cfg, config, cmd, cmd_args, zygote=zygote)
+        return launch(cfg, config, cmd, cmd_args, zygote=zygote, keys_set=keys_set(a.config, a.overrides))
     except BaseException:
         if zygote is not None:
             zygote.close()

@@ -526,6 +526,12 @@ def load_config(
     return config_from_dict(apply_overrides(read_toml(path), overrides), name if name is not None else run_name(path))
 
 
+def keys_set(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """``section.key`` of every setting TOML file ``path`` and ``overrides`` set, sorted."""
+    data = apply_overrides(read_toml(path), overrides)
+    return sorted(f"{s}.{k}" for s, values in data.items() if isinstance(values, dict) for k in values)
+
+
 def read_toml(path: str | os.PathLike | None) -> dict[str, Any]:
     """The sections of TOML file ``path`` as parsed ({} for None), or ConfigError naming the file."""
     data: dict[str, Any] = {}

@@ -35,6 +35,7 @@ class EnvVar:
 
 
 CONFIG_ENV = "ELASTIC_TRAINER_CONFIG_JSON"
+CONFIG_SET_ENV = "ELASTIC_TRAINER_CONFIG_SET"
 SUPERVISOR_PID_ENV = "ELASTIC_TRAINER_SUPERVISOR_PID"
 PARENT_PID_ENV = "ELASTIC_TRAINER_PARENT_PID"
 CHECKPOINT_EPOCH_ENV = "ELASTIC_TRAINER_CHECKPOINT_EPOCH"
@@ -67,6 +68,12 @@ TORCHRUN_ENV_PREFIX = "PET_"  # torchrun reads option --foo-bar from PET_FOO_BAR
 _SUP, _AGENT = "supervisor", "torch's agent"
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(CONFIG_ENV, _SUP, "workers", "The resolved configuration as JSON."),
+    EnvVar(
+        CONFIG_SET_ENV,
+        _SUP,
+        "workers",
+        "The keys its command line set (`--config`, `--set`), as a JSON list: they win over a script's own.",
+    ),
     EnvVar(SUPERVISOR_PID_ENV, _SUP, "workers, zygote", "The supervisor's PID: a child with another parent exits."),
     EnvVar(PARENT_PID_ENV, "zygote", "workers it forks", "The zygote's PID: the parent a warm-started worker checks."),
     EnvVar(CHECKPOINT_EPOCH_ENV, _SUP, "rank 0", "This launch's fencing epoch on the checkpoint root."),

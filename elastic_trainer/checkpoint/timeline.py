@@ -25,6 +25,21 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+# a resume from checkpoint.dir's phases, in the order they run (the local and peer tiers' differ)
+PHASES = (
+    "session",
+    "build",
+    "decision",
+    "agreement",
+    "state_init",
+    "check",
+    "planning",
+    "reading",
+    "verifying",
+    "set_state_dict",
+    "data_position",
+)
+
 
 class Timeline:
     """Seconds per phase of one resume, in the order each phase first ran. The main thread's."""

@@ -174,9 +174,11 @@ def resolve_config(
     Without a supervisor: that, over the defaults; the paths it does not set are
     ``runs/<script name>`` and ``runs/<script name>/checkpoints`` (as ``elastic-trainer run``
     derives them). Under the supervisor (``launch``/``run``): the supervisor's config, then the
-    script's on top; ``run.dir`` and ``checkpoint.dir`` must agree with the supervisor's (it
-    writes the event log, fences and watches commits there): a script that asks for others stops
-    with ConfigError before its first step."""
+    script's on top, except for the keys the supervisor's command line set (``--config``,
+    ``--set``): those keep the command line's value (the script's is logged, not used);
+    ``run.dir`` and ``checkpoint.dir`` must agree with the supervisor's (it writes the event log,
+    fences and watches commits there): a script that asks for others stops with ConfigError
+    before its first step."""
     if isinstance(config, Config):
         mine = _set_in(config)
     elif isinstance(config, dict):
@@ -202,8 +204,20 @@ def resolve_config(
                 "set it on the supervisor's command line (--set "
                 f"{section}.{key}={want}) or in its --config, not in the script",
             )
+    # One rule: the supervisor's command line (--config, --set) > the script's own settings > the
+    # defaults. A key the command line set is never replaced; that the script's value lost is logged.
+    on_command_line = set(json.loads(os.environ.get(contract.CONFIG_SET_ENV) or "[]"))
+    lost = []
     for section, values in mine.items():
-        base.setdefault(section, {}).update(values if isinstance(values, dict) else {})
+        for key, value in (values if isinstance(values, dict) else {}).items():
+            have = base.setdefault(section, {}).get(key)
+            if f"{section}.{key}" in on_command_line:
+                if value != have:
+                    lost.append(f"{section}.{key}={value!r} (the command line's: {have!r})")
+                continue
+            base[section][key] = value
+    if lost and os.environ.get(contract.RANK_ENV, "0") == "0":
+        logger.warning("the supervisor's command line set these, the script's own values are not used: %s", lost)
     return config_from_dict(base)
 
 

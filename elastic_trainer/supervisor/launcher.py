@@ -8,6 +8,7 @@ built with its collaborators: the restart ledger, liveness, warm start and the j
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -140,12 +141,13 @@ def run_agent(
         warm_start.close()
 
 
-def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
+def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, keys_set: list[str] | None = None) -> int:
     """Run this node's supervisor until the job ends. Returns the process exit code.
 
     ``launch_config, cmd, cmd_args``: from :func:`build_launch_config` (the built-in trainer
     for ``launch``, the user's script for ``run``); ``zygote``: the warm-start zygote from
-    :func:`start_zygote`, or None (workers start cold). Closed when the job ends."""
+    :func:`start_zygote`, or None (workers start cold). Closed when the job ends. ``keys_set``:
+    the keys the command line set, which a script's own settings do not replace."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     os.makedirs(cfg.run.dir, exist_ok=True)
@@ -154,6 +156,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None) -> int:
     marker = os.path.join(cfg.run.dir, contract.PREEMPT_MARKER)
     remove_marker(marker)
     os.environ[contract.CONFIG_ENV] = cfg.to_json()
+    os.environ[contract.CONFIG_SET_ENV] = json.dumps(keys_set or [])
     os.environ[contract.SUPERVISOR_PID_ENV] = str(os.getpid())
     # Workers get a fresh store per rendezvous round instead of reusing keys of dead workers.
     os.environ.setdefault(contract.SHARE_RDZV_STORE_ENV, "1")

@@ -67,8 +67,9 @@ def test_a_final_save_that_fails_exits_74_with_an_event(tmp_path):
 
 def test_run_without_config_uses_the_scripts_own_paths_and_refuses_a_disagreeing_script(tmp_path):
     args = [*runs.CLI, "run", "--set", "metrics.port=0", "--nproc-per-node", "2", "--monitor-interval", "0.2"]
+    # the script's et.init asks for a save every 5 steps: the command line's 2 wins (one rule)
     r = subprocess.run(
-        [*args, EXAMPLE, "--steps", "5", "--dropout", "0"],
+        [*args, "--set", "checkpoint.interval_steps=2", EXAMPLE, "--steps", "5", "--dropout", "0"],
         capture_output=True,
         text=True,
         env=runs.env_for_tests(),
@@ -79,6 +80,8 @@ def test_run_without_config_uses_the_scripts_own_paths_and_refuses_a_disagreeing
     own = tmp_path / "runs" / "train_fsdp"
     assert not (tmp_path / "runs" / "demo").exists(), "the demo's paths are never used"
     assert runs.read_events(own, "finished") and Catalog(open_storage(str(own / "checkpoints"))).head().step == 5
+    assert [e["step"] for e in runs.read_events(own, "checkpoint_committed")] == [2, 4, 5]
+    assert "checkpoint.interval_steps=5" in r.stderr, "the script's value that was not used is logged"
     assert runs.read_events(own, "launch"), "the supervisor's events and the script's are one log"
     # The script asks for another checkpoint root than its supervisor's: exit 2, one attempt.
     r = subprocess.run(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 
@@ -9,8 +11,8 @@ import pytest
 import torch
 
 from elastic_trainer import exit_codes
-from elastic_trainer.config import Config, TrainConfig, load_config, run_name
-from elastic_trainer.contract import CONFIG_ENV
+from elastic_trainer.config import Config, TrainConfig, keys_set, load_config, run_name
+from elastic_trainer.contract import CONFIG_ENV, CONFIG_SET_ENV
 from elastic_trainer.errors import ConfigError
 from elastic_trainer.runtime.loop import Accumulator, StepData, to_device
 from elastic_trainer.runtime.sampler import GlobalBatchSampler
@@ -55,6 +57,27 @@ def test_under_a_supervisor_the_script_merges_on_top_but_may_not_move_the_paths(
         assert (cfg.train.steps, cfg.train.seed, cfg.checkpoint.dir) == (99, 3, "s3://bucket/a"), given
     with pytest.raises(ConfigError, match="run.dir"):
         resolve_config({"run": {"dir": "runs/other"}})
+
+
+def test_a_key_the_supervisor_s_command_line_set_is_never_replaced_by_the_script_s_own(monkeypatch, tmp_path, caplog):
+    """One rule under ``run``: its command line (``--config`` file, ``--set``) > the script's own
+    settings > the defaults. ``run --set checkpoint.interval_steps=100 train.py`` saves every 100
+    steps although the script's ``et.init`` asks for 5 (which is logged, not used); what the
+    command line left alone the script still sets."""
+    job = tmp_path / "sup.toml"
+    job.write_text("[train]\nseed = 7\n")
+    overrides = ["checkpoint.interval_steps=100", "run.dir=runs/a"]
+    assert keys_set(str(job), overrides) == ["checkpoint.interval_steps", "run.dir", "train.seed"]
+    sup = load_config(str(job), overrides)
+    monkeypatch.setenv(CONFIG_ENV, sup.to_json())
+    monkeypatch.setenv(CONFIG_SET_ENV, json.dumps(keys_set(str(job), overrides)))
+    with caplog.at_level(logging.WARNING, logger="elastic_trainer.runtime.session"):
+        cfg = resolve_config(None, ["checkpoint.interval_steps=5", "train.seed=3", "train.steps=40"])
+    assert (cfg.checkpoint.interval_steps, cfg.train.seed, cfg.train.steps) == (100, 7, 40)
+    assert "checkpoint.interval_steps=5" in caplog.text and "train.seed=3" in caplog.text
+    assert "train.steps" not in caplog.text
+    with pytest.raises(ConfigError, match="run.dir"):  # the paths still refuse a disagreeing script
+        resolve_config(None, ["run.dir=runs/b"])
 
 
 def test_a_dict_or_config_without_a_supervisor_takes_overrides_and_the_script_s_paths(monkeypatch):
