@@ -171,11 +171,12 @@ class Restorer:
         other), then rank 0 checks the chosen commit's layout against it (``check``)."""
         with timeline.phase("state_init"):
             state_dicts = resume_plan.init_states(self.states)
-        return self._plan(
+        checked = self._plan(
             lambda: resume_plan.check(self.states, state_dicts, self.ctx.world_size, decision, self.ctx.events),
             timeline,
             "check",
         )
+        return replace(checked, metadata=decision.metadata)
 
     @staticmethod
     def _learnt(position: Position, decision: Decision) -> Position:

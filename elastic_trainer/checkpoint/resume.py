@@ -199,8 +199,9 @@ def check(
 ) -> Decision:
     """Rank 0, after :func:`init_states` on every rank: ``decision`` with what the chosen
     commit's ``.metadata`` says against the registered state (:mod:`.compat`): the keys it adds,
-    ignores or leaves absent; or a refusal when the code cannot take it. Never raises."""
-    out = replace(decision)
+    ignores or leaves absent; or a refusal when the code cannot take it. Never raises. Without
+    the metadata: every rank has it from the decision (not broadcast twice)."""
+    out = replace(decision, metadata=None)
     try:
         report = compat.check(states, decision.metadata, decision.manifest, world_size, state_dicts=state_dicts)
         if not report.ok:
