@@ -173,7 +173,7 @@ def paired_windows(acc, train_step, a: argparse.Namespace, ours: bool, recorded:
         t0 = time.perf_counter()
         if ours:
             acc._end_step()  # noqa: SLF001 - the bench measures inside: the step's agreement
-            acc._ckpt.manager.finish()  # noqa: SLF001 - the integration has no public wait for a commit
+            acc._run.manager.finish()  # noqa: SLF001 - the integration has no public wait for a commit
         return time.perf_counter() - t0
 
     train_step()

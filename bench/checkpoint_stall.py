@@ -183,9 +183,8 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         data=batches,
         train_state=state,
         fingerprint=cfg.model_fingerprint(),
+        manager=lambda _: ckpt,  # over this benchmark's own states (the same model and optimizer)
     )
-    ck.manager.close()
-    ck.manager = ckpt
     ck.resume()  # a fresh start, as the worker's
     trainer = Trainer(cfg, model, ck)
     # ---------------------------------------------------------------------------------------
@@ -196,7 +195,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     def run_block(n: int, save: bool, mgr=None) -> dict:
         """n steps as Trainer.run does them; with ``save``, one async save after the first."""
         mgr = mgr or ckpt
-        ck.manager = mgr
+        ck.run.manager = mgr
         dist.barrier()
         times, stats, marks = [], None, {}
         c0 = time.process_time()
@@ -294,7 +293,7 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
             storage.makedirs(path)
         dist.barrier()
         t0 = time.monotonic()
-        writer = storage.dcp_writer(path) if crc else integrity.ChecksummedWriter(storage.dcp_writer(path))
+        writer = storage.dcp.writer(path) if crc else integrity.ChecksummedWriter(storage.dcp.writer(path))
         dcp.save(states, storage_writer=writer, process_group=d.ckpt_group)
         dt = time.monotonic() - t0
         dist.barrier()
@@ -366,6 +365,16 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
 PEER_MODES = {"torchtitan": ["torchtitan-async", "torchtitan-pinned-cpu"]}
 
 
+class _NoFaults:
+    """The manager's ``fault_hooks`` (fault injection only): none in the benchmark."""
+
+    def inject_local_faults(self, step: int) -> None:
+        pass
+
+    def commit_visible(self, step: int) -> bool:
+        return False
+
+
 class _PeerManager:
     """The surface of our ``CheckpointManager`` that ``Trainer.train`` and the blocks use,
     over torchtitan's ``CheckpointManager``: ``save`` = its ``maybe_wait_for_saving`` (timed as
@@ -374,12 +383,7 @@ class _PeerManager:
 
     fenced = None
     save_in_progress = False
-
-    def inject_local_faults(self, step: int) -> None:
-        pass
-
-    def commit_visible(self, step: int) -> bool:  # fault injection only: none in the benchmark
-        return False
+    fault_hooks = _NoFaults()
 
     def votes(self):
         from elastic_trainer.checkpoint.agreement import SaveVotes

@@ -7,9 +7,9 @@ fixture does (tests/fixtures/s3.py), then, per round and interleaved so every va
 machine load:
 
 * ours, upload: ``dcp.save`` of ``--mb`` MB of float32 tensors through the manager's writer
-  (``integrity.ChecksummedWriter(Storage.dcp_writer(...))``: checksums on, as in production);
+  (``integrity.ChecksummedWriter(Storage.dcp.writer(...))``: checksums on, as in production);
 * ours, download: ``dcp.load`` of that checkpoint into preallocated tensors through the manager's
-  reader (``integrity.verifying(Storage.dcp_reader(...))``: every item verified);
+  reader (``integrity.verifying(Storage.dcp.reader(...))``: every item verified);
 * raw: ``s3fs`` ``pipe_file`` / ``cat_file`` of one object of the same size (the shard's bytes),
   s3fs's defaults (concurrent multipart parts of 50 MiB, ``max_concurrency`` 10).
 
@@ -150,7 +150,7 @@ def main() -> int:
                     setattr(storage_fs, k, type(saved[k])(x))
                 storage = storage_fs.open_storage(f"s3://{bucket}/ours-{v}-{r}")
                 path = storage.join("ckpt")
-                writer = integrity.ChecksummedWriter(storage.dcp_writer(path))
+                writer = integrity.ChecksummedWriter(storage.dcp.writer(path))
                 t0 = time.monotonic()
                 dcp.save(state, storage_writer=writer, no_dist=True)
                 samples.setdefault(f"{v}:put", []).append(time.monotonic() - t0)
@@ -158,7 +158,7 @@ def main() -> int:
                     json.loads(storage.read_bytes(storage.join("ckpt", layout.CHECKSUMS)))
                 )
                 target = {k: torch.empty_like(t) for k, t in state.items()}
-                reader = integrity.verifying(storage.dcp_reader(path), checks)
+                reader = integrity.verifying(storage.dcp.reader(path), checks)
                 t0 = time.monotonic()
                 dcp.load(target, storage_reader=reader, no_dist=True)
                 samples.setdefault(f"{v}:get", []).append(time.monotonic() - t0)

@@ -7,7 +7,7 @@ writes the same ``--mb`` MB of float32 tensors with ``dcp.save``; measured: CPU 
 process (all threads, user + system: serialisation, hashing, the page-cache copy, fsync) and wall
 time, per GB written. Rounds interleave the variants so all see the same load.
 
-* ``torch-default``: ``FileSystemWriter`` as ``Storage.dcp_writer`` builds it, torch.save's zip CRC32s on;
+* ``torch-default``: ``FileSystemWriter`` as ``Storage.dcp.writer`` builds it, torch.save's zip CRC32s on;
 * ``ours``: the manager's writer, ``integrity.ChecksummedWriter(...)`` (CRC32s off, XXH3 of every byte);
 * ``ours-threads2``: the same with ``thread_count=2`` (two files per rank, two writer threads);
 * ``no-crc-no-hash``: CRC32s off and no checksums (what the serialisation and file writes
@@ -38,7 +38,7 @@ VARIANTS = ["torch-default", "ours", "ours-threads2", "no-crc-no-hash"]
 def _writer(variant: str, storage, path: str):
     from elastic_trainer.checkpoint import integrity
 
-    w = storage.dcp_writer(path)
+    w = storage.dcp.writer(path)
     if variant == "torch-default":
         return w
     if variant == "ours-threads2":

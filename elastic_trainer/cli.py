@@ -16,11 +16,15 @@ import argparse
 import json
 import logging
 import sys
+from typing import TypeAlias
 
 from . import exit_codes, log
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointStopError, ConfigError, StorageError
 
 logger = logging.getLogger("elastic_trainer.cli")
+
+# What add_subparsers() returns: a string, since argparse's class is not subscriptable at run time.
+_Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # noqa: SLF001 - stdlib argparse
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -34,8 +38,18 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="elastic-trainer", description="Fault-tolerant elastic FSDP2 training")
     ap.add_argument("--version", action="version", version=version_string())
     sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_supervisor_commands(sub)
+    _add_store_command(sub)
+    _add_config_commands(sub)
+    _add_data_commands(sub)
+    _add_ckpt_commands(sub)
+    _add_report_command(sub)
+    return ap
 
-    # launch and run are parsed by their own parsers (every torchrun option): see main().
+
+def _add_supervisor_commands(sub: _Subparsers) -> None:
+    """``launch`` and ``run``: listed here for ``--help``, parsed by their own parsers (every torchrun option):
+    see main()."""
     sub.add_parser(
         "launch",
         help="run this node's supervisor (torchrun's elastic agent) for the "
@@ -49,12 +63,16 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
 
+
+def _add_store_command(sub: _Subparsers) -> None:
     p = sub.add_parser("store", help="host the c10d rendezvous store that the nodes' agents join (outlives any node)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument(
         "--port", type=int, default=29400, help="port (default 29400; 0 picks a free one, printed on stdout)"
     )
 
+
+def _add_config_commands(sub: _Subparsers) -> None:
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_cmd", required=True)
     c = csub.add_parser("check", help="validate CONFIG and print the resolved values (exit 2 naming the key)")
@@ -68,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
         "the newest commit's manifest against the model and the run's settings",
     )
 
+
+def _add_data_commands(sub: _Subparsers) -> None:
     p = sub.add_parser("data", help="data set tools")
     dsub = p.add_subparsers(dest="data_cmd", required=True)
     b = dsub.add_parser("build", help="byte-level tokenise text files into a uint16 token file")
@@ -81,47 +101,61 @@ def _parser() -> argparse.ArgumentParser:
         "--limit-mb", type=float, default=8.0, help="read at most this many MiB of the default texts (default 8)"
     )
 
+
+_URI_HELP = "checkpoint root (checkpoint.dir): a path, file:///abs/path, s3://bucket/prefix"
+_ENDPOINT_HELP = "S3 endpoint for an s3:// URI (default: AWS_ENDPOINT_URL_S3 / FSSPEC_S3_ENDPOINT_URL)"
+_STEP_HELP = "step to read (default: the newest valid commit, what a resume would load)"
+
+
+def _add_ckpt_commands(sub: _Subparsers) -> None:
     p = sub.add_parser(
         "ckpt",
         help="checkpoint tools: list, inspect and export only read the checkpoint root; release writes to it "
         "(it deletes a checkpoint's quarantine marker)",
     )
     ksub = p.add_subparsers(dest="ckpt_cmd", required=True)
-    uri_help = "checkpoint root (checkpoint.dir): a path, file:///abs/path, s3://bucket/prefix"
-    endpoint_help = "S3 endpoint for an s3:// URI (default: AWS_ENDPOINT_URL_S3 / FSSPEC_S3_ENDPOINT_URL)"
-    step_help = "step to read (default: the newest valid commit, what a resume would load)"
     k = ksub.add_parser("list", help="list checkpoints under URI: step, directory, status, world size, bytes, problem")
-    k.add_argument("uri", metavar="URI", help=uri_help)
-    k.add_argument("--endpoint-url", default="", help=endpoint_help)
+    k.add_argument("uri", metavar="URI", help=_URI_HELP)
+    k.add_argument("--endpoint-url", default="", help=_ENDPOINT_HELP)
     k = ksub.add_parser("inspect", help="show one checkpoint's manifest and tensors")
-    k.add_argument("uri", metavar="URI", help=uri_help)
-    k.add_argument("--step", type=int, help=step_help)
-    k.add_argument("--endpoint-url", default="", help=endpoint_help)
+    k.add_argument("uri", metavar="URI", help=_URI_HELP)
+    k.add_argument("--step", type=int, help=_STEP_HELP)
+    k.add_argument("--endpoint-url", default="", help=_ENDPOINT_HELP)
+    _add_ckpt_export(ksub)
+    _add_ckpt_release(ksub)
+
+
+def _add_ckpt_export(ksub: _Subparsers) -> None:
     k = ksub.add_parser("export", help="consolidate model weights into one safetensors file")
-    k.add_argument("uri", metavar="URI", help=uri_help)
+    k.add_argument("uri", metavar="URI", help=_URI_HELP)
     k.add_argument("--out", required=True, help="safetensors file to write (with --hf: the folder)")
-    k.add_argument("--step", type=int, help=step_help)
+    k.add_argument("--step", type=int, help=_STEP_HELP)
     k.add_argument(
         "--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the exported weights (default fp32)"
     )
-    k.add_argument("--endpoint-url", default="", help=endpoint_help)
+    k.add_argument("--endpoint-url", default="", help=_ENDPOINT_HELP)
     k.add_argument(
         "--hf",
         metavar="CONFIG",
         help="write a Hugging Face folder at --out (config.json + "
         "model.safetensors) for the model of training config CONFIG",
     )
+
+
+def _add_ckpt_release(ksub: _Subparsers) -> None:
     k = ksub.add_parser(
         "release",
         help="re-verify a quarantined checkpoint (seal, sizes, every byte's "
         "checksum) and lift its quarantine; refused while its bytes are bad",
     )
-    k.add_argument("uri", metavar="URI", help=uri_help)
+    k.add_argument("uri", metavar="URI", help=_URI_HELP)
     k.add_argument(
         "--step", type=int, required=True, help="the quarantined checkpoint's step (its newest quarantined directory)"
     )
-    k.add_argument("--endpoint-url", default="", help=endpoint_help)
+    k.add_argument("--endpoint-url", default="", help=_ENDPOINT_HELP)
 
+
+def _add_report_command(sub: _Subparsers) -> None:
     p = sub.add_parser(
         "report", help="summarise a run (goodput, restarts) from its run directory or its checkpoint root, and plot it"
     )
@@ -144,7 +178,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json", action="store_true", help="print the summary as JSON (writes nothing unless --out is given)"
     )
-    return ap
 
 
 def version_string() -> str:
@@ -291,12 +324,24 @@ def _check_init_from(cfg) -> None:
 
 
 def _cmd_run(argv: list[str]) -> int:
-    from .config import keys_set, load_config, run_name
+    import os
+
+    from . import contract
+    from .config import EnvSettings, keys_set, load_config, run_name
     from .supervisor import options
     from .supervisor.launcher import build_launch_config, launch, start_zygote
     from .worker import zygote as zygote_process
 
     a, explicit = options.parse_explicit(options.run_parser(), argv)
+    # ELASTIC_TRAINER_CONFIG and ELASTIC_TRAINER_SET, as et.init reads them under any launcher;
+    # the flags win (--config over the variable, --set after its overrides).
+    env = EnvSettings.from_env()
+    if a.config is not None and env.path and os.path.abspath(env.path) != os.path.abspath(a.config):
+        logger.info("--config %s is used, not %s=%s", a.config, contract.CONFIG_FILE_ENV, env.path)
+        env = EnvSettings(None, env.overrides)
+    env.data()  # a bad variable stops here, naming it
+    a.config = a.config or env.path
+    a.overrides = [*env.overrides, *a.overrides]
     # Paths a config does not set are the script's own (runs/<script>/...), as et.init derives them.
     overrides = a.overrides + (["elastic.warm_start=false"] if a.no_warm_start else [])
     cfg = load_config(a.config, overrides, name=run_name(a.config) or run_name(a.training_script))

@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from . import contract
 from .errors import ConfigError
 
 # The closed sets of words a key takes (checked with its section, the message listing them).
@@ -244,6 +245,11 @@ class CheckpointConfig:
             _require(getattr(self, k) > 0, f"checkpoint.{k}", "must be > 0")
         _require(self.storage_retries >= 0, "checkpoint.storage_retries", "must be >= 0")
         _require(self.save_timeout_seconds > 0, "checkpoint.save_timeout_seconds", "must be > 0")
+        self._validate_resume_and_tiers()
+
+    def _validate_resume_and_tiers(self) -> None:
+        """The keys of what a resume may take (``allow_changes``, ``resume``) and of the tiers
+        (``dir``, the local tier, the peer tier, the S3 endpoint)."""
         for key in self.allow_changes:
             section, _, name = key.partition(".")
             known = (
@@ -532,17 +538,50 @@ def keys_set(path: str | os.PathLike | None, overrides: list[str] | tuple[str, .
     return sorted(f"{s}.{k}" for s, values in data.items() if isinstance(values, dict) for k in values)
 
 
-def read_toml(path: str | os.PathLike | None) -> dict[str, Any]:
-    """The sections of TOML file ``path`` as parsed ({} for None), or ConfigError naming the file."""
+def split_overrides(raw: str) -> list[str]:
+    """The overrides of ``ELASTIC_TRAINER_SET``: ``section.key=value`` items, one per line or
+    separated by ``;`` (blank items ignored). Pure."""
+    return [item.strip() for item in re.split(r"[;\n]", raw) if item.strip()]
+
+
+@dataclass(frozen=True)
+class EnvSettings:
+    """What the environment sets for any launcher: a config file (``ELASTIC_TRAINER_CONFIG``)
+    and ``--set``-style overrides (``ELASTIC_TRAINER_SET``). Both count as the command line's."""
+
+    path: str | None = None
+    overrides: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls, environ: typing.Mapping[str, str] | None = None) -> EnvSettings:
+        env = os.environ if environ is None else environ
+        return cls(
+            env.get(contract.CONFIG_FILE_ENV) or None, tuple(split_overrides(env.get(contract.OVERRIDES_ENV, "")))
+        )
+
+    def data(self) -> dict[str, Any]:
+        """The sections the file and the overrides set, as parsed; ConfigError naming the variable
+        (a missing or unparsable file, an item that is not ``section.key=value``)."""
+        data = read_toml(self.path, key=contract.CONFIG_FILE_ENV)
+        try:
+            return apply_overrides(data, self.overrides)
+        except ConfigError as e:
+            raise ConfigError(contract.OVERRIDES_ENV, f"{e} (items: section.key=value, one per line or ';')") from None
+
+
+def read_toml(path: str | os.PathLike | None, key: str = "<config file>") -> dict[str, Any]:
+    """The sections of TOML file ``path`` as parsed ({} for None), or ConfigError at ``key`` naming the file."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
         except FileNotFoundError:
-            raise ConfigError("<config file>", f"no such file: {path}") from None
+            raise ConfigError(key, f"no such file: {path}") from None
+        except IsADirectoryError:
+            raise ConfigError(key, f"{path} is a directory, not a TOML file") from None
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError("<config file>", f"{path} is not valid TOML: {e}") from None
+            raise ConfigError(key, f"{path} is not valid TOML: {e}") from None
     return data
 
 

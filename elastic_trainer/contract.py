@@ -36,6 +36,8 @@ class EnvVar:
 
 CONFIG_ENV = "ELASTIC_TRAINER_CONFIG_JSON"
 CONFIG_SET_ENV = "ELASTIC_TRAINER_CONFIG_SET"
+CONFIG_FILE_ENV = "ELASTIC_TRAINER_CONFIG"  # a config file for any launcher: what `run --config FILE` takes
+OVERRIDES_ENV = "ELASTIC_TRAINER_SET"  # `--set` overrides for any launcher, one per line or separated by ';'
 SUPERVISOR_PID_ENV = "ELASTIC_TRAINER_SUPERVISOR_PID"
 PARENT_PID_ENV = "ELASTIC_TRAINER_PARENT_PID"
 CHECKPOINT_EPOCH_ENV = "ELASTIC_TRAINER_CHECKPOINT_EPOCH"
@@ -73,6 +75,20 @@ ENV_VARS: tuple[EnvVar, ...] = (
         _SUP,
         "workers",
         "The keys its command line set (`--config`, `--set`), as a JSON list: they win over a script's own.",
+    ),
+    EnvVar(
+        CONFIG_FILE_ENV,
+        "user",
+        "`run`, `et.init`",
+        "A TOML config file, as `run --config` takes (a `--config` flag wins); read by `et.init` under any launcher "
+        "when no supervisor passed its config. Its keys count as the command line's.",
+    ),
+    EnvVar(
+        OVERRIDES_ENV,
+        "user",
+        "`run`, `et.init`",
+        "`section.key=value` overrides, one per line or separated by `;`, applied over that file (a `--set` "
+        "flag wins); keys as the command line's.",
     ),
     EnvVar(SUPERVISOR_PID_ENV, _SUP, "workers, zygote", "The supervisor's PID: a child with another parent exits."),
     EnvVar(PARENT_PID_ENV, "zygote", "workers it forks", "The zygote's PID: the parent a warm-started worker checks."),

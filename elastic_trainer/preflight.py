@@ -45,8 +45,8 @@ def check_storage(cfg: Config) -> tuple[Catalog, ResumePlan | None]:
     _check_writable_dir("run.dir", cfg.run.dir)
     try:
         storage = Storage.for_checkpoint(c)
-        storage.check_access()
-        storage.check_writable()
+        storage.checks.access()
+        storage.checks.writable()
     except StorageError as e:
         raise ConfigError("checkpoint.dir", f"cannot access {c.dir}: {e}") from None
     except Exception as e:  # noqa: BLE001 - e.g. credentials or endpoint errors from the client

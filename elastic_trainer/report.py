@@ -222,19 +222,40 @@ def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
     from matplotlib.figure import Figure
 
     kept = kept_steps(events)
-    loss_at = {e["step"]: e["loss"] for e in kept}
     fig = Figure(figsize=(11, 7), layout="constrained")
     FigureCanvasAgg(fig)
     ax, ax2 = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1.3))
+    _plot_rolled_back(ax, events, kept)
+    ax.plot([e["step"] for e in kept], [e["loss"] for e in kept], color="tab:blue", lw=1.5, label="loss", gid="loss")
+    _plot_commits(ax, events, kept)
+    _mark_restarts_and_reshards(ax, events, summary)
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    ax.set_title(_plot_title(summary), fontsize=10)
+    _plot_throughput(ax2, kept)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return fig
+
+
+def _step_runs(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The step records cut into runs: a new run starts wherever the step does not go up (a restart
+    that went back to an older commit)."""
     runs: list[list[dict[str, Any]]] = [[]]
     for e in events:
         if e.get("event") == "step":
             if runs[-1] and e["step"] <= runs[-1][-1]["step"]:
                 runs.append([])
             runs[-1].append(e)
+    return runs
+
+
+def _plot_rolled_back(ax, events: list[dict[str, Any]], kept: list[dict[str, Any]]) -> None:
+    """Each run's steps that a restart threw away, as a grey dashed line (one legend entry for all)."""
     kept_ids = {id(e) for e in kept}
     label: str | None = "rolled back (redone after a restart)"
-    for run in runs:
+    for run in _step_runs(events):
         lost = [e for e in run if id(e) not in kept_ids]
         if lost:
             ax.plot(
@@ -248,7 +269,11 @@ def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
                 label=label,
             )
             label = None
-    ax.plot([e["step"] for e in kept], [e["loss"] for e in kept], color="tab:blue", lw=1.5, label="loss", gid="loss")
+
+
+def _plot_commits(ax, events: list[dict[str, Any]], kept: list[dict[str, Any]]) -> None:
+    """A marker on the loss curve at each committed checkpoint's step (those the curve holds)."""
+    loss_at = {e["step"]: e["loss"] for e in kept}
     commits = [e["step"] for e in events if e.get("event") == "checkpoint_committed"]
     cs = [s for s in commits if s in loss_at]
     if cs:
@@ -262,6 +287,11 @@ def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
             label="checkpoint committed",
             gid="commits",
         )
+
+
+def _mark_restarts_and_reshards(ax, events: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """A red line at each restart (the steps it redid shaded) and a purple one at each reshard,
+    each kind labelled once in the legend."""
     labelled = set()
     for it in summary["goodput"]["interruptions"]:
         lbl = f"restart ({it['reason']})"
@@ -281,17 +311,20 @@ def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
             color="tab:purple",
             fontsize=8,
         )
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8)
+
+
+def _plot_title(summary: dict[str, Any]) -> str:
     g = summary["goodput"]
     gp = f"{100 * g['goodput']:.1f}%" if g["goodput"] is not None else "unknown"
-    ax.set_title(
+    return (
         f"{summary['status']} at step {summary['steps']} | "
         f"{summary['tokens']:,} tokens | restarts {summary['restarts']} | "
-        f"reshards {summary['reshards']} | checkpoints {summary['checkpoints_committed']} | goodput {gp}",
-        fontsize=10,
+        f"reshards {summary['reshards']} | checkpoints {summary['checkpoints_committed']} | goodput {gp}"
     )
+
+
+def _plot_throughput(ax2, kept: list[dict[str, Any]]) -> None:
+    """The lower panel: tokens/s, with the world size on a second axis and one legend for both."""
     ax2.plot(
         [e["step"] for e in kept], [e.get("tokens_per_s", 0) for e in kept], color="tab:orange", lw=1, label="tokens/s"
     )
@@ -312,9 +345,6 @@ def plot(events: list[dict[str, Any]], summary: dict[str, Any], out: str):
     ax3.yaxis.get_major_locator().set_params(integer=True)
     handles = ax2.get_legend_handles_labels()[0] + ax3.get_legend_handles_labels()[0]
     ax2.legend(handles=handles, loc="lower right", fontsize=8)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
-    return fig
 
 
 def load_events(source: str, endpoint_url: str = "") -> tuple[list[dict[str, Any]], str] | None:

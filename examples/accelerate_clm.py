@@ -107,11 +107,13 @@ def main() -> None:
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     accelerator.load_state()  # the newest checkpoint, if any
+    # at another world size the first launch's global batch takes other accumulation steps
+    accumulation = accelerator.gradient_accumulation_steps
 
-    steps_per_epoch = len(train_loader) // args.gradient_accumulation_steps
+    steps_per_epoch = len(train_loader) // accumulation
     model.train()
     while progress.steps < args.steps:
-        done_in_epoch = progress.steps % steps_per_epoch * args.gradient_accumulation_steps
+        done_in_epoch = progress.steps % steps_per_epoch * accumulation
         loader = accelerator.skip_first_batches(train_loader, done_in_epoch) if done_in_epoch else train_loader
         for batch in loader:
             with accelerator.accumulate(model):

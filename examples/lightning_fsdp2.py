@@ -13,8 +13,9 @@ The workers are the launcher's (``--devices`` is ignored with the elastic_traine
 restart may bring another world size); ``python examples/lightning_fsdp2.py`` is a world of one.
 
 Checkpoints and events go to ``runs/lightning_fsdp2/`` unless ``run --set checkpoint.dir=...``
-says otherwise; the global batch is ``train.global_batch_size`` (``--set
-train.global_batch_size=32``), split across the workers.
+says otherwise. ``--batch-size`` is every worker's micro-batch at every world size; the global
+batch is fixed by the first launch (batch size × workers × ``--accumulate``) and kept when the
+job shrinks or grows, with the accumulation steps following the world size.
 """
 
 import argparse
@@ -109,6 +110,8 @@ def main(module=CausalLM, dataset=Tokens):
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--devices", type=int, default=2, help="workers per node (torchrun's --nproc-per-node)")
+    p.add_argument("--batch-size", type=int, default=4, help="per worker")
+    p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches at the first launch")
     args = p.parse_args()
     L.seed_everything(0)
     cuda = torch.cuda.is_available()
@@ -118,13 +121,14 @@ def main(module=CausalLM, dataset=Tokens):
         strategy=Strategy(),  # elastic_trainer
         precision="bf16-mixed" if cuda and torch.cuda.is_bf16_supported() else "32-true",
         max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate,
         enable_checkpointing=False,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     model = module(layers=args.layers, dropout=args.dropout, steps=args.steps)
-    trainer.fit(model, DataLoader(dataset(args.samples, 17, 64), batch_size=8, shuffle=True))
+    trainer.fit(model, DataLoader(dataset(args.samples, 17, 64), batch_size=args.batch_size, shuffle=True))
 
 
 if __name__ == "__main__":

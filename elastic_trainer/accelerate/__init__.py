@@ -3,13 +3,14 @@
     from elastic_trainer.accelerate import Accelerator      # was: from accelerate import Accelerator
 
 Every call keeps its Accelerate meaning; these run on elastic_trainer's machinery (the
-:class:`~elastic_trainer.runtime.checkpointer.Checkpointer` of the own-loop API, one step
-context per optimizer step):
+:class:`~elastic_trainer.runtime.run.Run` of every front end, one step context per optimizer
+step, ended by the run's one stop protocol):
 
 * the constructor calls :func:`elastic_trainer.init` first (process groups that survive
   restarts under ``elastic-trainer run``, events, metrics, preemption, the hang watchdog), then
-  Accelerate's; ``ProjectConfiguration(project_dir=, total_limit=)`` sets ``run.dir``,
-  ``checkpoint.dir`` (``project_dir/checkpoints``, unless a supervisor sets them) and
+  Accelerate's (configuration as :func:`elastic_trainer.init` resolves it under any launcher);
+  ``ProjectConfiguration(project_dir=, total_limit=)`` sets ``run.dir`` and ``checkpoint.dir``
+  (``project_dir/checkpoints``) where no configuration and no supervisor sets them, and
   ``checkpoint.keep_last``;
 * ``prepare`` of the training ``DataLoader`` (the one with ``shuffle=True``) gives it a
   world-size-invariant batch sampler: the global batch of the first launch (``batch_size ×
@@ -19,7 +20,10 @@ context per optimizer step):
   ``load_state()`` → the newest valid commit (resharded, falling back past a damaged one), or a
   fresh start when there is none; the data loader continues where the commit was taken;
 * each optimizer step is one step of the own-loop API: the non-finite guard, the hang watchdog,
-  step events and metrics, agreed preemption (the final step committed: exit 75, else 76).
+  step events and metrics, agreed preemption (the final step committed: exit 75, else 76), and
+  saves on the cadence (``checkpoint.interval_steps``, ``interval_seconds``, ``auto``) besides
+  ``save_state()``; ``end_training()`` (or the script's end) commits the final step: exit 0,
+  else 74 (73 when a newer launch owns the root).
 
 See docs/accelerate.md.
 """
@@ -39,11 +43,12 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from .. import contract, faults
+from .. import faults
 from ..errors import ConfigError
-from ..runtime import Checkpointer, init
+from ..runtime import init
 from ..runtime.epochs import EpochBatchSampler
 from ..runtime.loop import WorkerInit, _rebuilt
+from ..runtime.run import Run, open_run
 from . import _api
 
 __all__ = ["Accelerator"]
@@ -68,12 +73,13 @@ class Accelerator(accelerate.Accelerator):
     def __init__(self, *args: Any, **kwargs: Any):
         pc = kwargs.get("project_config")
         project_dir = kwargs.get("project_dir") or (pc.project_dir if pc is not None else None)
-        overrides = []
-        if project_dir and not os.environ.get(contract.CONFIG_ENV):  # a supervisor sets the paths itself
-            overrides += [f"run.dir={project_dir}", f"checkpoint.dir={os.path.join(project_dir, 'checkpoints')}"]
-        if pc is not None and pc.total_limit:
-            overrides.append(f"checkpoint.keep_last={pc.total_limit}")
-        self.session = init(overrides=overrides)
+        # project_dir: the front end's default paths, below any config (a supervisor's are its own);
+        # init refuses a start whose root has no commit while the other default's root has some.
+        paths = []
+        if project_dir:
+            paths = [f"run.dir={project_dir}", f"checkpoint.dir={os.path.join(project_dir, 'checkpoints')}"]
+        overrides = [f"checkpoint.keep_last={pc.total_limit}"] if pc is not None and pc.total_limit else []
+        self.session = init(overrides=overrides, defaults=paths)
         if self.session.cfg.train.on_nonfinite != "stop":
             raise ConfigError(
                 "train.on_nonfinite",
@@ -86,14 +92,14 @@ class Accelerator(accelerate.Accelerator):
         self._train_loader: Any = None
         self._sampler: EpochBatchSampler | None = None
         self._layout: dict[str, int] = {}
-        self._ckpt: Checkpointer | None = None
+        self._run: Run | None = None
         self._ctx: Any = None  # the step in progress (a session.step context)
         self._stepped = False  # its optimizer step was taken: the step ends before the next batch
         self._loss = torch.zeros((), dtype=torch.float64)
         self._grad_norm: Any = None
         self._ended = False
-        self._saved_step: int | None = None  # the newest step save_state() saved
         self._last_loss: float | None = None  # the global loss of the last step
+        self._batch_weight: int | None = None  # real samples of the micro-batch handed out last
         atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------ prepare
@@ -142,19 +148,29 @@ class Accelerator(accelerate.Accelerator):
         return prepared
 
     def _set_layout(self, layout: dict[str, int]) -> None:
-        """The first launch's layout, from a checkpoint: split its global batch at this world size."""
+        """The first launch's layout, from a checkpoint: its global batch, split at this world size
+        into micro-batches of the loader's ``batch_size`` (a process's forward never grows): the
+        accumulation steps follow, the last micro-batch of a step padded where it does not divide."""
         self._layout = layout
-        g, w, acc = layout["global_batch_size"], self.num_processes, self.gradient_accumulation_steps
-        if g % (w * acc):
-            raise ConfigError(
-                "elastic.nproc_per_node",
-                f"the checkpoint's global batch of {g} samples does not split into {w} processes × "
-                f"{acc} accumulation steps: use a number of processes that divides {g // acc}",
-            )
         if self._sampler is not None:
-            self._sampler.resize(g, g // (w * acc))
+            self._sampler.resize(layout["global_batch_size"])
+            self.gradient_accumulation_steps = self._sampler.per_step
         for sched in self._schedulers:
             _api.step_per_global_batch(sched, layout["scheduler_steps"])
+
+    def _check_batch(self) -> None:
+        """A ``train.global_batch_size`` set on the command line or by the script must be the run's."""
+        s, g = self.session, self._layout.get("global_batch_size")
+        if g is None or "train.global_batch_size" not in s.explicit or s.cfg.train.global_batch_size == g:
+            return
+        assert self._sampler is not None  # a layout comes with the training loader's sampler
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{s.cfg.train.global_batch_size}, but this run's global batch is {g} (the training DataLoader's "
+            f"batch_size × processes × gradient_accumulation_steps at its first launch; now "
+            f"{self._sampler.micro_batch_size} × {self.num_processes} × {self.gradient_accumulation_steps}): "
+            "leave the key out or make them agree",
+        )
 
     def prepare_scheduler(self, scheduler: Any):
         prepared = super().prepare_scheduler(scheduler)
@@ -175,9 +191,10 @@ class Accelerator(accelerate.Accelerator):
                 return None
             out = step(*args, **kwargs)
             self._stepped = True
-            ck = self._checkpointer()
+            ck = self._the_run()
             ck.state.step = ctx.step
             if self._sampler is not None:
+                ctx.record(samples=self._sampler.global_batch_size)
                 self._sampler.advance()
             ctx.record(lr=prepared.param_groups[0]["lr"])
             return out
@@ -187,11 +204,17 @@ class Accelerator(accelerate.Accelerator):
 
     # ------------------------------------------------------------------ the step
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """The micro-batch's mean loss counts with its real samples' share of the global batch
+        (Accelerate divides by the accumulation steps, DDP averages over the processes): 1 where
+        the global batch splits evenly, less for a short micro-batch, 0 for a padding one."""
         self._end_step()
         self._begin_step()
         share = self.num_processes * self.gradient_accumulation_steps
-        self._loss += loss.detach().to(torch.float64).cpu() / share
-        super().backward(loss, **kwargs)
+        factor = 1.0
+        if self._sampler is not None and self._batch_weight is not None:
+            factor = self._batch_weight * share / self._sampler.global_batch_size
+        self._loss += loss.detach().to(torch.float64).cpu() * factor / share
+        super().backward(loss if factor == 1.0 else loss * factor, **kwargs)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         self._grad_norm = super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
@@ -200,12 +223,13 @@ class Accelerator(accelerate.Accelerator):
     def _next_batch(self) -> None:
         """A batch of the training loader is handed out: the previous step ends, this one begins
         (its forward pass inside the hang watchdog)."""
+        self._batch_weight = self._sampler.pop_weight() if self._sampler is not None else None
         self._end_step()
         self._begin_step()
 
     def _begin_step(self) -> Any:
         if self._ctx is None:
-            ck = self._checkpointer()
+            ck = self._the_run()
             self._ctx = self.session.step(ck.state.step + 1, checkpointer=ck).__enter__()
         return self._ctx
 
@@ -219,22 +243,15 @@ class Accelerator(accelerate.Accelerator):
         self._loss = torch.zeros((), dtype=torch.float64)
         ctx.__exit__(None, None, None)
         self._last_loss = ctx.loss
-        ck = self._checkpointer()
-        code = None
-        if ctx.fenced:
-            code = ck._fenced_exit()  # noqa: SLF001 - our Checkpointer's end path
-        elif ctx.preempt:
-            code = ck._preempt_exit()  # noqa: SLF001 - our Checkpointer's end path
-        elif ctx.nonfinite:
-            code = ck._on_nonfinite(ctx.step, ctx.loss, ctx.grad_norm, self._sampler)  # noqa: SLF001 - our Checkpointer's end path
+        # the one stop protocol: fenced, preempted, non-finite, a save when the cadence says so
+        code = self._the_run().after_step(ctx, sys.maxsize, sampler=self._sampler)
         if code is not None:
             self._ended = True
-            ck._close(code)  # noqa: SLF001 - our Checkpointer's end path
             raise SystemExit(code)
 
     # ------------------------------------------------------------------ checkpoints
-    def _checkpointer(self) -> Checkpointer:
-        if self._ckpt is None:
+    def _the_run(self) -> Run:
+        if self._run is None:
             models = [self.unwrap_model(m) for m in self._models]
             if len(models) != 1:
                 raise ValueError(f"elastic_trainer.accelerate checkpoints one prepared model, found {len(models)}")
@@ -246,7 +263,7 @@ class Accelerator(accelerate.Accelerator):
                 extra["batch_layout"] = _BatchLayout(lambda: self._layout, self._set_layout)
             if self.scaler is not None:
                 extra["grad_scaler"] = self.scaler
-            self._ckpt = Checkpointer(
+            self._run = open_run(
                 self.session,
                 model=models[0],
                 optimizer=None if not opts else opts[0] if len(opts) == 1 else {str(i): o for i, o in enumerate(opts)},
@@ -256,23 +273,24 @@ class Accelerator(accelerate.Accelerator):
                 if len(scheds) == 1
                 else {str(i): x for i, x in enumerate(scheds)},
                 extra=extra,
+                # the sample order: a resume with a changed seed is refused (exit 2) naming it
+                run_identity={"train.seed": self.session.cfg.train.seed} if self._sampler is not None else None,
             )
-        return self._ckpt
+        return self._run
 
     @property
     def completed_steps(self) -> int:
         """Optimizer steps taken in this run, resumed ones included."""
-        return self._checkpointer().state.step
+        return self._the_run().state.step
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """An async save of the state after the last optimizer step, committed to
         ``checkpoint.dir`` once every rank's files are written and checksummed. ``output_dir`` is
         recorded in the commit; nothing is written there. Returns the checkpoint root."""
         self._end_step()
-        ck = self._checkpointer()
+        ck = self._the_run()
         if ck.state.step > 0:
-            ck._save(ck.state.step, meta={"loss": self._last_loss, "output_dir": output_dir})  # noqa: SLF001 - our Checkpointer's end path
-            self._saved_step = ck.state.step
+            ck.save(ck.state.step, meta={"loss": self._last_loss, "output_dir": output_dir})
             faults.maybe_inject("kill_in_save", ck.state.step)
         return ck.storage.describe()
 
@@ -283,7 +301,8 @@ class Accelerator(accelerate.Accelerator):
         root = self.session.cfg.checkpoint.dir
         if input_dir is not None and os.path.abspath(str(input_dir)) != os.path.abspath(root) and "://" not in root:
             return super().load_state(input_dir, load_kwargs, **kwargs)
-        self._checkpointer().resume()
+        self._the_run().resume()
+        self._check_batch()
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """On the prepared training loader after ``load_state()``, the batches of the current epoch
@@ -309,18 +328,14 @@ class Accelerator(accelerate.Accelerator):
             raise SystemExit(code)
 
     def _finish(self) -> int:
-        """Every rank, once: the last step's boundary, then wait (bounded) for the last commit:
-        0, 73 (fenced) or 74 (the last save did not commit)."""
-        if self._ended or self._ckpt is None:
+        """Every rank, once: the last step's boundary, then the run's end (the last step saved
+        unless committed, the bounded wait for its commit): 0, 73 (fenced) or 74 (it did not commit)."""
+        if self._ended or self._run is None:
             self._ended = True
             return 0
         self._end_step()
         self._ended = True
-        ck = self._ckpt
-        ck._final_saved = self._saved_step  # noqa: SLF001 - our Checkpointer's end path; the last save must commit (else 74)
-        code = ck._finish()  # noqa: SLF001 - our Checkpointer's end path
-        ck._close(code)  # noqa: SLF001 - our Checkpointer's end path
-        return code
+        return self._run.finish(meta={"loss": self._last_loss})
 
     def _at_exit(self) -> None:
         """The script ended without ``end_training()``: the same end, unless it ended by an

@@ -31,7 +31,7 @@ from typing import Any
 from .. import contract
 from ..errors import CheckpointError, FencedError
 from ..events import EventLog
-from ..storage.fs import Storage
+from ..storage.fs import Storage, read_json, write_json_atomic
 from . import layout
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,12 @@ def _step_dir(name: str) -> tuple[int, int]:
 class Catalog:
     """The checkpoints under one root (``storage``), as rank 0, the preflight and the tools see them.
 
-    ``epoch``: this launch's fencing epoch (:meth:`acquire_epoch` takes one); every commit, clean
+    It reads (scan, verification, DCP readers), plans resumes (lineage) and commits; its
+    collaborators own the rest: :attr:`fence` (:class:`Fence`: the launch epochs and fencing),
+    :attr:`quarantine` (:class:`Quarantine`: marking and releasing bad commits) and :attr:`pruner`
+    (:class:`Pruner`: retention and the cleanup of uncommitted leftovers).
+
+    ``epoch``: this launch's fencing epoch (:meth:`Fence.acquire` takes one); every commit, clean
     and delete checks it first. ``key``: the manifest signing key (default: from
     ``ELASTIC_TRAINER_CHECKPOINT_KEY``; None: manifests unsigned). ``events``: where it reports
     what it changes (a new epoch, a quarantine or release, a deletion). Thread-safe; keeps nothing
@@ -109,10 +114,21 @@ class Catalog:
         self, storage: Storage, *, epoch: str | None = None, key: bytes | None = _UNSET, events: EventLog | None = None
     ):
         self.storage = storage
-        self.epoch = epoch
         self.key = checkpoint_key() if key is _UNSET else key
         self.events = events or EventLog(None)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # every change under the root holds it, the collaborators' too
+        self.fence = Fence(storage, epoch=epoch, events=self.events, lock=self._lock)
+        self.quarantine = Quarantine(self, lock=self._lock)
+        self.pruner = Pruner(self, lock=self._lock)
+
+    @property
+    def epoch(self) -> str | None:
+        """This launch's fencing epoch (the :attr:`fence`'s)."""
+        return self.fence.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: str | None) -> None:
+        self.fence.epoch = epoch
 
     # ------------------------------------------------------------------ reading
     def scan(self) -> list[layout.Candidate]:
@@ -162,7 +178,7 @@ class Catalog:
         if marker not in files:
             return None
         try:
-            data = self.storage.read_json(self.storage.join(name, marker))
+            data = read_json(self.storage, self.storage.join(name, marker))
             if not isinstance(data, dict):
                 raise ValueError("not a JSON object")
             return data
@@ -189,84 +205,12 @@ class Catalog:
 
         assert c.manifest is not None  # verified
         return integrity.verifying(
-            self.storage.dcp_reader(self.storage.join(c.name)), layout.Checks.from_manifest(c.manifest)
+            self.storage.dcp.reader(self.storage.join(c.name)), layout.Checks.from_manifest(c.manifest)
         )
 
     def read_metadata(self, c: layout.Candidate):
         """DCP metadata of a verified candidate (checked against the manifest before unpickling)."""
         return self.reader(c).read_metadata()
-
-    # ------------------------------------------------------------------ epochs
-    def epoch_names(self) -> list[str]:
-        """Epoch names (``NNNNNNNN-<launch>``), oldest first: one listing, no record read."""
-        names = [
-            rel.removesuffix(".json")
-            for rel in self.storage.list_files(self.storage.join(EPOCHS))
-            if rel.endswith(".json") and "/" not in rel
-        ]
-        return sorted(names, key=layout.epoch_key)
-
-    def epoch_record(self, name: str) -> dict[str, Any]:
-        """One epoch's record ({} when it is missing or not an object; ``unreadable`` when damaged)."""
-        try:
-            rec = self.storage.read_json(self.storage.join(EPOCHS, name + ".json"))
-        except FileNotFoundError:
-            return {}
-        except (ValueError, OSError) as e:
-            return {"unreadable": str(e)}
-        return rec if isinstance(rec, dict) else {}
-
-    def epochs(self) -> dict[str, dict[str, Any]]:
-        """Epoch name -> its record, oldest first."""
-        return {name: self.epoch_record(name) for name in self.epoch_names()}
-
-    def current_epoch(self) -> str | None:
-        names = self.epoch_names()
-        return names[-1] if names else None
-
-    def acquire_epoch(self, launch_id: str) -> str:
-        """Take (or, for another node of the same launch, join) this launch's epoch. Never waits."""
-        slug = _launch_slug(launch_id)
-        with self._lock:
-            current = self.current_epoch()
-            if current is not None and current.partition("-")[2] == slug:
-                self.epoch = current
-                return current
-            number = layout.epoch_key(current)[0] + 1 if current else 1
-            name = f"{number:08d}-{slug}"
-            self.storage.write_json_atomic(
-                self.storage.join(EPOCHS, name + ".json"),
-                {"launch": launch_id, "created": time.time(), "host": socket.gethostname(), "pid": os.getpid()},
-            )
-            self.epoch = name
-            self.events.emit("checkpoint_epoch", epoch=name, previous=current)
-            self.check_epoch()
-            return name
-
-    def check_epoch(self) -> None:
-        """Raise FencedError when a newer launch has taken the root. No-op without an epoch."""
-        if not self.epoch:
-            return
-        current = self.current_epoch()
-        if current is not None and layout.epoch_key(current) > layout.epoch_key(self.epoch):
-            raise FencedError(
-                f"checkpoint root {self.storage.describe()} was taken over by a newer launch (epoch {current}); "
-                f"this launch (epoch {self.epoch}) no longer commits, cleans or deletes there and stops"
-            )
-
-    def record_base(self, base: str | None) -> None:
-        """Rank 0, first start of a launch: remember what this launch's lineage starts from."""
-        if not self.epoch:
-            return
-        path = self.storage.join(EPOCHS, self.epoch + ".json")
-        with self._lock:
-            try:
-                rec = self.storage.read_json(path)
-            except (ValueError, OSError):
-                rec = {}
-            rec["base"] = base
-            self.check_epoch()
-            self.storage.write_json_atomic(path, rec)
 
     # ------------------------------------------------------------------ resume planning
     def plan_resume(
@@ -280,7 +224,7 @@ class Catalog:
         :meth:`scan` as just read, else read here). A restart of this launch reads its own epoch's
         record only; a first start every epoch's."""
         candidates = self.scan() if candidates is None else candidates
-        mine = self.epoch_record(self.epoch) if self.epoch else {}
+        mine = self.fence.record(self.epoch) if self.epoch else {}
         restart = "base" in mine
         if restart:
             assert self.epoch is not None  # a record is read only with an epoch
@@ -291,7 +235,7 @@ class Catalog:
             sel = layout.select_for_resume(candidates, resume, self.key, exclude)
             return ResumePlan(sel.chosen, sel.skipped, True)
         else:
-            order = self._lineage_order(candidates, self.epochs())
+            order = self._lineage_order(candidates, self.fence.records())
         plan = ResumePlan(None, [], not restart)
         # Leftovers of crashed saves are reported (and cleaned at start-up), never loaded.
         plan.skipped += [
@@ -357,25 +301,15 @@ class Catalog:
     def head(self, candidates: list[layout.Candidate] | None = None) -> layout.Candidate | None:
         """What ``latest`` would resume from now."""
         candidates = self.scan() if candidates is None else candidates
-        for c in self._lineage_order(candidates, self.epochs()):
+        for c in self._lineage_order(candidates, self.fence.records()):
             if self.problem(c) is None:
                 return c
         return None
 
-    def lineage(self, head: layout.Candidate | None, candidates: list[layout.Candidate]) -> list[layout.Candidate]:
-        """``head`` and its ancestors (by the manifests' parent links), newest first."""
-        by_name = {c.name: c for c in candidates}
-        out, c = [], head
-        while c is not None and c not in out:
-            out.append(c)
-            parent = (c.manifest or {}).get("parent")
-            c = by_name.get(parent) if isinstance(parent, str) else None
-        return out
-
     # ------------------------------------------------------------------ writing (rank 0)
     def mark_writer(self, name: str) -> None:
         """Record which epoch writes the (uncommitted) directory ``name``."""
-        self.storage.write_json_atomic(self.storage.join(name, layout.WRITER), {"epoch": self.epoch or ""})
+        write_json_atomic(self.storage, self.storage.join(name, layout.WRITER), {"epoch": self.epoch or ""})
 
     def commit(
         self,
@@ -394,7 +328,7 @@ class Catalog:
         write results); each file must be in storage with the size written. Raises
         CheckpointError (not committed) or FencedError."""
         with self._lock:
-            self.check_epoch()
+            self.fence.check()
             d = self.storage.join(name)
             try:
                 table = json.loads(self.storage.read_bytes(self.storage.join(name, layout.CHECKSUMS)))
@@ -426,17 +360,124 @@ class Catalog:
                 extra=extra,
             )
             manifest = layout.seal(manifest, self.key)
-            self.storage.write_json_atomic(self.storage.join(name, layout.MANIFEST), manifest)
+            write_json_atomic(self.storage, self.storage.join(name, layout.MANIFEST), manifest)
             return manifest
 
-    def quarantine(self, name: str, reason: str) -> None:
-        """Mark a committed checkpoint bad (a marker next to its manifest; nothing is deleted)."""
+
+def lineage(head: layout.Candidate | None, candidates: list[layout.Candidate]) -> list[layout.Candidate]:
+    """``head`` and its ancestors (by the manifests' parent links), newest first."""
+    by_name = {c.name: c for c in candidates}
+    out, c = [], head
+    while c is not None and c not in out:
+        out.append(c)
+        parent = (c.manifest or {}).get("parent")
+        c = by_name.get(parent) if isinstance(parent, str) else None
+    return out
+
+
+class Fence:
+    """The launch epochs under ``_epochs/`` of one root (``Catalog.fence``): which launch owns the
+    root now, this launch's own (``epoch``, taken or joined by :meth:`acquire`), the check every
+    commit, clean and delete makes first (:meth:`check`), and the base this launch's lineage
+    starts from (:meth:`record_base`). ``lock``: the catalog's."""
+
+    def __init__(self, storage: Storage, *, epoch: str | None, events: EventLog, lock: threading.RLock):
+        self.storage = storage
+        self.epoch = epoch
+        self.events = events
+        self._lock = lock
+
+    def names(self) -> list[str]:
+        """Epoch names (``NNNNNNNN-<launch>``), oldest first: one listing, no record read."""
+        names = [
+            rel.removesuffix(".json")
+            for rel in self.storage.list_files(self.storage.join(EPOCHS))
+            if rel.endswith(".json") and "/" not in rel
+        ]
+        return sorted(names, key=layout.epoch_key)
+
+    def record(self, name: str) -> dict[str, Any]:
+        """One epoch's record ({} when it is missing or not an object; ``unreadable`` when damaged)."""
+        try:
+            rec = read_json(self.storage, self.storage.join(EPOCHS, name + ".json"))
+        except FileNotFoundError:
+            return {}
+        except (ValueError, OSError) as e:
+            return {"unreadable": str(e)}
+        return rec if isinstance(rec, dict) else {}
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        """Epoch name -> its record, oldest first."""
+        return {name: self.record(name) for name in self.names()}
+
+    def current(self) -> str | None:
+        names = self.names()
+        return names[-1] if names else None
+
+    def acquire(self, launch_id: str) -> str:
+        """Take (or, for another node of the same launch, join) this launch's epoch. Never waits."""
+        slug = _launch_slug(launch_id)
         with self._lock:
-            self.storage.write_json_atomic(
-                self.storage.join(name, layout.QUARANTINE),
-                {"reason": reason[:2000], "time": time.time(), "epoch": self.epoch or ""},
+            current = self.current()
+            if current is not None and current.partition("-")[2] == slug:
+                self.epoch = current
+                return current
+            number = layout.epoch_key(current)[0] + 1 if current else 1
+            name = f"{number:08d}-{slug}"
+            write_json_atomic(
+                self.storage,
+                self.storage.join(EPOCHS, name + ".json"),
+                {"launch": launch_id, "created": time.time(), "host": socket.gethostname(), "pid": os.getpid()},
             )
-        self.events.emit("checkpoint_quarantined", step=layout.parse_step_dir(name), name=name, reason=reason[:2000])
+            self.epoch = name
+            self.events.emit("checkpoint_epoch", epoch=name, previous=current)
+            self.check()
+            return name
+
+    def check(self) -> None:
+        """Raise FencedError when a newer launch has taken the root. No-op without an epoch."""
+        if not self.epoch:
+            return
+        current = self.current()
+        if current is not None and layout.epoch_key(current) > layout.epoch_key(self.epoch):
+            raise FencedError(
+                f"checkpoint root {self.storage.describe()} was taken over by a newer launch (epoch {current}); "
+                f"this launch (epoch {self.epoch}) no longer commits, cleans or deletes there and stops"
+            )
+
+    def record_base(self, base: str | None) -> None:
+        """Rank 0, first start of a launch: remember what this launch's lineage starts from."""
+        if not self.epoch:
+            return
+        path = self.storage.join(EPOCHS, self.epoch + ".json")
+        with self._lock:
+            try:
+                rec = read_json(self.storage, path)
+            except (ValueError, OSError):
+                rec = {}
+            rec["base"] = base
+            self.check()
+            write_json_atomic(self.storage, path, rec)
+
+
+class Quarantine:
+    """The quarantine markers of one catalog's commits (``Catalog.quarantine``): :meth:`mark` a
+    commit bad, :meth:`release` one whose bytes verify again. ``lock``: the catalog's."""
+
+    def __init__(self, catalog: Catalog, *, lock: threading.RLock):
+        self._catalog = catalog
+        self._lock = lock
+
+    def mark(self, name: str, reason: str) -> None:
+        """Mark a committed checkpoint bad (a marker next to its manifest; nothing is deleted)."""
+        cat = self._catalog
+        with self._lock:
+            write_json_atomic(
+                cat.storage,
+                cat.storage.join(name, layout.QUARANTINE),
+                {"reason": reason[:2000], "time": time.time(), "epoch": cat.epoch or ""},
+            )
+        cat.events.emit("checkpoint_quarantined", step=layout.parse_step_dir(name), name=name, reason=reason[:2000])
 
     def release(self, name: str) -> dict[str, Any]:
         """Lift the quarantine of ``name`` after re-verifying it whole: the manifest's seal (and
@@ -445,79 +486,95 @@ class Catalog:
         stays). Returns the marker that was lifted."""
         from ..errors import CheckpointIntegrityError
 
+        cat = self._catalog
         with self._lock:
-            c = next((x for x in self.scan() if x.name == name), None)
+            c = next((x for x in cat.scan() if x.name == name), None)
             if c is None or c.manifest is None:
-                raise CheckpointError(f"{name}: no committed checkpoint of that name under {self.storage.describe()}")
+                raise CheckpointError(f"{name}: no committed checkpoint of that name under {cat.storage.describe()}")
             if c.quarantine is None:
                 raise CheckpointError(f"{name} is not quarantined")
-            problem = layout.verify(layout.Candidate(c.step, c.name, c.manifest, c.files, None, c.writer), self.key)
+            problem = layout.verify(layout.Candidate(c.step, c.name, c.manifest, c.files, None, c.writer), cat.key)
             if problem is None:
                 for rel, f in sorted(c.manifest.get("files", {}).items()):
                     want = f.get("xxh3") if isinstance(f, dict) else None
                     if want is None:
                         continue
-                    data = self.storage.read_bytes(self.storage.join(name, rel))
+                    data = cat.storage.read_bytes(cat.storage.join(name, rel))
                     if layout.digest(data) != int(want):
                         problem = f"file {rel}: checksum mismatch (its bytes are still bad)"
                         break
             if problem:
                 raise CheckpointIntegrityError(f"{name} stays quarantined: {problem}")
-            self.check_epoch()
-            self.storage.delete_tree(self.storage.join(name, layout.QUARANTINE))
-        self.events.emit("checkpoint_released", step=c.step, name=name, reason=c.quarantine.get("reason"))
+            cat.fence.check()
+            cat.storage.delete_tree(cat.storage.join(name, layout.QUARANTINE))
+        cat.events.emit("checkpoint_released", step=c.step, name=name, reason=c.quarantine.get("reason"))
         return c.quarantine
+
+
+class Pruner:
+    """What is deleted under one catalog's root (``Catalog.pruner``): older commits of the lineage
+    past the retention (:meth:`retention`), and the uncommitted leftovers of crashed saves at
+    start-up (:meth:`clean_uncommitted`, :meth:`clean_listed`). Every deletion is fenced first.
+    ``lock``: the catalog's."""
+
+    def __init__(self, catalog: Catalog, *, lock: threading.RLock):
+        self._catalog = catalog
+        self._lock = lock
 
     def retention(self, newest: str, keep_last: int, keep_every: int) -> list[int]:
         """After ``newest`` was committed: delete older commits *of its lineage* beyond
         ``keep_last`` (multiples of ``keep_every`` stay). Parked and quarantined ones stay."""
+        cat = self._catalog
         with self._lock:
-            candidates = self.scan()
+            candidates = cat.scan()
             by_name = {c.name: c for c in candidates}
             head = by_name.get(newest)
-            if head is None or self.problem(head) is not None:
+            if head is None or cat.problem(head) is not None:
                 return []  # never delete anything unless the newer commit verifies
-            chain = [c for c in self.lineage(head, candidates) if self.problem(c) is None]
+            chain = [c for c in lineage(head, candidates) if cat.problem(c) is None]
             victims = set(layout.retention_victims([c.step for c in chain], keep_last, keep_every, {head.step}))
             deleted = []
             for c in chain:
                 if c.step in victims:
-                    self.check_epoch()
-                    self.storage.delete_tree(self.storage.join(c.name))
+                    cat.fence.check()
+                    cat.storage.delete_tree(cat.storage.join(c.name))
                     deleted.append(c.step)
-                    self.events.emit("checkpoint_deleted", step=c.step, name=c.name, reason="retention")
+                    cat.events.emit("checkpoint_deleted", step=c.step, name=c.name, reason="retention")
             return deleted
 
     def clean_uncommitted(
         self, keep: frozenset[str] = frozenset(), candidates: list[layout.Candidate] | None = None
     ) -> list[layout.Candidate]:
         """Start-up only: delete uncommitted leftovers this epoch may delete (see layout), of
-        ``candidates`` (this start's :meth:`scan`; else scanned here). Fenced first."""
+        ``candidates`` (this start's :meth:`Catalog.scan`; else scanned here). Fenced first."""
+        cat = self._catalog
         with self._lock:
-            self.check_epoch()
+            cat.fence.check()
             cleaned = []
-            for c in layout.cleanable_uncommitted(self.scan() if candidates is None else candidates, self.epoch or ""):
+            for c in layout.cleanable_uncommitted(cat.scan() if candidates is None else candidates, cat.epoch or ""):
                 if c.name not in keep:
                     self._remove_leftover(c.name)
                     cleaned.append(c)
             return cleaned
 
     def clean_listed(self, uncommitted: list[str]) -> list[str]:
-        """Start-up only, from a listing (:meth:`names`): delete the directories listed without a
+        """Start-up only, from a listing (:meth:`Catalog.names`): delete the directories listed without a
         commit marker when this launch holds the newest epoch — no newer launch can be writing
         one, so no writer marker is read (what :func:`layout.cleanable_uncommitted` would
         allow). Fenced first. Returns the names deleted."""
-        if not uncommitted or not self.epoch:
+        cat = self._catalog
+        if not uncommitted or not cat.epoch:
             return []
         with self._lock:
-            if self.current_epoch() != self.epoch:
-                self.check_epoch()  # raises when a newer launch holds the root
+            if cat.fence.current() != cat.epoch:
+                cat.fence.check()  # raises when a newer launch holds the root
                 return []  # our epoch record went missing: leave them to the verifying decision
             for name in uncommitted:
                 self._remove_leftover(name)
             return list(uncommitted)
 
     def _remove_leftover(self, name: str) -> None:
+        cat = self._catalog
         logger.info("removing uncommitted leftover %s", name)
-        self.storage.delete_tree(self.storage.join(name))
-        self.events.emit("checkpoint_cleaned", step=layout.parse_step_dir(name), name=name, reason="uncommitted")
+        cat.storage.delete_tree(cat.storage.join(name))
+        cat.events.emit("checkpoint_cleaned", step=layout.parse_step_dir(name), name=name, reason="uncommitted")

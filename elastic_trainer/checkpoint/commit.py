@@ -105,7 +105,10 @@ class Committer:
             save.advance(SaveState.FAILED, error=error)
         elif save.advance(SaveState.COMMITTING):
             assert self.pool is not None  # rank 0 (it has a catalog)
-            self.pool.submit(self.commit, save, extra, generation)
+            try:
+                self.pool.submit(self.commit, save, extra, generation)
+            except RuntimeError:  # the manager closed (the process is ending) while this upload ran on
+                save.advance(SaveState.FAILED, error="not committed: the checkpoint manager closed before it")
 
     def commit(self, save: Save, extra: dict[str, Any], generation: int) -> None:
         """Rank 0, commit thread: prove the save complete and commit it, then retention."""
@@ -155,7 +158,7 @@ class Committer:
         self.ctx.metrics.gauge("elastic_trainer_checkpoint_last_committed_step", save.step)
         self.ctx.metrics.gauge("elastic_trainer_checkpoint_last_commit_timestamp_seconds", manifest["time"])
         try:
-            self.catalog.retention(save.name, *self.keep)
+            self.catalog.pruner.retention(save.name, *self.keep)
         except FencedError as e:
             self.set_fenced(str(e), save.step)
         except Exception as e:  # noqa: BLE001 - retention is best effort

@@ -107,7 +107,26 @@ def check(
     saved_tops = {k.partition(".")[0] for k in saved}
     optional = optional_keys(states)
     saved_world = manifest.get("world_size")
-    recorded_types = manifest.get("state_types") or {}
+    _check_types(report, states, manifest.get("state_types") or {})
+    for key in sorted(saved_tops - set(states)):
+        report.ignored.append(key)
+    for key, obj in states.items():
+        if getattr(obj, "per_rank", False):
+            _check_per_rank(report, key, obj, key in saved_tops, saved_world, world_size, optional)
+            continue
+        sd = state_dicts[key] if key in state_dicts else obj.state_dict()
+        expected = {k: _describe(v) for k, v in flat_state({key: sd}).items()}
+        if key not in saved_tops:
+            _check_absent(report, key, expected, optional)
+            continue
+        mine = {k: v for k, v in saved.items() if k.partition(".")[0] == key}
+        _compare_entries(report, key, expected, mine, optional)
+    return report
+
+
+def _check_types(report: Report, states: dict[str, Any], recorded_types: dict[str, Any]) -> None:
+    """The type each key's object had when the checkpoint was written (its manifest's
+    ``state_types``) against the one registered now; a key the manifest does not record passes."""
     from .state import state_types
 
     for key, now in state_types(states).items():
@@ -124,38 +143,42 @@ def check(
                     )
         else:
             report.add(key, f"the checkpoint holds {_type_name(was)}, the code registers {_type_name(now)}")
-    for key in sorted(saved_tops - set(states)):
-        report.ignored.append(key)
-    for key, obj in states.items():
-        if getattr(obj, "per_rank", False):
-            _check_per_rank(report, key, obj, key in saved_tops, saved_world, world_size, optional)
-            continue
-        sd = state_dicts[key] if key in state_dicts else obj.state_dict()
-        expected = {k: _describe(v) for k, v in flat_state({key: sd}).items()}
-        if key not in saved_tops:
-            if optional.get(key) is True:
-                report.added += sorted(expected) or [key]
-                report.absent.append(key)
-            else:
-                keys = ", ".join(sorted(expected)[:SHOWN_PER_GROUP]) or key
-                report.add(
-                    key,
-                    f"not in the checkpoint: {keys} (registered since "
-                    "it was written? set optional_on_load = True on it)",
-                )
-            continue
-        mine = {k: v for k, v in saved.items() if k.partition(".")[0] == key}
-        for k in sorted(set(expected) - set(mine)):
-            if is_optional(k, optional):
-                report.added.append(k)
-            else:
-                report.add(key, f"{k} missing from the checkpoint")
-        for k in sorted(set(mine) - set(expected)):
-            report.add(key, f"{k} in the checkpoint, not in the code")
-        for k in sorted(set(mine) & set(expected)):
-            if mine[k] != expected[k]:
-                report.add(key, f"{k} is {_fmt(mine[k])} in the checkpoint, {_fmt(expected[k])} in the code")
-    return report
+
+
+def _check_absent(
+    report: Report, key: str, expected: dict[str, tuple], optional: dict[str, bool | tuple[str, ...]]
+) -> None:
+    """A registered key the checkpoint holds nothing of: added when it is optional on load, else a problem."""
+    if optional.get(key) is True:
+        report.added += sorted(expected) or [key]
+        report.absent.append(key)
+    else:
+        keys = ", ".join(sorted(expected)[:SHOWN_PER_GROUP]) or key
+        report.add(
+            key,
+            f"not in the checkpoint: {keys} (registered since it was written? set optional_on_load = True on it)",
+        )
+
+
+def _compare_entries(
+    report: Report,
+    key: str,
+    expected: dict[str, tuple],
+    saved: dict[str, tuple],
+    optional: dict[str, bool | tuple[str, ...]],
+) -> None:
+    """``key``'s entries as the code would load them (``expected``) against the checkpoint's
+    (``saved``): missing ones (unless optional), extra ones, and a shape or dtype that differs."""
+    for k in sorted(set(expected) - set(saved)):
+        if is_optional(k, optional):
+            report.added.append(k)
+        else:
+            report.add(key, f"{k} missing from the checkpoint")
+    for k in sorted(set(saved) - set(expected)):
+        report.add(key, f"{k} in the checkpoint, not in the code")
+    for k in sorted(set(saved) & set(expected)):
+        if saved[k] != expected[k]:
+            report.add(key, f"{k} is {_fmt(saved[k])} in the checkpoint, {_fmt(expected[k])} in the code")
 
 
 def _check_per_rank(

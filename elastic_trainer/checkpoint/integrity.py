@@ -183,7 +183,7 @@ class _Checked:
 class ChecksummedWriter(StorageWriter):
     """A DCP storage writer that checksums every byte ``inner`` writes (see the module docstring).
 
-    ``inner`` is a plain ``FileSystemWriter`` or ``FsspecWriter`` (as ``Storage.dcp_writer`` builds
+    ``inner`` is a plain ``FileSystemWriter`` or ``FsspecWriter`` (as ``Storage.dcp.writer`` builds
     it); this writer owns it: DCP's calls are handed to it, its file system is wrapped so each
     output stream hashes its bytes, and its write results come back with their items' checksums.
     Also writes without the zip CRC32 ``torch.save`` computes and nobody reads (measured:

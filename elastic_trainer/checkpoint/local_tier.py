@@ -59,6 +59,12 @@ def _slug(epoch: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", epoch or "no-epoch")[:120]
 
 
+def copy_dir(root: str, epoch: str, step: int, rank: int, world_size: int) -> str:
+    """The directory of rank ``rank`` of ``world_size``'s copy of ``step`` under a job's ``root``
+    (:attr:`LocalTier.root`)."""
+    return os.path.join(root, _slug(epoch), layout.step_dir_name(step), f"rank-{rank}-of-{world_size}")
+
+
 @dataclass(frozen=True)
 class Copy:
     """One committed, verified local copy of this rank."""
@@ -88,12 +94,7 @@ class LocalTier:
         return os.path.join(self.root, _slug(epoch))
 
     def rank_dir(self, epoch: str, step: int) -> str:
-        return self.copy_dir(self.root, epoch, step, self.rank, self.world_size)
-
-    @staticmethod
-    def copy_dir(root: str, epoch: str, step: int, rank: int, world_size: int) -> str:
-        """The directory of rank ``rank`` of ``world_size``'s copy of ``step`` under a job's ``root``."""
-        return os.path.join(root, _slug(epoch), layout.step_dir_name(step), f"rank-{rank}-of-{world_size}")
+        return copy_dir(self.root, epoch, step, self.rank, self.world_size)
 
     # ------------------------------------------------------------------ saving
     def _spare(self, epoch: str) -> str:
@@ -253,7 +254,7 @@ class LocalTier:
 
     def reader(self, copy: Copy):
         """A DCP reader of ``copy`` that verifies every byte it reads against its manifest."""
-        return integrity.verifying(self.storage.dcp_reader(copy.path), layout.Checks.from_manifest(copy.manifest))
+        return integrity.verifying(self.storage.dcp.reader(copy.path), layout.Checks.from_manifest(copy.manifest))
 
     # ------------------------------------------------------------------ housekeeping
     def discard(self, copy: Copy) -> None:

@@ -9,7 +9,9 @@ boundary, in the same order):
   committed (the one just loaded, or one this incarnation committed) is a no-op that counts.
 * :meth:`wait_for_staging` → call before anything mutates the saved tensors (optimizer.step).
 * :meth:`settle` / :meth:`finish` → wait (bounded) for the save in flight and its commit;
-  :meth:`committed_everywhere` / :meth:`fenced_everywhere` → rank 0's answers, agreed.
+  ``verdicts`` (:class:`Verdicts`: ``committed_everywhere``, ``fenced_everywhere``,
+  ``failed_permanently``) → rank 0's answers, agreed.
+* ``fault_hooks`` (:class:`FaultHooks`) → fault injection for the tests.
 * :meth:`close`.
 
 Each save is a :class:`~.save.Save` (its states and transitions are documented there); the
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -74,14 +77,29 @@ SETTLE_POLL_SECONDS = 1.0
 _OK = (SaveState.COMMITTED, SaveState.WRITTEN)  # a save's ends that mean "this rank's part is done"
 
 
+def _local_savers(
+    cfg: CheckpointConfig, root: str, ctx: SaveContext, *, cuda_staging: bool, node: peer_tier.PeerNode | None
+) -> tuple[LocalSaver | peer_tier.PeerSaver, peer_tier.PeerTier | None]:
+    """The local tier's saver under ``cfg.local_dir`` (every save, per rank; checkpoint.dir gets
+    every remote_every-th and every durable one: see :mod:`.local_tier`), replicating to other
+    nodes' memory when the peer tier is on; and that peer tier (None: off)."""
+    tier = LocalTier(cfg.local_dir, root, rank=ctx.rank, world_size=ctx.world_size, key=checkpoint_key())
+    local = LocalSaver(tier, ctx, mode=cfg.mode, cuda_staging=cuda_staging)
+    peer = peer_tier.peer_tier_for(cfg, tier, root, key=tier.key, node=node, metrics=ctx.metrics, events=ctx.events)
+    return (local, None) if peer is None else (peer_tier.PeerSaver(local, peer), peer)
+
+
 class CheckpointManager:
     """Checkpointing of named ``Stateful`` objects on every rank.
 
     ``remote``/``local``: the savers (defaults: :func:`~.savers.remote_saver` into ``storage``
     per ``cfg.mode``/``cfg.writer``, and a :class:`~.savers.LocalSaver` when ``cfg.local_dir`` is
-    set); ``agreement``: how the ranks agree (default: the process groups; with one rank, the
-    identity). ``group`` is the checkpoint group DCP loads and saves on; ``control_group`` the
-    training group the agreements between saves use."""
+    set, replicated to other nodes through the peer tier per ``cfg.peer_replicas``); ``peer``: the
+    peer tier a given ``local`` replicates through (the load reads the nodes' copies through it);
+    ``peer_node``: where this rank's node sits among the peer holders (:class:`~.peer_tier.PeerNode`,
+    read from the environment by the caller); ``agreement``: how the ranks agree (default: the
+    process groups; with one rank, the identity). ``group`` is the checkpoint group DCP loads and
+    saves on; ``control_group`` the training group the agreements between saves use."""
 
     def __init__(
         self,
@@ -103,13 +121,11 @@ class CheckpointManager:
         run_identity: dict[str, Any] | None = None,
         remote: RemoteSaver | None = None,
         local: LocalSaver | peer_tier.PeerSaver | None = None,
+        peer: peer_tier.PeerTier | None = None,
+        peer_node: peer_tier.PeerNode | None = None,
         agreement: Agreement | None = None,
     ):
-        self.cfg = cfg
-        self.storage = storage
-        self.states = states
-        self.rank = rank
-        self.world_size = world_size
+        self.cfg, self.storage, self.states, self.rank, self.world_size = cfg, storage, states, rank, world_size
         self.events = events or EventLog(None)
         self.metrics = metrics or NullSink()
         self.agreement = agreement or Agreement(world_size, group, control_group)
@@ -118,19 +134,16 @@ class CheckpointManager:
         )
         ctx = SaveContext(rank, world_size, mesh_shape, fingerprint, self.events, self.metrics)
         if local is None and cfg.local_dir:
-            tier = LocalTier(cfg.local_dir, storage.root, rank=rank, world_size=world_size, key=checkpoint_key())
-            local = LocalSaver(tier, ctx, mode=cfg.mode, cuda_staging=use_cuda_staging)
-            local = peer_tier.with_peers(local, cfg, storage.root, ctx)  # and other nodes' memory
-        # The local tier (checkpoint.local_dir): every save, per rank; checkpoint.dir gets every
-        # remote_every-th (and every durable one). See checkpoint/local_tier.py.
+            local, peer = _local_savers(cfg, storage.root, ctx, cuda_staging=use_cuda_staging, node=peer_node)
         self._local_saver = local
         self.local = local.tier if local is not None else None
         self.catalog = Catalog(storage, epoch=epoch, events=self.events) if rank == 0 else None
         self.committer = Committer(self.catalog, ctx, keep_last=cfg.keep_last, keep_every=cfg.keep_every)
-        self.restorer = Restorer(states, storage, self.catalog, self.agreement, ctx, launch_id=launch_id, local=local)
-        # recorded in every manifest (state_types: compared at resume)
-        self._manifest = {"launch": launch_id, "finite": True, "run_identity": run_identity or {}}
-        self._manifest["state_types"] = state_types(states)
+        self.restorer = Restorer(
+            states, storage, self.catalog, self.agreement, ctx, launch_id=launch_id, local=self.local, peer=peer
+        )
+        self._manifest = {"launch": launch_id, "finite": True, "run_identity": run_identity or {}}  # in every one
+        self._manifest["state_types"] = state_types(states)  # compared at resume
         self._inflight: Save | None = None
         self._agreed: Agreed | None = None  # the step's all-reduce about _inflight
         self.last_save: Save | None = None  # the newest settled save
@@ -141,6 +154,8 @@ class CheckpointManager:
         self._position = Position()  # the current state's lineage (same on every rank)
         self._committed: set[int] = set()  # steps this incarnation committed to checkpoint.dir (agreed)
         self._last_stats: SaveStats | None = None  # the newest save started (or timed out); staging adds to it
+        self.verdicts = Verdicts(self.agreement, self.committer, rank, last_save=lambda: self.last_save)
+        self.fault_hooks = FaultHooks(storage, self.local, epoch=lambda: self._position.epoch, settle=self._settle)
         for s in states.values():
             if isinstance(s, PerRank):
                 s.bind(rank, world_size)
@@ -401,27 +416,6 @@ class CheckpointManager:
             raise TimeoutError(f"checkpoint step {save.step} still writing")
         return save.state in _OK
 
-    def committed_everywhere(self, step: int) -> bool:
-        """Collective: rank 0's answer to "is ``step`` committed?", agreed by every rank. Call
-        with no save in flight (after :meth:`settle`)."""
-        return self.agreement.all_true(self.rank != 0 or self.committer.committed(step))
-
-    def failed_permanently(self) -> str | None:
-        """Collective, after :meth:`settle`: the cause of the last save's failure when it failed on
-        some rank for a cause a restart cannot change (no space, no permission, a read-only file
-        system, a quota, a missing bucket; see :mod:`.failure`), else None. Agreed by every rank;
-        the cause is the first such rank's line."""
-        save = self.last_save
-        mine = save.error if save is not None and save.state not in _OK and save.permanent else None
-        if self.agreement.all_true(mine is None):
-            return None
-        return next(c for c in self.agreement.gather(mine) if c is not None)
-
-    def fenced_everywhere(self) -> bool:
-        """Collective: rank 0's answer to "did a newer launch fence our commits?", agreed by
-        every rank (e.g. after the final save, whose commit may be the one refused)."""
-        return not self.agreement.all_true(self.fenced is None)
-
     def drain_after_failure(self) -> bool:
         """Exception path (starts no save and no collective): give a save that is already
         uploading up to :data:`DRAIN_SECONDS` in all (over every call) to finish (and, on rank 0,
@@ -433,18 +427,6 @@ class CheckpointManager:
             self._drain_deadline = time.monotonic() + DRAIN_SECONDS
             logger.warning("step failed: letting the save already in flight finish (at most %.0fs)", DRAIN_SECONDS)
         return save.name is not None and save.wait(self._drain_deadline) in _OK
-
-    def commit_visible(self, step: int) -> bool:
-        """Fault injection (tests, any rank): whether a commit of ``step`` is in checkpoint.dir."""
-        return any(
-            layout.parse_step_dir(name) == step and self.storage.exists(self.storage.join(name, layout.MANIFEST))
-            for name in self.storage.list_dirs()
-        )
-
-    def inject_local_faults(self, step: int) -> None:
-        """Fault injection (tests): lose or corrupt this rank's local copies at ``step``."""
-        if self.local is not None:
-            faults.maybe_damage_local(step, lambda: self.local.copies_on_disk(self._position.epoch), self._settle)
 
     def _settle(self) -> None:
         if self._inflight is not None:
@@ -459,3 +441,63 @@ class CheckpointManager:
         if finished and self.local is not None:
             self.local.drop_epoch(self._position.epoch)
         self.committer.close()
+
+
+class Verdicts:
+    """Rank 0's answers about the saves, agreed by every rank (``CheckpointManager.verdicts``):
+    each is a collective, called by every rank with no save in flight (after
+    :meth:`CheckpointManager.settle`). ``last_save``: the manager's newest settled save."""
+
+    def __init__(self, agreement: Agreement, committer: Committer, rank: int, *, last_save: Callable[[], Save | None]):
+        self.agreement = agreement
+        self.committer = committer
+        self.rank = rank
+        self._last_save = last_save
+
+    def committed_everywhere(self, step: int) -> bool:
+        """Collective: rank 0's answer to "is ``step`` committed?", agreed by every rank. Call
+        with no save in flight (after :meth:`CheckpointManager.settle`)."""
+        return self.agreement.all_true(self.rank != 0 or self.committer.committed(step))
+
+    def failed_permanently(self) -> str | None:
+        """Collective, after :meth:`CheckpointManager.settle`: the cause of the last save's
+        failure when it failed on some rank for a cause a restart cannot change (no space, no
+        permission, a read-only file system, a quota, a missing bucket; see :mod:`.failure`),
+        else None. Agreed by every rank; the cause is the first such rank's line."""
+        save = self._last_save()
+        mine = save.error if save is not None and save.state not in _OK and save.permanent else None
+        if self.agreement.all_true(mine is None):
+            return None
+        return next(c for c in self.agreement.gather(mine) if c is not None)
+
+    def fenced_everywhere(self) -> bool:
+        """Collective: rank 0's answer to "did a newer launch fence our commits?", agreed by
+        every rank (e.g. after the final save, whose commit may be the one refused)."""
+        return not self.agreement.all_true(self.committer.fenced is None)
+
+
+class FaultHooks:
+    """Fault injection (tests, any rank; ``CheckpointManager.fault_hooks``), enabled through
+    ``ELASTIC_TRAINER_INJECT_FAULT`` (:mod:`elastic_trainer.faults`). ``epoch``: the manager's
+    current lineage epoch; ``settle``: lets the save in flight land (bounded)."""
+
+    def __init__(
+        self, storage: Storage, local: LocalTier | None, *, epoch: Callable[[], str], settle: Callable[[], None]
+    ):
+        self.storage = storage
+        self.local = local
+        self._epoch = epoch
+        self._settle = settle
+
+    def commit_visible(self, step: int) -> bool:
+        """Whether a commit of ``step`` is in checkpoint.dir."""
+        return any(
+            layout.parse_step_dir(name) == step and self.storage.exists(self.storage.join(name, layout.MANIFEST))
+            for name in self.storage.list_dirs()
+        )
+
+    def inject_local_faults(self, step: int) -> None:
+        """Lose or corrupt this rank's local copies at ``step``."""
+        local = self.local
+        if local is not None:
+            faults.maybe_damage_local(step, lambda: local.copies_on_disk(self._epoch()), self._settle)

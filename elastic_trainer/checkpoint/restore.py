@@ -26,11 +26,11 @@ from . import resume as resume_plan
 from .agreement import Agreement
 from .catalog import Catalog
 from .local_tier import Copy, LocalTier
-from .peer_tier import PeerCopy, PeerSaver, PeerTier
+from .peer_load import PeerCopy
+from .peer_tier import PeerTier
 from .position import Position
 from .resume import Decision, LoadResult, LocalLoad
 from .save import SaveContext
-from .savers import LocalSaver
 from .timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Restored:
 
 class Restorer:
     """The load of one manager's states (see the module's docstring); ``catalog``: rank 0's;
-    ``local``: the local saver (its tier's copies; a :class:`~.peer_tier.PeerSaver`: the nodes')."""
+    ``local``: the local tier (this rank's copies); ``peer``: the peer tier (the nodes' copies)."""
 
     def __init__(
         self,
@@ -60,7 +60,8 @@ class Restorer:
         ctx: SaveContext,
         *,
         launch_id: str,
-        local: LocalSaver | PeerSaver | None,
+        local: LocalTier | None,
+        peer: PeerTier | None = None,
     ):
         self.states = states
         self.storage = storage
@@ -68,8 +69,8 @@ class Restorer:
         self.agreement = agreement
         self.ctx = ctx
         self.launch_id = launch_id
-        self.local: LocalTier | None = local.tier if local is not None else None
-        self.peer: PeerTier | None = local.peer if isinstance(local, PeerSaver) else None
+        self.local = local
+        self.peer = peer
 
     def load(self, position: Position, resume: str, *, clean: bool, timeline: Timeline) -> Restored:
         """``clean``: this manager has not loaded before (see :func:`.resume.decide`); the phases
@@ -94,20 +95,7 @@ class Restorer:
                 return local
             local_failed = local is LocalLoad.FAILED
         while True:
-            decision = self._plan(
-                lambda: resume_plan.decide(
-                    cast(Catalog, self.catalog),  # rank 0's: the plan runs there
-                    resume,
-                    frozenset(failed),
-                    clean=not failed and clean,
-                    launch_id=self.launch_id,
-                    events=self.ctx.events,
-                ),
-                timeline,
-                "decision",
-            )
-            if decision.chosen is not None and decision.unreadable is None:
-                decision = self._check(decision, timeline)
+            decision = self._decide(resume, failed, clean=clean, timeline=timeline)
             position = self._learnt(position, decision)
             skipped_all += [cast(tuple[int, str], tuple(s)) for s in decision.skipped]
             if try_local:
@@ -124,31 +112,65 @@ class Restorer:
                         "restarting from a clean state"
                     )
             if decision.chosen is None:
-                if failed:  # every candidate failed its load in this start: never train from step 0 over them
-                    raise NoUsableCheckpointError(
-                        f"every committed checkpoint failed to load ({', '.join(sorted(failed))}: quarantined); "
-                        "not starting over from step 0. 'elastic-trainer ckpt release URI --step N' re-verifies one "
-                        "and lifts its quarantine if its bytes are good; or start a new run: another checkpoint.dir, "
-                        'or checkpoint.resume = "none" for this launch'
-                    )
-                return Restored(None, replace(position, parent=None, seq=0, chain=("",)))
-            name, manifest = decision.chosen, decision.manifest
-            step = int(manifest["step"])
-            reason = decision.unreadable  # rank 0 could not read the checkpoint's metadata
-            if reason is None:
-                t0 = time.monotonic()
-                loaded = resume_plan.load_remote(self.states, self.storage, self.agreement, decision, timeline)
-                if loaded is None:
-                    seconds = time.monotonic() - t0
-                    self.ctx.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
-                    if self.ctx.rank == 0:
-                        resume_plan.report_evolution(self.ctx.events, name, step, decision)
-                    result = LoadResult(step, name, manifest, seconds, skipped_all, decision.first_start)
-                    return Restored(result, position.loaded(name, int(manifest.get("seq", 0))), "remote", step)
-                reason = loaded
-            self._skip(name, step, f"load failed: {reason}")
-            skipped_all.append((step, f"load failed: {reason}"))
-            failed.add(name)
+                return self._fresh(position, failed)
+            loaded = self._load_remote(position, decision, skipped_all, timeline)
+            if isinstance(loaded, Restored):
+                return loaded
+            step = int(decision.manifest["step"])
+            self._skip(decision.chosen, step, f"load failed: {loaded}")
+            skipped_all.append((step, f"load failed: {loaded}"))
+            failed.add(decision.chosen)
+
+    def _decide(self, resume: str, failed: set[str], *, clean: bool, timeline: Timeline) -> Decision:
+        """Every rank: rank 0's choice of the commit to load, never one of ``failed`` (this start's
+        failed loads), its layout then checked against the states (:meth:`_check`)."""
+        decision = self._plan(
+            lambda: resume_plan.decide(
+                cast(Catalog, self.catalog),  # rank 0's: the plan runs there
+                resume,
+                frozenset(failed),
+                clean=not failed and clean,
+                launch_id=self.launch_id,
+                events=self.ctx.events,
+            ),
+            timeline,
+            "decision",
+        )
+        if decision.chosen is not None and decision.unreadable is None:
+            decision = self._check(decision, timeline)
+        return decision
+
+    @staticmethod
+    def _fresh(position: Position, failed: set[str]) -> Restored:
+        """No commit left to load: a fresh state, unless loads failed in this start (``failed``)."""
+        if failed:  # every candidate failed its load in this start: never train from step 0 over them
+            raise NoUsableCheckpointError(
+                f"every committed checkpoint failed to load ({', '.join(sorted(failed))}: quarantined); "
+                "not starting over from step 0. 'elastic-trainer ckpt release URI --step N' re-verifies one "
+                "and lifts its quarantine if its bytes are good; or start a new run: another checkpoint.dir, "
+                'or checkpoint.resume = "none" for this launch'
+            )
+        return Restored(None, replace(position, parent=None, seq=0, chain=("",)))
+
+    def _load_remote(
+        self, position: Position, decision: Decision, skipped: list[tuple[int, str]], timeline: Timeline
+    ) -> Restored | str:
+        """Every rank: the chosen checkpoint.dir commit, loaded; else why it could not be (rank 0
+        could not read its metadata, or its bytes failed: agreed by every rank)."""
+        if decision.unreadable is not None:
+            return decision.unreadable
+        name, manifest = cast(str, decision.chosen), decision.manifest
+        step = int(manifest["step"])
+        t0 = time.monotonic()
+        failure = resume_plan.load_remote(self.states, self.storage, self.agreement, decision, timeline)
+        if failure is not None:
+            return failure
+        seconds = time.monotonic() - t0
+        self.ctx.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
+        if self.ctx.rank == 0:
+            resume_plan.report_evolution(self.ctx.events, name, step, decision)
+        result = LoadResult(step, name, manifest, seconds, skipped, decision.first_start)
+        return Restored(result, position.loaded(name, int(manifest.get("seq", 0))), "remote", step)
 
     def _plan(self, plan: Callable[[], Decision], timeline: Timeline, phase: str) -> Decision:
         """Rank 0's ``plan()`` (its ``phase``, with the storage operations it took), on every
@@ -194,7 +216,7 @@ class Restorer:
             self.ctx.events.emit("checkpoint_skipped", step=step, name=name, reason=reason)
             try:
                 assert self.catalog is not None  # rank 0's
-                self.catalog.quarantine(name, reason)
+                self.catalog.quarantine.mark(name, reason)
             except Exception as e:  # noqa: BLE001 - skipped in this start either way
                 logger.warning("could not quarantine %s: %s", name, e)
 
@@ -219,25 +241,46 @@ class Restorer:
             events=self.ctx.events,
             timeline=timeline,
         )
-        manifest: dict[str, Any] = decision.manifest
         if isinstance(loaded, LocalLoad) and self.peer is not None:  # not every rank has its own copy: the nodes'
-            with timeline.phase("peer_load"):
-                from_peers = self.peer.load(
-                    self.states,
-                    self.agreement,
-                    epoch=position.epoch,
-                    remote=decision.chosen,
-                    min_step=int(manifest["step"]) if decision.chosen else 0,
-                    fingerprint=self.ctx.fingerprint,
-                    skipped=skipped,
-                    attempt=position.lineage,  # this decision's: the same on every rank
-                )
+            from_peers = self._load_from_peers(position, decision, skipped, timeline)
             loaded = loaded if from_peers is LocalLoad.NONE else from_peers
         if isinstance(loaded, LocalLoad):
             return loaded
-        copy, chosen = loaded, decision.chosen
+        return self._restored_copy(loaded, position, decision, skipped, time.monotonic() - t0)
+
+    def _load_from_peers(
+        self, position: Position, decision: Decision, skipped: list[tuple[int, str]], timeline: Timeline
+    ) -> PeerCopy | LocalLoad:
+        """Every rank: the nodes' copies (:meth:`.peer_tier.PeerTier.load`), no older than the
+        chosen commit."""
+        assert self.peer is not None  # tried with a peer tier only
+        manifest: dict[str, Any] = decision.manifest
+        with timeline.phase("peer_load"):
+            return self.peer.load(
+                self.states,
+                self.agreement,
+                epoch=position.epoch,
+                remote=decision.chosen,
+                min_step=int(manifest["step"]) if decision.chosen else 0,
+                fingerprint=self.ctx.fingerprint,
+                skipped=skipped,
+                attempt=position.lineage,  # this decision's: the same on every rank
+            )
+
+    def _restored_copy(
+        self,
+        copy: Copy | PeerCopy,
+        position: Position,
+        decision: Decision,
+        skipped: list[tuple[int, str]],
+        seconds: float,
+    ) -> Restored:
+        """What loading ``copy`` (this rank's local copy, or one assembled from the nodes' copies)
+        in ``seconds`` did, its metrics recorded."""
+        assert self.local is not None  # tried with a local tier only
+        manifest: dict[str, Any] = decision.manifest
+        chosen = decision.chosen
         peer = isinstance(copy, PeerCopy)
-        seconds = time.monotonic() - t0
         self.ctx.metrics.histogram("elastic_trainer_checkpoint_resume_load_seconds", seconds)
         if not peer:
             self.ctx.metrics.counter("elastic_trainer_checkpoint_local_resumes_total")

@@ -25,7 +25,7 @@ from ..events import EventLog
 from ..storage.fs import Storage
 from . import compat, integrity, layout
 from .agreement import Agreement
-from .catalog import Catalog
+from .catalog import Catalog, ResumePlan
 from .load_planner import load_planner
 from .local_tier import Copy, LocalTier
 from .state import PerRank
@@ -77,7 +77,7 @@ class LocalLoad(enum.Enum):
 
 def _take_epoch(cat: Catalog, launch_id: str) -> None:
     if cat.epoch is None:
-        cat.acquire_epoch(launch_id or f"standalone-{time.time_ns()}")
+        cat.fence.acquire(launch_id or f"standalone-{time.time_ns()}")
 
 
 def from_names(cat: Catalog, launch_id: str, *, clean: bool) -> Decision:
@@ -88,11 +88,11 @@ def from_names(cat: Catalog, launch_id: str, *, clean: bool) -> Decision:
     descends from it (it is in the copy's signed lineage) and is at least as new is loaded on
     this plan, and those copies are verified byte by byte as they load. Anything else (no such
     copy, a failed load) takes :func:`decide`, which verifies. ``clean``: as for :func:`decide`
-    (uncommitted directories go, by the listing: :meth:`.Catalog.clean_listed`). Never raises."""
+    (uncommitted directories go, by the listing: :meth:`.Pruner.clean_listed`). Never raises."""
     try:
         _take_epoch(cat, launch_id)
         names, newest, uncommitted = cat.names()
-        cleaned = set(cat.clean_listed(uncommitted)) if clean else set()
+        cleaned = set(cat.pruner.clean_listed(uncommitted)) if clean else set()
         return Decision(
             chosen=newest,
             manifest={"step": layout.parse_step_dir(newest)} if newest else {},
@@ -129,35 +129,11 @@ def decide(
         _take_epoch(cat, launch_id)
         candidates = cat.scan()
         plan = cat.plan_resume(resume, exclude, candidates=candidates)
-        for name in cat.ignored_entries():
-            events.emit("checkpoint_ignored", path=name, reason="not a step-XXXXXXXX directory")
-        for step, reason in plan.skipped:
-            logger.warning("skipping checkpoint step %d: %s", step, reason)
-            events.emit("checkpoint_skipped", step=step, reason=reason)
-        for name, reason in plan.corrupt:
-            try:
-                cat.quarantine(name, reason)
-            except Exception as e:  # noqa: BLE001 - skipped in this start either way
-                logger.warning("could not quarantine %s: %s", name, e)
-        if resume not in ("latest", "none") and plan.first_start and plan.chosen is None:
-            reason = plan.skipped[0][1] if plan.skipped else "not found"
-            return Decision(
-                CheckpointError, f"checkpoint.resume={resume}: checkpoint step {resume} is unusable: {reason}"
-            )
-        stop = plan.stop_reason()
-        if plan.incompatible is not None:
-            events.emit("checkpoint_incompatible", name=plan.incompatible[0], reason=plan.incompatible[1])
-            assert stop is not None  # stop_reason names an incompatible commit
-            return Decision(CheckpointIncompatibleError, stop)
-        if stop is not None:
-            events.emit("resume_refused", reason=stop, unusable=[n for n, _ in plan.unusable])
-            return Decision(NoUsableCheckpointError, stop)
-        cleaned: set[str] = set()
-        if clean:
-            keep = frozenset({plan.chosen.name}) if plan.chosen else frozenset()
-            cleaned = {c.name for c in cat.clean_uncommitted(keep, candidates)}
-            if plan.first_start:
-                cat.record_base(plan.chosen.name if plan.chosen else None)
+        _report_plan(cat, plan, events)
+        refusal = _refusal(plan, resume, events)
+        if refusal is not None:
+            return refusal
+        cleaned = _clean(cat, plan, candidates) if clean else set()
         out = Decision(
             skipped=plan.skipped,
             taken=sorted(c.name for c in candidates if c.name not in cleaned),
@@ -179,6 +155,48 @@ def decide(
         return Decision(FencedError, str(e))
     except Exception as e:  # noqa: BLE001 - reported on every rank
         return Decision(CheckpointError, f"{type(e).__name__}: {e}")
+
+
+def _report_plan(cat: Catalog, plan: ResumePlan, events: EventLog) -> None:
+    """Rank 0: events for the root's stray directories and the skipped checkpoints; the corrupt
+    ones quarantined (best effort: they are skipped in this start either way)."""
+    for name in cat.ignored_entries():
+        events.emit("checkpoint_ignored", path=name, reason="not a step-XXXXXXXX directory")
+    for step, reason in plan.skipped:
+        logger.warning("skipping checkpoint step %d: %s", step, reason)
+        events.emit("checkpoint_skipped", step=step, reason=reason)
+    for name, reason in plan.corrupt:
+        try:
+            cat.quarantine.mark(name, reason)
+        except Exception as e:  # noqa: BLE001 - skipped in this start either way
+            logger.warning("could not quarantine %s: %s", name, e)
+
+
+def _refusal(plan: ResumePlan, resume: str, events: EventLog) -> Decision | None:
+    """The refusal to resume from ``plan`` (recorded in ``events``): the step ``resume`` names is
+    unusable, the newest commit is incompatible, or no commit is usable; None when it may go on."""
+    if resume not in ("latest", "none") and plan.first_start and plan.chosen is None:
+        reason = plan.skipped[0][1] if plan.skipped else "not found"
+        return Decision(CheckpointError, f"checkpoint.resume={resume}: checkpoint step {resume} is unusable: {reason}")
+    stop = plan.stop_reason()
+    if plan.incompatible is not None:
+        events.emit("checkpoint_incompatible", name=plan.incompatible[0], reason=plan.incompatible[1])
+        assert stop is not None  # stop_reason names an incompatible commit
+        return Decision(CheckpointIncompatibleError, stop)
+    if stop is not None:
+        events.emit("resume_refused", reason=stop, unusable=[n for n, _ in plan.unusable])
+        return Decision(NoUsableCheckpointError, stop)
+    return None
+
+
+def _clean(cat: Catalog, plan: ResumePlan, candidates: list[layout.Candidate]) -> set[str]:
+    """Remove the uncommitted directories but the chosen one's; at a launch's first start, record
+    the commit it starts from. Returns the names removed."""
+    keep = frozenset({plan.chosen.name}) if plan.chosen else frozenset()
+    cleaned = {c.name for c in cat.pruner.clean_uncommitted(keep, candidates)}
+    if plan.first_start:
+        cat.fence.record_base(plan.chosen.name if plan.chosen else None)
+    return cleaned
 
 
 def init_states(states: dict[str, Stateful]) -> dict[str, dict[str, Any]]:
@@ -253,7 +271,7 @@ def load_remote(
     t0 = time.monotonic()
     try:
         reader = integrity.verifying(
-            storage.dcp_reader(storage.join(name)), layout.Checks.from_manifest(manifest), metadata=decision.metadata
+            storage.dcp.reader(storage.join(name)), layout.Checks.from_manifest(manifest), metadata=decision.metadata
         )
         # Every rank plans from the broadcast metadata alone: a load plan needs no other rank's
         # (DCP's global load plan is the local ones), and the ranks agree on the outcome below.
@@ -309,41 +327,18 @@ def load_local(
     loaded, else NONE (no common copy) or FAILED."""
     chosen = decision.chosen
     remote_step = int(decision.manifest["step"]) if chosen else 0
-    try:
-        tier.purge_other_epochs(epoch)
-        copies, why = tier.usable(
-            epoch, min_step=remote_step, remote=chosen, mesh_shape=mesh_shape, fingerprint=fingerprint
-        )
-    except OSError as e:
-        copies, why = [], f"local tier unreadable: {type(e).__name__}: {e}"
+    copies, why = _usable_copies(tier, epoch, remote_step, chosen, mesh_shape, fingerprint)
     # A copy is named by (step, the start that wrote it): after a rollback or a restart a step
     # may exist twice in one epoch, and ranks must agree on the very same save.
     views = agreement.gather(([(c.step, c.manifest.get("lineage")) for c in copies], why))
     common = set.intersection(*(set(map(tuple, keys)) for keys, _ in views))
     if not common:
-        if rank == 0 and any(steps for steps, _ in views):
-            reasons = (
-                "; ".join(f"rank {r}: {w}" for r, (steps, w) in enumerate(views) if not steps)
-                or "no step every rank has"
-            )
-            events.emit(
-                "checkpoint_local_skipped",
-                step=max(k[0] for keys, _ in views for k in keys),
-                reason=f"not on every rank ({reasons})",
-                remote_step=remote_step,
-            )
+        if rank == 0:
+            _report_no_common_copy(views, remote_step, events)
         return LocalLoad.NONE
     best = max(common)
     copy = next(c for c in copies if (c.step, c.manifest.get("lineage")) == best)
-    faults.maybe_inject("kill_in_load", copy.step)
-    error, reader = "", None
-    t0 = time.monotonic()
-    try:
-        reader = tier.reader(copy)
-        integrity.load(states, reader, planner=load_planner(states), no_dist=True)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled below
-        error = f"{type(e).__name__}: {e}"[:2000]
-    _add_load_phases(timeline, t0, time.monotonic(), reader)
+    error = _load_copy(tier, states, copy, timeline)
     if not agreement.all_true(not error, control=False):
         if error:  # this rank's copy is bad: never chosen again
             logger.error("local copy of step %d failed to load: %s", copy.step, error)
@@ -358,3 +353,41 @@ def load_local(
         skipped.append((copy.step, f"local copy: load failed: {error or 'on another rank'}"))
         return LocalLoad.FAILED
     return copy
+
+
+def _usable_copies(
+    tier: LocalTier, epoch: str, remote_step: int, chosen: str | None, mesh_shape: list[int], fingerprint: str
+) -> tuple[list[Copy], str]:
+    """This rank's copies that may be loaded (other epochs' purged first), and why there are none."""
+    try:
+        tier.purge_other_epochs(epoch)
+        return tier.usable(epoch, min_step=remote_step, remote=chosen, mesh_shape=mesh_shape, fingerprint=fingerprint)
+    except OSError as e:
+        return [], f"local tier unreadable: {type(e).__name__}: {e}"
+
+
+def _report_no_common_copy(views: list[Any], remote_step: int, events: EventLog) -> None:
+    """Rank 0, when some rank has copies but no copy is on every rank: say which ranks lack them."""
+    if not any(steps for steps, _ in views):
+        return
+    reasons = "; ".join(f"rank {r}: {w}" for r, (steps, w) in enumerate(views) if not steps) or "no step every rank has"
+    events.emit(
+        "checkpoint_local_skipped",
+        step=max(k[0] for keys, _ in views for k in keys),
+        reason=f"not on every rank ({reasons})",
+        remote_step=remote_step,
+    )
+
+
+def _load_copy(tier: LocalTier, states: dict[str, Stateful], copy: Copy, timeline: Timeline) -> str:
+    """This rank's load of ``copy`` into ``states`` (no collectives): "" when it loaded, else the error."""
+    faults.maybe_inject("kill_in_load", copy.step)
+    error, reader = "", None
+    t0 = time.monotonic()
+    try:
+        reader = tier.reader(copy)
+        integrity.load(states, reader, planner=load_planner(states), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and handled by load_local
+        error = f"{type(e).__name__}: {e}"[:2000]
+    _add_load_phases(timeline, t0, time.monotonic(), reader)
+    return error

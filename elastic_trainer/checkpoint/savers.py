@@ -204,7 +204,7 @@ class RemoteSaver:
 
     def _writer_and_planner(self, name: str):
         writer = integrity.ChecksummedWriter(
-            self.storage.dcp_writer(self.storage.join(name)), upload_nice=0 if self.sync else self._upload_nice
+            self.storage.dcp.writer(self.storage.join(name)), upload_nice=0 if self.sync else self._upload_nice
         )
         return writer, save_planner.make(self._plan_key)
 

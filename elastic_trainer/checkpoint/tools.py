@@ -9,7 +9,7 @@ import torch
 from ..config import check_uri
 from ..errors import CheckpointError
 from ..storage.fs import open_storage
-from .catalog import Catalog
+from .catalog import Catalog, lineage
 
 
 def _catalog(uri: str, endpoint_url: str) -> Catalog:
@@ -19,7 +19,7 @@ def _catalog(uri: str, endpoint_url: str) -> Catalog:
     nothing exists there (a typo must not read as "no checkpoints yet")."""
     check_uri(uri, "URI")
     storage = open_storage(uri, endpoint_url)
-    storage.check_access()
+    storage.checks.access()
     if not storage.exists(storage.root):
         raise CheckpointError(f"no checkpoint root at {storage.describe()}")
     return Catalog(storage)
@@ -33,7 +33,7 @@ def list_checkpoints(uri: str, endpoint_url: str = "") -> list[dict[str, Any]]:
     catalog = _catalog(uri, endpoint_url)
     candidates = catalog.scan()
     head = catalog.head(candidates)
-    lineage = {c.name for c in catalog.lineage(head, candidates)}
+    ancestors = {c.name for c in lineage(head, candidates)}
     rows = []
     for cand in candidates:
         manifest = cand.manifest
@@ -47,7 +47,7 @@ def list_checkpoints(uri: str, endpoint_url: str = "") -> list[dict[str, Any]]:
         elif head is not None and cand.name == head.name:
             status = "head"
         else:
-            status = "lineage" if cand.name in lineage else "parked"
+            status = "lineage" if cand.name in ancestors else "parked"
         rows.append(
             {
                 "step": cand.step,
@@ -73,7 +73,7 @@ def release(uri: str, step: int, endpoint_url: str = "") -> tuple[str, dict[str,
     )
     if not mine:
         raise CheckpointError(f"no quarantined checkpoint of step {step} under {uri}")
-    return mine[0].name, catalog.release(mine[0].name)
+    return mine[0].name, catalog.quarantine.release(mine[0].name)
 
 
 def _pick(uri: str, step: int | None, endpoint_url: str):

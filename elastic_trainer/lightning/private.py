@@ -33,3 +33,18 @@ def restore_trainer_state(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> No
     the module's ``on_load_checkpoint``) in its own restore step of this ``fit``, which follows
     ``strategy.setup``."""
     trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+
+
+BATCH_COUNTS = ("ready", "started", "processed", "completed")
+
+
+def rescale_batch_progress(trainer: pl.Trainer, old: int, new: int) -> None:
+    """The fit loop's batch counts, restored from a checkpoint whose optimizer steps took ``old``
+    micro-batches each, in steps of ``new``: Lightning decides the optimizer step (``ready %
+    accumulate_grad_batches``) and the epoch's end (``ready == num_training_batches``) from
+    ``trainer.fit_loop.epoch_loop.batch_progress``, which a resume at another world size must
+    count in that world size's micro-batches."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for tracker in (progress.total, progress.current):
+        for name in BATCH_COUNTS:
+            setattr(tracker, name, getattr(tracker, name) // old * new)

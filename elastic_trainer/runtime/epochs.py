@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .sampler import GlobalBatchSampler, micro_steps
+from .sampler import GlobalBatchSampler
 
 
 class EpochBatchSampler(GlobalBatchSampler):
@@ -20,12 +20,8 @@ class EpochBatchSampler(GlobalBatchSampler):
     def steps_per_epoch(self) -> int:
         return max(1, self.order.n // self.global_batch_size)
 
-    @property
-    def micro_per_step(self) -> int:
-        return micro_steps(self.global_batch_size, self.world_size, self.micro_batch_size)
-
     def __len__(self) -> int:
-        return self.steps_per_epoch * self.micro_per_step
+        return self.steps_per_epoch * self.per_step
 
     def _span(self) -> int:
         return self.steps_per_epoch * self.global_batch_size
@@ -33,11 +29,7 @@ class EpochBatchSampler(GlobalBatchSampler):
     @property
     def offset(self) -> int:
         """Micro-batches of the current epoch already taken (the cursor's place in its epoch)."""
-        return (self.cursor % self._span()) // self.global_batch_size * self.micro_per_step
-
-    def resize(self, global_batch_size: int, micro_batch_size: int) -> None:
-        """A global batch (and micro-batch) from a checkpoint: the split at this world size changes."""
-        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        return (self.cursor % self._span()) // self.global_batch_size * self.per_step
 
     def __iter__(self):
         self._weights = deque()

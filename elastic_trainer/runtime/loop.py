@@ -28,7 +28,10 @@ from collections.abc import Iterator, Sized
 from typing import Any, cast
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
+from .. import lifeline
+from ..config import Config, TrainConfig
 from ..errors import ConfigError
 from .sampler import GlobalBatchSampler, MicroBatchIndices, micro_steps
 
@@ -61,8 +64,50 @@ class SampledData:
         raise NotImplementedError
 
 
+def resumed_global_batch(recorded: int, train: TrainConfig, allowed: list[str], batch_set: bool) -> int:
+    """The global batch a resume runs with: the one its checkpoint recorded (the first launch's),
+    or a ``train.global_batch_size`` set now (``batch_set``) when ``checkpoint.allow_changes``
+    names it; set to another value without that: exit 2 naming both."""
+    key = "train.global_batch_size"
+    if not batch_set or train.global_batch_size == recorded:
+        return recorded
+    if key not in allowed:
+        raise ConfigError(
+            key,
+            f"{train.global_batch_size}, but this run's checkpoint records {recorded} (the global batch it "
+            "started with): leave the key out, or name it in checkpoint.allow_changes",
+        )
+    return train.global_batch_size
+
+
 class StepData:
     """The batches of each step, with the weight of each micro-batch's loss."""
+
+    @classmethod
+    def for_train(
+        cls, data: Any, train: TrainConfig, rank: int, world_size: int, device: torch.device, *, batch_set: bool = True
+    ) -> StepData:
+        """``data`` under ``train``'s seed. A ``DataLoader`` over a map-style dataset: its
+        ``batch_size`` is the micro-batch at every world size; the global batch is
+        ``train.global_batch_size`` where it was set (``batch_set``), else the first launch's
+        micro-batch × processes, and a resume takes the one its checkpoint recorded. A
+        ``train.micro_batch_size`` set to other than the loader's ``batch_size`` is refused."""
+        made = cls(
+            data, global_batch=train.global_batch_size, seed=train.seed, rank=rank, world_size=world_size, device=device
+        )
+        sampler = made.sampler
+        if sampler is not None and made.source is None and made.loader is not data:  # the sampler is ours
+            if train.micro_batch_size not in (sampler.micro_batch_size, TrainConfig.micro_batch_size):
+                raise ConfigError(
+                    "train.micro_batch_size",
+                    f"{train.micro_batch_size}, but the DataLoader's batch_size ({sampler.micro_batch_size}) is "
+                    f"this loop's micro-batch: make them agree (DataLoader(batch_size={train.micro_batch_size})) "
+                    "or leave the key out",
+                )
+            sampler.unrecorded_global_batch = train.global_batch_size  # what a checkpoint from before ran with
+            if not batch_set:
+                sampler.resize(sampler.micro_batch_size * world_size)
+        return made
 
     def __init__(
         self,
@@ -92,6 +137,7 @@ class StepData:
                 seed=seed,
                 rank=rank,
                 world_size=world_size,
+                shuffle=shuffled(data),
             )
             self.loader = _rebuilt(data, self._sampler, seed + rank)
         else:
@@ -99,6 +145,14 @@ class StepData:
         if isinstance(self.loader, DataLoader) and not isinstance(self.loader.worker_init_fn, WorkerInit):
             self.loader.worker_init_fn = WorkerInit(self.loader.worker_init_fn)  # before its first iterator
         self._it: Iterator | None = None
+
+    def resumed(self, cfg: Config, batch_set: bool) -> None:
+        """After a resume: the run's global batch (:func:`resumed_global_batch`) for a sampler
+        whose state the checkpoint holds."""
+        sampler = self.sampler
+        if sampler is not None and self.state is sampler:
+            allowed = cfg.checkpoint.allow_changes
+            sampler.resize(resumed_global_batch(sampler.global_batch_size, cfg.train, allowed, batch_set))
 
     @property
     def sampler(self) -> GlobalBatchSampler | None:
@@ -152,6 +206,15 @@ class StepData:
         if self.sampler is None:
             return batch, 1.0 / self.world_size
         return batch, self.sampler.pop_weight() / self.sampler.global_batch_size
+
+
+def shuffled(loader) -> bool:
+    """Whether a map-style ``DataLoader`` reads in a random order (``shuffle=True``, or a sampler
+    that says ``shuffle``, as ``DistributedSampler`` does); else its dataset's own order is kept."""
+    from torch.utils.data import RandomSampler
+
+    sampler = loader.sampler
+    return bool(getattr(sampler, "shuffle", isinstance(sampler, RandomSampler)))
 
 
 def micro_batch_of(loader) -> int:
@@ -219,8 +282,7 @@ class WorkerInit:
         self.user = user
 
     def __call__(self, worker_id: int) -> None:
-        parent = os.getppid()
-        _die_with_parent(parent)
+        lifeline.die_with_parent(os.getppid())
         os.setpgid(0, 0)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, _quiet_exit)
@@ -230,22 +292,6 @@ class WorkerInit:
 
 def _quiet_exit(signum, frame) -> None:
     os._exit(0)
-
-
-def _die_with_parent(parent: int, prctl=None) -> None:
-    """SIGKILL this process when ``parent`` dies (Linux; elsewhere torch's 5 s check remains).
-    ``prctl``: libc's, looked up before a fork (a child of a threaded process had better not
-    load libraries)."""
-    if not sys.platform.startswith("linux"):
-        return
-    if prctl is None:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    pr_set_pdeathsig = 1
-    prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before the call
-        os._exit(0)
 
 
 _at_fork_installed = False
@@ -261,10 +307,9 @@ def die_with_parent_at_fork() -> None:
     if _at_fork_installed or not sys.platform.startswith("linux"):
         return
     _at_fork_installed = True
-    import ctypes
     import threading
 
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl = lifeline.libc_prctl()
     forking: dict[str, int | None] = {"parent": None}
 
     def before() -> None:
@@ -272,7 +317,7 @@ def die_with_parent_at_fork() -> None:
 
     def after_in_child() -> None:
         if forking["parent"] is not None:
-            _die_with_parent(forking["parent"], prctl)
+            lifeline.die_with_parent(forking["parent"], fn=prctl)
 
     os.register_at_fork(before=before, after_in_child=after_in_child)
 
@@ -293,3 +338,21 @@ class Accumulator:
         (loss * weight).backward()
         self.loss += loss.detach().to(torch.float64) * weight
         self.count += 1
+
+
+def loop_data(
+    session: Any, data: Any, extra: dict[str, Stateful], identity: dict[str, Any] | None
+) -> tuple[StepData | None, dict[str, Stateful], dict[str, Any] | None]:
+    """The loop's data (its state among the run's states) and the run identity it implies by
+    default: the seed, which fixes the sample order, and the global batch where it was set on the
+    launcher's command line or by the script (else the checkpoint records the first launch's)."""
+    if data is None:
+        return None, extra, identity
+    t, s = session.cfg.train, session
+    batch_set = "train.global_batch_size" in getattr(session, "explicit", ())
+    made = StepData.for_train(data, t, s.rank, s.world_size, s.device, batch_set=batch_set)
+    if made.state is not None:
+        extra = {"sampler": made.state, **extra}
+    if made.sampler is not None and identity is None:
+        identity = {"train.seed": t.seed, **({"train.global_batch_size": t.global_batch_size} if batch_set else {})}
+    return made, extra, identity

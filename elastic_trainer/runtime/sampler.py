@@ -36,16 +36,20 @@ def micro_steps(global_batch: int, world: int, micro_batch: int) -> int:
 
 
 class GlobalOrder:
-    """Deterministic global order of sample ids, a function of (seed, position) only."""
+    """Deterministic global order of sample ids, a function of (seed, position) only: a seeded
+    permutation per epoch, or (``shuffle`` False) the dataset's own order, epoch after epoch."""
 
-    def __init__(self, n_samples: int, seed: int):
+    def __init__(self, n_samples: int, seed: int, shuffle: bool = True):
         self.n = n_samples
         self.seed = seed
+        self.shuffle = shuffle
         self._epoch = -1
         self._perm: torch.Tensor | None = None
 
     def __getitem__(self, position: int) -> int:
         epoch, offset = divmod(position, self.n)
+        if not self.shuffle:
+            return offset
         if epoch != self._epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._perm = torch.randperm(self.n, generator=g)
@@ -84,6 +88,8 @@ class GlobalBatchSampler(Stateful):
     ``sampler.advance()`` after the optimizer step. Either way normalise the loss by the *global*
     number of counted samples or tokens so the loss is independent of the world size."""
 
+    optional_on_load = ("global_batch_size",)  # a checkpoint written before it was recorded lacks it
+
     def __init__(
         self,
         dataset_len: int,
@@ -94,21 +100,26 @@ class GlobalBatchSampler(Stateful):
         rank: int,
         world_size: int,
         progress: Any = None,
+        shuffle: bool = True,
     ):
         """``progress``: an object whose ``cursor`` and ``skipped`` attributes hold where the sampler
         stands (e.g. the built-in trainer's :class:`~elastic_trainer.checkpoint.state.TrainState`,
-        checkpointed as such); by default the sampler holds them and is the ``Stateful`` of them."""
+        checkpointed as such); by default the sampler holds them and is the ``Stateful`` of them.
+        ``shuffle`` False: the dataset's own order (a ``DataLoader(shuffle=False)``), split and
+        checkpointed the same way."""
         if dataset_len < 1:
             raise ValueError(f"dataset_len must be >= 1, got {dataset_len}")
-        if global_batch_size < world_size:
-            raise ValueError(f"global_batch_size {global_batch_size} cannot be split across {world_size} ranks")
-        self.order = GlobalOrder(dataset_len, seed)
+        if global_batch_size < 1 or micro_batch_size < 1:
+            raise ValueError(f"global batch {global_batch_size} and micro-batch {micro_batch_size} must be >= 1")
+        self.order = GlobalOrder(dataset_len, seed, shuffle)
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.rank, self.world_size = rank, world_size
         # the cursor, and the global ranges [start, end) a non-finite rollback skipped
         self.progress = progress if progress is not None else Progress()
         self._weights: deque[int] = deque()  # real samples of each micro-batch iteration yielded, in order
+        # the global batch of a checkpoint that does not record one (written before it was recorded)
+        self.unrecorded_global_batch = global_batch_size
 
     @property
     def cursor(self) -> int:
@@ -164,9 +175,26 @@ class GlobalBatchSampler(Stateful):
     def advance(self) -> None:
         self.cursor += self.global_batch_size
 
+    @property
+    def per_step(self) -> int:
+        """Micro-batches per step on this rank (the same on every rank) at this world size."""
+        return micro_steps(self.global_batch_size, self.world_size, self.micro_batch_size)
+
+    def resize(self, global_batch_size: int) -> None:
+        """The global batch of the run's first launch (from its checkpoint): the micro-batch stays,
+        the micro-batches per step follow."""
+        self.global_batch_size = global_batch_size
+
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": torch.tensor(self.cursor, dtype=torch.int64), "skipped": json.dumps(self.skipped)}
+        return {
+            "cursor": torch.tensor(self.cursor, dtype=torch.int64),
+            "skipped": json.dumps(self.skipped),
+            "global_batch_size": torch.tensor(self.global_batch_size, dtype=torch.int64),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The position, and the global batch the run started with (it is fixed at the first launch)."""
         self.cursor = int(state_dict["cursor"])
         self.skipped = [list(map(int, r)) for r in json.loads(state_dict.get("skipped") or "[]")]
+        recorded = state_dict.get("global_batch_size")
+        self.resize(int(recorded) if recorded is not None else self.unrecorded_global_batch)

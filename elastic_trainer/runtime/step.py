@@ -67,7 +67,8 @@ class StepContext:
     def __init__(self, session, step: int, checkpointer=None):
         self.session = session
         self.step = step
-        self.ckpt = checkpointer
+        # the run's side of a step (a Checkpointer's or a Run's StepHooks)
+        self.ckpt = checkpointer.hooks if checkpointer is not None else None
         self.preempt = False
         self.save_due = False
         self.fenced = False
@@ -164,13 +165,16 @@ class StepContext:
         return not self.nonfinite
 
     def record(self, **fields: Any) -> None:
-        """Extra fields of the step event (e.g. ``lr``, ``tokens``)."""
+        """Extra fields of the step event (e.g. ``lr``, ``tokens``); ``samples``, the step's
+        global samples, goes to the samples metric only."""
         self._fields.update(fields)
 
     def _emit(self) -> None:
         s = self.session
         dt = time.monotonic() - self._t0
         tokens = int(self._fields.pop("tokens", 0))
+        # the step's samples as its data counted them (a front end's sampler), else the configured global batch
+        samples = int(self._fields.pop("samples", s.cfg.train.global_batch_size))
         rec = s.events.emit(
             "step",
             step=self.step,
@@ -191,7 +195,7 @@ class StepContext:
             m.gauge("elastic_trainer_train_grad_norm", self.grad_norm)
         m.gauge("elastic_trainer_train_tokens_per_second", rec["tokens_per_s"])
         m.histogram("elastic_trainer_train_step_duration_seconds", dt)
-        m.counter("elastic_trainer_train_samples_total", s.cfg.train.global_batch_size)
+        m.counter("elastic_trainer_train_samples_total", samples)
         m.counter("elastic_trainer_train_tokens_total", tokens)
         # Straggler view: a slow rank's compute share grows; the others wait for it in the all-reduces.
         m.counter("elastic_trainer_rank_compute_seconds_total", max(0.0, dt - self.collective_wait))

@@ -106,8 +106,11 @@ def retry(fn: Callable[[], T], *, what: str, retries: int, base_delay: float = 0
 
 
 class Storage:
-    """Filesystem-like access to one checkpoint root. Thread-safe for concurrent calls.
-    ``operations``: how many operations (a listing, a read, a write, ...) were asked of it."""
+    """Filesystem-like access to one checkpoint root: naming and object operations. Thread-safe
+    for concurrent calls. ``operations``: how many operations (a listing, a read, a write, ...)
+    were asked of it; ``dcp``: DCP's storage readers and writers for paths under it
+    (:class:`DcpFactory`); ``checks``: the checks before a run (:class:`AccessChecks`). JSON
+    documents: :func:`read_json`, :func:`write_json_atomic`."""
 
     def __init__(self, uri: str, options: StorageOptions | None = None):
         self.operations = 0
@@ -125,6 +128,8 @@ class Storage:
         )
         if self.protocol == "s3":
             self.fs.retries = 2  # s3fs's outer retry loop (a class attribute; not a constructor option)
+        self.dcp = DcpFactory(self.protocol, self._p, self._kwargs)  # DCP's readers and writers under it
+        self.checks = AccessChecks(self, self._p, self._retry)  # the checks before a run
 
     @classmethod
     def for_checkpoint(cls, c: CheckpointConfig) -> Storage:
@@ -145,36 +150,6 @@ class Storage:
         return self.fs._strip_protocol(path)  # noqa: SLF001 - fsspec gives no public form of it; every implementation has it
 
     # -- operations -------------------------------------------------------------
-    def check_access(self) -> None:
-        """Raise :class:`StorageError` unless the root can be listed with the credentials at hand.
-
-        An absent prefix is fine (a fresh run); on S3 an absent *bucket* is not: its listing is
-        empty too, so without this check a run would start and only its first save would fail.
-        """
-        try:
-            if self.protocol == "s3":
-                bucket = self._p(self.root).split("/", 1)[0]
-                try:
-                    self._retry(lambda: self.fs.call_s3("head_bucket", Bucket=bucket), f"head_bucket({bucket})")
-                except FileNotFoundError:
-                    raise StorageError(f"S3 bucket {bucket!r} does not exist (at {self.describe()})") from None
-            self.list_dirs()
-        except StorageError as e:
-            if self.protocol == "s3" and isinstance(e.__cause__, PermissionError):
-                hint = "access denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and their rights on the bucket"
-                raise StorageError(f"{e} ({hint})") from e.__cause__
-            raise
-
-    def check_writable(self) -> None:
-        """Raise :class:`StorageError` unless an object can be written under the root and deleted
-        again (a reserved ``_probe/`` name, never taken for a checkpoint)."""
-        path = self.join("_probe", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        try:
-            self.write_bytes_atomic(path, b"elastic-trainer write probe")
-        except StorageError as e:
-            raise StorageError(f"cannot write under {self.describe()}: {e}") from e.__cause__
-        self.delete_tree(path)
-
     def _retry(self, fn: Callable[[], T], what: str) -> T:
         with self._ops_lock:
             self.operations += 1
@@ -220,9 +195,6 @@ class Storage:
     def read_bytes(self, path: str) -> bytes:
         return self._retry(lambda: self.fs.cat_file(self._p(path)), f"read({path})")
 
-    def read_json(self, path: str) -> Any:
-        return json.loads(self.read_bytes(path))
-
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
         """Write all-or-nothing: an object PUT on S3, write-temp-then-rename locally."""
         p = self._p(path)
@@ -248,9 +220,6 @@ class Storage:
 
         self._retry(run, f"write({path})")
 
-    def write_json_atomic(self, path: str, obj: Any) -> None:
-        self.write_bytes_atomic(path, json.dumps(obj, indent=2, sort_keys=True).encode())
-
     def delete_tree(self, path: str) -> None:
         def run() -> None:
             try:
@@ -264,12 +233,22 @@ class Storage:
         if self.protocol == "file":
             os.makedirs(self._p(path), exist_ok=True)
 
-    # -- DCP --------------------------------------------------------------------
-    def dcp_writer(self, path: str):
-        if self.protocol == "file":
+
+class DcpFactory:
+    """DCP's storage writers and readers for paths of one :class:`Storage` (``Storage.dcp``): a
+    local root gets torch's ``FileSystemWriter``/``FileSystemReader``, an object store fsspec's,
+    with the storage's connection settings and s3fs's retries bounded the same way."""
+
+    def __init__(self, protocol: str, strip: Callable[[str], str], kwargs: dict[str, Any]):
+        self._protocol = protocol
+        self._strip = strip  # the storage's fsspec path without protocol
+        self._kwargs = kwargs
+
+    def writer(self, path: str):
+        if self._protocol == "file":
             from torch.distributed.checkpoint import FileSystemWriter
 
-            return FileSystemWriter(self._p(path), single_file_per_rank=True, sync_files=True, thread_count=1)
+            return FileSystemWriter(self._strip(path), single_file_per_rank=True, sync_files=True, thread_count=1)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         writer = FsspecWriter(
@@ -278,11 +257,11 @@ class Storage:
         self._bound_retries(writer)
         return writer
 
-    def dcp_reader(self, path: str):
-        if self.protocol == "file":
+    def reader(self, path: str):
+        if self._protocol == "file":
             from torch.distributed.checkpoint import FileSystemReader
 
-            return FileSystemReader(self._p(path))
+            return FileSystemReader(self._strip(path))
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         reader = FsspecReader(path, **self._kwargs)
@@ -291,12 +270,65 @@ class Storage:
 
     def _bound_retries(self, dcp_storage) -> None:
         fs = getattr(getattr(dcp_storage, "fs", None), "fs", None)
-        if self.protocol == "s3" and fs is not None and hasattr(fs, "retries"):
+        if self._protocol == "s3" and fs is not None and hasattr(fs, "retries"):
             fs.retries = 2
 
 
 def open_storage(uri: str, endpoint_url: str = "", timeout_seconds: float = 20.0, retries: int = 3) -> Storage:
     return Storage(uri, StorageOptions(endpoint_url=endpoint_url, timeout_seconds=timeout_seconds, retries=retries))
+
+
+class AccessChecks:
+    """The checks before a run starts that the credentials at hand reach one :class:`Storage`'s
+    root (``Storage.checks``): :meth:`access` (a listing; on S3 the bucket too) and
+    :meth:`writable` (an object written and deleted again)."""
+
+    def __init__(self, storage: Storage, strip: Callable[[str], str], retry: Callable[[Callable[[], Any], str], Any]):
+        self._storage = storage
+        self._strip = strip  # the storage's fsspec path without protocol
+        self._retry = retry  # the storage's bounded retry, counted in its operations
+
+    def access(self) -> None:
+        """Raise :class:`StorageError` unless the root can be listed with the credentials at hand.
+
+        An absent prefix is fine (a fresh run); on S3 an absent *bucket* is not: its listing is
+        empty too, so without this check a run would start and only its first save would fail.
+        """
+        try:
+            if self._storage.protocol == "s3":
+                bucket = self._strip(self._storage.root).split("/", 1)[0]
+                try:
+                    self._retry(
+                        lambda: self._storage.fs.call_s3("head_bucket", Bucket=bucket), f"head_bucket({bucket})"
+                    )
+                except FileNotFoundError:
+                    raise StorageError(f"S3 bucket {bucket!r} does not exist (at {self._storage.describe()})") from None
+            self._storage.list_dirs()
+        except StorageError as e:
+            if self._storage.protocol == "s3" and isinstance(e.__cause__, PermissionError):
+                hint = "access denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and their rights on the bucket"
+                raise StorageError(f"{e} ({hint})") from e.__cause__
+            raise
+
+    def writable(self) -> None:
+        """Raise :class:`StorageError` unless an object can be written under the root and deleted
+        again (a reserved ``_probe/`` name, never taken for a checkpoint)."""
+        path = self._storage.join("_probe", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            self._storage.write_bytes_atomic(path, b"elastic-trainer write probe")
+        except StorageError as e:
+            raise StorageError(f"cannot write under {self._storage.describe()}: {e}") from e.__cause__
+        self._storage.delete_tree(path)
+
+
+def read_json(storage: Storage, path: str) -> Any:
+    """The JSON document at ``path``."""
+    return json.loads(storage.read_bytes(path))
+
+
+def write_json_atomic(storage: Storage, path: str, obj: Any) -> None:
+    """Write ``obj`` as JSON (indented, keys sorted), all-or-nothing (:meth:`Storage.write_bytes_atomic`)."""
+    storage.write_bytes_atomic(path, json.dumps(obj, indent=2, sort_keys=True).encode())
 
 
 def backend_modules(uri: str) -> tuple[str, ...]:

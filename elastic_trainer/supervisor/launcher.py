@@ -14,7 +14,8 @@ import math
 import os
 import socket
 import time
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import contract, exit_codes
 from ..config import Config
@@ -25,6 +26,9 @@ from .journal import Journal
 from .liveness import NodeLiveness, set_keep_alive_interval
 from .restarts import RestartLedger, read_marker, remove_marker
 from .warm import WarmStart
+
+if TYPE_CHECKING:
+    from ..storage.fs import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +69,38 @@ def run_agent(
 ):
     """The essential part of torch's ``launch_agent`` with our agent class.
     ``rdzv_poll_seconds``: how often to read the rendezvous state (None: torch's 1 s)."""
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-
-    from .agent import SupervisedAgent, master_address
+    from .agent import SupervisedAgent
 
     if not config.run_id:
         config.run_id = "elastic-trainer"
+    spec = _worker_spec(config, cmd, cmd_args, rdzv_poll_seconds)
+    journal = Journal(events, metrics or NullSink(), node_name())
+    liveness = NodeLiveness(spec.rdzv_handler, journal, watch=config.max_nodes > 1)
+    warm_start = WarmStart(zygote, journal)
+    agent = SupervisedAgent(
+        spec,
+        journal=journal,
+        ledger=RestartLedger(journal, commits=commits, marker=preempt_marker),
+        liveness=liveness,
+        warm=warm_start,
+        logs_specs=config.logs_specs,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout,
+    )
+    liveness.start(running=agent.workers_running, kill_workers=agent.kill_workers)
+    return _run_and_clean_up(agent, spec, liveness, warm_start)
+
+
+def _worker_spec(config, cmd, cmd_args, rdzv_poll_seconds: float | None):
+    """torch's ``WorkerSpec`` for ``config``, its rendezvous handler made (and tuned: a decimal
+    keep-alive interval, the poll period) from the rendezvous options."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    from .agent import master_address
+
     # torch's handlers read whole seconds; a decimal keep-alive interval is set on the handler
     keep_alive = config.rdzv_configs.get("keep_alive_interval")
     rdzv_configs = dict(config.rdzv_configs)
@@ -111,21 +138,14 @@ def run_agent(
         set_keep_alive_interval(spec.rdzv_handler, float(keep_alive))
     if rdzv_poll_seconds is not None:
         round_poll.install(spec.rdzv_handler, rdzv_poll_seconds)
-    journal = Journal(events, metrics or NullSink(), node_name())
-    liveness = NodeLiveness(spec.rdzv_handler, journal, watch=config.max_nodes > 1)
-    warm_start = WarmStart(zygote, journal)
-    agent = SupervisedAgent(
-        spec,
-        journal=journal,
-        ledger=RestartLedger(journal, commits=commits, marker=preempt_marker),
-        liveness=liveness,
-        warm=warm_start,
-        logs_specs=config.logs_specs,
-        start_method=config.start_method,
-        log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,
-    )
-    liveness.start(running=agent.workers_running, kill_workers=agent.kill_workers)
+    return spec
+
+
+def _run_and_clean_up(agent, spec, liveness: NodeLiveness, warm_start: WarmStart):
+    """``agent.run()``; then stop the liveness watch, shut the rendezvous down (not on a signal:
+    the other nodes' agents still use it) and close the warm start."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     shutdown_rdzv = True
     try:
         return agent.run()
@@ -148,13 +168,56 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, keys_set: lis
     for ``launch``, the user's script for ``run``); ``zygote``: the warm-start zygote from
     :func:`start_zygote`, or None (workers start cold). Closed when the job ends. ``keys_set``:
     the keys the command line set, which a script's own settings do not replace."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     os.makedirs(cfg.run.dir, exist_ok=True)
     events_path = os.path.join(cfg.run.dir, contract.EVENTS_FILE)
     events = EventLog(events_path)
     marker = os.path.join(cfg.run.dir, contract.PREEMPT_MARKER)
     remove_marker(marker)
+    _export_worker_env(cfg, keys_set)
+    from ..metrics import factory as metrics_factory
+
+    server = metrics_factory.start_supervisor_exporter(cfg)
+    metrics = server.sink if server is not None else NullSink()
+    config = launch_config
+    metrics.gauge("elastic_trainer_world_size_expected", config.max_nodes * config.nproc_per_node)
+    storage = _checkpoint_root(cfg)  # opened once: the mirror, the epoch, the holder, the commit watch
+    history = _start_history(events_path, metrics, storage)
+    if server is not None:
+        server.before_collect(history.export)
+    if config.max_nodes > 1 and config.rdzv_backend != "static":
+        _check_store(config)
+    _emit_launch(events, config, cmd, cmd_args)
+    storage = storage if storage is not None else _open_root(cfg)  # raises what it could not open
+    os.environ[contract.CHECKPOINT_EPOCH_ENV] = take_epoch(storage, config.run_id or "elastic-trainer", events)
+    os.environ[contract.CHECKPOINT_ROOT_ENV] = cfg.checkpoint.dir
+    holder = start_holder(cfg, config.local_addr, storage.root)
+    try:
+        outcome = _supervise(cfg, config, cmd, cmd_args, events, metrics, marker, zygote, storage)
+    finally:
+        if server is not None:
+            server.stop()
+        if zygote is not None:
+            zygote.close()
+        if holder is not None:
+            holder.close()
+    preempt = read_marker(marker)
+    code = policy.launch_exit_code(
+        failed=outcome.failed,
+        signalled=outcome.signalled,
+        preempt_marker=preempt,
+        worker_exit_codes=outcome.worker_codes,
+    )
+    if preempt is None and code in (exit_codes.PREEMPTED, exit_codes.PREEMPTED_UNCOMMITTED):
+        # No rank-0 marker (a script under ``run``): the workers' own exit codes said it.
+        preempt = {"exit_codes": sorted({c for c in outcome.worker_codes if c is not None})}
+    events.emit("supervisor_exit", exit_code=code, preempted=preempt, signalled=outcome.signalled)
+    history.close()
+    return code
+
+
+def _export_worker_env(cfg: Config, keys_set: list[str] | None) -> None:
+    """The environment the workers (and torch's agent) read: the config, the keys the command line
+    set, this supervisor's pid, and torch's per-round store and file timer switched on."""
     os.environ[contract.CONFIG_ENV] = cfg.to_json()
     os.environ[contract.CONFIG_SET_ENV] = json.dumps(keys_set or [])
     os.environ[contract.SUPERVISOR_PID_ENV] = str(os.getpid())
@@ -162,17 +225,9 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, keys_set: lis
     os.environ.setdefault(contract.SHARE_RDZV_STORE_ENV, "1")
     os.environ.setdefault(contract.ENABLE_FILE_TIMER_ENV, "1")
     os.environ.setdefault(contract.TIMER_FILE_ENV, os.path.join(_runtime_dir(cfg), contract.TIMER_FILE))
-    from ..metrics import factory as metrics_factory
 
-    server = metrics_factory.start_supervisor_exporter(cfg)
-    metrics = server.sink if server is not None else NullSink()
-    config = launch_config
-    metrics.gauge("elastic_trainer_world_size_expected", config.max_nodes * config.nproc_per_node)
-    history = _start_history(cfg, events_path, metrics)
-    if server is not None:
-        server.before_collect(history.export)
-    if config.max_nodes > 1 and config.rdzv_backend != "static":
-        _check_store(config)
+
+def _emit_launch(events: EventLog, config, cmd, cmd_args) -> None:
     events.emit(
         "launch",
         nnodes=f"{config.min_nodes}:{config.max_nodes}",
@@ -185,9 +240,25 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, keys_set: lis
         pid=os.getpid(),
         mono=time.monotonic(),
     )
-    os.environ[contract.CHECKPOINT_EPOCH_ENV] = take_epoch(cfg, config.run_id or "elastic-trainer", events)
-    os.environ[contract.CHECKPOINT_ROOT_ENV] = cfg.checkpoint.dir
-    holder = start_holder(cfg, config.local_addr)
+
+
+@dataclass(frozen=True)
+class _AgentOutcome:
+    """How the agent's run ended: ``failed`` (restarts exhausted), ``signalled`` (the supervisor
+    got a signal) and the workers' exit codes, as the exit code policy reads them."""
+
+    failed: bool
+    signalled: bool
+    worker_codes: list[int | None]
+
+
+def _supervise(
+    cfg: Config, config, cmd, cmd_args, events: EventLog, metrics: MetricsSink, marker: str, zygote, storage: Storage
+) -> _AgentOutcome:
+    """Run the agent until the job ends; record ``job_failed`` when it failed. A signal to the
+    supervisor ends it too (the workers were asked to checkpoint and stop); other errors raise."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     failed = signalled = False
     worker_codes: list[int | None] = []
     try:
@@ -199,7 +270,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, keys_set: lis
             metrics,
             preempt_marker=marker,
             zygote=zygote,
-            commits=_commit_watch(cfg),
+            commits=_commit_watch(storage),
             rdzv_poll_seconds=cfg.elastic.rdzv_poll_seconds,
         )
         failed = result.is_failed()
@@ -210,28 +281,13 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, keys_set: lis
         signalled = True
         worker_codes = list(getattr(e, "worker_exit_codes", []))
         logger.warning("supervisor got %s: workers were asked to checkpoint and stop", e.sigval)
-    finally:
-        if server is not None:
-            server.stop()
-        if zygote is not None:
-            zygote.close()
-        if holder is not None:
-            holder.close()
-    preempt = read_marker(marker)
-    code = policy.launch_exit_code(
-        failed=failed, signalled=signalled, preempt_marker=preempt, worker_exit_codes=worker_codes
-    )
-    if preempt is None and code in (exit_codes.PREEMPTED, exit_codes.PREEMPTED_UNCOMMITTED):
-        # No rank-0 marker (a script under ``run``): the workers' own exit codes said it.
-        preempt = {"exit_codes": sorted({c for c in worker_codes if c is not None})}
-    events.emit("supervisor_exit", exit_code=code, preempted=preempt, signalled=signalled)
-    history.close()
-    return code
+    return _AgentOutcome(failed, signalled, worker_codes)
 
 
-def start_holder(cfg: Config, local_addr: str | None):
+def start_holder(cfg: Config, local_addr: str | None, root: str):
     """This node's peer holder (``checkpoint.peer_replicas`` with a local tier), listening on the
-    address the job uses for its collectives; its address goes to the workers. None when off."""
+    address the job uses for its collectives; its address goes to the workers. None when off.
+    ``root``: the opened ``checkpoint.dir``'s root (the job's name derives from it)."""
     c = cfg.checkpoint
     if not c.local_dir or c.peer_replicas <= 0:
         return None
@@ -239,8 +295,7 @@ def start_holder(cfg: Config, local_addr: str | None):
 
     from ..checkpoint.catalog import checkpoint_key
     from ..checkpoint.local_tier import job_key
-    from ..checkpoint.peer_tier import NodeCopies
-    from ..storage.fs import Storage
+    from ..checkpoint.peer_copies import NodeCopies
     from ..storage.peer import Holder
 
     key = checkpoint_key()
@@ -251,7 +306,7 @@ def start_holder(cfg: Config, local_addr: str | None):
             contract.CHECKPOINT_KEY_ENV,
         )
         return None
-    job = job_key(Storage.for_checkpoint(c).root)
+    job = job_key(root)
     served = NodeCopies(os.path.join(os.path.abspath(c.local_dir), job))
     try:
         holder = Holder(job, key, local_addr or socket.getfqdn(), served=served).start()
@@ -285,39 +340,46 @@ def start_zygote(cfg: Config, cmd, cmd_args, early=None, preload: tuple[str, ...
     return early if early is not None else warm.Zygote(preload=modules).start(fork=fork)
 
 
-def take_epoch(cfg: Config, launch_id: str, events: EventLog) -> str:
-    """This launch's fencing epoch on the checkpoint root (joined by the other nodes of the same
-    launch, which share ``launch_id``): older launches stop committing there."""
+def take_epoch(storage: Storage, launch_id: str, events: EventLog) -> str:
+    """This launch's fencing epoch on the checkpoint root ``storage`` (joined by the other nodes of
+    the same launch, which share ``launch_id``): older launches stop committing there."""
     from ..checkpoint.catalog import Catalog
-    from ..storage.fs import Storage
 
-    c = cfg.checkpoint
-    storage = Storage.for_checkpoint(c)
-    epoch = Catalog(storage, events=events).acquire_epoch(launch_id)
+    epoch = Catalog(storage, events=events).fence.acquire(launch_id)
     logger.debug("checkpoint root %s: this launch is epoch %s", storage.describe(), epoch)
     return epoch
 
 
-def _start_history(cfg: Config, events_path: str, metrics: MetricsSink):
-    """Follow events.jsonl for the live goodput ledger and mirror it under the checkpoint root."""
+def _open_root(cfg: Config) -> Storage:
     from ..storage.fs import Storage
-    from .history import RunHistory
 
-    c = cfg.checkpoint
+    return Storage.for_checkpoint(cfg.checkpoint)
+
+
+def _checkpoint_root(cfg: Config) -> Storage | None:
+    """``checkpoint.dir``, opened (the supervisor's one :class:`..storage.fs.Storage` of it), or None
+    when it cannot be: the event log mirror is off, and the epoch says why (it opens it again)."""
     try:
-        storage = Storage.for_checkpoint(c)
+        return _open_root(cfg)
     except Exception as e:  # noqa: BLE001 - the mirror is a side channel; the workers report storage errors
         logger.warning("event log mirror disabled: %s", e)
-        storage = None
+        return None
+
+
+def _start_history(events_path: str, metrics: MetricsSink, storage: Storage | None):
+    """Follow events.jsonl for the live goodput ledger and mirror it under the checkpoint root
+    ``storage`` (None: no mirror)."""
+    from .history import RunHistory
+
     return RunHistory(events_path, storage=storage, node=node_name(), metrics=metrics).start()
 
 
-def _commit_watch(cfg: Config):
-    """The restart back-off's evidence of progress (newest commit in ``checkpoint.dir``)."""
+def _commit_watch(storage: Storage):
+    """The restart back-off's evidence of progress (newest commit in ``checkpoint.dir``, ``storage``)."""
     from .progress import CommitWatch, newest_commit_reader
 
     try:
-        return CommitWatch(newest_commit_reader(cfg))
+        return CommitWatch(newest_commit_reader(storage))
     except Exception as e:  # noqa: BLE001 - without it, failures back off by time alone
         logger.warning("restart back-off will not see commits: %s", e)
         return None

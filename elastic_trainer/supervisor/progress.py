@@ -13,6 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..storage.fs import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -77,15 +81,12 @@ class CommitWatch:
         return t
 
 
-def newest_commit_reader(cfg) -> Callable[[], int | None]:
-    """``read`` for :class:`CommitWatch` over ``cfg.checkpoint.dir``: the newest step whose
-    directory lists a commit marker and no quarantine. Listings only: it runs while the workers
-    restart, and reads no object the restart may be waiting for on a slow store."""
+def newest_commit_reader(storage: Storage) -> Callable[[], int | None]:
+    """``read`` for :class:`CommitWatch` over ``storage`` (the opened ``checkpoint.dir``): the
+    newest step whose directory lists a commit marker and no quarantine. Listings only: it runs
+    while the workers restart, and reads no object the restart may be waiting for on a slow store."""
     from ..checkpoint import layout
     from ..checkpoint.catalog import Catalog
-    from ..storage.fs import Storage
-
-    storage = Storage.for_checkpoint(cfg.checkpoint)
 
     def read() -> int | None:
         _, newest, _ = Catalog(storage).names()

@@ -13,18 +13,19 @@ import logging
 import os
 import sys
 import time
-import traceback
+from typing import TYPE_CHECKING
 
 import torch
 
-from .. import contract, exit_codes, log
+from .. import contract, exit_codes, lifeline, log
 from ..config import Config, check_world_size, config_from_dict
-from ..events import EventLog, write_record
+
+if TYPE_CHECKING:
+    from ..runtime.session import Session
 
 logger = logging.getLogger("elastic_trainer.worker")
 
 EXIT_FAILURE = exit_codes.FAILED
-_ACTIVE: dict = {}  # the checkpointer, for the exception path
 
 
 def load_worker_config() -> Config:
@@ -74,18 +75,16 @@ def build_training(cfg: Config, d, open_data: bool = True):
     return model, optimizer, scheduler, batches, state
 
 
-def build_and_train(cfg: Config, t_start: float) -> int:
+def build_and_train(session: Session) -> int:
     """The built-in trainer on the public runtime (the same API a user's script uses)."""
     from ..checkpoint.state import DataViewState
     from ..models.pretrained import init_from_pretrained
-    from ..runtime import Checkpointer, init
+    from ..runtime import Checkpointer
     from . import parallel
     from .sources import open_data_view
     from .train_loop import Trainer
 
-    session = init(cfg)
-    session.started = t_start
-    d = session.dist
+    cfg, d = session.cfg, session.dist
     check_world_size(cfg, d.world_size)
     model, optimizer, scheduler, batches, state = build_training(cfg, d, open_data=False)
     data = DataViewState()
@@ -100,9 +99,7 @@ def build_and_train(cfg: Config, t_start: float) -> int:
         fingerprint=cfg.model_fingerprint(),
         run_identity=cfg.run_identity(),
     )
-    _ACTIVE["ckpt"] = ckpt
     if d.rank == 0:
-        logger.debug("config (also in %s): %s", _write_resolved_config(cfg), cfg.to_json())
         logger.debug("checkpoints: %s", ckpt.storage.describe())
         logger.debug(
             "parameters on this rank: %.2f MB of %s total elements",
@@ -132,70 +129,31 @@ def build_and_train(cfg: Config, t_start: float) -> int:
     return code
 
 
-def _write_resolved_config(cfg: Config) -> str:
-    """``run.dir/config.json``: the resolved config of this start (rank 0), for the record."""
-    path = os.path.join(cfg.run.dir, contract.RESOLVED_CONFIG_FILE)
-    return path if write_record(path, cfg.to_dict(), "the resolved config") else "no file: run.dir not writable"
-
-
 def die_with_supervisor() -> None:
-    """Make the kernel SIGKILL this worker when its supervisor dies (Linux ``PR_SET_PDEATHSIG``).
-
-    torch starts workers in their own session, so without this a SIGKILLed supervisor leaves
-    its workers running. The parent-pid check closes the race where the supervisor died before
-    the call."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    # parent: warm-start zygote or supervisor
+    """Make the kernel SIGKILL this worker when its parent — the supervisor, or the warm-start
+    zygote that forked it — dies: torch starts workers in their own session, so without this a
+    SIGKILLed supervisor leaves its workers running. A parent already gone: exit 1."""
     expected = os.environ.get(contract.PARENT_PID_ENV) or os.environ.get(contract.SUPERVISOR_PID_ENV)
-    if expected and os.getppid() != int(expected):
-        os._exit(EXIT_FAILURE)
+    lifeline.die_with_parent(int(expected) if expected else os.getppid(), code=EXIT_FAILURE)
 
 
 def main() -> None:
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    from ..runtime.session import failed, init
 
     t_start = time.monotonic()
     die_with_supervisor()
     log.setup_logging()
     cfg = load_worker_config()
+    session = None
     try:
-        code = build_and_train(cfg, t_start)
+        session = init(cfg)
+        session.started = t_start
+        code = build_and_train(session)
     except BaseException as e:  # noqa: BLE001 - every failure exits fast, without collectives
-        rank = int(os.environ.get(contract.RANK_ENV, "0"))
         if isinstance(e, SystemExit) and e.code in (0, None):
             os._exit(0)
-        from ..runtime.session import exit_code_for
-
-        code = exit_code_for(e)
-        if code != EXIT_FAILURE:  # every rank got the same answer (config, checkpoint, fencing): terminal, no restart
-            logger.error("rank %d: %s", rank, e)
-            if code == exit_codes.FENCED and rank == 0:
-                EventLog(os.path.join(cfg.run.dir, contract.EVENTS_FILE)).emit("fenced", step=None, error=str(e))
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        logger.error("rank %d failed: %s", rank, "".join(traceback.format_exception(e)))
-        try:
-            EventLog(os.path.join(cfg.run.dir, contract.EVENTS_FILE)).emit(
-                "failure",
-                rank=rank,
-                error=f"{type(e).__name__}: {e}"[:2000],
-                restart_count=int(os.environ.get(contract.RESTART_COUNT_ENV, "0")),
-            )
-            ckpt = _ACTIVE.get("ckpt")
-            if ckpt is not None:  # no new checkpoint or collective: only an upload under way may land
-                ckpt.drain_after_failure()
-            ErrorHandler().record_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(EXIT_FAILURE)
+        rank = session.rank if session is not None else int(os.environ.get(contract.RANK_ENV, "0"))
+        failed(e, rank=rank, run_dir=cfg.run.dir, run=session.run if session is not None else None)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 
-from .. import contract, exit_codes, log
+from .. import contract, exit_codes, lifeline, log
 
 # What every worker needs, whatever it runs: torch, its distributed pieces and DCP.
 TORCH_PRELOAD = (
@@ -90,8 +90,6 @@ SCRIPT_PRELOAD = (
     "elastic_trainer.storage.fs",
     "elastic_trainer.metrics.factory",
 )
-PR_SET_PDEATHSIG = 1
-PR_SET_NAME = 15
 
 
 def thread_count() -> int:
@@ -144,14 +142,6 @@ def _initialised() -> dict[str, bool]:
     }
 
 
-def _prctl(option: int, arg) -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg, 0, 0, 0)
-
-
 def _send(sock: socket.socket, msg: dict) -> None:
     sock.send(json.dumps(msg).encode())
 
@@ -166,9 +156,7 @@ def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int, m
     code = 1
     try:
         os.setsid()  # like torch's SubprocessHandler (start_new_session): the agent signals the group
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != zygote_pid:  # the zygote died before the call
-            os._exit(1)
+        lifeline.die_with_parent(zygote_pid, code=1)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for name in contract.FORWARDED_SIGNALS:  # a fresh interpreter's dispositions
@@ -187,7 +175,7 @@ def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int, m
         sys.stdout = _unbuffered(1, sys.stdout)
         sys.stderr = _unbuffered(2, sys.stderr)
         kind, target, args = _target_of(req["argv"])
-        _prctl(PR_SET_NAME, f"et-worker-{os.environ.get(contract.LOCAL_RANK_ENV, '')}".encode()[:15])
+        lifeline.prctl(lifeline.PR_SET_NAME, f"et-worker-{os.environ.get(contract.LOCAL_RANK_ENV, '')}".encode()[:15])
         threads = os.environ.get(contract.OMP_THREADS_ENV)
         if threads and threads.isdigit():  # read by OpenMP at library load, i.e. in the zygote
             import torch
@@ -355,10 +343,10 @@ def _run(fd: int, modules, parent: int) -> int:
     # kill the zygote: its death would SIGKILL the workers (PR_SET_PDEATHSIG) mid-checkpoint.
     for name in contract.FORWARDED_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    lifeline.prctl(lifeline.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the supervisor died before the call
         return 1
-    _prctl(PR_SET_NAME, contract.ZYGOTE_NAME.encode())
+    lifeline.prctl(lifeline.PR_SET_NAME, contract.ZYGOTE_NAME.encode())
     sock = socket.socket(fileno=fd)
     t0 = time.monotonic()
     missing = preload(modules)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from elastic_trainer.errors import ConfigError, StorageError, TransientStorageError
-from elastic_trainer.storage.fs import Storage, open_storage
+from elastic_trainer.storage.fs import Storage, open_storage, read_json, write_json_atomic
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -51,21 +51,21 @@ def storage(request, tmp_path, monkeypatch) -> Storage:
 
 # ---------------------------------------------------------------------------- every backend
 def test_empty_root_lists_nothing(storage):
-    storage.check_access()  # an absent prefix is a fresh root, not an error
+    storage.checks.access()  # an absent prefix is a fresh root, not an error
     assert storage.list_dirs() == []
     assert storage.list_files(storage.join("step-00000001")) == {}
     assert not storage.exists(storage.join("step-00000001", "manifest.json"))
 
 
 def test_write_list_read_delete(storage):
-    storage.write_json_atomic(storage.join("step-00000001", "manifest.json"), {"step": 1})
+    write_json_atomic(storage, storage.join("step-00000001", "manifest.json"), {"step": 1})
     storage.write_bytes_atomic(storage.join("step-00000001", "sub", "x.bin"), b"12345")
     storage.write_bytes_atomic(storage.join("step-00000002", "__0_0.distcp"), b"")
     assert storage.list_dirs() == ["step-00000001", "step-00000002"]
     files = storage.list_files(storage.join("step-00000001"))
     assert files == {"manifest.json": files["manifest.json"], "sub/x.bin": 5}
     assert storage.list_files(storage.join("step-00000002")) == {"__0_0.distcp": 0}
-    assert storage.read_json(storage.join("step-00000001", "manifest.json")) == {"step": 1}
+    assert read_json(storage, storage.join("step-00000001", "manifest.json")) == {"step": 1}
     assert storage.read_bytes(storage.join("step-00000001", "sub", "x.bin")) == b"12345"
     assert storage.exists(storage.join("step-00000001", "manifest.json"))
     storage.delete_tree(storage.join("step-00000001"))
@@ -77,8 +77,8 @@ def test_write_list_read_delete(storage):
 def test_overwrite_replaces_whole_object(storage):
     path = storage.join("step-00000003", "manifest.json")
     storage.write_bytes_atomic(path, b"x" * 1000)
-    storage.write_json_atomic(path, {"v": 2})
-    assert storage.read_json(path) == {"v": 2}
+    write_json_atomic(storage, path, {"v": 2})
+    assert read_json(storage, path) == {"v": 2}
     assert list(storage.list_files(storage.join("step-00000003"))) == ["manifest.json"]
 
 
@@ -95,11 +95,11 @@ def test_dcp_round_trip(storage):
     state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.tensor([1.5, -2.0]), "n": 7}
     path = storage.join("step-00000004")
     storage.makedirs(path)
-    dcp.save(state, storage_writer=storage.dcp_writer(path), no_dist=True)
+    dcp.save(state, storage_writer=storage.dcp.writer(path), no_dist=True)
     files = storage.list_files(path)
     assert ".metadata" in files and any(f.endswith(".distcp") for f in files), files
     out = {"w": torch.zeros(3, 4), "b": torch.zeros(2), "n": 0}
-    dcp.load(out, storage_reader=storage.dcp_reader(path), no_dist=True)
+    dcp.load(out, storage_reader=storage.dcp.reader(path), no_dist=True)
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and out["n"] == 7
 
 
@@ -119,7 +119,7 @@ def test_wrong_secret_is_a_permanent_error_without_retries(s3_server, s3_bucket,
     with pytest.raises(StorageError):
         s.list_dirs()
     with pytest.raises(StorageError, match="access denied: check AWS_ACCESS_KEY_ID"):
-        s.check_access()
+        s.checks.access()
     assert time.monotonic() - t0 < 10
     assert secret not in str(e.value) and secret not in s.describe()
 
@@ -133,7 +133,7 @@ def test_missing_bucket_is_an_error_not_an_empty_root(s3_server, monkeypatch):
         f"s3://missing-{uuid.uuid4().hex[:12]}/x", endpoint_url=s3_server.endpoint_url, timeout_seconds=8, retries=1
     )
     with pytest.raises(StorageError, match="(?i)bucket"):
-        s.check_access()
+        s.checks.access()
 
 
 @s3_only
@@ -181,7 +181,7 @@ def test_dcp_write_through_an_outage_fails_and_writes_no_metadata(s3_server, s3_
     fault_proxy.outage(True)
     t0 = time.monotonic()
     with pytest.raises(CheckpointException) as e:
-        dcp.save({"w": torch.ones(64, 64)}, storage_writer=s.dcp_writer(s.join("step-00000001")), no_dist=True)
+        dcp.save({"w": torch.ones(64, 64)}, storage_writer=s.dcp.writer(s.join("step-00000001")), no_dist=True)
     elapsed = time.monotonic() - t0
     assert not isinstance(e.value, Exception)
     print(f"DCP save through an outage failed after {elapsed:.1f}s")
@@ -214,14 +214,14 @@ def test_parallel_s3_shard_uploads_stay_checksummed_and_verified(s3_server, s3_b
     s = open_storage(f"s3://{s3_bucket}/t", endpoint_url=s3_server.endpoint_url, timeout_seconds=8, retries=2)
     path = s.join("step-00000001")
     state = {f"t{i}": torch.randn(64, 32) for i in range(6)}
-    dcp.save(state, storage_writer=integrity.ChecksummedWriter(s.dcp_writer(path)), no_dist=True)
+    dcp.save(state, storage_writer=integrity.ChecksummedWriter(s.dcp.writer(path)), no_dist=True)
     shards = sorted(f for f in s.list_files(path) if f.endswith(".distcp"))
     assert len(shards) == 3, shards
     table = json.loads(s.read_bytes(s.join("step-00000001", layout.CHECKSUMS)))
     assert sorted(f for f in table["files"] if f.endswith(".distcp")) == shards
     checks = layout.Checks.from_manifest(table)
     out = {k: torch.zeros_like(v) for k, v in state.items()}
-    dcp.load(out, storage_reader=integrity.verifying(s.dcp_reader(path), checks), no_dist=True)
+    dcp.load(out, storage_reader=integrity.verifying(s.dcp.reader(path), checks), no_dist=True)
     assert all(torch.equal(out[k], state[k]) for k in state)
 
     key = s._p(s.join("step-00000001", shards[1]))
@@ -231,6 +231,6 @@ def test_parallel_s3_shard_uploads_stay_checksummed_and_verified(s3_server, s3_b
     with pytest.raises(BaseException, match="checksum mismatch"):
         dcp.load(
             {k: torch.zeros_like(v) for k, v in state.items()},
-            storage_reader=integrity.verifying(s.dcp_reader(path), checks),
+            storage_reader=integrity.verifying(s.dcp.reader(path), checks),
             no_dist=True,
         )

@@ -121,7 +121,7 @@ def _resume(rank, world, root, local, damage, preempt=False, launch_id="dist-loc
     }
     if preempt:  # what preempt_exit does when the loaded step is not committed in checkpoint.dir
         mgr.save(loaded.step, force=True)
-        out["preempt_commit"] = mgr.settle(None) and mgr.committed_everywhere(loaded.step)
+        out["preempt_commit"] = mgr.settle(None) and mgr.verdicts.committed_everywhere(loaded.step)
     mgr.close()
     return out
 
@@ -132,7 +132,7 @@ def _counting(root):
     from elastic_trainer.storage.fs import open_storage
 
     storage, reads = open_storage(root), []
-    read_bytes, dcp_reader = storage.read_bytes, storage.dcp_reader
+    read_bytes, dcp_reader = storage.read_bytes, storage.dcp.reader
 
     def counted(path):
         reads.append(os.path.relpath(path, root))
@@ -149,7 +149,7 @@ def _counting(root):
         r.fs.create_stream = stream
         return r
 
-    storage.read_bytes, storage.dcp_reader = counted, reader
+    storage.read_bytes, storage.dcp.reader = counted, reader
     return storage, reads
 
 

@@ -58,7 +58,7 @@ def _scenario(rank, world, root):
     mgr.save(2)  # and the ranks go on together
     mgr.wait_for_staging()
     out["second"] = mgr.finish(timeout=120)
-    out["committed"] = mgr.committed_everywhere(2)
+    out["committed"] = mgr.verdicts.committed_everywhere(2)
     mgr.close()
     return out
 

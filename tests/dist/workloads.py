@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -369,10 +371,13 @@ class Tensors:
 
 
 def one_state_manager(ccfg, root: str, obj, rank: int, world: int, group, **kw):
-    """A CheckpointManager of one Stateful (``{"model": obj}``) on a 1-D mesh of ``world`` ranks."""
+    """A CheckpointManager of one Stateful (``{"model": obj}``) on a 1-D mesh of ``world`` ranks
+    (this node's place among the peer holders as the environment says, as a worker's)."""
     from elastic_trainer.checkpoint.manager import CheckpointManager
+    from elastic_trainer.checkpoint.peer_tier import PeerNode
     from elastic_trainer.storage.fs import open_storage
 
+    kw.setdefault("peer_node", PeerNode.from_environ(os.environ))
     return CheckpointManager(
         ccfg,
         open_storage(root),

@@ -206,3 +206,121 @@ def test_a_model_sharded_with_fully_shard_before_prepare_checkpoints_and_reshard
     assert sorted(got) == sorted(want) == list(range(1, 10))
     for step in range(1, 10):
         assert runs.close_rel(got[step], want[step], 1e-5), (step, got[step], want[step])
+
+
+def test_a_changed_seed_exits_2_naming_it_and_trains_nothing(tmp_path):
+    """The training loader's order follows ``train.seed``: a resume under another seed would
+    reorder the samples under the saved cursor, so it is refused before any step."""
+    script = str(runs.REPO / "tests" / "e2e" / "run_scripts" / "accelerate_fsdp2.py")
+    run_dir, ckpt = tmp_path / "s", tmp_path / "s-ckpt"
+
+    def launch(*flags):
+        args = runs.run_args(run_dir, ckpt, *flags, script, str(tmp_path / "project"), "3", nproc=1, max_restarts=0)
+        return subprocess.run(
+            args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240
+        )
+
+    r = launch()
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert _valid_commits(ckpt) == [3]
+    r = launch("--set", "train.seed=7", "--set", "checkpoint.interval_steps=1")
+    assert r.returncode == 2, r.stderr[-4000:]
+    assert "train.seed" in r.stdout + r.stderr
+    assert _valid_commits(ckpt) == [3] and len(runs.read_events(run_dir, "step")) == 3
+
+
+def test_accelerate_launch_commits_the_final_step_to_the_config_file_s_s3_root_and_run_resumes_it(tmp_path, s3_server):
+    """The one configuration under any launcher: ``accelerate launch`` with
+    ``ELASTIC_TRAINER_CONFIG`` naming an S3 ``checkpoint.dir`` commits there — a ``save_state``
+    step and the final step, which no ``save_state`` saved — and the same script switched to
+    ``elastic-trainer run`` resumes those commits."""
+    from elastic_trainer import contract
+
+    bucket = s3_server.make_bucket()
+    root = f"s3://{bucket}/acc"
+    cfg = tmp_path / "acc.toml"
+    cfg.write_text(f'[checkpoint]\ndir = "{root}"\ns3_endpoint_url = "{s3_server.endpoint_url}"\nkeep_last = 5\n')
+    env = {
+        contract.CONFIG_FILE_ENV: str(cfg),
+        "AWS_ACCESS_KEY_ID": s3_server.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
+        "AWS_DEFAULT_REGION": s3_server.region,
+    }
+    out = tmp_path / "out"
+    launched = [
+        *("-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu"),
+        *("--main_process_port", str(free_port()), SCRIPT),
+        *("--steps", "5", "--save-every", "3", "--output-dir", str(out)),
+    ]
+    r = subprocess.run(
+        [sys.executable, *launched],
+        capture_output=True,
+        text=True,
+        env=runs.env_for_tests(env),
+        cwd=runs.REPO,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert _committed(s3_server, bucket) == [3, 5], "the final step is committed"
+    run_dir = tmp_path / "run"
+    under_run = [
+        *runs.CLI,
+        *("run", "--set", f"run.dir={run_dir}", "--set", "metrics.port=0", "--nproc-per-node", "2"),
+        *("--max-restarts", "0", "--monitor-interval", "0.2", SCRIPT, "--steps", "7", "--save-every", "3"),
+    ]
+    r = subprocess.run(
+        under_run, capture_output=True, text=True, env=runs.env_for_tests(env), cwd=runs.REPO, timeout=240
+    )
+    assert r.returncode == 0, r.stderr[-4000:] + r.stdout[-2000:]
+    (resume,) = runs.read_events(run_dir, "resume")
+    assert resume["step"] == 5
+    assert _committed(s3_server, bucket) == [3, 5, 6, 7], "keep_last of the file, not the script's total_limit"
+
+
+def _committed(s3, bucket: str) -> list[int]:
+    """Steps whose manifest (written last, by the commit) is in the bucket, read from the server."""
+    return sorted(int(p.rsplit("/", 2)[-2].split("-")[1]) for p in s3.fs().glob(f"{bucket}/acc/step-*/manifest.json"))
+
+
+def _micro_batches(run_dir) -> dict[int, list[list[int]]]:
+    """Step → the sample ids of every micro-batch every rank ran for it."""
+    out: dict[int, list[list[int]]] = {}
+    for path in sorted(run_dir.glob("batches-rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            out.setdefault(rec["step"], []).append(rec["ids"])
+    return out
+
+
+def test_the_loader_s_batch_size_stays_the_micro_batch_from_2_to_1_to_3_processes(tmp_path):
+    """``DataLoader(batch_size=4)`` and 2 accumulation steps: the global batch of the first launch
+    (4 × 2 × 2 = 16) is kept, each process's forward stays at most 4 samples at every world size
+    (more accumulation steps on 1, a short last micro-batch on 3), every step takes the samples
+    of the uninterrupted run, and the losses follow it within 1e-5."""
+    script = str(runs.REPO / "tests" / "e2e" / "run_scripts" / "accelerate_batches.py")
+
+    def launch(name: str, nproc: int, steps: int):
+        run_dir, ckpt = tmp_path / name, tmp_path / f"{name}-ckpt"
+        run_dir.mkdir(exist_ok=True)
+        args = runs.run_args(
+            run_dir, ckpt, "--set", "checkpoint.interval_steps=2", script, str(run_dir), str(steps), nproc=nproc
+        )
+        r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return run_dir
+
+    reference = launch("ref", 2, 9)
+    launch("e", 2, 3)
+    launch("e", 1, 6)
+    elastic = launch("e", 3, 9)
+    assert [e["to_world_size"] for e in runs.read_events(elastic, "reshard")] == [1, 3]
+    want, got = runs.step_losses(reference), runs.step_losses(elastic)
+    for step in range(1, 10):
+        assert runs.close_rel(got[step], want[step], 1e-5), (step, got[step], want[step])
+    ref_batches, batches = _micro_batches(reference), _micro_batches(elastic)
+    for step in range(1, 10):
+        sizes = [len(ids) for ids in batches[step]]
+        assert max(sizes) == 4, (step, sizes)  # a process's forward never grows
+        assert sorted(i for ids in batches[step] for i in ids) == sorted(i for ids in ref_batches[step] for i in ids)
+    assert sorted(len(ids) for ids in batches[5]) == [4, 4, 4, 4], "one process: 4 micro-batches of 4"
+    assert sorted(len(ids) for ids in batches[8]) == [1, 1, 2, 4, 4, 4], "three: 6 + 5 + 5 samples in 4s"

@@ -124,7 +124,7 @@ def test_every_commit_quarantined_exits_2_and_release_lifts_a_good_one(tmp_path,
         and "/" not in reason.split(":", 1)[1]
     ), reason
     # Step 5 quarantined too (as a storage blip, or an older version, might have): the next start stops.
-    Catalog(open_storage(str(ckpt))).quarantine("step-00000005", "load failed: OSError: connection reset")
+    Catalog(open_storage(str(ckpt))).quarantine.mark("step-00000005", "load failed: OSError: connection reset")
     before = _dirs(ckpt)
     r = _run("python", tmp_path / "run2", ckpt, "--steps", "12")
     assert r.returncode == 2, r.stderr[-3000:]

@@ -24,16 +24,19 @@ from tests import runs
 
 SCRIPT = str(runs.REPO / "tests" / "e2e" / "run_scripts" / "lightning_script.py")
 STEPS = 10
-CADENCE = ("--set", "checkpoint.interval_steps=3", "--set", "train.global_batch_size=8")
+CADENCE = ("--set", "checkpoint.interval_steps=3")  # global batch: the loader's 4 × 2 workers of the first launch
 
 
-def run_script(tmp, name, *args, nproc=2, env=None, max_restarts=0, timeout=180) -> subprocess.CompletedProcess:
+def run_script(
+    tmp, name, *args, nproc=2, env=None, max_restarts=0, timeout=180, flags=()
+) -> subprocess.CompletedProcess:
     run_dir = tmp / name
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = runs.run_args(
         run_dir,
         tmp / (name + "-ckpt"),
         *CADENCE,
+        *flags,
         SCRIPT,
         str(run_dir),
         "--samples",
@@ -162,6 +165,12 @@ def test_a_layer_added_exits_2_naming_the_key_and_quarantines_nothing(tmp_path):
     assert "model.blocks.2.ln1.weight missing from the checkpoint" in log, log[-4000:]
     assert commits(ckpt) == before and not list(ckpt.rglob(layout.QUARANTINE)), "nothing quarantined or written"
     assert max(runs.step_losses(tmp_path / "c")) == 3, "nothing trained"
+    # another seed reorders the samples under the saved cursor: refused, naming it
+    r = run_script(tmp_path, "c", "--steps", "6", flags=("--set", "train.seed=7"))
+    log = (tmp_path / "c" / "run.log").read_text()[len(log) :]
+    assert r.returncode == 2, log[-4000:]
+    assert "train.seed" in log, log[-4000:]
+    assert commits(ckpt) == before and max(runs.step_losses(tmp_path / "c")) == 3
 
 
 def test_a_nonfinite_loss_stops_with_65_and_commits_nothing_after_the_last_finite_step(tmp_path):
@@ -171,3 +180,42 @@ def test_a_nonfinite_loss_stops_with_65_and_commits_nothing_after_the_last_finit
     (stop,) = runs.read_events(tmp_path / "n", "nonfinite_stop")
     assert ev["step"] == 5 and stop["last_finite_step"] == 4 and max(runs.step_losses(tmp_path / "n")) == 4
     assert Catalog(open_storage(str(tmp_path / "n-ckpt"))).head().step == 3, "the non-finite step is never saved"
+
+
+def _micro_batches(run_dir) -> dict[int, list[list[int]]]:
+    """Step → the sample ids of every micro-batch every rank ran for it, in the launch whose step
+    event counts (a rank that began a step its launch then lost is left out)."""
+    world = {e["step"]: e["world_size"] for e in runs.read_events(run_dir, "step")}
+    out: dict[int, list[list[int]]] = {}
+    for path in sorted(run_dir.glob("samples-*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["world"] == world[rec["step"]]:
+                out.setdefault(rec["step"], []).append(rec["ids"])
+    return out
+
+
+def test_the_loader_s_batch_size_stays_the_micro_batch_from_2_to_1_to_3_workers(tmp_path):
+    """``DataLoader(batch_size=4)`` and ``accumulate_grad_batches=2``: the first launch's global
+    batch (4 × 2 × 2 = 16) is kept, a worker's forward stays at most 4 samples at every world size
+    (4 accumulation steps on 1 worker, a short last micro-batch on 3), every step takes the
+    samples of the uninterrupted run, and the losses follow it within 1e-5."""
+    args = ("--steps", "9", "--dropout", "0", "--batch-size", "4", "--accumulate", "2", "--samples", "96")
+    _ok(run_script(tmp_path, "ref", *args), tmp_path, "ref")
+    stop_at = {"ELASTIC_TRAINER_INJECT_FAULT": "raise@rank=0,step=4"}
+    assert run_script(tmp_path, "e", *args, env=stop_at).returncode != 0  # step 3 committed (interval 3)
+    stop_at = {"ELASTIC_TRAINER_INJECT_FAULT": "raise@rank=0,step=7"}
+    assert run_script(tmp_path, "e", *args, nproc=1, env=stop_at).returncode != 0
+    _ok(run_script(tmp_path, "e", *args, nproc=3), tmp_path, "e")
+    run_dir = tmp_path / "e"
+    assert [(e["step"], e["to_world_size"]) for e in runs.read_events(run_dir, "reshard")] == [(3, 1), (6, 3)]
+    want, got = runs.step_losses(tmp_path / "ref"), runs.step_losses(run_dir)
+    for step in range(1, 10):
+        assert runs.close_rel(got[step], want[step], 1e-5), (step, got[step], want[step])
+    ref_batches, batches = _micro_batches(tmp_path / "ref"), _micro_batches(run_dir)
+    for step in range(1, 10):
+        assert max(len(ids) for ids in batches[step]) == 4, (step, batches[step])  # a forward never grows
+        assert sorted(i for ids in batches[step] for i in ids) == sorted(i for ids in ref_batches[step] for i in ids)
+    assert sorted(len(ids) for ids in batches[2]) == [4, 4, 4, 4], "two workers: 2 micro-batches of 4 each"
+    assert sorted(len(ids) for ids in batches[5]) == [4, 4, 4, 4], "one worker: 4 micro-batches of 4"
+    assert sorted(len(ids) for ids in batches[8]) == [1, 1, 2, 4, 4, 4], "three: 6 + 5 + 5 samples in 4s"

@@ -144,3 +144,35 @@ def test_the_own_script_s3_command_writes_to_the_configured_root(tmp_path, s3_se
     fs = s3_server.fs()
     assert sorted(p.rsplit("/", 2)[-2] for p in fs.glob(f"{s3_bucket}/run/step-*/manifest.json")) == ["step-00000005"]
     assert not (tmp_path / "runs" / "train_fsdp" / "checkpoints").exists(), "nothing on local disk"
+
+
+_MANY_RANKS = """
+import torch
+import elastic_trainer as et
+from torch.utils.data import DataLoader, TensorDataset
+
+session = et.init()
+model = torch.nn.Linear(4, 1)
+for p in model.parameters():
+    torch.distributed.broadcast(p.data, 0)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = TensorDataset(torch.randn(64, 4, generator=torch.Generator().manual_seed(0)))
+ckpt = et.Checkpointer(session, model=model, optimizer=opt, data=DataLoader(data, batch_size=2, shuffle=True))
+for step, (x,) in ckpt.steps(2):
+    assert x.shape[0] <= 2, x.shape
+    ckpt.optimizer_step(model(x).pow(2).mean())
+session.close()
+"""
+
+
+def test_twenty_ranks_start_without_a_global_batch_set(tmp_path):
+    """No default caps the world size: the global batch of a run that sets none is the loader's
+    ``batch_size`` × processes of its first launch (2 × 20 here)."""
+    script = tmp_path / "many.py"
+    script.write_text(_MANY_RANKS)
+    run_dir = tmp_path / "run"
+    args = runs.run_args(run_dir, tmp_path / "ckpt", str(script), nproc=20, max_restarts=0)
+    r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    steps = runs.read_events(run_dir, "step")
+    assert [e["step"] for e in steps] == [1, 2] and {e["world_size"] for e in steps} == {20}

@@ -122,17 +122,18 @@ def _run(tmp_path: Path, script: Path, run_dir: Path, ckpt: Path, nproc: int, st
 
 def test_the_five_call_block_runs_at_one_two_and_three_workers_and_resumes_at_another(tmp_path):
     five_calls = user_script(tmp_path, "five_calls.py", five_call_block())
-    # the reference: 2 workers, 6 steps; then 1 worker to step 3 and 3 workers from its checkpoint
+    # the reference: 2 workers, 6 steps; then 2 workers to step 2, 1 worker to step 4 and 3 workers
+    # to step 6, each from the last one's checkpoint: the first launch's global batch (8 × 2) throughout
     two = _run(tmp_path, five_calls, tmp_path / "two", tmp_path / "two-ckpt", 2, 6)
     assert two.returncode == 0, two.stderr[-3000:]
-    one = _run(tmp_path, five_calls, tmp_path / "one", tmp_path / "ckpt", 1, 3)
-    assert one.returncode == 0, one.stderr[-3000:]
-    three = _run(tmp_path, five_calls, tmp_path / "three", tmp_path / "ckpt", 3, 6)
-    assert three.returncode == 0, three.stderr[-3000:]
-    [resume] = runs.read_events(tmp_path / "three", "resume")
-    assert (resume["step"], resume["from_world_size"], resume["world_size"]) == (3, 1, 3)
-    ref, got = runs.step_losses(tmp_path / "two"), runs.step_losses(tmp_path / "one")
-    got.update(runs.step_losses(tmp_path / "three"))
+    got: dict[int, float] = {}
+    for nproc, steps in ((2, 2), (1, 4), (3, 6)):
+        r = _run(tmp_path, five_calls, tmp_path / f"w{nproc}", tmp_path / "ckpt", nproc, steps)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got.update(runs.step_losses(tmp_path / f"w{nproc}"))
+    [resume] = runs.read_events(tmp_path / "w3", "resume")
+    assert (resume["step"], resume["from_world_size"], resume["world_size"]) == (4, 1, 3)
+    ref = runs.step_losses(tmp_path / "two")
     assert sorted(ref) == sorted(got) == list(range(1, 7))
     assert all(runs.close_rel(ref[k], got[k], 1e-5) for k in ref), (ref, got)
     # what the loop uses of train.* is never silently replaced: the recorded global batch, and

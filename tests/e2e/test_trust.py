@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from elastic_trainer.checkpoint import layout
-from elastic_trainer.checkpoint.catalog import Catalog
+from elastic_trainer.checkpoint.catalog import Catalog, lineage
 from elastic_trainer.storage.fs import open_storage
 from tests import runs
 
@@ -335,7 +335,7 @@ def test_two_launches_on_one_root_fence_the_older_and_a_relaunch_resumes_at_once
             assert e["loss"] == ref[e["step"]], (run.name, e["step"])
     cat = Catalog(open_storage(str(root)))
     cands = {c.name: c for c in cat.scan()}
-    epochs = list(cat.epochs())
+    epochs = list(cat.fence.records())
     assert len(epochs) == 3 and epochs[1] == epoch_b
     for run, epoch in ((run_a, epochs[0]), (run_b, epochs[1]), (run_c, epochs[2])):
         for e in runs.read_events(run, "checkpoint_committed"):
@@ -346,7 +346,7 @@ def test_two_launches_on_one_root_fence_the_older_and_a_relaunch_resumes_at_once
             )
     head = cat.head()
     assert head.step == STEPS and head.manifest["epoch"] == epochs[2]
-    chain = [c.step for c in cat.lineage(head, cat.scan())]
+    chain = [c.step for c in lineage(head, cat.scan())]
     assert chain == sorted(chain, reverse=True) and chain[-1] == 3, chain
 
 
@@ -365,7 +365,7 @@ def test_a_launch_fenced_at_its_final_commit_does_not_claim_success(tmp_path, to
         try:
             last = max(e["step"] for e in runs.read_events(run, "step"))
             assert last < STEPS, "too late: step 12 already ran (rerun on a less loaded machine)"
-            newer = Catalog(open_storage(str(run / "ckpt"))).acquire_epoch("newer-launch")
+            newer = Catalog(open_storage(str(run / "ckpt"))).fence.acquire("newer-launch")
         finally:
             runs.kill(held, signal.SIGCONT)
         code = a.wait(timeout=TIMEOUT)

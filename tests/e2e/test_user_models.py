@@ -359,7 +359,7 @@ def _sharded_logits(config: str, inputs_path: str, out_path: str) -> None:
     initialise_buffers(model, spec.init_buffers)
     step = [r["step"] for r in list_checkpoints(cfg.checkpoint.dir) if r["valid"]][-1]
     storage = Storage.for_checkpoint(cfg.checkpoint)
-    dcp.load({"model": ModelState(model)}, storage_reader=storage.dcp_reader(storage.join(layout.step_dir_name(step))))
+    dcp.load({"model": ModelState(model)}, storage_reader=storage.dcp.reader(storage.join(layout.step_dir_name(step))))
     model.eval()
     with torch.no_grad():
         logits = logits_of(model(torch.load(inputs_path))).float()

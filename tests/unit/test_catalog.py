@@ -21,12 +21,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from elastic_trainer.checkpoint import integrity, layout
-from elastic_trainer.checkpoint.catalog import Catalog, checkpoint_key
+from elastic_trainer.checkpoint.catalog import Catalog, checkpoint_key, lineage
 from elastic_trainer.checkpoint.layout import Candidate
 from elastic_trainer.contract import CHECKPOINT_KEY_ENV
 from elastic_trainer.errors import CheckpointError, FencedError
 from elastic_trainer.events import EventLog
-from elastic_trainer.storage.fs import open_storage
+from elastic_trainer.storage.fs import open_storage, write_json_atomic
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -34,14 +34,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def _catalog(root: Path, launch: str | None = None, key: bytes | None = None, events: Path | None = None) -> Catalog:
     cat = Catalog(open_storage(str(root)), key=key, events=EventLog(str(events) if events else None))
     if launch:
-        cat.acquire_epoch(launch)
+        cat.fence.acquire(launch)
     return cat
 
 
 def _write(cat: Catalog, name: str, step: int) -> dict:
     """A real world-1 DCP save of a tiny state through the checksummed writer (not committed)."""
     sd = {"model": {"w": torch.full((16,), float(step)), "b": torch.arange(4) + step}, "train": {"step": step}}
-    dcp.save(sd, storage_writer=integrity.ChecksummedWriter(cat.storage.dcp_writer(cat.storage.join(name))))
+    dcp.save(sd, storage_writer=integrity.ChecksummedWriter(cat.storage.dcp.writer(cat.storage.join(name))))
     return sd
 
 
@@ -206,7 +206,7 @@ def test_quarantine_marks_without_deleting_and_resume_skips_it(tmp_path):
     cat = _catalog(tmp_path / "root", "A", events=ev)
     five = _save(cat, 5)
     ten = _save(cat, 10, parent=five, seq=2)
-    cat.quarantine(ten, "load failed: checksum mismatch")
+    cat.quarantine.mark(ten, "load failed: checksum mismatch")
     q = json.loads((tmp_path / "root" / ten / layout.QUARANTINE).read_text())
     assert q["reason"] == "load failed: checksum mismatch" and q["epoch"] == cat.epoch
     assert (tmp_path / "root" / ten / layout.MANIFEST).exists() and any((tmp_path / "root" / ten).glob("*.distcp"))
@@ -226,7 +226,7 @@ def test_an_unreadable_newer_manifest_is_skipped_by_name_and_quarantined_and_a_f
     # first start and at a restart inside the launch alike.
     root = tmp_path / "root"
     a = _catalog(root, "A")
-    a.record_base(None)
+    a.fence.record_base(None)
     five = _save(a, 5)
     ten = _save(a, 10, parent=five, seq=2)
     (root / ten / layout.MANIFEST).write_bytes(b"\x8e\x00 not json")
@@ -239,14 +239,14 @@ def test_an_unreadable_newer_manifest_is_skipped_by_name_and_quarantined_and_a_f
     (root / ten / layout.MANIFEST).write_text("[]")
     assert _catalog(root, "C").plan_resume("latest").corrupt == [(ten, "manifest unreadable: not a JSON object")]
     storage = a.storage
-    read_json = storage.read_json
+    read_bytes = storage.read_bytes
 
     def failing(path):
         if path.endswith(f"{ten}/{layout.MANIFEST}"):
             raise ConnectionResetError("connection reset by peer")
-        return read_json(path)
+        return read_bytes(path)
 
-    monkeypatch.setattr(storage, "read_json", failing)
+    monkeypatch.setattr(storage, "read_bytes", failing)
     plan = a.plan_resume("latest")
     assert plan.chosen.name == five and plan.corrupt == []
     assert plan.skipped == [(10, "manifest could not be read: connection reset by peer")]
@@ -259,14 +259,14 @@ def two_launches(tmp_path):
     commits its own 15 (``step-00000015.1``): A's 15 is parked."""
     a = _catalog(tmp_path, "A")
     assert a.plan_resume("latest").chosen is None
-    a.record_base(None)
+    a.fence.record_base(None)
     five = _save(a, 5)
     ten = _save(a, 10, parent=five, seq=2)
     a15 = _save(a, 15, parent=ten, seq=3)
     b = _catalog(tmp_path, "B")
     plan = b.plan_resume("10")
     assert plan.chosen.name == ten and plan.first_start
-    b.record_base(plan.chosen.name)
+    b.fence.record_base(plan.chosen.name)
     b15 = _save(b, 15, parent=ten, seq=3)
     assert b15 == "step-00000015.1"
     return a, b, {"5": five, "10": ten, "a15": a15, "b15": b15}
@@ -276,7 +276,7 @@ def test_latest_follows_the_newest_launchs_lineage(tmp_path, two_launches):
     _, _, n = two_launches
     fresh = _catalog(tmp_path)
     assert fresh.head().name == n["b15"]
-    assert [c.name for c in fresh.lineage(fresh.head(), fresh.scan())] == [n["b15"], n["10"], n["5"]]
+    assert [c.name for c in lineage(fresh.head(), fresh.scan())] == [n["b15"], n["10"], n["5"]]
     c = _catalog(tmp_path, "C")
     assert c.plan_resume("latest").chosen.name == n["b15"]
     # Falling back (B's 15 failed to load) goes down the lineage, not to A's parked 15.
@@ -305,7 +305,7 @@ def test_a_restart_inside_a_launch_resumes_its_own_newest_commit_whatever_resume
 def test_a_restart_before_any_commit_resumes_the_launchs_base(tmp_path, two_launches):
     _, _, n = two_launches
     c = _catalog(tmp_path, "C")
-    c.record_base(n["10"])  # C started from 10 (checkpoint.resume=10) and has not committed yet
+    c.fence.record_base(n["10"])  # C started from 10 (checkpoint.resume=10) and has not committed yet
     c2 = _catalog(tmp_path)
     c2.epoch = c.epoch
     assert c2.plan_resume("latest").chosen.name == n["10"]
@@ -314,13 +314,13 @@ def test_a_restart_before_any_commit_resumes_the_launchs_base(tmp_path, two_laun
 def test_retention_deletes_only_within_the_lineage(tmp_path, two_launches):
     _, b, n = two_launches
     b20 = _save(b, 20, parent=n["b15"], seq=4)
-    deleted = b.retention(b20, keep_last=2, keep_every=0)
+    deleted = b.pruner.retention(b20, keep_last=2, keep_every=0)
     assert deleted == [10, 5]
     names = set(_by_name(b))
     assert names == {b20, n["b15"], n["a15"]}, "A's parked 15 is not B's to count or delete"
     # keep_every keeps multiples.
     b25 = _save(b, 25, parent=b20, seq=5)
-    assert b.retention(b25, keep_last=1, keep_every=20) == [15]
+    assert b.pruner.retention(b25, keep_last=1, keep_every=20) == [15]
     assert set(_by_name(b)) == {b25, b20, n["a15"]}
 
 
@@ -330,12 +330,12 @@ def test_retention_never_deletes_unless_the_newer_commit_verifies(tmp_path, why)
     five = _save(cat, 5)
     ten = _save(cat, 10, parent=five, seq=2)
     if why == "quarantined":
-        cat.quarantine(ten, "bad")
+        cat.quarantine.mark(ten, "bad")
     elif why == "corrupt_manifest":
         _change_a_digit(tmp_path / ten / layout.MANIFEST, "total_bytes")
     else:
         ten = "step-00000099"
-    assert cat.retention(ten, keep_last=1, keep_every=0) == []
+    assert cat.pruner.retention(ten, keep_last=1, keep_every=0) == []
     assert (tmp_path / five / layout.MANIFEST).exists()
 
 
@@ -343,9 +343,9 @@ def test_retention_keeps_quarantined_and_invalid_ones(tmp_path):
     cat = _catalog(tmp_path, "A")
     five = _save(cat, 5)
     ten = _save(cat, 10, parent=five, seq=2)
-    cat.quarantine(five, "bad")
+    cat.quarantine.mark(five, "bad")
     fifteen = _save(cat, 15, parent=ten, seq=3)
-    assert cat.retention(fifteen, keep_last=1, keep_every=0) == [10]
+    assert cat.pruner.retention(fifteen, keep_last=1, keep_every=0) == [10]
     assert (tmp_path / five / layout.QUARANTINE).exists(), "quarantined evidence is kept"
 
 
@@ -371,44 +371,44 @@ def test_a_newer_launch_fences_the_older_one(tmp_path):
     ten = _save(a, 10, parent=five, seq=2)
     _write(a, "step-00000012", 12)  # A's save in flight when B takes over
     b = _catalog(tmp_path / "root", "launch-B", events=ev)
-    assert b.epoch == "00000002-launch-B" and b.current_epoch() == b.epoch
+    assert b.epoch == "00000002-launch-B" and b.fence.current() == b.epoch
     recs = [json.loads(line) for line in ev.read_text().splitlines() if '"checkpoint_epoch"' in line]
     assert recs[-1]["epoch"] == b.epoch and recs[-1]["previous"] == a.epoch
     with pytest.raises(FencedError, match="newer launch \\(epoch 00000002-launch-B\\).*epoch 00000001-launch-A"):
-        a.check_epoch()
+        a.fence.check()
     with pytest.raises(FencedError, match="00000002-launch-B"):
         _commit(a, "step-00000012", 12, parent=ten, seq=3)
     assert not (tmp_path / "root" / "step-00000012" / layout.MANIFEST).exists()
     with pytest.raises(FencedError):
-        a.clean_uncommitted()
+        a.pruner.clean_uncommitted()
     with pytest.raises(FencedError):
-        a.record_base(ten)
+        a.fence.record_base(ten)
     # Retention of the fenced launch deletes nothing (it would delete 5).
     with pytest.raises(FencedError):
-        a.retention(ten, keep_last=1, keep_every=0)
+        a.pruner.retention(ten, keep_last=1, keep_every=0)
     assert (tmp_path / "root" / five / layout.MANIFEST).exists()
     # B goes on: it resumes A's newest commit and commits on top of it.
     assert b.plan_resume("latest").chosen.name == ten
-    b.record_base(ten)
+    b.fence.record_base(ten)
     _save(b, 12, parent=ten, seq=3)
     assert b.head().step == 12 and b.head().name == "step-00000012.1"
     # Another node of launch B joins B's epoch instead of taking a new one.
     joined = _catalog(tmp_path / "root", "launch-B")
-    assert joined.epoch == b.epoch and len(joined.epochs()) == 2
+    assert joined.epoch == b.epoch and len(joined.fence.records()) == 2
 
 
 def test_a_race_for_the_same_epoch_number_is_broken_by_the_launch_id(tmp_path):
     cat = _catalog(tmp_path)
     for name in ("00000003-bbb", "00000003-aaa"):
-        cat.storage.write_json_atomic(cat.storage.join("_epochs", name + ".json"), {"launch": name[9:]})
-    assert cat.current_epoch() == "00000003-bbb"
+        write_json_atomic(cat.storage, cat.storage.join("_epochs", name + ".json"), {"launch": name[9:]})
+    assert cat.fence.current() == "00000003-bbb"
     loser = _catalog(tmp_path)
     loser.epoch = "00000003-aaa"
     with pytest.raises(FencedError, match="00000003-bbb"):
-        loser.check_epoch()
+        loser.fence.check()
     winner = _catalog(tmp_path)
     winner.epoch = "00000003-bbb"
-    winner.check_epoch()
+    winner.fence.check()
     assert _catalog(tmp_path, "next").epoch == "00000004-next"
 
 
@@ -454,7 +454,7 @@ def test_clean_uncommitted_removes_leftovers_but_not_a_newer_launchs_save(tmp_pa
     _write(b, "step-00000012", 12)
     b.mark_writer("step-00000012")
     # B (newer than A) cleans A's leftover, its own and an unmarked one unless told to keep it.
-    cleaned = b.clean_uncommitted(keep=frozenset({"step-00000011"}))
+    cleaned = b.pruner.clean_uncommitted(keep=frozenset({"step-00000011"}))
     assert sorted(c.name for c in cleaned) == ["step-00000010", "step-00000012"]
     assert set(_by_name(b)) == {five, "step-00000011"}
     # A newer launch's save in flight survives an older launch's cleanup: fenced, nothing deleted.
@@ -462,7 +462,7 @@ def test_clean_uncommitted_removes_leftovers_but_not_a_newer_launchs_save(tmp_pa
     _write(c, "step-00000013", 13)
     c.mark_writer("step-00000013")
     with pytest.raises(FencedError):
-        b.clean_uncommitted()
+        b.pruner.clean_uncommitted()
     assert (tmp_path / "step-00000013").exists()
 
 
@@ -485,7 +485,7 @@ def test_a_restarts_decision_reads_each_object_once_and_only_its_own_epoch_recor
         return inner(path)
 
     storage.read_bytes = counted
-    opened = storage.dcp_reader
+    opened = storage.dcp.reader
 
     def reader(path):
         r = opened(path)
@@ -499,7 +499,7 @@ def test_a_restarts_decision_reads_each_object_once_and_only_its_own_epoch_recor
         fs.create_stream = stream
         return r
 
-    storage.dcp_reader = reader
+    storage.dcp.reader = reader
     decision = resume.decide(again, "latest", frozenset(), clean=True, launch_id="B", events=EventLog(None))
     assert decision.refused is None, decision.message
     assert decision.chosen == n["b15"] and not decision.first_start
@@ -510,7 +510,7 @@ def test_a_restarts_decision_reads_each_object_once_and_only_its_own_epoch_recor
     assert epoch_reads == {f"_epochs/{b.epoch}.json": 1}, reads
     assert reads[f"{n['b15']}/{layout.METADATA}"] == 1, reads
     reads.clear()
-    again.check_epoch()
+    again.fence.check()
     assert not reads, f"the fence is a listing: {reads}"
 
 
@@ -527,7 +527,7 @@ def test_a_plan_from_names_reads_no_object_and_names_the_newest_unquarantined_co
     again = _save(cat, 7, seven, 3)  # a second save of step 7: step-00000007.1
     _write(cat, "step-00000009", 9)  # written, never committed
     eight = _save(cat, 8, again, 4)
-    cat.quarantine(eight, "test")
+    cat.quarantine.mark(eight, "test")
     reads: list[str] = []
     restart = _catalog(tmp_path)
     inner = restart.storage.read_bytes

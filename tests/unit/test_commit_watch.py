@@ -84,7 +84,9 @@ def test_a_hung_read_is_given_up_after_the_timeout_and_never_doubled():
 
 def test_the_reader_sees_the_newest_commit_in_real_storage_by_listing_alone(tmp_path, monkeypatch):
     cat = _catalog(tmp_path, launch="L1")
-    reader = newest_commit_reader(_Cfg(str(tmp_path)))
+    from elastic_trainer.storage.fs import Storage
+
+    reader = newest_commit_reader(Storage.for_checkpoint(_Cfg(str(tmp_path)).checkpoint))
     watch = CommitWatch(reader)
     _noted(watch)  # nothing committed yet
     first = _save(cat, 5)
@@ -94,7 +96,7 @@ def test_the_reader_sees_the_newest_commit_in_real_storage_by_listing_alone(tmp_
     assert watch.progressed() is True
     os.makedirs(tmp_path / "step-00000015")  # a save still writing is no progress
     assert watch.progressed() is False
-    cat.quarantine(ten, "test")  # nor is a quarantined commit
+    cat.quarantine.mark(ten, "test")  # nor is a quarantined commit
     assert reader() == 5
     # only listings: no object is read (the reader runs while the workers restart)
     from elastic_trainer.storage.fs import Storage

@@ -252,7 +252,7 @@ def test_commits_that_all_fail_stop_instead_of_a_fresh_start(tmp_path, resume):
     root = _commit(tmp_path, 5)
     cat = Catalog(open_storage(str(root)), key=None)
     assert cat.plan_resume(resume).stop_reason() is None
-    cat.quarantine("step-00000005", "load failed: OSError: reset")
+    cat.quarantine.mark("step-00000005", "load failed: OSError: reset")
     plan = cat.plan_resume(resume)
     assert plan.chosen is None and "step-00000005" in plan.stop_reason() and "ckpt release" in plan.stop_reason()
     assert cat.plan_resume("none").stop_reason() is None, "checkpoint.resume = none starts over on purpose"
@@ -261,14 +261,14 @@ def test_commits_that_all_fail_stop_instead_of_a_fresh_start(tmp_path, resume):
 def test_release_reverifies_every_byte(tmp_path):
     root = _commit(tmp_path, 5)
     cat = Catalog(open_storage(str(root)), key=None)
-    cat.quarantine("step-00000005", "load failed: OSError: reset")
+    cat.quarantine.mark("step-00000005", "load failed: OSError: reset")
     shard = root / "step-00000005" / "__0_0.distcp"
     shard.write_bytes(b"dat4")  # same size, bad bytes
     with pytest.raises(CheckpointIntegrityError, match="stays quarantined.*checksum mismatch"):
-        cat.release("step-00000005")
+        cat.quarantine.release("step-00000005")
     assert (root / "step-00000005" / layout.QUARANTINE).exists()
     shard.write_bytes(b"data")
-    assert cat.release("step-00000005")["reason"] == "load failed: OSError: reset"
+    assert cat.quarantine.release("step-00000005")["reason"] == "load failed: OSError: reset"
     assert (
         not (root / "step-00000005" / layout.QUARANTINE).exists()
         and cat.plan_resume("latest").chosen.name == "step-00000005"

@@ -337,7 +337,7 @@ def test_the_scan_sees_names_spelled_out():
 
 
 def test_the_preemption_marker_has_the_fields_the_supervisor_reads():
-    writer = MODULES["runtime/checkpointer.py"]
+    writer = MODULES["runtime/run.py"]
     dicts = [
         n
         for n in ast.walk(writer)

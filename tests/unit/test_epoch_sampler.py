@@ -11,7 +11,7 @@ def _step(samplers) -> list[int]:
     out = []
     for s in samplers:
         it = iter(s)
-        for _ in range(s.micro_per_step):
+        for _ in range(s.per_step):
             out += next(it)
     return out
 

@@ -131,3 +131,20 @@ def test_the_example_differs_from_plain_lightning_in_the_two_lines_the_docs_show
     minus = [d[1:].strip() for d in diff if d.startswith("-")]
     plus = [d[1:].strip() for d in diff if d.startswith("+")]
     assert plus == [line.strip() for line in ours] and len(minus) == 2, diff
+
+
+def test_the_fit_loop_counts_its_batches_where_the_rescale_changes_them():
+    """``rescale_batch_progress``: the epoch loop's batch progress and the decision it feeds
+    (``ready % accumulate_grad_batches``) are where Lightning keeps them."""
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    trainer = L.Trainer(accumulate_grad_batches=2, logger=False, enable_checkpointing=False)
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for tracker in (progress.total, progress.current):
+        for name in private.BATCH_COUNTS:
+            setattr(tracker, name, 6)  # three steps of 2 micro-batches
+    private.rescale_batch_progress(trainer, 2, 4)
+    assert progress.current.ready == progress.total.completed == 12
+    assert "batch_progress.current.ready % self.trainer.accumulate_grad_batches" in inspect.getsource(
+        _TrainingEpochLoop._accumulated_batches_reached
+    )

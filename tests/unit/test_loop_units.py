@@ -211,3 +211,33 @@ def test_a_preemption_signal_to_the_rank_s_group_leaves_its_dataloader_workers_s
         env=runs.env_for_tests(),  # this checkout's elastic_trainer
     )
     assert out.returncode == 0 and out.stdout.strip() == "served", out.stderr[-3000:]
+
+
+def test_a_loader_without_shuffle_keeps_the_dataset_s_order_at_every_world_size():
+    """``DataLoader(shuffle=False)``: the global order is the dataset's own, split across ranks
+    the same way at any world size (and its position checkpointed as the shuffled one's is)."""
+    ds = torch.utils.data.TensorDataset(torch.arange(12.0))
+    cpu = torch.device("cpu")
+    for world in (1, 2, 3):
+        seen = []
+        for rank in range(world):
+            data = StepData(
+                torch.utils.data.DataLoader(ds, batch_size=2, shuffle=False),
+                global_batch=6,
+                seed=5,
+                rank=rank,
+                world_size=world,
+                device=cpu,
+            )
+            assert data.sampler is not None and data.state is data.sampler
+            seen += [i for mb in data.sampler.at(6) for i in mb.indices[: mb.weight]]
+        assert seen == [6, 7, 8, 9, 10, 11], world
+    shuffled = StepData(
+        torch.utils.data.DataLoader(ds, batch_size=2, shuffle=True),
+        global_batch=6,
+        seed=5,
+        rank=0,
+        world_size=1,
+        device=cpu,
+    )
+    assert [i for mb in shuffled.sampler.at(0) for i in mb.indices] != [0, 1, 2, 3, 4, 5]

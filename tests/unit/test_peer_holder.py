@@ -165,7 +165,7 @@ def test_retention_keeps_the_newest_sealed_steps_per_source(holder):
     ],
 )
 def test_replicas_go_round_a_ring_of_the_other_nodes(nodes, me, replicas, targets):
-    from elastic_trainer.checkpoint.peer_tier import ring_targets
+    from elastic_trainer.checkpoint.peer_replication import ring_targets
 
     assert ring_targets(nodes, me, replicas) == targets
 
@@ -179,7 +179,7 @@ def test_a_holder_never_listens_on_every_interface():
 def test_without_a_key_peer_transfer_is_off_and_says_so(tmp_path, monkeypatch, caplog):
     from elastic_trainer import contract
     from elastic_trainer.checkpoint.local_tier import LocalTier
-    from elastic_trainer.checkpoint.peer_tier import from_env
+    from elastic_trainer.checkpoint.peer_tier import PeerNode, peer_tier_for
     from elastic_trainer.config import CheckpointConfig, Config
     from elastic_trainer.events import EventLog
     from elastic_trainer.metrics.sink import NullSink
@@ -190,14 +190,16 @@ def test_without_a_key_peer_transfer_is_off_and_says_so(tmp_path, monkeypatch, c
     c = CheckpointConfig(dir=str(tmp_path / "ckpt"), local_dir=str(tmp_path / "local"))
     tier = LocalTier(c.local_dir, c.dir, rank=0, world_size=1, key=None)
     with caplog.at_level("WARNING"):
-        assert from_env(c, tier, c.dir, key=None, metrics=NullSink(), events=EventLog(None)) is None
-        assert start_holder(Config(checkpoint=c), "127.0.0.1") is None
+        off = peer_tier_for(c, tier, c.dir, key=None, node=PeerNode(), metrics=NullSink(), events=EventLog(None))
+        assert off is None
+        assert start_holder(Config(checkpoint=c), "127.0.0.1", c.dir) is None
     assert [r.getMessage() for r in caplog.records if "peer transfer is off" in r.getMessage()], caplog.text
     assert contract.PEER_HOLDER_ENV not in os.environ
 
 
 def test_a_rank_replicates_its_newest_copy_to_its_ring_targets(holder, tmp_path):
-    from elastic_trainer.checkpoint.peer_tier import Replicator
+    from elastic_trainer.checkpoint.peer_replication import Replicator
+    from elastic_trainer.checkpoint.peer_transport import TcpTransport
     from elastic_trainer.metrics.sink import NullSink
 
     def copy(step: int) -> str:
@@ -210,7 +212,7 @@ def test_a_rank_replicates_its_newest_copy_to_its_ring_targets(holder, tmp_path)
         (d / "manifest.json").write_text(json.dumps({"step": step, "world_size": 2, "files": listing}))
         return str(d)
 
-    r = Replicator(JOB, KEY, 1, [holder.address], NullSink())
+    r = Replicator(1, [holder.address], TcpTransport(JOB, KEY), NullSink())
     try:
         for step in (2, 4):
             r.submit("e1", step, copy(step))
@@ -236,7 +238,7 @@ def test_merged_metadata_keeps_replicated_items_once_and_refuses_a_gap():
         TensorStorageMetadata,
     )
 
-    from elastic_trainer.checkpoint.peer_tier import _check_coverage, _merge
+    from elastic_trainer.checkpoint.peer_sources import check_coverage, merge_metadata
     from elastic_trainer.errors import CheckpointIntegrityError
 
     def source(rows: tuple[int, int]) -> Metadata:
@@ -254,15 +256,15 @@ def test_merged_metadata_keeps_replicated_items_once_and_refuses_a_gap():
 
     merged = None
     for src, rows in enumerate([(0, 2), (2, 2), (4, 2)]):
-        merged = _merge(merged, source(rows), src)
-    _check_coverage(merged)
+        merged = merge_metadata(merged, source(rows), src)
+    check_coverage(merged)
     assert [tuple(c.offsets) for c in merged.state_dict_metadata["w"].chunks] == [(0, 0), (2, 0), (4, 0)]
     assert merged.storage_data[MetadataIndex("w", torch.Size([4, 0]))].relative_path == "r2/__0_0.distcp"
     assert merged.storage_data[MetadataIndex("train", None)].relative_path == "r0/__0_0.distcp"  # once, the first
 
-    gap = _merge(_merge(None, source((0, 2)), 0), source((4, 2)), 2)
+    gap = merge_metadata(merge_metadata(None, source((0, 2)), 0), source((4, 2)), 2)
     with pytest.raises(CheckpointIntegrityError, match="16 of its 24 elements"):
-        _check_coverage(gap)
+        check_coverage(gap)
 
 
 class _Nodes:

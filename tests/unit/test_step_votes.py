@@ -21,3 +21,38 @@ def test_votes_travel_as_one_tensor_after_the_sums_and_come_back_named():
 def test_no_sums():
     sums, votes = Votes.from_tensor(Votes().to_tensor((), torch.device("cpu")), 0)
     assert sums == [] and votes == Votes()
+
+
+def test_the_samples_metric_counts_what_the_step_s_data_counted_not_the_configured_batch(tmp_path):
+    """A front end whose sampler's global batch is not ``train.global_batch_size`` (Accelerate's
+    loader, a first launch's batch) records it; the counter counts it and the event stays as it is."""
+    import contextlib
+    import types
+
+    from elastic_trainer.config import config_from_dict
+    from elastic_trainer.events import EventLog, read_events
+    from elastic_trainer.runtime.session import PreemptionFlag
+    from elastic_trainer.runtime.step import StepContext
+
+    counted: dict[str, float] = {}
+    metrics = types.SimpleNamespace(
+        counter=lambda name, value=1.0: counted.__setitem__(name, counted.get(name, 0.0) + value),
+        gauge=lambda *a: None,
+        histogram=lambda *a: None,
+    )
+    session = types.SimpleNamespace(
+        cfg=config_from_dict({"train": {"global_batch_size": 16}}),
+        events=EventLog(str(tmp_path / "events.jsonl")),
+        metrics=metrics,
+        preempt=PreemptionFlag(),
+        world_size=1,
+        device=torch.device("cpu"),
+        watchdog=lambda scope: contextlib.nullcontext(),
+    )
+    for step, samples in ((1, 24), (2, None)):
+        with StepContext(session, step) as s:
+            assert s.check(torch.tensor(1.0))
+            if samples is not None:
+                s.record(samples=samples)
+    assert counted["elastic_trainer_train_samples_total"] == 24 + 16, "recorded, else the configured batch"
+    assert all("samples" not in e for e in read_events(str(tmp_path / "events.jsonl")))

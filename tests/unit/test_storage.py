@@ -6,7 +6,7 @@ import uuid
 import pytest
 
 from elastic_trainer.errors import StorageError, TransientStorageError
-from elastic_trainer.storage.fs import open_storage, retry
+from elastic_trainer.storage.fs import open_storage, read_json, retry, write_json_atomic
 
 
 @pytest.fixture(params=["local", "file", "memory"])
@@ -21,12 +21,12 @@ def storage(request, tmp_path):
 def test_write_list_read_delete(storage):
     assert storage.list_dirs() == []
     assert storage.list_files(storage.join("step-00000001")) == {}
-    storage.write_json_atomic(storage.join("step-00000001", "manifest.json"), {"step": 1})
+    write_json_atomic(storage, storage.join("step-00000001", "manifest.json"), {"step": 1})
     storage.write_bytes_atomic(storage.join("step-00000001", "sub", "x.bin"), b"12345")
     assert storage.list_dirs() == ["step-00000001"]
     files = storage.list_files(storage.join("step-00000001"))
     assert files["sub/x.bin"] == 5 and "manifest.json" in files
-    assert storage.read_json(storage.join("step-00000001", "manifest.json")) == {"step": 1}
+    assert read_json(storage, storage.join("step-00000001", "manifest.json")) == {"step": 1}
     assert storage.exists(storage.join("step-00000001", "manifest.json"))
     storage.delete_tree(storage.join("step-00000001"))
     assert not storage.exists(storage.join("step-00000001", "manifest.json"))

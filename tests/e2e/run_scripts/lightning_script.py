@@ -2,7 +2,7 @@
 
     lightning_script.py SAMPLES_DIR [the example's arguments]
 
-Each rank appends ``{"step", "rank", "ids"}`` per training step to
+Each rank appends ``{"step", "rank", "world", "ids"}`` per training batch to
 ``SAMPLES_DIR/samples-<rank>.jsonl``: the global sample order a resume must continue. With
 ``EXPORT_TO`` set, ``trainer.save_checkpoint(EXPORT_TO)`` runs at the end of the fit.
 """
@@ -30,7 +30,8 @@ class Recorded(example.CausalLM):
     def training_step(self, batch, batch_idx):
         ids, tokens = batch
         with open(os.path.join(SAMPLES_DIR, f"samples-{self.global_rank}.jsonl"), "a") as f:
-            f.write(json.dumps({"step": self.trainer.global_step + 1, "rank": self.global_rank, "ids": ids.tolist()}))
+            step, world = self.trainer.global_step + 1, self.trainer.world_size
+            f.write(json.dumps({"step": step, "rank": self.global_rank, "world": world, "ids": ids.tolist()}))
             f.write("\n")
         return super().training_step(tokens, batch_idx)
 

@@ -1,0 +1,166 @@
+"""What each ending of a run decides, with its events: the resume's report, fencing (73),
+preemption (75/76), the non-finite policy (a rollback, or 65) and the final commit (0, 73, 74).
+
+Every decision here is agreed by all ranks (each rests on the step's all-reduce or on the
+manager's agreements), so every rank enters the same collectives and returns the same code.
+:class:`~.run.Run` calls these; nothing else does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from .. import exit_codes
+from ..checkpoint.manager import CheckpointManager, LoadResult
+from ..checkpoint.state import TrainState
+from ..checkpoint.timeline import Timeline
+from .session import Session
+
+logger = logging.getLogger(__name__)
+
+
+def resumed(
+    s: Session, loaded: LoadResult, state: TrainState, rng: str, fields: dict[str, Any], timeline: Timeline
+) -> None:
+    """The ``resume`` event (and ``reshard`` when the world size changed) of a load."""
+    saved_world = loaded.manifest.get("world_size")
+    s.events.emit(
+        "resume",
+        step=loaded.step,
+        from_world_size=saved_world,
+        world_size=s.world_size,
+        load_seconds=round(loaded.seconds, 4),
+        since_start_seconds=round(time.monotonic() - s.started, 4),
+        cursor=state.cursor,
+        skipped=[list(x) for x in loaded.skipped],
+        rng=rng,
+        tier=loaded.tier,
+        **({"tiers": loaded.tiers} if loaded.tiers else {}),
+        **fields,
+        **timeline.as_fields(),
+    )
+    logger.debug("rank %d resume timeline: %s", s.rank, timeline.describe())
+    if saved_world != s.world_size:
+        s.events.emit(
+            "reshard",
+            step=loaded.step,
+            from_world_size=saved_world,
+            to_world_size=s.world_size,
+            from_mesh=loaded.manifest.get("mesh_shape"),
+            to_mesh=list(s.mesh.shape),
+            rng=rng,
+        )
+        s.metrics.counter("elastic_trainer_reshard_events_total")
+    if s.rank == 0:
+        logger.info(
+            "resumed from step %d (saved at world %s, now %d) in %.2fs",
+            loaded.step,
+            saved_world,
+            s.world_size,
+            loaded.seconds,
+        )
+
+
+def fenced(s: Session, m: CheckpointManager, step: int) -> int:
+    """A newer launch owns the checkpoint root: stop, exit 73."""
+    reason = m.fenced or "a newer launch owns the checkpoint root"
+    s.events.emit("fenced", step=step, error=reason)
+    logger.error("stopping: %s", reason)
+    return exit_codes.FENCED
+
+
+def preempted(s: Session, m: CheckpointManager, state: TrainState) -> int:
+    """Preemption: commit the final step within ``checkpoint.preempt_grace_seconds``. 75 only
+    when a commit of the final step exists in storage (already, or written now), else 76."""
+    done = state.step
+    grace = s.cfg.checkpoint.preempt_grace_seconds
+    started = s.preempt.received_at or time.monotonic()
+    deadline = started + grace
+    s.events.emit("preempt_requested", step=done, signal=s.preempt.signal_name, grace_seconds=grace)
+    logger.warning("preemption (%s): saving step %d within %.0fs", s.preempt.signal_name, done, grace)
+    committed = False
+    if m.settle(deadline):
+        committed = m.verdicts.committed_everywhere(done)
+        if not committed and done > 0:
+            m.save(done, force=True, meta={"skipped_ranges": state.skipped})
+            committed = m.settle(deadline) and m.verdicts.committed_everywhere(done)
+    if not committed:
+        reason = "grace budget exceeded" if time.monotonic() >= deadline else "final checkpoint not committed"
+        s.events.emit("preempted", step=done, committed=False, reason=reason)
+        code = exit_codes.PREEMPTED_UNCOMMITTED
+        logger.error("preemption checkpoint of step %d not committed (%s); exiting %d", done, reason, code)
+        return code
+    s.events.emit("preempted", step=done, committed=True, seconds=round(time.monotonic() - started, 3))
+    return exit_codes.PREEMPTED
+
+
+def nonfinite(s: Session, ctx: Any, sample_range: list[int]) -> None:
+    """A non-finite loss or gradient norm at step ``ctx`` (the optimizer step was not taken):
+    its event, metric and log line, before the policy acts."""
+    mode = s.cfg.train.on_nonfinite
+    s.events.emit(
+        "nonfinite", step=ctx.step, loss=ctx.loss, grad_norm=ctx.grad_norm, sample_range=sample_range, action=mode
+    )
+    s.metrics.counter("elastic_trainer_train_nonfinite_events_total")
+    logger.error(
+        "non-finite loss %s / grad norm %s at step %d (samples %s)", ctx.loss, ctx.grad_norm, ctx.step, sample_range
+    )
+
+
+def rolled_back(
+    s: Session, m: CheckpointManager, state: TrainState, ctx: Any, sample_range: list[int], sampler: Any
+) -> bool:
+    """``train.on_nonfinite = rollback`` (the optimizer step was not taken): reload the newest
+    commit of this lineage (a save still writing past its deadline is abandoned, never
+    committed) and skip the global sample range that produced the event (kept in the data
+    position, so later resumes skip it too). False: there is no commit to go back to."""
+    m.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+    loaded = m.load(resume="latest")
+    if loaded is None:
+        return False
+    if sampler is not None:
+        sampler.skip(sample_range)
+    else:
+        state.skipped.append(sample_range)
+    s.events.emit(
+        "rollback", from_step=ctx.step, to_step=loaded.step, skipped_range=sample_range, skipped_ranges=state.skipped
+    )
+    logger.warning("rolled back to step %d; skipping samples %s", loaded.step, sample_range)
+    return True
+
+
+def nonfinite_stop(
+    s: Session, m: CheckpointManager, state: TrainState, ctx: Any, sample_range: list[int], why: str
+) -> int:
+    """Stop after a non-finite step: exit 65 (nothing after the last finite step is committed)."""
+    m.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+    s.events.emit("nonfinite_stop", step=ctx.step, reason=why, last_finite_step=state.step)
+    logger.error("stopping at step %d (%s); last finite step %d", ctx.step, why, state.step)
+    return exit_codes.NONFINITE
+
+
+def finished(s: Session, m: CheckpointManager, step: int, final: int | None) -> tuple[int, bool]:
+    """Wait (bounded) for the last save and its commit: (exit code, restartable). 0; 73 when a
+    newer launch fenced the final commit; 74 when ``final``, the final save's step, did not
+    commit (restartable False when its cause is one a restart cannot change)."""
+    settled = m.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+    if m.verdicts.fenced_everywhere():  # the final commit was refused: a newer launch owns the root
+        return fenced(s, m, step), True
+    if final is None or (settled and m.verdicts.committed_everywhere(final)):
+        return exit_codes.OK, True
+    reason = "the save or its commit failed" if settled else "still writing after checkpoint.save_timeout_seconds"
+    cause = m.verdicts.failed_permanently() if settled else None
+    if cause is not None:
+        reason = f"the save failed for a cause a restart cannot change: {cause}"
+    code = exit_codes.FINAL_SAVE_FAILED
+    logger.error("final checkpoint of step %d not committed (%s); exiting %d", final, reason, code)
+    s.events.emit(
+        "final_checkpoint_failed",
+        step=final,
+        reason=reason,
+        last_committed_step=m.last_committed_step,
+        restartable=cause is None,
+    )
+    return code, cause is None

@@ -1,0 +1,244 @@
+"""Every way a run ends, in one process: the :class:`~elastic_trainer.runtime.run.Run` of every
+front end over an injected manager (the save machine's gated saver and scripted agreement), one
+test per exit code — 0, 2, 65, 73, 74, 75, 76 — and the rollback that is not an end.
+
+Each asserts the code, the event that says why, and the marker the supervisor reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import pytest
+import torch
+
+from elastic_trainer import contract, exit_codes
+from elastic_trainer.checkpoint.catalog import Catalog
+from elastic_trainer.checkpoint.manager import CheckpointManager
+from elastic_trainer.config import config_from_dict
+from elastic_trainer.events import EventLog, read_events
+from elastic_trainer.metrics.sink import NullSink
+from elastic_trainer.runtime.run import open_run
+from elastic_trainer.runtime.session import PreemptionFlag, exit_code_for
+from elastic_trainer.storage.fs import open_storage
+
+from .fakes import WAIT, GatedSaver, ScriptedAgreement, Weights
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+class Runs:
+    """Runs of one job in ``tmp_path``: each :meth:`open` is a new incarnation over the same
+    checkpoint root, with its own fake session, manager and saver."""
+
+    def __init__(self, tmp_path):
+        self.root, self.run_dir = str(tmp_path / "ckpt"), str(tmp_path / "run")
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.made: list[CheckpointManager] = []
+
+    def open(self, *, seed=0, on_nonfinite="stop", timeout=WAIT, hold_writing=False, identity=True):
+        cfg = config_from_dict(
+            {
+                "run": {"dir": self.run_dir},
+                "train": {"seed": seed, "on_nonfinite": on_nonfinite},
+                "checkpoint": {"dir": self.root, "save_timeout_seconds": timeout, "preempt_grace_seconds": timeout},
+            }
+        )
+        events = EventLog(os.path.join(self.run_dir, contract.EVENTS_FILE))
+        session = types.SimpleNamespace(
+            cfg=cfg,
+            rank=0,
+            world_size=1,
+            events=events,
+            metrics=NullSink(),
+            preempt=PreemptionFlag(),
+            dist=types.SimpleNamespace(local_rank=0),
+            mesh=types.SimpleNamespace(shape=(1,)),
+            init_seconds=0.0,
+            ready=0.0,
+            started=0.0,
+        )
+        self.weights = Weights()
+        identity_keys = {"train.seed": seed} if identity else None
+
+        def manager(states):
+            storage = open_storage(self.root)
+            m = CheckpointManager(
+                cfg.checkpoint,
+                storage,
+                {"model": self.weights},  # what the gated fake writer copies
+                rank=0,
+                world_size=1,
+                mesh_shape=[1],
+                group=None,
+                fingerprint="f",
+                events=events,
+                remote=GatedSaver(storage, hold_writing=hold_writing),
+                agreement=ScriptedAgreement(),
+                run_identity=identity_keys,
+            )
+            self.made.append(m)
+            return m
+
+        run = open_run(session, model=torch.nn.Linear(2, 2), manager=manager, run_identity=identity_keys)
+        assert session.run is run
+        return run
+
+    def events(self, name):
+        return [e for e in read_events(os.path.join(self.run_dir, contract.EVENTS_FILE)) if e["event"] == name]
+
+    def marker(self):
+        with open(os.path.join(self.run_dir, contract.PREEMPT_MARKER)) as f:
+            return json.load(f)
+
+    def close(self):
+        for m in self.made:
+            m.remote.close()
+            m.close()
+
+
+@pytest.fixture
+def runs(tmp_path):
+    r = Runs(tmp_path)
+    yield r
+    r.close()
+
+
+def step(n, **flags):
+    """A step's context as the run reads it (the agreed flags)."""
+    return types.SimpleNamespace(
+        step=n, loss=1.0, grad_norm=1.0, **{k: flags.get(k, False) for k in ("fenced", "preempt", "nonfinite")}
+    )
+
+
+def train(run, steps, total, interval=None):
+    """Steps 1..``steps`` through ``after_step``; the code of the last (None: go on)."""
+    code = None
+    for n in range(1, steps + 1):
+        run.state.step = n
+        code = run.after_step(step(n), total)
+        if code is not None:
+            return code
+    return code
+
+
+def test_the_final_step_is_committed_and_the_run_exits_0(runs):
+    run = runs.open()
+    assert run.resume() == 0
+    assert train(run, 3, total=3) == exit_codes.OK
+    (finished,) = runs.events("finished")
+    assert finished["step"] == 3 and finished["last_committed_step"] == 3
+    assert Catalog(open_storage(runs.root)).plan_resume("latest").chosen.step == 3
+    assert not os.path.exists(os.path.join(runs.run_dir, contract.PREEMPT_MARKER))
+
+
+def test_resumed_at_the_end_the_run_saves_nothing_more_and_exits_0(runs):
+    run = runs.open()
+    run.resume()
+    assert train(run, 2, total=2) == 0
+    again = runs.open()
+    assert again.resume() == 2
+    assert again.after_step(None, 2) == exit_codes.OK
+    assert [e["step"] for e in runs.events("checkpoint_committed")] == [2]
+
+
+def test_a_changed_run_defining_key_stops_the_resume_with_2_naming_it(runs):
+    run = runs.open(seed=0)
+    run.resume()
+    assert train(run, 1, total=1) == 0
+    with pytest.raises(Exception) as e:
+        runs.open(seed=7).resume()
+    assert exit_code_for(e.value) == exit_codes.CONFIG == 2
+    assert "train.seed" in str(e.value)
+
+
+def test_a_non_finite_step_under_stop_exits_65_without_saving_it(runs):
+    run = runs.open(on_nonfinite="stop")
+    run.resume()
+    assert train(run, 2, total=10) is None
+    code = run.after_step(step(3, nonfinite=True), 10)
+    assert code == exit_codes.NONFINITE == 65
+    (stop,) = runs.events("nonfinite_stop")
+    assert stop["last_finite_step"] == 2 and stop["reason"] == "train.on_nonfinite = stop"
+    assert runs.events("nonfinite")[0]["step"] == 3
+    assert runs.marker()["exit_code"] == 65
+    assert runs.events("checkpoint_committed") == []
+
+
+def test_a_non_finite_step_under_rollback_reloads_the_last_commit_and_goes_on(runs):
+    run = runs.open(on_nonfinite="rollback")
+    run.resume()
+    run.state.step = 1
+    runs.weights.w.fill_(1.0)
+    run.save(1)
+    runs.made[-1].settle(None)
+    runs.weights.w.fill_(5.0)  # what the bad step left
+    assert run.after_step(step(2, nonfinite=True), 10) is None
+    (rollback,) = runs.events("rollback")
+    assert rollback["to_step"] == 1 and torch.equal(runs.weights.w, torch.full((4,), 1.0))
+    # a second one before any save after the rollback stops
+    assert run.after_step(step(2, nonfinite=True), 10) == 65
+
+
+def test_a_fenced_root_exits_73(runs):
+    run = runs.open()
+    run.resume()
+    assert train(run, 1, total=10) is None
+    Catalog(open_storage(runs.root)).fence.acquire("a-newer-launch")
+    run.save(1)
+    runs.made[-1].settle(None)
+    assert run.after_step(step(2, fenced=True), 10) == exit_codes.FENCED == 73
+    assert runs.events("fenced") and runs.marker()["exit_code"] == 73
+
+
+def test_a_final_commit_that_fails_exits_74_and_says_so(runs):
+    run = runs.open(hold_writing=True)
+    run.resume()
+    run.state.step = 1
+    saver = runs.made[-1].remote
+    code = None
+
+    def fail_when_started():
+        (name,) = saver.started
+        saver.fail(name, OSError("no space left on device"))
+
+    saver.start = _after(saver.start, fail_when_started)
+    code = run.after_step(step(1), 1)
+    assert code == exit_codes.FINAL_SAVE_FAILED == 74
+    (failed,) = runs.events("final_checkpoint_failed")
+    assert failed["step"] == 1 and failed["restartable"] is True
+    assert runs.marker() == {"step": 1, "exit_code": 74, "committed_step": None, "restartable": True}
+
+
+def test_preemption_commits_the_final_step_and_exits_75(runs):
+    run = runs.open()
+    run.resume()
+    assert train(run, 2, total=10) is None
+    run.session.preempt.signal_name, run.session.preempt.received_at = "SIGTERM", None
+    assert run.after_step(step(3, preempt=True), 10) == exit_codes.PREEMPTED == 75
+    (preempted,) = runs.events("preempted")
+    assert preempted["committed"] is True and preempted["step"] == 2
+    assert Catalog(open_storage(runs.root)).plan_resume("latest").chosen.step == 2
+    assert runs.marker()["exit_code"] == 75 and runs.marker()["committed_step"] == 2
+
+
+def test_preemption_whose_save_cannot_commit_in_the_grace_exits_76(runs):
+    run = runs.open(hold_writing=True, timeout=0.3)
+    run.resume()
+    run.state.step = 2
+    run.session.preempt.signal_name = "SIGTERM"
+    assert run.after_step(step(3, preempt=True), 10) == exit_codes.PREEMPTED_UNCOMMITTED == 76
+    (preempted,) = runs.events("preempted")
+    assert preempted["committed"] is False
+    assert runs.marker()["exit_code"] == 76
+
+
+def _after(method, then):
+    def wrapped(*args, **kwargs):
+        out = method(*args, **kwargs)
+        then()
+        return out
+
+    return wrapped
