@@ -41,17 +41,27 @@ from typing import Any, cast
 import accelerate
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from .. import faults
 from ..errors import ConfigError
 from ..runtime import init
 from ..runtime.epochs import EpochBatchSampler
-from ..runtime.loop import WorkerInit, _rebuilt
+from ..runtime.loop import WorkerInit, _rebuilt, shuffled
 from ..runtime.run import Run, open_run
 from . import _api
 
 __all__ = ["Accelerator"]
+
+
+def _map_style(loader: Any) -> bool:
+    """A ``DataLoader`` over a map-style dataset with a ``batch_size``: one the loop can sample."""
+    return (
+        isinstance(loader, DataLoader)
+        and not isinstance(loader.dataset, IterableDataset)
+        and loader.batch_size is not None
+        and isinstance(loader.sampler, (RandomSampler, SequentialSampler))
+    )
 
 
 class _BatchLayout(Stateful):
@@ -100,6 +110,7 @@ class Accelerator(accelerate.Accelerator):
         self._ended = False
         self._last_loss: float | None = None  # the global loss of the last step
         self._batch_weight: int | None = None  # real samples of the micro-batch handed out last
+        self._train_candidate: Any = None  # the unshuffled loader prepare() was given with an optimizer
         atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------ prepare
@@ -112,13 +123,25 @@ class Accelerator(accelerate.Accelerator):
             return model
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Accelerate's. Which ``DataLoader`` is the training one: the one with ``shuffle=True``;
+        where none is shuffled, the first one handed over in the same call as an optimizer
+        (``prepare(model, optimizer, train_loader, eval_loader)``), kept in its dataset's order."""
+        loaders = [a for a in args if _map_style(a)]
+        if (
+            self._train_loader is None
+            and loaders
+            and any(isinstance(a, torch.optim.Optimizer) for a in args)
+            and not any(isinstance(a.sampler, RandomSampler) for a in loaders)
+        ):
+            self._train_candidate = loaders[0]
+        return super().prepare(*args, device_placement=device_placement)
+
     def prepare_data_loader(self, data_loader: DataLoader, device_placement=None, slice_fn_for_dispatch=None):
         if (
             self._train_loader is None
-            and isinstance(data_loader, DataLoader)
-            and not isinstance(data_loader.dataset, IterableDataset)
-            and isinstance(data_loader.sampler, RandomSampler)
-            and data_loader.batch_size is not None
+            and _map_style(data_loader)
+            and (isinstance(data_loader.sampler, RandomSampler) or data_loader is self._train_candidate)
         ):
             return self._prepare_train_loader(data_loader, device_placement)
         return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
@@ -138,6 +161,7 @@ class Accelerator(accelerate.Accelerator):
             seed=s.cfg.train.seed,
             rank=s.rank,
             world_size=s.world_size,
+            shuffle=shuffled(loader),  # shuffle=False: the dataset's own order, at every world size
         )
         rebuilt = _rebuilt(loader, self._sampler, s.cfg.train.seed + s.rank)
         rebuilt.worker_init_fn = WorkerInit(rebuilt.worker_init_fn)

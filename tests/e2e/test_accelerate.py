@@ -324,3 +324,30 @@ def test_the_loader_s_batch_size_stays_the_micro_batch_from_2_to_1_to_3_processe
         assert sorted(i for ids in batches[step] for i in ids) == sorted(i for ids in ref_batches[step] for i in ids)
     assert sorted(len(ids) for ids in batches[5]) == [4, 4, 4, 4], "one process: 4 micro-batches of 4"
     assert sorted(len(ids) for ids in batches[8]) == [1, 1, 2, 4, 4, 4], "three: 6 + 5 + 5 samples in 4s"
+
+
+def test_an_unshuffled_training_loader_keeps_its_order_and_position_across_a_resume(tmp_path):
+    """``DataLoader(shuffle=False)`` handed to ``prepare`` with the optimizer is the training one:
+    the dataset's own order, step after step, continued where the commit was taken; the evaluation
+    loader beside it stays Accelerate's."""
+    script = str(runs.REPO / "tests" / "e2e" / "run_scripts" / "accelerate_batches.py")
+    out = tmp_path / "seq"
+    out.mkdir()
+    sets = f"run.dir={out};checkpoint.dir={tmp_path / 'seq-ckpt'};checkpoint.interval_steps=1"
+    env = runs.env_for_tests({"SHUFFLE": "0", "ELASTIC_TRAINER_SET": sets})
+    for steps in (2, 4):
+        r = subprocess.run(
+            [sys.executable, script, str(out), str(steps)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=240,
+        )
+        assert r.returncode == 0, r.stderr[-4000:]
+    seen = [
+        i for ids in (json.loads(x)["ids"] for x in (out / "batches-rank0.jsonl").read_text().splitlines()) for i in ids
+    ]
+    assert seen == list(range(32)), "4 steps of 8 samples in the dataset's order, none replayed"
+    (resume,) = runs.read_events(out, "resume")
+    assert resume["step"] == 2

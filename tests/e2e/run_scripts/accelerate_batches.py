@@ -1,4 +1,5 @@
-"""An Accelerate loop with ``DataLoader(batch_size=4, shuffle=True)`` and 2 accumulation steps:
+"""An Accelerate loop with ``DataLoader(batch_size=4, shuffle=True)`` (``SHUFFLE=0``: ``False``,
+with an unshuffled evaluation loader prepared beside it) and 2 accumulation steps:
 ``python accelerate_batches.py OUT_DIR STEPS``. Each micro-batch's sample ids go to
 ``OUT_DIR/batches-rank<R>.jsonl`` with the step they belong to, so a test can check the forward's
 size and the samples of every step at every world size."""
@@ -28,8 +29,11 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(Samples(), batch_size=4, shuffle=True)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    shuffle = os.environ.get("SHUFFLE", "1") == "1"
+    loader = DataLoader(Samples(), batch_size=4, shuffle=shuffle)
+    evaluation = DataLoader(Samples(), batch_size=8)
+    model, optimizer, loader, evaluation = accelerator.prepare(model, optimizer, loader, evaluation)
+    assert len(evaluation) == 96 // 8 // accelerator.num_processes, "the evaluation loader is Accelerate's"
     accelerator.load_state()
     done = accelerator.completed_steps
     with open(os.path.join(out, f"batches-rank{accelerator.process_index}.jsonl"), "a") as log:
