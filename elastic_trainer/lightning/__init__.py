@@ -199,17 +199,18 @@ class Strategy(ModelParallelStrategy):
         micro = dataloader.batch_size  # every rank's forward, at every world size
         if micro is None:
             raise ConfigError("train_dataloader", "the train DataLoader needs a batch_size: every rank's micro-batch")
+        global_batch = self._global_batch(micro)
         sampler = _EpochSampler(
             len(cast(Sized, dataloader.dataset)),  # a map-style dataset
-            self._global_batch(micro),
+            global_batch,
             micro,
             seed=t.seed,
             rank=s.rank,
             world_size=s.world_size,
             shuffle=shuffled(dataloader),  # shuffle=False: the dataset's own order, kept at every world size
         )
-        self._data.attach(sampler)  # a resume's position
-        sampler.resize(self._global_batch(micro))
+        self._data.attach(sampler)  # a resume's position (and the batch it recorded, replaced by the run's)
+        sampler.resize(global_batch)
         self._accumulate(trainer, sampler.per_step)
         loader = _rebuilt(dataloader, sampler, t.seed + s.rank)
         loader.worker_init_fn = WorkerInit(loader.worker_init_fn)
