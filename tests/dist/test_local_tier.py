@@ -25,6 +25,7 @@ def _mgr(
     import torch.distributed as dist
 
     from elastic_trainer.checkpoint.manager import CheckpointManager
+    from elastic_trainer.checkpoint.peer_tier import PeerNode
     from elastic_trainer.checkpoint.state import ModelState, OptimizerState, RNGState, SchedulerState
     from elastic_trainer.storage.fs import open_storage
 
@@ -46,6 +47,7 @@ def _mgr(
         group=dist.new_group(backend="gloo"),
         fingerprint=cfg.model_fingerprint(),
         launch_id=launch_id,
+        peer_node=PeerNode.from_environ(os.environ),  # this rank's node and holder, as a worker reads them
     )
 
 

@@ -50,6 +50,10 @@ def _lose_node_a(store, token_file, tmp_path, remote_every: int = 1000, fault: s
             store,
             "--rdzv-id",
             "peer",
+            # both nodes in the first round even when one starts seconds after the other (a loaded
+            # machine): a round of one would scale up with a preemption commit to checkpoint.dir
+            "--rdzv-conf",
+            "last_call_timeout=10",
             "--local-addr",
             ADDR[name],
             env={contract.NODE_ENV: name, contract.CHECKPOINT_KEY_ENV: KEY, contract.INJECT_FAULT_ENV: fault or None},
