@@ -1,6 +1,7 @@
 """The script that wrote tests/data/golden/example/ (examples/train_fsdp.py as it was then, on the
-lower-level public API): a user's script is not rewritten when they upgrade elastic_trainer, so
-the golden test resumes its checkpoint with this very script.
+lower-level public API), with its end-of-step calls replaced by ``ckpt.end_of_step`` as
+CHANGELOG.md says (the earlier names were removed): the golden test resumes the checkpoint that
+release wrote with the script its user would run now.
 
 A plain PyTorch FSDP2 training script on elastic_trainer's public API.
 
@@ -83,8 +84,8 @@ def main() -> int:
     )
     ckpt = et.Checkpointer(session, model=model, optimizer=opt, scheduler=sched, extra={"sampler": sampler})
     step = ckpt.resume()
-    code = 0
-    while step < a.steps:
+    code = None if step < a.steps else ckpt.end_of_step(None, step, a.steps)  # resumed at the end
+    while code is None:
         step += 1
         with session.step(step, checkpointer=ckpt) as s:
             model.train()
@@ -95,34 +96,19 @@ def main() -> int:
                 loss = F.mse_loss(model(x), y, reduction="sum") * (mb.weight > 0) / cfg.global_batch_size
                 loss.backward()
                 loss_sum += loss.detach()
-            ckpt.wait_for_staging()  # the previous save must have copied the weights out
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            if s.check(loss_sum, grad_norm):
+            if s.check(loss_sum, grad_norm):  # waits for the previous save's staging first
                 opt.step()
                 sched.step()
                 sampler.advance()
                 ckpt.state.step = step
                 s.record(lr=sched.get_last_lr()[0])
             opt.zero_grad(set_to_none=True)
-        if s.fenced:
-            code = ckpt.fenced_exit()
-            break
-        if s.preempt:
-            code = ckpt.preempt_exit()
-            break
-        if s.nonfinite:
-            code = ckpt.on_nonfinite(step, s.loss, s.grad_norm, cfg.global_batch_size, sampler=sampler)
-            if code is not None:
-                break
-            step, code = ckpt.state.step, 0
-            continue
-        if step % 10 == 0:
+        if not s.stop and step % 10 == 0:
             evaluate(model, data, session, step)
-        if ckpt.due(step, a.steps, s.save_due):
-            ckpt.save(step, meta={"loss": s.loss})
-    else:
-        code = ckpt.finish()
-    ckpt.close(code)
+        code = ckpt.end_of_step(s, step, a.steps)  # fenced / preempted / non-finite / save when due / the end
+        if s.nonfinite and code is None:  # rolled back: continue after the restored step
+            step = ckpt.state.step
     session.close()
     return code
 
