@@ -137,8 +137,8 @@ def _add_ckpt_export(ksub: _Subparsers) -> None:
     k.add_argument(
         "--hf",
         metavar="CONFIG",
-        help="write a Hugging Face folder at --out (config.json + "
-        "model.safetensors) for the model of training config CONFIG",
+        help="write a Hugging Face folder at --out (config.json + model.safetensors) for the model "
+        "of CONFIG: a training config, or a Hugging Face config.json or folder holding one",
     )
 
 
@@ -419,10 +419,9 @@ def _cmd_ckpt(a) -> int:
         print()
         return 0
     if a.ckpt_cmd == "export" and getattr(a, "hf", None):
-        from .config import load_config
-        from .models.hf_export import export_hf
+        from .models.hf_export import export_hf, export_model_config
 
-        print(json.dumps(export_hf(a.uri, a.out, load_config(a.hf).model, a.step, a.dtype, a.endpoint_url)))
+        print(json.dumps(export_hf(a.uri, a.out, export_model_config(a.hf), a.step, a.dtype, a.endpoint_url)))
         return 0
     if a.ckpt_cmd == "export":
         print(json.dumps(tools.export_safetensors(a.uri, a.out, a.step, a.dtype, a.endpoint_url)))

@@ -48,4 +48,5 @@ NOT_ON_OLD_TORCH=(
   --ignore=tests/dist/test_writer_process.py
   --deselect=tests/dist/test_plan_cache.py::test_a_stale_plan_cache_is_caught_by_the_same_check
 )
-exec "$VENV/bin/python" -m pytest -p no:cacheprovider -ra -m "not soak" "${NOT_ON_OLD_TORCH[@]}" "${COMPAT_TESTS[@]}" "$@"
+ELASTIC_TRAINER_PYTHON="$VENV/bin/python" ELASTIC_TRAINER_TEST_MARK="not soak" \
+  exec bash scripts/pytest.sh "${NOT_ON_OLD_TORCH[@]}" "${COMPAT_TESTS[@]}" "$@"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv in the repo root and install everything: torch first, then the project with its
-# extras (default test,hf,lightning,accelerate: the tests also train a tiny transformers Llama, a
-# Lightning module and an Accelerate loop), then, when running as root, the system components the
-# tests start (Prometheus, SLURM, kustomize, hadolint).
+# extras (default test,hf,lightning,accelerate,transformers: the tests also train a tiny
+# transformers Llama, a Lightning module, an Accelerate loop and a Transformers Trainer), then,
+# when running as root, the system components the tests start (Prometheus, SLURM, kustomize,
+# hadolint).
 # ELASTIC_TRAINER_VENV names another virtualenv (default .venv). Idempotent. pip's output goes to
 # the venv's setup.log and is shown only when a step fails.
 #
@@ -18,7 +19,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-EXTRAS="${ELASTIC_TRAINER_EXTRAS:-test,hf,lightning,accelerate}"
+EXTRAS="${ELASTIC_TRAINER_EXTRAS:-test,hf,lightning,accelerate,transformers}"
 PY="${PYTHON:-python3}"
 TORCH="${ELASTIC_TRAINER_TORCH:-torch==2.13.0}"
 TORCH_INDEX="${ELASTIC_TRAINER_TORCH_INDEX_URL:-}"

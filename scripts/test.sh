@@ -13,4 +13,4 @@ PY_PATHS=(elastic_trainer tests bench examples)
 .venv/bin/ruff format --check "${PY_PATHS[@]}"
 PYTHONPATH="$ROOT" .venv/bin/lint-imports
 .venv/bin/mypy
-exec .venv/bin/python -m pytest -p no:cacheprovider -ra "$@"
+exec bash scripts/pytest.sh "$@"

@@ -6,8 +6,9 @@ that ``AutoModelForCausalLM.from_pretrained(folder)`` loads, offline.
 * The demo GPT (``model.factory = ""``) maps onto ``GPT2LMHeadModel`` exactly (exact GELU, no
   dropout, untied head; GPT-2's ``Conv1D`` stores weights transposed).
 
-Reached through ``elastic-trainer ckpt export URI --out DIR --hf CONFIG.toml`` (CONFIG is the
-training config: its ``[model]`` section says what the weights are), or
+Reached through ``elastic-trainer ckpt export URI --out DIR --hf CONFIG`` (CONFIG is the training
+config, whose ``[model]`` section says what the weights are, or a Hugging Face ``config.json`` or
+a folder holding one: what a Transformers ``Trainer`` run's ``save_model()`` wrote), or
 :func:`export_hf` from Python.
 """
 
@@ -118,6 +119,18 @@ def write_hf_folder(
         "dtype": dtype,
         "parameters": sum(v.numel() for v in tensors.values()),
     }
+
+
+def export_model_config(source: str) -> ModelConfig:
+    """What ``ckpt export --hf SOURCE`` says the weights are: a Hugging Face ``config.json`` (or a
+    folder holding one, such as the ``output_dir`` a Transformers ``Trainer`` saved its model to)
+    is a model of the built-in HF factory; anything else is a training config (its ``[model]``)."""
+    from ..config import load_config
+
+    if os.path.isdir(source) or source.endswith(".json"):
+        load_hf_config(source, key="--hf")  # readable, with a model_type: named here, not mid-export
+        return ModelConfig(factory=FACTORY, hf_config=source)
+    return load_config(source).model
 
 
 def export_hf(

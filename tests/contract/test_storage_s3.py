@@ -82,6 +82,7 @@ def test_overwrite_replaces_whole_object(storage):
     assert list(storage.list_files(storage.join("step-00000003"))) == ["manifest.json"]
 
 
+@pytest.mark.timing  # a tight wall-clock bound: run alone (scripts/pytest.sh)
 def test_reading_a_missing_object_is_file_not_found_without_retries(storage):
     t0 = time.monotonic()
     with pytest.raises(FileNotFoundError):

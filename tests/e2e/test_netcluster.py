@@ -30,6 +30,8 @@ from tests import runs
 from tests.fixtures import s3 as s3fix
 from tests.fixtures.netcluster import ClusterJob, NetCluster, start_s3, unavailable
 
+pytestmark = pytest.mark.timing  # a tight wall-clock bound: run alone (scripts/pytest.sh)
+
 DEMO = runs.REPO / "configs" / "demo-cpu.toml"
 SCHEDULE_STEPS = 200  # train.steps (the lr schedule); both runs are stopped long before it
 SHRINK_BOUND_S = 10.0

@@ -2,7 +2,11 @@
 
 import argparse
 
+import pytest
+
 from bench import run_recovery
+
+pytestmark = pytest.mark.timing  # a tight wall-clock bound: run alone (scripts/pytest.sh)
 
 SURVIVORS_EXIT_BOUND_S = 1.0
 

@@ -14,6 +14,8 @@ import pytest
 
 from tests import runs
 
+pytestmark = pytest.mark.timing  # a tight wall-clock bound: run alone (scripts/pytest.sh)
+
 HANG_TIMEOUT = 8.0
 
 

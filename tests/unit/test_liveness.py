@@ -23,6 +23,9 @@ from elastic_trainer.supervisor.liveness import ISOLATED, PEER_LOST, Membership,
 M = Membership
 
 
+pytestmark = pytest.mark.timing  # a wall-clock bound: run alone, not beside other tests
+
+
 @pytest.mark.parametrize(
     "joined, now, expected",
     [

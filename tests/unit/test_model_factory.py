@@ -257,3 +257,23 @@ def test_llama_export_round_trips_tied_embeddings(tmp_path):
     x = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_export_takes_a_hugging_face_config_or_a_training_config(tmp_path):
+    """``ckpt export --hf SOURCE``: a folder with a config.json (a Trainer's output_dir) or the
+    file is a model of the built-in HF factory; a folder without one is refused naming --hf."""
+    from elastic_trainer.models.hf import FACTORY
+    from elastic_trainer.models.hf_export import export_model_config
+
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path / "out")
+    for source in (tmp_path / "out", tmp_path / "out" / "config.json"):
+        m = export_model_config(str(source))
+        assert m.factory == FACTORY and m.hf_config == str(source)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError) as e:
+        export_model_config(str(tmp_path / "empty"))
+    assert e.value.key == "--hf" and "config.json" in str(e.value)
+    toml = tmp_path / "train.toml"
+    toml.write_text('[model]\ndim = 48\n[data]\npath = "x.bin"\n')
+    assert export_model_config(str(toml)).dim == 48

@@ -15,6 +15,8 @@ import pytest
 from elastic_trainer.supervisor import round_poll
 from tests.unit.test_liveness import _handler as liveness_handler
 
+pytestmark = pytest.mark.timing  # a wall-clock bound: run alone, not beside other tests
+
 
 @pytest.fixture
 def torch_delay():

@@ -37,7 +37,8 @@ from elastic_trainer.storage.peer import Client, Holder
 
 from .fakes import WAIT, GatedSaver, ScriptedAgreement, Weights
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+# timing: a wall-clock bound: run alone, not beside other tests
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.timing]
 S = SaveState
 
 

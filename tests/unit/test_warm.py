@@ -31,6 +31,9 @@ sys.exit(int(sys.argv[1]))
 """
 
 
+pytestmark = pytest.mark.timing  # a wall-clock bound: run alone, not beside other tests
+
+
 @pytest.mark.parametrize(
     "cmd, args, preload",
     [
