@@ -37,11 +37,18 @@ SMOKE: dict[str, list[str]] = {
     "save_gil.py": ["--smoke"],
     "step_phases.py": ["--smoke"],
     "throughput.py": ["--smoke"],
+    "transformers_trainer.py": ["--smoke"],
     "write_cost.py": ["--smoke"],
 }
 # smoke runs that train on a cluster or start a framework's workers several times (about 13 s and
 # more; what they run is covered by the e2e tests of the same paths): soak only
-SOAK = {"peer_recovery.py", "lightning_checkpoint.py", "accelerate_checkpoint.py", "run_recovery.py"}
+SOAK = {
+    "peer_recovery.py",
+    "lightning_checkpoint.py",
+    "accelerate_checkpoint.py",
+    "run_recovery.py",
+    "transformers_trainer.py",
+}
 
 
 def test_every_bench_script_has_a_smoke_run():
