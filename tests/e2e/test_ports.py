@@ -41,11 +41,11 @@ def _run(tmp, name, port, *script_args, env=None, **kw):
     return r, run_dir
 
 
-# The FSDP2 transformer's port runs the same loop-API machinery as tests/e2e/test_own_script.py and
-# test_snippets.py (~17 s): soak; the transformers port (the Hugging Face model path) runs in every suite.
-@pytest.mark.parametrize(
-    "port", [pytest.param(p, marks=pytest.mark.soak) if p == "fsdp2_transformer" else p for p in sorted(PORTS)]
-)
+# Soak: both ports run the loop-API machinery that tests/e2e/test_own_script.py and test_snippets.py
+# (1, 2 and 3 workers) run in every suite; a Hugging Face causal LM under `run` (SIGKILL → bitwise,
+# SIGTERM → 75, 2 → 3 workers within 1e-5) is tests/e2e/test_transformers.py's, in every suite too.
+@pytest.mark.soak
+@pytest.mark.parametrize("port", sorted(PORTS))
 def test_port_resumes_bitwise_after_sigkill_commits_on_sigterm_and_reshards(tmp_path, port):
     r, ref_dir = _run(tmp_path, "ref", port, "--steps", STEPS)
     assert r.returncode == 0, (ref_dir / "run.log").read_text()[-3000:]

@@ -12,8 +12,7 @@ from elastic_trainer.supervisor import policy
 from elastic_trainer.supervisor.progress import CommitWatch, newest_commit_reader
 from tests.unit.test_catalog import _catalog, _save
 
-# timing: a wall-clock bound: run alone, not beside other tests
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.timing]
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 class Reads:

@@ -195,12 +195,13 @@ def test_preflight_refuses_a_local_dir_it_cannot_write(tmp_path):
     assert preflight(ok) is None and (tmp_path / "local").is_dir()
 
 
-def test_launch_and_run_refuse_a_run_dir_they_cannot_write_before_any_worker_starts(tmp_path):
+def test_launch_and_run_refuse_a_run_dir_they_cannot_write_before_any_worker_starts(tmp_path, token_file):
     """run.dir holds the event log and the preemption marker: one that cannot be a directory is
     named with exit 2 before anything starts (was a traceback from the supervisor)."""
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     sets = ["--set", f"run.dir={blocker / 'run'}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    sets += ["--set", f"data.path={token_file}"]  # every other setting valid: the demo's token file may not exist yet
     for args in (
         ["launch", "configs/demo-cpu.toml", *sets],
         ["run", "--config", "configs/demo-cpu.toml", *sets, str(tmp_path / "train.py")],

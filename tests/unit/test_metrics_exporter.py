@@ -44,9 +44,6 @@ sys.stdin.read()
 """
 
 
-pytestmark = pytest.mark.timing  # a wall-clock bound: run alone, not beside other tests
-
-
 class Worker:
     def __init__(self, rank: int, calls: list):
         env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -24,9 +24,6 @@ KEY = b"k" * 32
 JOB = "job-t"
 
 
-pytestmark = pytest.mark.timing  # a wall-clock bound: run alone, not beside other tests
-
-
 class MemoryTransport(PeerTransport):
     """Holders as dicts, one per address: ``{CopyId: {"files": {name: bytes}, "manifest": bytes | None}}``.
     A missing address is an unreachable holder."""

@@ -37,8 +37,7 @@ from elastic_trainer.storage.peer import Client, Holder
 
 from .fakes import WAIT, GatedSaver, ScriptedAgreement, Weights
 
-# timing: a wall-clock bound: run alone, not beside other tests
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.timing]
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 S = SaveState
 
 

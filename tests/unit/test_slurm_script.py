@@ -23,9 +23,6 @@ SCRIPT = REPO / "deploy" / "slurm" / "elastic-trainer.sbatch"
 DEFAULT_PREEMPT_GRACE_S = 60  # checkpoint.preempt_grace_seconds default
 
 
-pytestmark = pytest.mark.timing  # a wall-clock bound: run alone, not beside other tests
-
-
 def _text() -> str:
     return SCRIPT.read_text()
 
