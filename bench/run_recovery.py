@@ -101,6 +101,13 @@ def workers(launcher: int, variant: str, script: str) -> list[int]:
     DataLoader's worker processes (their own process groups)."""
     if variant == "launch":
         return runs.worker_pids(launcher)
+    return training_processes(launcher, os.path.basename(script).encode())
+
+
+def training_processes(launcher: int, marker: bytes) -> list[int]:
+    """The processes under ``launcher`` that train: a warm start's forks (``et-worker*``) or the
+    processes whose command line holds ``marker``, not torchrun's agent nor our supervisor, and
+    not their DataLoader workers (a match whose parent matched too)."""
     found = {}
     for p in descendants(launcher):
         try:
@@ -110,12 +117,10 @@ def workers(launcher: int, variant: str, script: str) -> list[int]:
         except OSError:
             continue
         if comm.startswith("et-worker") or (
-            os.path.basename(script).encode() in cmd
-            and b"torch.distributed.run" not in cmd
-            and b"elastic_trainer.cli" not in cmd
+            marker in cmd and b"torch.distributed.run" not in cmd and b"elastic_trainer.cli" not in cmd
         ):
             found[p] = ppid
-    return sorted(p for p, ppid in found.items() if ppid not in found)  # not a worker's DataLoader workers
+    return sorted(p for p, ppid in found.items() if ppid not in found)
 
 
 def wait_gone(pids: list[int], timeout: float) -> float | None:

@@ -72,7 +72,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import REPO, loadavg, machine_info, median, table
-from bench.run_recovery import descendants
+from bench.run_recovery import descendants, training_processes
 
 EXAMPLE = REPO / "examples" / "transformers_clm.py"
 OURS_IMPORT = "from elastic_trainer.transformers import Trainer"
@@ -258,18 +258,7 @@ def training_run(variant: str, saves: str, a, root: Path, examples: dict) -> dic
 def workers(launcher: int) -> list[int]:
     """The training processes under ``launcher`` (this file running the example), not their
     DataLoader workers, nor torchrun's agent or our supervisor."""
-    found = {}
-    for p in descendants(launcher):
-        try:
-            comm = open(f"/proc/{p}/comm").read().strip()
-            cmd = open(f"/proc/{p}/cmdline", "rb").read()
-            ppid = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        ours = comm.startswith("et-worker")
-        if ours or (b"--wrap" in cmd and b"torch.distributed.run" not in cmd and b"elastic_trainer.cli" not in cmd):
-            found[p] = ppid
-    return sorted(p for p, ppid in found.items() if ppid not in found)
+    return training_processes(launcher, b"--wrap")
 
 
 class NoRecovery(Exception):
