@@ -7,6 +7,7 @@ elastic-trainer store [--host H] [--port P]
 elastic-trainer config check CONFIG [--set k=v ...] [--deep]
 elastic-trainer data build [--out PATH] [--text FILE ...]
 elastic-trainer ckpt list URI | ckpt inspect URI [--step N] | ckpt export URI --out F [--dtype bf16|fp32] [--hf CONFIG]
+elastic-trainer ckpt audit ROOT --from A --to B
 elastic-trainer report RUN_DIR|CHECKPOINT_ROOT [--out PNG]
 """
 
@@ -111,7 +112,7 @@ def _add_ckpt_commands(sub: _Subparsers) -> None:
     p = sub.add_parser(
         "ckpt",
         help="checkpoint tools: list, inspect and export only read the checkpoint root; release writes to it "
-        "(it deletes a checkpoint's quarantine marker)",
+        "(it deletes a checkpoint's quarantine marker), audit writes its verdicts beside the commits",
     )
     ksub = p.add_subparsers(dest="ckpt_cmd", required=True)
     k = ksub.add_parser("list", help="list checkpoints under URI: step, directory, status, world size, bytes, problem")
@@ -123,6 +124,7 @@ def _add_ckpt_commands(sub: _Subparsers) -> None:
     k.add_argument("--endpoint-url", default="", help=_ENDPOINT_HELP)
     _add_ckpt_export(ksub)
     _add_ckpt_release(ksub)
+    _add_ckpt_audit(ksub)
 
 
 def _add_ckpt_export(ksub: _Subparsers) -> None:
@@ -153,6 +155,25 @@ def _add_ckpt_release(ksub: _Subparsers) -> None:
         "--step", type=int, required=True, help="the quarantined checkpoint's step (its newest quarantined directory)"
     )
     k.add_argument("--endpoint-url", default="", help=_ENDPOINT_HELP)
+
+
+def _add_ckpt_audit(ksub: _Subparsers) -> None:
+    k = ksub.add_parser(
+        "audit",
+        help="replay the built-in trainer's steps A to B from commit A on this machine and compare every commit "
+        "in between with the replay's: certified (the same bytes) or suspect (silent data corruption: never "
+        "resumed from); exit 0 all certified, 1 one is suspect, 2 bad input",
+    )
+    k.add_argument("uri", metavar="ROOT", help=_URI_HELP)
+    k.add_argument("--from", dest="first", type=int, required=True, help="the committed step to replay from")
+    k.add_argument("--to", dest="last", type=int, required=True, help="the last committed step to audit")
+    k.add_argument("--endpoint-url", default="", help=_ENDPOINT_HELP)
+    k.add_argument(
+        "--scratch",
+        default=None,
+        help="directory in which the replay's scratch directory is made, and removed at the end "
+        "(default: the system's temporary directory)",
+    )
 
 
 def _add_report_command(sub: _Subparsers) -> None:
@@ -426,6 +447,13 @@ def _cmd_ckpt(a) -> int:
     if a.ckpt_cmd == "export":
         print(json.dumps(tools.export_safetensors(a.uri, a.out, a.step, a.dtype, a.endpoint_url)))
         return 0
+    if a.ckpt_cmd == "audit":
+        from .checkpoint.audit import audit
+
+        verdicts = audit(a.uri, a.first, a.last, a.endpoint_url, scratch_parent=a.scratch)
+        for v in verdicts:
+            print(v.line(), flush=True)
+        return 1 if any(v.suspect for v in verdicts) else 0
     if a.ckpt_cmd == "release":
         name, marker = tools.release(a.uri, a.step, a.endpoint_url)
         print(f"released {name} (was quarantined: {marker.get('reason', 'unknown reason')})")

@@ -569,6 +569,26 @@ class EnvSettings:
             raise ConfigError(contract.OVERRIDES_ENV, f"{e} (items: section.key=value, one per line or ';')") from None
 
 
+def toml_text(cfg: typing.Mapping[str, typing.Mapping[str, Any]]) -> str:
+    """``cfg`` (sections of scalars and lists; None values left out) as TOML: what :func:`read_toml` reads back."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(str(v))
+
+    lines = []
+    for section, values in cfg.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {value(v)}" for k, v in values.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def read_toml(path: str | os.PathLike | None, key: str = "<config file>") -> dict[str, Any]:
     """The sections of TOML file ``path`` as parsed ({} for None), or ConfigError at ``key`` naming the file."""
     data: dict[str, Any] = {}

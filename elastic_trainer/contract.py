@@ -48,6 +48,7 @@ NODE_ENV = "ELASTIC_TRAINER_NODE"
 PEER_HOLDER_ENV = "ELASTIC_TRAINER_PEER_HOLDER"
 LOG_LEVEL_ENV = "ELASTIC_TRAINER_LOG_LEVEL"
 INJECT_FAULT_ENV = "ELASTIC_TRAINER_INJECT_FAULT"
+REPLAY_TO_STEP_ENV = "ELASTIC_TRAINER_REPLAY_TO_STEP"  # `ckpt audit`'s replay: the step it stops at
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # torch's elastic agent
 SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
@@ -106,6 +107,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(NODE_ENV, "user", "supervisor, logs", "This node's name in events and logs (default: the host name)."),
     EnvVar(LOG_LEVEL_ENV, "user", "every process", "Log level of the elastic_trainer logger (default INFO)."),
     EnvVar(INJECT_FAULT_ENV, "tests", "workers", "Fault injection for the test suites (faults.py)."),
+    EnvVar(
+        REPLAY_TO_STEP_ENV,
+        "`ckpt audit`",
+        "workers (built-in trainer)",
+        "The step a replay stops at (with its final commit), on the run's own `train.steps` schedule.",
+    ),
     EnvVar(METRICS_DIR_ENV, _SUP, "workers", "prometheus_client's multiprocess directory the supervisor exports."),
     EnvVar(SIGNALS_TO_HANDLE_ENV, _SUP, "torch's agent", "Signals the agent forwards (FORWARDED_SIGNALS)."),
     EnvVar(ENABLE_FILE_TIMER_ENV, _SUP, "torch's agent", "Turns on the file-based hang watchdog."),
@@ -198,7 +205,15 @@ class Event:
         return frozenset(f.name for f in self.fields)
 
 
-WRITERS = ("supervisor", "rank 0", "supervisor / rank 0", "the failing rank", "`ckpt release`", "`deploy/slurm` script")
+WRITERS = (
+    "supervisor",
+    "rank 0",
+    "supervisor / rank 0",
+    "the failing rank",
+    "`ckpt release`",
+    "`ckpt audit`",
+    "`deploy/slurm` script",
+)
 
 
 def _e(name: str, writer: str, meaning: str, fields: str, /, extensible: bool = False, **notes: str) -> Event:
@@ -308,9 +323,11 @@ EVENTS: tuple[Event, ...] = (
         "resume",
         _RANK0,
         "Resumed from a checkpoint; a script's `after_load` may add fields.",
-        "step tier from_world_size world_size load_seconds since_start_seconds cursor skipped rng tiers? data_view? "
-        "phases decision_reads",
+        "step tier from_world_size world_size load_seconds since_start_seconds cursor skipped suspect rng tiers? "
+        "data_view? phases decision_reads",
         extensible=True,
+        suspect="steps of the commits passed over because `ckpt audit` found them suspect or they descend from one "
+        "(each also in `skipped`, with the reason)",
         tier="`remote`: `checkpoint.dir`; `local`: every rank's `checkpoint.local_dir` copy; `peer`: the nodes' "
         "copies (own node first, then other nodes' holders), resharded if need be",
         tiers="with `peer`: per rank, `local` (read only its node's copies) or `peer` (read from another node)",
@@ -489,6 +506,20 @@ EVENTS: tuple[Event, ...] = (
         "A checkpoint whose bytes failed to load: marked, never deleted.",
         "step name reason",
         reason="one line",
+    ),
+    _e(
+        "checkpoint_audited",
+        "`ckpt audit`",
+        "A replay of the run from an earlier commit judged a commit: `certified` (the same bytes) or `suspect` "
+        "(silent data corruption: never resumed from, nor anything descending from it). Written to the run's "
+        "`run.dir` event log where `ckpt audit` can reach it.",
+        "step name from_step verdict rank? node? tensor? descends_from? seconds",
+        rank="suspect: the rank whose state differs most from the replay's",
+        node="suspect: the node (group rank) that rank ran on",
+        tensor="suspect: the tensor of that rank that differs most",
+        descends_from="suspect, not replayed: the suspect step an earlier replay of the same audit found, which this "
+        "commit descends from",
+        seconds="the replay's wall time",
     ),
     _e(
         "checkpoint_released",

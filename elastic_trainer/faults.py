@@ -20,6 +20,10 @@ Enabled only through ``ELASTIC_TRAINER_INJECT_FAULT``, a comma-separated list of
 * ``corrupt_peer`` — from step S on, rank R's replicas (``checkpoint.peer_replicas``) reach the
   holders with 64 bytes of each shard flipped (same size; the signed manifest keeps the true
   checksum): what a holder whose memory went bad serves;
+* ``bitflip`` — one bit of one element of rank R's model state flips right after the optimizer
+  step of step S (the built-in trainer), once per process: a low mantissa bit of the first element
+  of the first floating-point parameter shard the rank holds, so the value stays finite and close
+  (silent data corruption: no guard sees it; ``ckpt audit`` finds it);
 * ``slow`` — rank R sleeps ``seconds=X`` (default 0.2) at the start of every step from S on (a
   straggler: ``slow@rank=1,step=1,seconds=0.3``).
 
@@ -36,8 +40,9 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from . import contract
 
@@ -51,12 +56,15 @@ KINDS = (
     "kill_before_commit",
     "kill_in_load",
     "nan",
+    "bitflip",
     "slow",
     "lose_local",
     "corrupt_local",
     "corrupt_peer",
 )
 COMMITTED_WAIT_SECONDS = 30.0  # ``committed=N``: the longest wait for that commit before firing
+ONE_SHOT = ("nan", "bitflip")  # fire once per process (a rollback redoes the step without them)
+BITFLIP_BITS = {8: 20, 4: 10, 2: 2}  # element size -> the mantissa bit ``bitflip`` flips
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,7 @@ def _active() -> list[Fault]:
     return parse(spec) if spec else []
 
 
-_FIRED: set[Fault] = set()  # one-shot faults (``nan``) that already fired in this process
+_FIRED: set[Fault] = set()  # one-shot faults (ONE_SHOT) that already fired in this process
 
 
 def _match(kind: str, step: int) -> Fault | None:
@@ -106,7 +114,7 @@ def _match(kind: str, step: int) -> Fault | None:
     restart = int(os.environ.get(contract.RESTART_COUNT_ENV, "0"))
     for f in faults:
         if f.kind == kind and f.rank == rank and f.step == step and f.restart == restart and f not in _FIRED:
-            if kind == "nan":
+            if kind in ONE_SHOT:
                 _FIRED.add(f)
             return f
     return None
@@ -115,6 +123,26 @@ def _match(kind: str, step: int) -> Fault | None:
 def active(kind: str, step: int) -> bool:
     """Whether a fault of ``kind`` is configured at ``step`` for this rank and incarnation."""
     return _match(kind, step) is not None
+
+
+def maybe_flip_bit(step: int, named_parameters: Iterable[tuple[str, Any]]) -> str | None:
+    """``bitflip`` at ``step``: flip one low mantissa bit of the first element of the first
+    floating-point parameter shard this rank holds (a DTensor's local shard), in place, after the
+    optimizer step. Returns the parameter's name when it fired, else None."""
+    if not active("bitflip", step):
+        return None
+    import torch
+
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+    for name, p in named_parameters:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.numel() and local.is_floating_point() and local.element_size() in ints:
+            with torch.no_grad():
+                flat = local.detach().view(-1)[:1].view(ints[local.element_size()])
+                flat.bitwise_xor_(1 << BITFLIP_BITS[local.element_size()])
+            logger.warning("injected bit flip in %s at step %d", name, step)
+            return name
+    return None
 
 
 def _wait_committed(f: Fault, committed: Callable[[int], bool] | None) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from elastic_trainer import contract
+from elastic_trainer.config import toml_text
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "elastic_trainer.cli"]
@@ -24,7 +25,7 @@ TINY = {
     "train": {
         "steps": 10,
         "global_batch_size": 10,
-        "micro_batch_size": 2,
+        "micro_batch_size": 5,  # one forward per rank per step at world 2; accumulation at world 1
         "seed": 7,
         "lr": 3e-3,
         "min_lr": 3e-4,
@@ -37,16 +38,6 @@ TINY = {
 }
 
 
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return json.dumps(str(v))
-
-
 def write_config(path: Path, data_path: str, run_dir: Path, ckpt_dir: str | None = None, **sections) -> Path:
     """A tiny-model TOML config; ``sections`` are dicts merged over :data:`TINY`."""
     cfg = {k: dict(v) for k, v in TINY.items()}
@@ -55,12 +46,7 @@ def write_config(path: Path, data_path: str, run_dir: Path, ckpt_dir: str | None
     cfg["checkpoint"]["dir"] = ckpt_dir or str(run_dir / "ckpt")
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
-    lines = []
-    for name, values in cfg.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
-        lines.append("")
-    path.write_text("\n".join(lines))
+    path.write_text(toml_text(cfg))
     return path
 
 

@@ -1,8 +1,9 @@
 """The catalog of a checkpoint root: the one home of rank 0's checkpoint bookkeeping.
 
-Scanning, verification, resume planning (lineage), commit, quarantine, retention, cleanup and
-fencing live here; the supervisor's preflight, the checkpoint manager (rank 0) and the ``ckpt``
-tools all use this class. It is thread-safe (the manager commits from a background thread).
+Scanning, verification, resume planning (lineage, past commits an audit found suspect), commit,
+quarantine, retention, cleanup and fencing live here; the supervisor's
+preflight, the checkpoint manager (rank 0) and the ``ckpt`` tools all use this class. It is
+thread-safe (the manager commits from a background thread).
 
 Fencing: every launch takes an *epoch* under ``_epochs/`` (``NNNNNNNN-<launch id>.json``, the
 number one above the newest; a race for the same number is broken by the id, the same way for
@@ -142,12 +143,13 @@ class Catalog:
             manifest = self._read_marker(name, layout.MANIFEST, files, unreadable_ok=True)
             quarantine = self._read_marker(name, layout.QUARANTINE, files)
             writer = self._read_marker(name, layout.WRITER, files) if manifest is None else None
+            audit = self._read_marker(name, layout.AUDIT, files) if manifest is not None else None
             plain = {
                 k: v
                 for k, v in files.items()
-                if k not in (layout.MANIFEST, layout.QUARANTINE, layout.WRITER, layout.CHECKSUMS)
+                if k not in (layout.MANIFEST, layout.QUARANTINE, layout.WRITER, layout.CHECKSUMS, layout.AUDIT)
             }
-            out.append(layout.Candidate(step, name, manifest, plain, quarantine, writer))
+            out.append(layout.Candidate(step, name, manifest, plain, quarantine, writer, audit))
         return out
 
     def _listing(self) -> dict[str, dict[str, int]]:
@@ -237,6 +239,7 @@ class Catalog:
         else:
             order = self._lineage_order(candidates, self.fence.records())
         plan = ResumePlan(None, [], not restart)
+        suspects = layout.suspect_reasons(candidates)
         # Leftovers of crashed saves are reported (and cleaned at start-up), never loaded.
         plan.skipped += [
             (c.step, "uncommitted (no manifest)")
@@ -248,7 +251,7 @@ class Catalog:
                 continue
             if c.name in exclude:
                 continue
-            reason = self.problem(c)
+            reason = suspects.get(c.name) or self.problem(c)
             if reason is None:
                 plan.chosen = c
                 break
@@ -299,10 +302,11 @@ class Catalog:
         return out
 
     def head(self, candidates: list[layout.Candidate] | None = None) -> layout.Candidate | None:
-        """What ``latest`` would resume from now."""
+        """What ``latest`` would resume from now (never a suspect commit nor one descending from it)."""
         candidates = self.scan() if candidates is None else candidates
+        suspects = layout.suspect_reasons(candidates)
         for c in self._lineage_order(candidates, self.fence.records()):
-            if self.problem(c) is None:
+            if c.name not in suspects and self.problem(c) is None:
                 return c
         return None
 
@@ -523,7 +527,8 @@ class Pruner:
 
     def retention(self, newest: str, keep_last: int, keep_every: int) -> list[int]:
         """After ``newest`` was committed: delete older commits *of its lineage* beyond
-        ``keep_last`` (multiples of ``keep_every`` stay). Parked and quarantined ones stay."""
+        ``keep_last`` (multiples of ``keep_every`` stay). Parked, quarantined and suspect ones
+        stay, and so does the newest commit an audit certified."""
         cat = self._catalog
         with self._lock:
             candidates = cat.scan()
@@ -532,7 +537,8 @@ class Pruner:
             if head is None or cat.problem(head) is not None:
                 return []  # never delete anything unless the newer commit verifies
             chain = [c for c in lineage(head, candidates) if cat.problem(c) is None]
-            victims = set(layout.retention_victims([c.step for c in chain], keep_last, keep_every, {head.step}))
+            protected = {head.step} | layout.retention_protected(chain, layout.suspect_reasons(candidates))
+            victims = set(layout.retention_victims([c.step for c in chain], keep_last, keep_every, protected))
             deleted = []
             for c in chain:
                 if c.step in victims:

@@ -9,6 +9,11 @@ against the storage listing. A committed checkpoint is *valid* when its manifest
 (self-checksum; HMAC too when a key is set), it is not quarantined, and every listed file exists
 with exactly the listed size. Names starting with ``_`` under the root are reserved
 (``_epochs/``, ``_events/``, ...) and never taken for checkpoints.
+
+``ckpt audit`` records its verdict on a commit in ``audit.json`` beside the manifest (the
+commit's own files are never rewritten): ``certified`` (a replay from an earlier commit gave the
+same bytes) or ``suspect`` (it did not: silent data corruption). A resume never loads a suspect
+commit nor one that descends from it (:func:`suspect_reasons`); they are kept, never quarantined.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from .. import contract
 MANIFEST = "manifest.json"
 QUARANTINE = "quarantine.json"
 WRITER = ".writer.json"
+AUDIT = "audit.json"  # ``ckpt audit``'s verdict on the commit (its sidecar)
+CERTIFIED, SUSPECT = "certified", "suspect"
 CHECKSUMS = ".checksums.json"  # DCP's writer's table of every file and item it wrote (see integrity)
 METADATA = ".metadata"  # DCP's own metadata file
 MANIFEST_VERSION = 2  # the format this version writes
@@ -75,11 +82,21 @@ class Candidate:
     files: dict[str, int]  # relative name -> size, as listed in storage
     quarantine: dict[str, Any] | None = None
     writer: dict[str, Any] | None = None  # who wrote an uncommitted directory (epoch)
+    audit: dict[str, Any] | None = None  # ``ckpt audit``'s verdict (AUDIT), if audited
 
     @property
     def gen(self) -> int:
         p = parse_dir(self.name)
         return p[1] if p else 0
+
+    @property
+    def verdict(self) -> str | None:
+        """``certified``, ``suspect`` or None (not audited, or a verdict on other bytes)."""
+        a = self.audit or {}
+        if a.get("verdict") not in (CERTIFIED, SUSPECT):
+            return None
+        sealed_by = (self.manifest or {}).get("checksum")
+        return a["verdict"] if a.get("manifest_checksum") == sealed_by else None
 
 
 # ------------------------------------------------------------------------------- manifests
@@ -230,6 +247,47 @@ def verify(c: Candidate, key: bytes | None = None) -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------------- audit verdicts
+SUSPECT_REASON = "suspect"
+
+
+def is_suspect_reason(reason: str) -> bool:
+    """Whether a resume skipped a commit (``Selection.skipped``) for an audit's verdict."""
+    return reason.startswith(SUSPECT_REASON)
+
+
+def suspect_reasons(candidates: list[Candidate]) -> dict[str, str]:
+    """Name -> why a resume must not load it, for every commit an audit found suspect and every
+    commit that descends from one (by the manifests' parent links). Pure."""
+    by_name = {c.name: c for c in candidates}
+    out: dict[str, str] = {}
+    for c in candidates:
+        seen: set[str] = set()
+        x: Candidate | None = c
+        while x is not None and x.name not in seen:
+            seen.add(x.name)
+            if x.verdict == SUSPECT:
+                a = x.audit or {}
+                where = f"rank {a.get('rank')}, tensor {a.get('tensor')}" if a.get("rank") is not None else "audited"
+                out[c.name] = (
+                    f"{SUSPECT_REASON}: silent data corruption found by ckpt audit ({where})"
+                    if x is c
+                    else f"{SUSPECT_REASON}: descends from suspect checkpoint {x.name}"
+                )
+                break
+            parent = (x.manifest or {}).get("parent")
+            x = by_name.get(parent) if isinstance(parent, str) else None
+    return out
+
+
+def retention_protected(chain: list[Candidate], suspects: Collection[str]) -> set[int]:
+    """Steps of ``chain`` (a lineage, newest first) retention keeps whatever ``keep_last``
+    says: the newest certified commit and every suspect one (evidence). Pure."""
+    keep = {c.step for c in chain if c.name in suspects}
+    certified = [c.step for c in chain if c.verdict == CERTIFIED]
+    return keep | set(certified[:1])
+
+
 # ------------------------------------------------------------------------------- decisions
 @dataclass
 class Selection:
@@ -249,8 +307,10 @@ def select_for_resume(
     ``resume == "none"`` → nothing. ``"latest"`` → the newest valid one, falling back past
     invalid ones (each recorded in ``skipped``). A step number → the newest valid directory of
     exactly that step, or nothing with the reason in ``skipped`` (the caller turns that into an
-    error). Directories named in ``exclude`` (failed to load in this start) are skipped silently.
+    error). Directories named in ``exclude`` (failed to load in this start) are skipped silently;
+    suspect ones and their descendants (:func:`suspect_reasons`) are skipped with the reason.
     """
+    suspects = suspect_reasons(candidates)
     sel = Selection(None)
     if resume == "none":
         return sel
@@ -262,7 +322,7 @@ def select_for_resume(
             sel.skipped.append((want, "no such checkpoint"))
             return sel
     for c in ordered:
-        reason = verify(c, key)
+        reason = suspects.get(c.name) or verify(c, key)
         if reason is None:
             sel.chosen = c
             return sel

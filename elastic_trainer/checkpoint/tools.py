@@ -1,4 +1,5 @@
-"""``elastic-trainer ckpt list | inspect | export``: read-only tools over a checkpoint root."""
+"""``elastic-trainer ckpt list | inspect | export``: read-only tools over a checkpoint root
+(``ckpt release`` and ``ckpt audit`` write markers beside commits: see :mod:`.catalog`, :mod:`.audit`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from ..config import check_uri
 from ..errors import CheckpointError
 from ..storage.fs import open_storage
+from . import layout
 from .catalog import Catalog, lineage
 
 
@@ -29,9 +31,11 @@ def list_checkpoints(uri: str, endpoint_url: str = "") -> list[dict[str, Any]]:
     """One row per ``step-*`` directory, oldest first: step, name, world size, bytes, committed,
     valid, why not, and its status: ``head`` (what ``latest`` resumes), ``lineage`` (an ancestor
     of the head), ``parked`` (a valid commit off the current lineage: never picked by ``latest``),
-    ``quarantined``, ``invalid`` or ``uncommitted``."""
+    ``suspect`` (``ckpt audit`` found it suspect, or it descends from such a commit: never
+    resumed from), ``quarantined``, ``invalid`` or ``uncommitted``."""
     catalog = _catalog(uri, endpoint_url)
     candidates = catalog.scan()
+    suspects = layout.suspect_reasons(candidates)
     head = catalog.head(candidates)
     ancestors = {c.name for c in lineage(head, candidates)}
     rows = []
@@ -44,6 +48,8 @@ def list_checkpoints(uri: str, endpoint_url: str = "") -> list[dict[str, Any]]:
             status = "quarantined"
         elif problem:
             status = "invalid"
+        elif cand.name in suspects:
+            status, problem = "suspect", suspects[cand.name]
         elif head is not None and cand.name == head.name:
             status = "head"
         else:

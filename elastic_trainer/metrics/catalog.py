@@ -164,6 +164,11 @@ CATALOG: tuple[Metric, ...] = (
     ),
     _c("elastic_trainer_reshard_events_total", "Resumes from a checkpoint saved at a different world size."),
     _c(
+        "elastic_trainer_checkpoint_suspect_skipped_total",
+        "Commits a resume passed over because ckpt audit found them suspect (silent data corruption) or they "
+        "descend from one.",
+    ),
+    _c(
         "elastic_trainer_restarts_total",
         "Worker-group restarts by this node's supervisor (failures and membership changes).",
         scope="supervisor",

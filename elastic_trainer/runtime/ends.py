@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from .. import exit_codes
+from ..checkpoint import layout
 from ..checkpoint.manager import CheckpointManager, LoadResult
 from ..checkpoint.state import TrainState
 from ..checkpoint.timeline import Timeline
@@ -26,6 +27,9 @@ def resumed(
 ) -> None:
     """The ``resume`` event (and ``reshard`` when the world size changed) of a load."""
     saved_world = loaded.manifest.get("world_size")
+    suspect = sorted({step for step, reason in loaded.skipped if layout.is_suspect_reason(reason)})
+    if suspect:
+        s.metrics.counter("elastic_trainer_checkpoint_suspect_skipped_total", len(suspect))
     s.events.emit(
         "resume",
         step=loaded.step,
@@ -35,6 +39,7 @@ def resumed(
         since_start_seconds=round(time.monotonic() - s.started, 4),
         cursor=state.cursor,
         skipped=[list(x) for x in loaded.skipped],
+        suspect=suspect,
         rng=rng,
         tier=loaded.tier,
         **({"tiers": loaded.tiers} if loaded.tiers else {}),

@@ -271,13 +271,23 @@ class Run:
         """Start an async save of ``step`` (a no-op if that step is already committed). Only
         after a finite step: non-finite state is never saved. ``final``: the run's last save:
         durable in checkpoint.dir even with a local tier, and :meth:`finish` waits for it."""
-        stats = self.manager.save(step, meta={"skipped_ranges": self.state.skipped, **(meta or {})}, durable=final)
+        recorded = {"skipped_ranges": self.state.skipped, **self._replay_record(), **(meta or {})}
+        stats = self.manager.save(step, meta=recorded, durable=final)
         if final:
             self._final_saved = step
         if not stats.skipped:
             self._rollback_window_open = False
         self.cadence.saved(step, time.monotonic(), remote=stats.remote)
         return stats
+
+    def _replay_record(self) -> dict[str, Any]:
+        """What every manifest records for ``ckpt audit``'s replay of the run: the resolved config
+        and the ranks per node (to name the node of a rank)."""
+        s = self.session
+        to_dict = getattr(s.cfg, "to_dict", None)
+        out: dict[str, Any] = {"config": to_dict()} if to_dict is not None else {}
+        out["local_world_size"] = int(os.environ.get(contract.LOCAL_WORLD_SIZE_ENV) or s.world_size)
+        return out
 
     # ------------------------------------------------------------------ the end
     def finish(self, meta: dict[str, Any] | None = None) -> int:

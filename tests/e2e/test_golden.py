@@ -20,6 +20,7 @@ from tests import runs
 
 GOLDEN = runs.REPO / "tests" / "data" / "golden"
 DEMO_DATA = "/tmp/elastic-trainer-golden/demo-tokens.bin"  # the absolute path the demo's data view recorded
+DEMO_TRAIN = {"micro_batch_size": 2}  # the tiny config's when the demo checkpoint was recorded
 RTOL = 1e-5  # relative: float32 rounding of another CPU kind, over 5-7 steps (seen: ≤ 5e-7)
 
 
@@ -38,7 +39,7 @@ def test_golden_demo_checkpoint_resumes_with_the_recorded_losses(tmp_path):
     shutil.copy(GOLDEN / "demo-tokens.bin", DEMO_DATA)
     run = tmp_path / "demo"
     shutil.copytree(GOLDEN / "demo" / "ckpt", run / "ckpt")
-    cfg = runs.write_config(tmp_path / "demo.toml", DEMO_DATA, run, checkpoint={"keep_last": 5})
+    cfg = runs.write_config(tmp_path / "demo.toml", DEMO_DATA, run, train=DEMO_TRAIN, checkpoint={"keep_last": 5})
     r = runs.run_launch(cfg)
     assert r.returncode == 0, cfg.with_suffix(".log").read_text()[-4000:]
     (resume,) = runs.read_events(run, "resume")

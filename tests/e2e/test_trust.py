@@ -95,10 +95,10 @@ POINTS = [
 
 @pytest.mark.parametrize("point", POINTS)
 def test_preemption_at_each_point_of_a_restart_commits_and_exits_truthfully(point, tmp_path, token_file):
-    """Rank 1 is SIGKILLed at the start of step 6 (step 3 committed); the agent restarts the
+    """Rank 1 is SIGKILLed at the start of step 6, once step 3 is committed; the agent restarts the
     group, which resumes from 3. The supervisor gets SIGTERM at ``point`` of that restart."""
     cfg, run = _config(tmp_path, token_file, "run", checkpoint={"keep_last": 1}, elastic={"max_restarts": 1})
-    sup = runs.start_launch(cfg, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=6"})
+    sup = runs.start_launch(cfg, env={"ELASTIC_TRAINER_INJECT_FAULT": "kill@rank=1,step=6,committed=3"})
     try:
         if point == "during_load":
             runs.wait_event(run, "start", TIMEOUT, sup, where=lambda r: r["restart_count"] == 1)

@@ -45,7 +45,9 @@ def _write(cat: Catalog, name: str, step: int) -> dict:
     return sd
 
 
-def _commit(cat: Catalog, name: str, step: int, parent: str | None = None, seq: int = 1) -> dict:
+def _commit(
+    cat: Catalog, name: str, step: int, parent: str | None = None, seq: int = 1, extra: dict | None = None
+) -> dict:
     return cat.commit(
         name,
         step=step,
@@ -53,7 +55,7 @@ def _commit(cat: Catalog, name: str, step: int, parent: str | None = None, seq: 
         mesh_shape=[1],
         fingerprint="f",
         torch_version=torch.__version__,
-        extra={"parent": parent, "seq": seq, "finite": True},
+        extra={"parent": parent, "seq": seq, "finite": True, **(extra or {})},
     )
 
 

@@ -93,3 +93,40 @@ def test_local_damage_lets_the_save_in_flight_land_first_and_reaches_its_copy(mo
     else:
         data = (landed / "__0_0.distcp").read_bytes()
         assert len(data) == 256 and data[128:192] == b"\xa5" * 64
+
+
+def test_parse_reads_a_bitflip():
+    (flip,) = faults.parse("bitflip@rank=1,step=13")
+    assert (flip.kind, flip.rank, flip.step, flip.restart) == ("bitflip", 1, 13, 0)
+
+
+class _Sharded:
+    """A parameter as FSDP2 holds it: a DTensor whose local shard is what this rank owns."""
+
+    def __init__(self, local):
+        self.local = local
+
+    def to_local(self):
+        return self.local
+
+
+def test_a_bitflip_changes_one_low_bit_of_the_first_float_shard_of_its_rank_once(monkeypatch, rank1):
+    import torch
+
+    monkeypatch.setenv(contract.INJECT_FAULT_ENV, "bitflip@rank=1,step=13")
+    monkeypatch.setattr(faults, "_FIRED", set())
+    empty, ints = _Sharded(torch.zeros(0)), torch.arange(4)
+    weight = torch.full((3, 2), 0.25)
+    params = [("empty", empty), ("ints", ints), ("w", _Sharded(weight)), ("b", torch.ones(2))]
+    assert faults.maybe_flip_bit(12, params) is None and bool((weight == 0.25).all())
+    assert faults.maybe_flip_bit(13, params) == "w"
+    changed = (weight != 0.25).nonzero().tolist()
+    assert changed == [[0, 0]], "one element"
+    x = float(weight[0, 0])
+    assert x != 0.25 and abs(x - 0.25) / 0.25 < 1e-3, "finite, and close: a low mantissa bit"
+    flipped = weight.view(-1)[:1].view(torch.int32) ^ torch.tensor([0.25]).view(torch.int32)
+    assert bin(int(flipped)).count("1") == 1, "exactly one bit"
+    assert faults.maybe_flip_bit(13, params) is None, "once per process (a rollback redoes the step clean)"
+    monkeypatch.setattr(faults, "_FIRED", set())
+    monkeypatch.setenv(contract.RANK_ENV, "0")
+    assert faults.maybe_flip_bit(13, params) is None, "another rank"

@@ -123,12 +123,10 @@ def test_a_node_that_joined_once_rejoins_without_torch_s_first_join_skew(store, 
         assert asked == [round_poll.FIRST_JOIN_SKEW_SECONDS], asked  # the first join keeps torch's skew
         assert h._state_holder.state.round == 0  # so torch asks for the skew again below
         asked.clear()
-        t0 = time.monotonic()
         h.next_rendezvous()  # the first restart
-        # No delay asked at all (every delay torch asks for is recorded here, never slept), and no
-        # real wait of a second or more (torch's own poll) either; the wall bound leaves room for
-        # a loaded machine, the recorded delays are what tells the skew apart.
+        # No delay asked at all: every delay torch asks for (the skew, its one-second poll) goes
+        # through ``_delay`` and is recorded here, never slept. No wall-clock bound: torch's own
+        # store start (a TCPStore server per first join) now and then takes seconds by itself.
         assert asked == [], asked
-        assert time.monotonic() - t0 < 0.9
     finally:
         h.shutdown()

@@ -30,6 +30,7 @@ from tests import runs
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 DEMO_DATA = "/tmp/elastic-trainer-golden/demo-tokens.bin"
+DEMO_TRAIN = {"micro_batch_size": 2}  # the tiny config's when the demo checkpoint was recorded
 
 
 def _keep_step5(ckpt: Path, out: Path) -> None:
@@ -48,7 +49,7 @@ def demo(tmp: Path) -> None:
     build_token_file([str(text)], DEMO_DATA)
     shutil.copy(DEMO_DATA, HERE / "demo-tokens.bin")
     run = tmp / "demo"
-    cfg = runs.write_config(tmp / "demo.toml", DEMO_DATA, run, checkpoint={"keep_last": 5})
+    cfg = runs.write_config(tmp / "demo.toml", DEMO_DATA, run, train=DEMO_TRAIN, checkpoint={"keep_last": 5})
     r = runs.run_launch(cfg)
     assert r.returncode == 0, cfg.with_suffix(".log").read_text()[-3000:]
     _keep_step5(run / "ckpt", HERE / "demo")

@@ -1,0 +1,119 @@
+"""Silent data corruption end to end: a bit flipped in rank 1's weights after the optimizer step
+of step 13 (finite, small: no guard sees it) is found by ``ckpt audit`` (step 10 certified, 15
+suspect on rank 1), and a relaunch resumes from step 10, past the suspect 15 and 20, with losses
+bitwise equal to a fault-free run's. The fault-free run's own audit certifies every commit.
+
+``train.min_lr = train.lr``: the learning rate after warm-up is then constant, so a 20-step run
+trains its steps exactly as a 30-step one does (the cosine schedule spans ``train.steps``).
+Five launches in all (two of them the audits' replays)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from elastic_trainer import contract
+from elastic_trainer.checkpoint import layout
+from tests import runs
+
+FAULT = "bitflip@rank=1,step=13"
+TRAIN = {"steps": 20, "min_lr": 3e-3}
+CHECKPOINT = {"interval_steps": 5, "keep_last": 10}
+
+
+def _config(d: Path, token_file: str) -> Path:
+    return runs.write_config(d / "c.toml", token_file, d / "run", train=TRAIN, checkpoint=CHECKPOINT)
+
+
+def _launch_ok(cfg: Path, *args: str, env: dict | None = None) -> None:
+    r = runs.run_launch(cfg, *args, env=env)
+    assert r.returncode == 0, cfg.with_suffix(".log").read_text()[-4000:]
+
+
+def _audit(root: Path, first: int, last: int, scratch: Path, env: dict | None = None):
+    return subprocess.run(
+        [*runs.CLI, "ckpt", "audit", str(root), "--from", str(first), "--to", str(last), "--scratch", str(scratch)],
+        capture_output=True,
+        text=True,
+        env=runs.env_for_tests(env),
+        cwd=runs.REPO,
+        timeout=300,
+    )
+
+
+def _commit_files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in root.glob("step-*/*")
+        if p.is_file() and p.name != layout.AUDIT
+    }
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory, token_file):
+    """20 steps with the bit flip, then its audit (the fault still set in the audit's environment:
+    the replay must not apply it) and the files of every commit before the audit."""
+    d = tmp_path_factory.mktemp("faulted")
+    cfg = _config(d, token_file)
+    _launch_ok(cfg, env={contract.INJECT_FAULT_ENV: FAULT})
+    root = d / "run" / "ckpt"
+    before = _commit_files(root)
+    audit = _audit(root, 5, 20, d, env={contract.INJECT_FAULT_ENV: FAULT})
+    return cfg, root, before, audit
+
+
+@pytest.fixture(scope="module")
+def resumed(faulted):
+    """The faulted run relaunched to 30 steps after its audit."""
+    cfg, root, _, _ = faulted
+    _launch_ok(cfg, "--set", "train.steps=30")
+    return cfg.parent / "run"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, token_file):
+    """A fault-free 30-step run."""
+    d = tmp_path_factory.mktemp("reference")
+    cfg = _config(d, token_file)
+    _launch_ok(cfg, "--set", "train.steps=30")
+    return d
+
+
+def test_the_audit_certifies_the_commit_before_the_flip_and_finds_the_rank_after_it(faulted):
+    _, root, before, audit = faulted
+    assert audit.returncode == 1, audit.stdout + audit.stderr
+    lines = audit.stdout.splitlines()
+    assert lines[0] == "step 10 certified", audit.stdout
+    assert lines[1].startswith("step 15 suspect: rank 1 (node 0), first tensor model."), audit.stdout
+    assert lines[2].startswith("step 20 suspect: "), audit.stdout
+    assert len(lines) == 3, audit.stdout
+    assert _commit_files(root) == before, "the commits' own files are never rewritten"
+    verdicts = {s: json.loads((root / layout.step_dir_name(s) / layout.AUDIT).read_text()) for s in (10, 15, 20)}
+    assert [verdicts[s]["verdict"] for s in (10, 15, 20)] == ["certified", "suspect", "suspect"]
+    assert verdicts[15]["rank"] == 1 and verdicts[15]["tensor"] == lines[1].rsplit(" ", 1)[1]
+    assert not (root / layout.step_dir_name(5) / layout.AUDIT).exists(), "the commit replayed from is not judged"
+    events = runs.read_events(root.parent, "checkpoint_audited")
+    assert [(e["step"], e["verdict"]) for e in events] == [(10, "certified"), (15, "suspect"), (20, "suspect")]
+
+
+def test_a_relaunch_resumes_past_the_suspect_commits_and_matches_a_fault_free_run(faulted, resumed, reference):
+    _, root, _, _ = faulted
+    (resume,) = runs.read_events(resumed, "resume")
+    assert resume["step"] == 10 and resume["suspect"] == [15, 20], resume
+    assert [s for s, _ in resume["skipped"]] == [20, 15]
+    ours, clean = runs.step_losses(resumed), runs.step_losses(reference / "run")
+    assert [ours[s] for s in range(1, 31)] == [clean[s] for s in range(1, 31)], "bitwise, steps 11-30 retrained"
+    for s in (15, 20):  # kept as evidence: never deleted, never quarantined
+        d = root / layout.step_dir_name(s)
+        assert (d / layout.MANIFEST).exists() and (d / layout.AUDIT).exists()
+        assert not (d / layout.QUARANTINE).exists()
+    assert not runs.read_events(resumed, "checkpoint_quarantined")
+
+
+def test_a_fault_free_runs_audit_certifies_every_commit(reference):
+    audit = _audit(reference / "run" / "ckpt", 5, 30, reference)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert audit.stdout.splitlines() == [f"step {s} certified" for s in (10, 15, 20, 25, 30)]
