@@ -108,6 +108,9 @@ def test_sigkill_resumes_bitwise_with_lightning_state_and_rng(tmp_path, referenc
     assert "Restored all states" not in (tmp_path / "k" / "run.log").read_text(), "no ckpt_path was involved"
 
 
+# Soak: test_the_loader_s_batch_size_stays_the_micro_batch_from_2_to_1_to_3_workers proves it
+# in every run (2 to 1 to 3 workers: each step's samples and loss those of the uninterrupted run).
+@pytest.mark.soak
 def test_two_to_three_workers_continue_the_global_sample_order(tmp_path, reference):
     r = run_script(
         tmp_path,
