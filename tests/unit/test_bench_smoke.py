@@ -21,6 +21,7 @@ ELSEWHERE = {"gpu_check.py": "tests/e2e/test_gpu_check.py"}  # its --device cpu 
 # (py-spy, network namespaces) and optional peers (torchtitan)
 SMOKE: dict[str, list[str]] = {
     "accelerate_checkpoint.py": ["--smoke"],
+    "audit_cost.py": ["--smoke"],
     "checkpoint_stall.py": ["--smoke"],
     "core_interference.py": ["--smoke"],
     "goodput.py": ["--smoke"],
@@ -43,6 +44,7 @@ SMOKE: dict[str, list[str]] = {
 # smoke runs that train on a cluster or start a framework's workers several times (about 13 s and
 # more; what they run is covered by the e2e tests of the same paths): soak only
 SOAK = {
+    "audit_cost.py",
     "peer_recovery.py",
     "lightning_checkpoint.py",
     "accelerate_checkpoint.py",
