@@ -77,6 +77,8 @@ class GatedSaver(ProcessWriterSaver):
             staging.set_result(None)
             go.wait(WAIT)
             if error:
+                if self.thread_writer is not None:  # a real write fails as its DCP save ends, never beside the next
+                    inner.done.exception(WAIT)
                 written.set_exception(error[0])
                 return
             try:
