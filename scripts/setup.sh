@@ -47,6 +47,9 @@ if [ -n "$EXTRAS" ]; then
 else
   step "installing elastic-trainer" "$VENV"/bin/pip install -q -e .
 fi
+# Byte-compile the project's own sources once: with PYTHONDONTWRITEBYTECODE set (as in many
+# containers) every process (supervisor, zygote, CLI) would otherwise compile them again at import.
+"$VENV"/bin/python -m compileall -q elastic_trainer tests bench examples > /dev/null
 "$VENV"/bin/python -c "import torch, elastic_trainer; print('set-up done: $VENV with torch', torch.__version__, '| elastic_trainer', elastic_trainer.__version__)"
 if [ "${ELASTIC_TRAINER_SYSTEM_DEPS:-1}" = "1" ] && [ "$(id -u)" = "0" ]; then
   for f in scripts/system-deps.d/*.sh; do

@@ -59,7 +59,7 @@ def build_training(cfg: Config, d, open_data: bool = True):
     initialise_buffers(model, spec.init_buffers)
     t = cfg.train
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, foreach=True
+        model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, fused=True
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     state = TrainState()  # its cursor is where the batches stand
