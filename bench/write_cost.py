@@ -10,6 +10,9 @@ time, per GB written. Rounds interleave the variants so all see the same load.
 * ``torch-default``: ``FileSystemWriter`` as ``Storage.dcp.writer`` builds it, torch.save's zip CRC32s on;
 * ``ours``: the manager's writer, ``integrity.ChecksummedWriter(...)`` (CRC32s off, XXH3 of every byte);
 * ``ours-threads2``: the same with ``thread_count=2`` (two files per rank, two writer threads);
+* ``ours-no-writeback``: ``ours`` without early writeback (``storage.writeback``: the disk starts
+  only at the final fsync); ``ours``' wall ÷ this one's is what early writeback saves of a write +
+  fsync;
 * ``no-crc-no-hash``: CRC32s off and no checksums (what the serialisation and file writes
   alone cost: the floor for any checksummed variant).
 
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import loadavg, machine_info, median, parse_with_smoke, table
 
-VARIANTS = ["torch-default", "ours", "ours-threads2", "no-crc-no-hash"]
+VARIANTS = ["torch-default", "ours", "ours-threads2", "ours-no-writeback", "no-crc-no-hash"]
 
 
 def _writer(variant: str, storage, path: str):
@@ -83,7 +86,10 @@ def main() -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    from elastic_trainer.storage import writeback
     from elastic_trainer.storage.fs import open_storage
+
+    libc_call = writeback.sync_file_range  # switched off for one variant
 
     info = machine_info()
     info["loadavg_start"] = loadavg()
@@ -102,8 +108,10 @@ def main() -> int:
                 path = storage.join(f"{v}-{r}")
                 storage.makedirs(path)
                 w = _writer(v, storage, path)
+                writeback.sync_file_range = None if v == "ours-no-writeback" else libc_call
                 c0, t0 = time.process_time(), time.monotonic()
                 dcp.save(state, storage_writer=w, no_dist=True)
+                writeback.sync_file_range = libc_call
                 cpu.setdefault(v, []).append(time.process_time() - c0)
                 wall.setdefault(v, []).append(time.monotonic() - t0)
                 if v not in checked:
@@ -140,6 +148,11 @@ def main() -> int:
         for v in VARIANTS
     ]
     print(table(["writer", "CPU-s per GB (median)", "samples", "÷ torch default", "wall s per GB"], rows))
+    paired = [x / y for x, y in zip(wall["ours"], wall["ours-no-writeback"], strict=True)]
+    print(
+        f"early writeback: write + fsync wall, ours ÷ ours-no-writeback per round "
+        f"{', '.join(f'{x:.2f}' for x in paired)} (median {median(paired):.2f})"
+    )
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"cpu": cpu, "wall": wall, "bytes": nbytes, "info": info}, indent=1))
     return 0

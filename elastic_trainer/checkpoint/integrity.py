@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointIntegrityError
+from ..storage.writeback import EarlyWriteback, regular_file_descriptor
 from .layout import CHECKSUMS, METADATA, Checks, digest
 
 
@@ -84,6 +85,7 @@ class _HashingStream(io.RawIOBase):
         self._rec.hasher = xxhash.xxh3_64()
         self._seg_start = 0
         self._seg = xxhash.xxh3_64()
+        self._writeback = EarlyWriteback(regular_file_descriptor(raw))  # the fsync then waits for the tail only
 
     def writable(self) -> bool:
         return True
@@ -103,6 +105,7 @@ class _HashingStream(io.RawIOBase):
             self._rec.hasher.update(part)
             self._rec.size += n
             done += n
+        self._writeback.wrote(self._rec.size, self._raw.flush)
         return done
 
     def tell(self) -> int:
