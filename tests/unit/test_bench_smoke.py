@@ -36,6 +36,7 @@ SMOKE: dict[str, list[str]] = {
     "s3_throughput.py": ["--smoke"],
     "shm_rewrite.py": ["--smoke"],
     "save_gil.py": ["--smoke"],
+    "scale.py": ["--smoke"],
     "step_phases.py": ["--smoke"],
     "throughput.py": ["--smoke"],
     "transformers_trainer.py": ["--smoke"],
