@@ -404,6 +404,7 @@ def _cmd_config(a) -> int:
     from .config import load_config
 
     cfg = load_config(a.config, a.overrides)
+    _warn_rendezvous_scale(cfg)
     if a.deep:
         from .supervisor import options
 
@@ -412,6 +413,18 @@ def _cmd_config(a) -> int:
         _check_before_start(cfg)
     print(json.dumps(cfg.to_dict(), indent=2))
     return 0
+
+
+def _warn_rendezvous_scale(cfg) -> None:
+    """On stderr: whether the c10d rendezvous would drop live nodes at ``elastic.nnodes``' maximum."""
+    from .config import parse_nnodes, parse_rdzv_conf
+    from .supervisor.liveness import scale_warning
+
+    max_nodes = parse_nnodes(cfg.elastic.nnodes)[1]
+    if cfg.elastic.rdzv_backend == "c10d" and max_nodes > 1:
+        why = scale_warning(max_nodes, parse_rdzv_conf(cfg.elastic.rdzv_conf))
+        if why:
+            print(f"warning: elastic.nnodes: {why}", file=sys.stderr)
 
 
 def _cmd_data(a) -> int:

@@ -24,6 +24,7 @@ from ..metrics.sink import MetricsSink, NullSink
 from . import options, policy, round_poll
 from .journal import Journal
 from .liveness import NodeLiveness, set_keep_alive_interval
+from .liveness import scale_warning as liveness_scale_warning
 from .restarts import RestartLedger, read_marker, remove_marker
 from .warm import WarmStart
 
@@ -186,6 +187,9 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, keys_set: lis
         server.before_collect(history.export)
     if config.max_nodes > 1 and config.rdzv_backend != "static":
         _check_store(config)
+        why = liveness_scale_warning(config.max_nodes, config.rdzv_configs) if config.rdzv_backend == "c10d" else None
+        if why:
+            logger.warning("rendezvous: %s", why)
     _emit_launch(events, config, cmd, cmd_args)
     storage = storage if storage is not None else _open_root(cfg)  # raises what it could not open
     os.environ[contract.CHECKPOINT_EPOCH_ENV] = take_epoch(storage, config.run_id or "elastic-trainer", events)

@@ -117,6 +117,42 @@ def bound_seconds(handler) -> float | None:
     return settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
 
 
+# torch's c10d rendezvous keeps every node's heartbeat in one store key, and a keep-alive is a
+# compare-and-set of that whole state: a node reads it, re-encodes it with its own heartbeat and
+# writes it back only if no other node wrote in between. Heartbeats therefore land one at a time,
+# each turn taking about HEARTBEAT_TURN_SECONDS_PER_NODE × N (encoding the state of N nodes:
+# 16 ms at 1,024 nodes, 52 ms at 4,096, 128 ms at 10,000 in bench/scale.py), and each node's
+# heartbeat lands about every HEARTBEAT_TURN_SECONDS_PER_NODE × N² seconds.
+HEARTBEAT_TURN_SECONDS_PER_NODE = 1.3e-5
+# torch's own keep-alive when elastic.rdzv_conf sets none
+TORCH_KEEP_ALIVE = (5.0, 3)
+
+
+def heartbeat_period_seconds(nodes: int) -> float:
+    """About how often each of ``nodes`` nodes' heartbeats lands in the c10d rendezvous state."""
+    return HEARTBEAT_TURN_SECONDS_PER_NODE * nodes * nodes
+
+
+def scale_warning(max_nodes: int, rdzv_configs: dict) -> str | None:
+    """Why the c10d rendezvous would drop live nodes at ``max_nodes`` nodes with these settings
+    (torchrun's ``--rdzv-conf``): a heartbeat period past half the liveness bound. None: fine."""
+    interval = float(rdzv_configs.get("keep_alive_interval", TORCH_KEEP_ALIVE[0]))
+    attempts = int(rdzv_configs.get("keep_alive_max_attempt", TORCH_KEEP_ALIVE[1]))
+    bound, period = interval * attempts, heartbeat_period_seconds(max_nodes)
+    if period <= bound / 2:
+        return None
+    fits = int((bound / 2 / HEARTBEAT_TURN_SECONDS_PER_NODE) ** 0.5)
+    return (
+        f"up to {max_nodes} nodes: every node's heartbeat goes into one key of the c10d rendezvous store, "
+        f"one node at a time, so each lands only about every {period:.0f} s at {max_nodes} nodes, past half "
+        f"the liveness bound of {bound:g} s (keep_alive_interval={interval:g} x keep_alive_max_attempt="
+        f"{attempts}): live nodes would be dropped as lost. These settings carry about {fits} nodes; for "
+        f"{max_nodes}, set elastic.rdzv_conf so that keep_alive_interval x keep_alive_max_attempt >= "
+        f"{2 * period:.0f} s (silent node loss is then detected that late; docs/elasticity.md, "
+        "'How many nodes one rendezvous carries')"
+    )
+
+
 def fence_seconds(handler) -> float:
     """After a verdict of peer loss, how long until the lost node's own :class:`ContactWatch` has
     stopped its workers, at the latest, if it is alive but cut off: its last contact with the

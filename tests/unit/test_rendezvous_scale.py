@@ -1,0 +1,50 @@
+"""How many nodes one c10d rendezvous carries: every heartbeat is a compare-and-set of one key
+holding every node's (bench/scale.py measured the turn each takes), so a node's heartbeat lands
+about every turn × N²; ``config check`` and ``launch`` warn when that passes half the liveness
+bound, naming the settings that carry the node count."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_trainer import cli
+from elastic_trainer.config import parse_rdzv_conf
+from elastic_trainer.supervisor.liveness import heartbeat_period_seconds, scale_warning
+
+DEFAULT = parse_rdzv_conf("last_call_timeout=1,keep_alive_interval=0.25,keep_alive_max_attempt=8")
+
+
+def test_the_heartbeat_period_grows_with_the_square_of_the_nodes():
+    assert heartbeat_period_seconds(2048) == pytest.approx(4 * heartbeat_period_seconds(1024))
+    assert heartbeat_period_seconds(16) < 0.01
+
+
+@pytest.mark.parametrize("nodes", [2, 16, 128, 256])
+def test_the_default_settings_carry_a_few_hundred_nodes(nodes):
+    assert scale_warning(nodes, DEFAULT) is None
+
+
+def test_past_them_the_warning_names_the_bound_the_node_count_needs_and_that_bound_is_enough():
+    why = scale_warning(1024, DEFAULT)
+    assert why is not None
+    assert "1024 nodes" in why and "liveness bound of 2 s" in why
+    assert "keep_alive_interval x keep_alive_max_attempt" in why
+    need = 2 * heartbeat_period_seconds(1024)
+    assert f">= {need:.0f} s" in why
+    assert scale_warning(1024, {"keep_alive_interval": str(need / 3), "keep_alive_max_attempt": "3"}) is None
+
+
+def test_torch_s_own_keep_alive_applies_when_none_is_set():
+    # torch's 5 s x 3: a 15 s bound carries about 760 nodes
+    assert scale_warning(700, {}) is None
+    assert "keep_alive_interval=5 x keep_alive_max_attempt=3" in (scale_warning(1000, {}) or "")
+
+
+def test_config_check_warns_on_stderr_and_still_prints_the_config(tmp_path, capsys):
+    cfg = tmp_path / "big.toml"
+    cfg.write_text('[elastic]\nnnodes = "64:1024"\nrdzv_endpoint = "10.0.0.1:29400"\n')
+    assert cli.main(["config", "check", str(cfg)]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("warning: elastic.nnodes: up to 1024 nodes") and '"elastic"' in out
+    assert cli.main(["config", "check", str(cfg), "--set", "elastic.nnodes=2:64"]) == 0
+    assert capsys.readouterr().err == ""
