@@ -2,6 +2,7 @@
 
     python bench/checkpoint_stall.py [--rounds 3] [--every 20] [--dim 768 --layers 13]
                                      [--seq-len 64 --global-batch 2] [--device cpu|cuda] [--json-out F]
+                                     [--peer torchtitan,torch-checkpointing,lm-resiliency,dlrover]
 
 One run, 2 gloo ranks in-process (``tests/dist/harness.py``, no elastic agent; ``--device cuda``:
 NCCL, one GPU per rank, bf16 mixed precision, the stager copying into pinned host memory as the
@@ -37,6 +38,16 @@ Measured per round, interleaved so every method sees the same machine load:
 
 Every number per checkpoint is the slowest rank's (the step is collective). Prints a Markdown
 table and the machine facts; ``--json-out`` keeps every sample.
+
+``--peer torchtitan,torch-checkpointing,lm-resiliency,dlrover`` adds, per library, B blocks driven
+by that library's manager over the same model, optimizer, ranks and disk (``bench/checkpoint_peers.py``;
+each library from its own pinned ``bench/requirements-<peer>.txt``, installed into the bench venv;
+a library that is not importable stops the run with the command that installs it). For ours and
+every peer variant the side-by-side table gives: blocked per save; save call -> durable (polled
+every 20 ms from the save call; what durable means for each is printed); throughput with a save
+every ``--every`` steps / none; CPU per save (the save call's CPU on the training thread + what the
+block's other threads and child processes used beyond the no-checkpoint block's, both ranks); and
+the shims a peer needs on CPU, by name.
 """
 
 from __future__ import annotations
@@ -52,6 +63,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.checkpoint_peers import (
+    DURABLE,
+    PEER_MODES,
+    SHIMS,
+    install_hint,
+    missing_peers,
+    titan_manager,
+    tree_cpu_seconds,
+    watch_durable,
+)
+from bench.checkpoint_peers import PeerManager as _PeerManager
 from bench.common import REPO, loadavg, machine_info, median, parse_with_smoke, table
 
 
@@ -154,8 +176,8 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         if mode == "thread":
             managers[mode] = ckpt
             continue
-        if mode.startswith("torchtitan-"):
-            managers[mode] = _torchtitan_manager(mode, work, model, states)
+        if mode in DURABLE and mode != "thread":  # a peer library's variant
+            managers[mode] = _peer_manager(mode, work, model, optimizer, states, d, o)
             continue
         # "thread-pageable": the thread writer staging CUDA tensors into pageable (not pinned) host memory
         writer, _, nice = mode.removesuffix("-pageable").partition("-nice")
@@ -197,16 +219,22 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         mgr = mgr or ckpt
         ck.run.manager = mgr
         dist.barrier()
-        times, stats, marks = [], None, {}
-        c0 = time.process_time()
+        times, stats, marks, watch = [], None, {}, []
+        c0, tc0, th0 = time.process_time(), tree_cpu_seconds(), time.thread_time()
+        save_cpu = [0.0]
         t0 = time.monotonic()
         last = [t0]
 
         def after_step(s) -> None:
             nonlocal stats, marks
             if save and stats is None:
+                called, cpu0 = time.monotonic() - t0, time.thread_time()
                 stats = mgr.save(s.step)
-                marks = {"save_returned": time.monotonic() - t0}
+                save_cpu[0] = time.thread_time() - cpu0
+                marks = {"save_called": called, "save_returned": time.monotonic() - t0}
+                probe = _durable_probe(mgr, stats.step, rank)
+                if probe is not None and not stats.skipped:
+                    watch[:] = watch_durable(probe, t0, marks)
                 inflight = mgr._inflight  # noqa: SLF001 - timing the save in flight from the inside
                 for name, f in (
                     ("staged", inflight.stagings[0] if inflight.stagings else None),
@@ -225,9 +253,17 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         if save:
             mgr.finish()
         end = time.monotonic()
+        if watch:  # the durable mark lands once finish() returned, or soon after (its own poll)
+            watch[0].join(timeout=120)
+            watch[1].set()
         out = {
             "seconds": end - t0,
             "cpu_seconds": time.process_time() - c0,
+            "tree_cpu_seconds": tree_cpu_seconds() - tc0,
+            # CPU off the training thread (its other threads, dead ones included, and its child
+            # processes): what a background save adds shows here, without the training's own noise
+            "off_thread_cpu_seconds": tree_cpu_seconds() - tc0 - (time.thread_time() - th0),
+            "save_call_cpu_seconds": save_cpu[0],
             "step_times": times,
             "finish_wait": end - t_fin,
             "marks": marks,
@@ -239,6 +275,8 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
                 call=stats.call,
                 staging_wait=stats.staging_wait,
                 stall=stats.stall,
+                skipped=stats.skipped,
+                durable=marks["durable"] - marks["save_called"] if "durable" in marks else None,
             )
         return out
 
@@ -362,114 +400,35 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
     return res
 
 
-PEER_MODES = {"torchtitan": ["torchtitan-async", "torchtitan-pinned-cpu"]}
+def _peer_manager(mode: str, work: str, model, optimizer, states: dict, d, o: dict):
+    """A peer library's manager over the same model, optimizer, scheduler and ranks."""
+    from bench import checkpoint_peers as peers
+
+    if mode.startswith("torchtitan-"):
+        return titan_manager(mode, work, model, states)
+    if mode == "torch-checkpointing":
+        return peers.TorchCheckpointingPeer(work, states)
+    if mode == "lm-resiliency":
+        return peers.LmResiliencyPeer(work, model, optimizer, d.world_size, o["every"])
+    return peers.DlroverPeer(work, states, d.rank, d.world_size)
 
 
-class _NoFaults:
-    """The manager's ``fault_hooks`` (fault injection only): none in the benchmark."""
-
-    def inject_local_faults(self, step: int) -> None:
-        pass
-
-    def commit_visible(self, step: int) -> bool:
-        return False
-
-
-class _PeerManager:
-    """The surface of our ``CheckpointManager`` that ``Trainer.train`` and the blocks use,
-    over torchtitan's ``CheckpointManager``: ``save`` = its ``maybe_wait_for_saving`` (timed as
-    waiting for the previous save) + its ``save``; ``wait_for_staging`` = its
-    ``maybe_wait_for_staging``; ``finish`` = its ``maybe_wait_for_saving``."""
-
-    fenced = None
-    save_in_progress = False
-    fault_hooks = _NoFaults()
-
-    def votes(self):
-        from elastic_trainer.checkpoint.agreement import SaveVotes
-
-        return SaveVotes()
-
-    def agreed(self, votes) -> None:
-        pass
-
-    def drain_after_failure(self) -> bool:
-        return True
-
-    def __init__(self, mgr):
-        self.mgr = mgr
-        self._inflight = None
-        self._stats = None
-
-    def save(self, step: int, **_kw):
-        import types
-
-        from elastic_trainer.checkpoint.manager import SaveStats
-
-        st = self._stats = SaveStats(step)
-        t0 = time.monotonic()
-        self.mgr.maybe_wait_for_saving()
-        st.wait_previous = time.monotonic() - t0
-        t1 = time.monotonic()
-        self.mgr.save(step)
-        st.call = time.monotonic() - t1
-        self._inflight = types.SimpleNamespace(stagings=[self.mgr.staging_future], written=self.mgr.save_future)
-        return st
-
-    def wait_for_staging(self) -> float:
-        if self.mgr.staging_future is None:
-            return 0.0
-        t0 = time.monotonic()
-        self.mgr.maybe_wait_for_staging()
-        waited = time.monotonic() - t0
-        if self._stats is not None:
-            self._stats.staging_wait += waited
-        return waited
-
-    def finish(self, timeout=None) -> bool:
-        self.mgr.maybe_wait_for_saving()
-        self._inflight = None
-        return True
-
-    def close(self) -> None:
-        self.mgr.close()
+def _durable_probe(mgr, step: int, rank: int):
+    """What says the save of ``step`` is durable, polled from the save call on (None: this rank
+    cannot tell; ours: rank 0's commit)."""
+    if isinstance(mgr, _PeerManager):
+        return lambda: mgr.durable(step)
+    if rank == 0:
+        return lambda: mgr.last_committed_step == step
+    return None
 
 
-def _torchtitan_manager(mode: str, work: str, model, states: dict):
-    """torchtitan's DCP ``CheckpointManager`` over the same model, optimizer and scheduler.
-
-    * ``torchtitan-async``: its ``async_mode="async"`` (``dcp.async_save`` THREAD mode on its own
-      gloo group, staging on the caller's thread);
-    * ``torchtitan-pinned-cpu``: its ``async_mode="async_with_pinned_mem"`` path (PROCESS mode +
-      ``DefaultStager``, staging in the background, ``maybe_wait_for_staging`` before the
-      optimizer step) with the stager built for CPU: its own ``StagingOptions(True, True, True,
-      True)`` need CUDA (pinned memory, non-blocking copies), so the stager is pre-set with shared
-      memory and async staging only (the ``_save`` path creates one only when none is set).
-
-    Its storage writer is DCP's default ``FileSystemWriter`` (torch.save's CRC32s on, no checksums).
-    """
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    from torchtitan.components.checkpointer.dcp import CheckpointManager as TitanCheckpointManager
-
-    async_mode = {"torchtitan-async": "async", "torchtitan-pinned-cpu": "async_with_pinned_mem"}[mode]
-    cfg = TitanCheckpointManager.Config(enable=True, folder=mode, interval=1, keep_latest_k=2, async_mode=async_mode)
-    mgr = TitanCheckpointManager(
-        cfg,
-        dataloader=states["train"],
-        model_parts=[model],
-        optimizers=states["optim"],
-        lr_schedulers=states["lr_scheduler"],
-        states={"rng": states["rng"]},
-        sd_adapter=None,
-        base_folder=work,
-    )
-    if async_mode == "async_with_pinned_mem":
-        mgr.stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=False, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=False
-            )
-        )
-    return _PeerManager(mgr)
+def _slowest_durable(ranks: list[dict], i: int, k: str) -> float:
+    """Save call → durable of round ``i``'s save in block ``k``: the slowest rank that can tell
+    (nan: none saw it durable before the block ended + 120 s)."""
+    seen = [r["rounds"][i][k].get("durable") for r in ranks]
+    seen = [x for x in seen if x is not None]
+    return max(seen) if seen else float("nan")
 
 
 def summarise(ranks: list[dict], o: dict, info: dict) -> dict:
@@ -506,6 +465,22 @@ def summarise(ranks: list[dict], o: dict, info: dict) -> dict:
         # the step right after the save (index 1; the save follows step index 0) vs the block's median step
         s[f"after_{k}"] = worst(lambda r, i, k=k: r["rounds"][i][k]["step_times"][1])
         s[f"step_{k}"] = worst(lambda r, i, k=k: median(r["rounds"][i][k]["step_times"][2:]))
+        s[f"durable_{k}"] = [_slowest_durable(ranks, i, k) for i in range(n)]
+        # the save call's CPU on the training thread + what the block's other threads and processes
+        # used beyond the no-checkpoint block's (gloo's own threads, chiefly), both ranks
+        s[f"cpu_per_save_{k}"] = [
+            sum(
+                r["rounds"][i][k]["save_call_cpu_seconds"]
+                + r["rounds"][i][k]["off_thread_cpu_seconds"]
+                - r["rounds"][i]["A"]["off_thread_cpu_seconds"]
+                for r in ranks
+            )
+            for i in range(n)
+        ]
+        s[f"cpu_block_diff_{k}"] = [
+            sum(r["rounds"][i][k]["tree_cpu_seconds"] - r["rounds"][i]["A"]["tree_cpu_seconds"] for r in ranks)
+            for i in range(n)
+        ]
     s["after_A"] = worst(lambda r, i: r["rounds"][i]["A"]["step_times"][1])
     s["step_A"] = worst(lambda r, i: median(r["rounds"][i]["A"]["step_times"][2:]))
     m = {k: median(v) for k, v in s.items()}
@@ -582,9 +557,10 @@ def main() -> int:
     )
     ap.add_argument(
         "--peer",
-        choices=sorted(PEER_MODES),
-        help="also measure a peer's checkpoint manager modes side by side "
-        "(torchtitan: its async and pinned-memory paths; run with the bench venv's python, see BENCHMARKS.md)",
+        default="",
+        help="comma-separated peer libraries measured side by side with ours, each as B blocks: torchtitan "
+        "(its async and pinned-memory paths; or one: torchtitan-async, torchtitan-pinned-cpu), "
+        "torch-checkpointing, lm-resiliency, dlrover; run with the bench venv's python, see BENCHMARKS.md",
     )
     ap.add_argument(
         "--skip-sync", action="store_true", help="only the A/B blocks (no sync, full-state-dict or floor comparisons)"
@@ -610,6 +586,14 @@ def main() -> int:
         ],  # fmt: skip
     )
 
+    peers = [p for p in a.peer.split(",") if p]
+    unknown = [p for p in peers if p not in PEER_MODES]
+    if unknown:
+        ap.error(f"--peer {','.join(unknown)}: not one of {', '.join(PEER_MODES)}")
+    missing = missing_peers(peers)
+    if missing:
+        print("\n\n".join(install_hint(p) for p in missing), file=sys.stderr)
+        return 2
     from tests.dist.harness import run_ranks
 
     if not os.path.exists(a.data):
@@ -633,7 +617,7 @@ def main() -> int:
         "global_batch": a.global_batch,
         "micro_batch": a.micro_batch,
         "warmup_steps": a.warmup_steps,
-        "modes": a.modes.split(",") + PEER_MODES.get(a.peer, []),
+        "modes": a.modes.split(",") + [m for p in peers for m in PEER_MODES[p]],
         "skip_sync": a.skip_sync,
         "device": a.device,
     }
@@ -654,9 +638,76 @@ def main() -> int:
     out = summarise(ranks, o, info)
     out["async_save_seconds_to_commit"] = [c.get("seconds") for c in committed]
     print_report(out)
+    print()
+    print_side_by_side(out, a.every)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"summary": out, "ranks": ranks}, indent=1))
     return 0
+
+
+def _finite(xs) -> list[float]:
+    return [x for x in xs if x == x]
+
+
+def print_side_by_side(out: dict, every: int) -> None:
+    """Ours and every peer variant: blocked, save call → durable, throughput, CPU per save; the
+    shims; and the ratios against the peers."""
+    s, r = out["samples"], out["ratios"]["modes"]
+
+    def med(key: str) -> float:
+        return median(_finite(s[key]))
+
+    def fmt(xs) -> str:
+        return ", ".join(f"{x:.3f}" if x == x else "never" for x in xs)
+
+    rows = []
+    for mode, x in r.items():
+        k = "B:" + mode
+        rows.append(
+            [
+                mode if mode in DURABLE and mode != "thread" else f"ours ({mode})",
+                f"{med('stall_' + k):.3f} ({fmt(s['stall_' + k])})",
+                f"{med('durable_' + k):.2f} ({fmt(s['durable_' + k])})",
+                f"{x['throughput']:.3f} ({fmt(x['per_round'])})",
+                f"{med('cpu_per_save_' + k):.2f} ({fmt(s['cpu_per_save_' + k])})",
+            ]
+        )
+    print(
+        table(
+            [
+                "save path",
+                "blocked per save s (samples)",
+                "save call → durable s (samples)",
+                f"throughput, a save every {every} ÷ none (per round)",
+                "CPU s per save: save call + off-training-thread − A's, both ranks (per round)",
+            ],
+            rows,
+        )
+    )
+    print()
+    for mode in r:
+        print(f"durable, {mode}: {DURABLE.get(mode, DURABLE['thread'])}")
+    for mode in r:
+        if mode in SHIMS:
+            print(f"shim, {mode}: {SHIMS[mode]}")
+    ours = next((m for m in r if m not in DURABLE or m == "thread"), None)
+    peers = [m for m in r if m in DURABLE and m != "thread"]
+    if ours is None or not peers:
+        return
+    k = "B:" + ours
+    best_blocked = min(peers, key=lambda m: med("stall_B:" + m))
+    best_tp = max(peers, key=lambda m: r[m]["throughput"])
+    print()
+    if "torch-checkpointing" in peers:
+        print(
+            "ours save → committed (checksummed, fsynced, manifest) ÷ torch-checkpointing save → renamed: "
+            f"{med('durable_' + k) / med('durable_B:torch-checkpointing'):.2f}"
+        )
+    print(f"ours blocked ÷ best peer's ({best_blocked}): {med('stall_' + k) / med('stall_B:' + best_blocked):.2f}")
+    print(
+        f"ours throughput ratio {r[ours]['throughput']:.3f} vs best peer's ({best_tp}) {r[best_tp]['throughput']:.3f}: "
+        f"{r[ours]['throughput'] / r[best_tp]['throughput']:.3f}"
+    )
 
 
 def print_report(out: dict) -> None:

@@ -14,7 +14,8 @@ import pytest
 from tests import runs
 
 BENCH = runs.REPO / "bench"
-HELPERS = {"common.py", "step_probe.py"}  # imported by the scripts (step_probe through step_phases.py)
+# imported by the scripts (step_probe through step_phases.py, checkpoint_peers through checkpoint_stall.py)
+HELPERS = {"common.py", "step_probe.py", "checkpoint_peers.py"}
 ELSEWHERE = {"gpu_check.py": "tests/e2e/test_gpu_check.py"}  # its --device cpu dry run has tests of its own
 
 # script -> its smoke command's arguments; each one's smoke mode skips what this machine lacks
