@@ -420,11 +420,10 @@ def _warn_rendezvous_scale(cfg) -> None:
     from .config import parse_nnodes, parse_rdzv_conf
     from .supervisor.liveness import scale_warning
 
-    max_nodes = parse_nnodes(cfg.elastic.nnodes)[1]
-    if cfg.elastic.rdzv_backend == "c10d" and max_nodes > 1:
-        why = scale_warning(max_nodes, parse_rdzv_conf(cfg.elastic.rdzv_conf))
-        if why:
-            print(f"warning: elastic.nnodes: {why}", file=sys.stderr)
+    e = cfg.elastic
+    why = scale_warning(e.rdzv_backend, parse_nnodes(e.nnodes)[1], parse_rdzv_conf(e.rdzv_conf))
+    if why:
+        print(f"warning: elastic.nnodes: {why}", file=sys.stderr)
 
 
 def _cmd_data(a) -> int:

@@ -57,6 +57,13 @@ def build_launch_config(cfg: Config, args, explicit: set[str], env=None):
     )
 
 
+def rendezvous_scale_warning(config) -> str | None:
+    """Whether this launch's rendezvous (``config``: :func:`build_launch_config`'s, flags and
+    ``PET_*`` applied) would drop live nodes at its maximum node count (see
+    :func:`.liveness.scale_warning`)."""
+    return liveness_scale_warning(config.rdzv_backend, config.max_nodes, config.rdzv_configs)
+
+
 def run_agent(
     config,
     cmd,
@@ -187,9 +194,9 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, keys_set: lis
         server.before_collect(history.export)
     if config.max_nodes > 1 and config.rdzv_backend != "static":
         _check_store(config)
-        why = liveness_scale_warning(config.max_nodes, config.rdzv_configs) if config.rdzv_backend == "c10d" else None
-        if why:
-            logger.warning("rendezvous: %s", why)
+    why = rendezvous_scale_warning(config)
+    if why:
+        logger.warning("rendezvous: %s", why)
     _emit_launch(events, config, cmd, cmd_args)
     storage = storage if storage is not None else _open_root(cfg)  # raises what it could not open
     os.environ[contract.CHECKPOINT_EPOCH_ENV] = take_epoch(storage, config.run_id or "elastic-trainer", events)

@@ -133,9 +133,12 @@ def heartbeat_period_seconds(nodes: int) -> float:
     return HEARTBEAT_TURN_SECONDS_PER_NODE * nodes * nodes
 
 
-def scale_warning(max_nodes: int, rdzv_configs: dict) -> str | None:
-    """Why the c10d rendezvous would drop live nodes at ``max_nodes`` nodes with these settings
-    (torchrun's ``--rdzv-conf``): a heartbeat period past half the liveness bound. None: fine."""
+def scale_warning(backend: str, max_nodes: int, rdzv_configs: dict) -> str | None:
+    """Why a c10d rendezvous would drop live nodes at ``max_nodes`` nodes with these settings
+    (torchrun's ``--rdzv-conf``): a heartbeat period past half the liveness bound. None: fine, or
+    not a c10d rendezvous of several nodes."""
+    if backend != "c10d" or max_nodes <= 1:
+        return None
     interval = float(rdzv_configs.get("keep_alive_interval", TORCH_KEEP_ALIVE[0]))
     attempts = int(rdzv_configs.get("keep_alive_max_attempt", TORCH_KEEP_ALIVE[1]))
     bound, period = interval * attempts, heartbeat_period_seconds(max_nodes)
