@@ -19,7 +19,6 @@ whatever ``checkpoint.resume`` said for the first start. Commits not on the curr
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -144,12 +143,9 @@ class Catalog:
             quarantine = self._read_marker(name, layout.QUARANTINE, files)
             writer = self._read_marker(name, layout.WRITER, files) if manifest is None else None
             audit = self._read_marker(name, layout.AUDIT, files) if manifest is not None else None
-            plain = {
-                k: v
-                for k, v in files.items()
-                if k not in (layout.MANIFEST, layout.QUARANTINE, layout.WRITER, layout.CHECKSUMS, layout.AUDIT)
-            }
-            out.append(layout.Candidate(step, name, manifest, plain, quarantine, writer, audit))
+            plain = {k: v for k, v in files.items() if k not in layout.MARKERS}
+            markers = tuple(sorted(k for k in files if k in layout.MARKERS))
+            out.append(layout.Candidate(step, name, manifest, plain, quarantine, writer, audit, markers))
         return out
 
     def _listing(self) -> dict[str, dict[str, int]]:
@@ -335,7 +331,7 @@ class Catalog:
             self.fence.check()
             d = self.storage.join(name)
             try:
-                table = json.loads(self.storage.read_bytes(self.storage.join(name, layout.CHECKSUMS)))
+                table = read_json(self.storage, self.storage.join(name, layout.CHECKSUMS))
                 written = table["files"]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(
@@ -543,10 +539,18 @@ class Pruner:
             for c in chain:
                 if c.step in victims:
                     cat.fence.check()
-                    cat.storage.delete_tree(cat.storage.join(c.name))
+                    self._delete_commit(c)
                     deleted.append(c.step)
                     cat.events.emit("checkpoint_deleted", step=c.step, name=c.name, reason="retention")
             return deleted
+
+    def _delete_commit(self, c: layout.Candidate) -> None:
+        """Delete a commit as :meth:`Catalog.scan` listed it: its commit marker first, so a
+        deletion cut short leaves an uncommitted leftover (cleaned at a start), never a commit
+        with files missing; then the rest, without listing it again."""
+        storage, d = self._catalog.storage, self._catalog.storage.join(c.name)
+        storage.delete_files(d, [layout.MANIFEST])
+        storage.delete_files(d, sorted({*c.files, *c.markers} - {layout.MANIFEST}))
 
     def clean_uncommitted(
         self, keep: frozenset[str] = frozenset(), candidates: list[layout.Candidate] | None = None

@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointIntegrityError
+from ..heap import collector_paused
 from ..storage.writeback import EarlyWriteback, regular_file_descriptor
 from .layout import CHECKSUMS, METADATA, Checks, digest
 
@@ -563,7 +564,8 @@ class _VerifyingReads(_Reader):
                 )
             if self.refused is not None:
                 raise self.refused
-        metadata = pickle.loads(data)  # noqa: S301 - verified against the (optionally signed) manifest above
+        with collector_paused():
+            metadata = pickle.loads(data)  # noqa: S301 - verified against the (optionally signed) manifest above
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 

@@ -29,6 +29,7 @@ from typing import Any
 import xxhash
 
 from .. import contract
+from ..heap import collector_paused
 
 MANIFEST = "manifest.json"
 QUARANTINE = "quarantine.json"
@@ -36,6 +37,7 @@ WRITER = ".writer.json"
 AUDIT = "audit.json"  # ``ckpt audit``'s verdict on the commit (its sidecar)
 CERTIFIED, SUSPECT = "certified", "suspect"
 CHECKSUMS = ".checksums.json"  # DCP's writer's table of every file and item it wrote (see integrity)
+MARKERS = (MANIFEST, QUARANTINE, WRITER, CHECKSUMS, AUDIT)  # a directory's files that are not DCP's
 METADATA = ".metadata"  # DCP's own metadata file
 MANIFEST_VERSION = 2  # the format this version writes
 READABLE_VERSIONS = (2,)  # the formats this version reads; any other stops a resume (exit 2) naming both
@@ -83,6 +85,7 @@ class Candidate:
     quarantine: dict[str, Any] | None = None
     writer: dict[str, Any] | None = None  # who wrote an uncommitted directory (epoch)
     audit: dict[str, Any] | None = None  # ``ckpt audit``'s verdict (AUDIT), if audited
+    markers: tuple[str, ...] = ()  # the marker files listed beside ``files`` (MARKERS)
 
     @property
     def gen(self) -> int:
@@ -406,8 +409,9 @@ class Checks:
         files = manifest.get("files") or {}
         meta = files.get(METADATA) or {}
         items = {}
-        for rel, f in files.items():
-            for off, length, h in (f.get("items") or []) if isinstance(f, dict) else []:
-                items[(rel, int(off))] = (int(length), int(h))
+        with collector_paused():  # one entry per item of every rank: 65,000 at 4,096 ranks
+            for rel, f in files.items():
+                for off, length, h in (f.get("items") or []) if isinstance(f, dict) else []:
+                    items[(rel, int(off))] = (int(length), int(h))
         metadata = (int(meta["size"]), int(meta["xxh3"])) if isinstance(meta, dict) and "xxh3" in meta else None
         return cls(metadata, items)

@@ -10,6 +10,7 @@ Credentials are never logged: :meth:`Storage.describe` prints the URI and endpoi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import fsspec
 
 from ..config import CheckpointConfig, check_uri
 from ..errors import StorageError, TransientStorageError
+from ..heap import collector_paused
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -176,6 +178,8 @@ class Storage:
         base = self._p(path).rstrip("/")
 
         def run() -> dict[str, int]:
+            if self.protocol == "file":
+                return _local_files(base)
             try:
                 found = self.fs.find(base, detail=True, withdirs=False)
             except FileNotFoundError:
@@ -228,6 +232,42 @@ class Storage:
                 pass
 
         self._retry(run, f"delete({path})")
+
+    def delete_files(self, path: str, names: list[str]) -> None:
+        """Delete the files ``names`` (relative to ``path``, as a listing found them) and, locally,
+        the directories that leaves empty, ``path`` included; a name already gone is skipped. On an
+        object store the keys are deleted in bulk without listing them again (``delete_tree``
+        lists first: 0.3 s per 1,000 objects on the test S3 server)."""
+        if not names:
+            return
+        paths = [self._p(posixpath.join(path, n)) for n in names]
+        if self.protocol != "file":
+
+            def bulk() -> None:
+                try:
+                    self.fs.rm(paths)  # S3: DeleteObjects, 1,000 keys a request; a key gone is no error
+                except FileNotFoundError:  # other filesystems refuse a list with a name gone
+                    for p in paths:
+                        with contextlib.suppress(FileNotFoundError):
+                            self.fs.rm_file(p)
+
+            self._retry(bulk, f"delete({path}: {len(paths)} files)")
+            return
+
+        def run() -> None:
+            for p in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(p)
+            top = self._p(path).rstrip("/")
+            for d in sorted({os.path.dirname(p) for p in paths}, key=len, reverse=True):
+                while d.startswith(top) and len(d) >= len(top):
+                    try:
+                        os.rmdir(d)
+                    except OSError:  # not empty (or gone): its parents are not empty either
+                        break
+                    d = os.path.dirname(d)
+
+        self._retry(run, f"delete({path}: {len(paths)} files)")
 
     def makedirs(self, path: str) -> None:
         if self.protocol == "file":
@@ -321,14 +361,49 @@ class AccessChecks:
         self._storage.delete_tree(path)
 
 
+def _local_files(base: str) -> dict[str, int]:
+    """:meth:`Storage.list_files` of a local directory: one ``scandir`` per directory (fsspec's
+    ``find`` costs a ``stat`` and a path normalisation per file: 4x the time at 16,000 files).
+    An entry that vanishes while it is listed is left out, as a listing a moment later would."""
+    if os.path.isfile(base):
+        return {posixpath.basename(base): os.path.getsize(base)}
+    out: dict[str, int] = {}
+    pending = [""]
+    while pending:
+        rel = pending.pop()
+        try:
+            entries = os.scandir(os.path.join(base, rel) if rel else base)
+        except (FileNotFoundError, NotADirectoryError):
+            if not rel and os.path.lexists(base):
+                raise
+            continue
+        with entries:
+            for e in entries:
+                name = f"{rel}/{e.name}" if rel else e.name
+                try:
+                    if e.is_dir():
+                        pending.append(name)
+                    else:
+                        out[name] = e.stat().st_size
+                except FileNotFoundError:
+                    continue
+    return out
+
+
 def read_json(storage: Storage, path: str) -> Any:
     """The JSON document at ``path``."""
-    return json.loads(storage.read_bytes(path))
+    data = storage.read_bytes(path)
+    with collector_paused():
+        return json.loads(data)
 
 
 def write_json_atomic(storage: Storage, path: str, obj: Any) -> None:
-    """Write ``obj`` as JSON (indented, keys sorted), all-or-nothing (:meth:`Storage.write_bytes_atomic`)."""
-    storage.write_bytes_atomic(path, json.dumps(obj, indent=2, sort_keys=True).encode())
+    """Write ``obj`` as JSON (keys sorted, ``"key": value`` on one line), all-or-nothing
+    (:meth:`Storage.write_bytes_atomic`).
+
+    One line because only that form has the C encoder: an indented manifest of 4,096 ranks took
+    1.7 s to encode, this one 0.1 s (``bench/scale.py``)."""
+    storage.write_bytes_atomic(path, json.dumps(obj, sort_keys=True).encode() + b"\n")
 
 
 def backend_modules(uri: str) -> tuple[str, ...]:

@@ -341,6 +341,38 @@ def test_retention_never_deletes_unless_the_newer_commit_verifies(tmp_path, why)
     assert (tmp_path / five / layout.MANIFEST).exists()
 
 
+def test_retention_deletes_the_commit_marker_first_and_leaves_nothing(tmp_path, monkeypatch):
+    """A deletion cut short after the commit marker leaves an uncommitted leftover (never a
+    commit with files missing); a whole one leaves no file and no directory."""
+    cat = _catalog(tmp_path, "A")
+    five = _save(cat, 5)
+    ten = _save(cat, 10, parent=five, seq=2)
+    audit = tmp_path / five / "sub" / "extra.bin"  # a nested file the listing found
+    audit.parent.mkdir()
+    audit.write_bytes(b"x")
+    calls = []
+    real = cat.storage.delete_files
+
+    def cut_short(path, names):
+        calls.append(list(names))
+        if len(calls) == 2:
+            raise OSError("the process died here")
+        real(path, names)
+
+    monkeypatch.setattr(cat.storage, "delete_files", cut_short)
+    with pytest.raises(OSError):
+        cat.pruner.retention(ten, keep_last=1, keep_every=0)
+    assert calls[0] == [layout.MANIFEST] and layout.MANIFEST not in calls[1]
+    assert {layout.CHECKSUMS, layout.METADATA, "sub/extra.bin"} <= set(calls[1])
+    left = {c.name: c for c in cat.scan()}[five]
+    assert left.manifest is None, "no commit marker over a partial directory"
+    assert [c.name for c in layout.cleanable_uncommitted(cat.scan(), cat.epoch or "")] == [five]
+    monkeypatch.setattr(cat.storage, "delete_files", real)
+    fifteen = _save(cat, 15, parent=ten, seq=3)
+    assert cat.pruner.retention(fifteen, keep_last=1, keep_every=0) == [10]
+    assert sorted(os.listdir(tmp_path)) == sorted(["_epochs", five, fifteen])
+
+
 def test_retention_keeps_quarantined_and_invalid_ones(tmp_path):
     cat = _catalog(tmp_path, "A")
     five = _save(cat, 5)

@@ -33,6 +33,45 @@ def test_write_list_read_delete(storage):
     storage.delete_tree(storage.join("never-existed"))
 
 
+def test_local_listing_agrees_with_fsspecs_find(tmp_path):
+    """The local fast path lists what fsspec's ``find`` lists: nested files with their sizes,
+    no directories (an empty one lists nothing), a file path as its own name, a missing path as {}."""
+    root = tmp_path / "root"
+    for rel, size in {"a.bin": 3, "d/b.bin": 0, "d/e/c.bin": 7, ".hidden/x": 2}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x" * size)
+    (root / "empty").mkdir()
+    local = open_storage(str(root))
+    via_fsspec = {
+        os.path.relpath(name, root): info["size"]
+        for name, info in local.fs.find(str(root), detail=True, withdirs=False).items()
+    }
+    assert local.list_files(local.root) == via_fsspec == {"a.bin": 3, "d/b.bin": 0, "d/e/c.bin": 7, ".hidden/x": 2}
+    assert local.list_files(local.join("d")) == {"b.bin": 0, "e/c.bin": 7}
+    assert local.list_files(local.join("a.bin")) == {"a.bin": 3}
+    assert local.list_files(local.join("missing")) == {}
+
+
+def test_delete_files_deletes_exactly_the_names_and_the_directories_left_empty(storage):
+    d = storage.join("step-00000001")
+    for rel in ("manifest.json", "a.bin", "sub/b.bin", "sub/deeper/c.bin", "kept/k.bin"):
+        storage.write_bytes_atomic(storage.join("step-00000001", rel), b"123")
+    storage.delete_files(d, ["manifest.json"])
+    assert "manifest.json" not in storage.list_files(d) and "a.bin" in storage.list_files(d)
+    storage.delete_files(d, ["a.bin", "sub/b.bin", "sub/deeper/c.bin", "gone.bin"])  # a name gone is skipped
+    assert storage.list_files(d) == {"kept/k.bin": 3}  # written since the listing: stays
+    assert storage.list_dirs() == ["step-00000001"]
+    storage.delete_files(d, ["kept/k.bin"])
+    assert storage.list_files(d) == {} and storage.list_dirs() == []
+
+
+def test_json_documents_are_compact_sorted_and_round_trip(storage):
+    doc = {"b": [1, 2.5, "x"], "a": {"nested": None}}
+    write_json_atomic(storage, storage.join("doc.json"), doc)
+    assert storage.read_bytes(storage.join("doc.json")) == b'{"a": {"nested": null}, "b": [1, 2.5, "x"]}\n'
+    assert read_json(storage, storage.join("doc.json")) == doc
+
+
 def test_atomic_local_write_leaves_no_temp_files(tmp_path):
     s = open_storage(str(tmp_path))
     for i in range(3):
