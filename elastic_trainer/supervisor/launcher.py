@@ -232,6 +232,9 @@ def _export_worker_env(cfg: Config, keys_set: list[str] | None) -> None:
     os.environ[contract.CONFIG_ENV] = cfg.to_json()
     os.environ[contract.CONFIG_SET_ENV] = json.dumps(keys_set or [])
     os.environ[contract.SUPERVISOR_PID_ENV] = str(os.getpid())
+    # A supervisor forked by a zygote (the tests start it so) holds that zygote's pid for its own
+    # parent check; its workers check this supervisor (or their own zygote), never that one.
+    os.environ.pop(contract.PARENT_PID_ENV, None)
     # Workers get a fresh store per rendezvous round instead of reusing keys of dead workers.
     os.environ.setdefault(contract.SHARE_RDZV_STORE_ENV, "1")
     os.environ.setdefault(contract.ENABLE_FILE_TIMER_ENV, "1")

@@ -31,9 +31,7 @@ def run_script(tmp, name: str, *script_args: str, nproc: int = 2, env=None, max_
     ckpt = tmp / (name + "-ckpt")
     args = runs.run_args(run_dir, ckpt, SCRIPT, *script_args, nproc=nproc, max_restarts=max_restarts)
     with open(run_dir / "run.log", "ab") as out:
-        r = subprocess.run(
-            args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(env), cwd=runs.REPO, timeout=240
-        )
+        r = runs.run_cli(args, runs.env_for_tests(env), 240, out)
     return r, run_dir, ckpt
 
 

@@ -36,7 +36,7 @@ def _run(
         args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *script]
     else:
         args = runs.run_args(run_dir, ckpt, *script, nproc=nproc, max_restarts=max_restarts)
-    return subprocess.run(args, capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=240)
+    return runs.run_cli(args, env, 240)
 
 
 def _dirs(ckpt) -> dict[str, set[str]]:

@@ -46,9 +46,7 @@ def run_script(
         max_restarts=max_restarts,
     )
     with open(run_dir / "run.log", "ab") as out:
-        return subprocess.run(
-            argv, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(env), cwd=runs.REPO, timeout=timeout
-        )
+        return runs.run_cli(argv, runs.env_for_tests(env), timeout, out)
 
 
 def _ok(r, tmp, name):

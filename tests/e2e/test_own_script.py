@@ -40,9 +40,7 @@ def run_script(
     ckpt = tmp / (name + "-ckpt")
     args = runs.run_args(run_dir, ckpt, *run_args, SCRIPT, *script_args, nproc=nproc, max_restarts=max_restarts)
     with open(run_dir / "run.log", "ab") as out:
-        return subprocess.run(
-            args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(env), cwd=runs.REPO, timeout=timeout
-        )
+        return runs.run_cli(args, runs.env_for_tests(env), timeout, out)
 
 
 def _paths(run_dir, ckpt) -> list[str]:
@@ -281,9 +279,7 @@ def test_a_raising_rank_of_a_script_exits_within_seconds_while_a_save_is_stuck_u
     }
     run_dir.mkdir()
     with open(run_dir / "run.log", "ab") as out:
-        r = subprocess.run(
-            args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(env), cwd=runs.REPO, timeout=280
-        )
+        r = runs.run_cli(args, runs.env_for_tests(env), 280, out)
     ended = time.time()
     log = (run_dir / "run.log").read_text()
     assert r.returncode == 1, log[-4000:]

@@ -5,8 +5,6 @@ committed; that commit resumed by 3 workers → within 1e-5 of the uninterrupted
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from elastic_trainer.checkpoint.catalog import Catalog
@@ -30,14 +28,7 @@ def _args(tmp, name: str, port: str, nproc: int = 2, max_restarts: int = 0) -> t
 def _run(tmp, name, port, *script_args, env=None, **kw):
     args, run_dir = _args(tmp, name, port, **kw)
     with open(run_dir / "run.log", "ab") as out:
-        r = subprocess.run(
-            [*args, *script_args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=runs.env_for_tests(env),
-            cwd=runs.REPO,
-            timeout=300,
-        )
+        r = runs.run_cli([*args, *script_args], runs.env_for_tests(env), 300, out)
     return r, run_dir
 
 

@@ -18,7 +18,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import CLI, REPO, children, env_for_tests, is_zygote, kill, read_events, scrape, wait_event, wait_for
+from tests.runs import (
+    CLI,
+    REPO,
+    children,
+    env_for_tests,
+    is_zygote,
+    kill,
+    read_events,
+    run_cli,
+    scrape,
+    start_cli,
+    wait_event,
+    wait_for,
+)
 
 SCRIPT = REPO / "tests" / "e2e" / "run_scripts" / "dist_script.py"
 MODULE = "tests.e2e.run_scripts.dist_script"
@@ -45,27 +58,13 @@ def run(
 ) -> subprocess.CompletedProcess:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "run.log", "ab") as out:
-        return subprocess.run(
-            run_args(run_dir, *args, config=config),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env_for_tests(env),
-            timeout=timeout,
-            cwd=REPO,
-        )
+        return run_cli(run_args(run_dir, *args, config=config), env_for_tests(env), timeout, out)
 
 
 def start(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = open(run_dir / "run.log", "ab")
-    return subprocess.Popen(
-        run_args(run_dir, *args),
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        env=env_for_tests(env),
-        cwd=REPO,
-        start_new_session=True,
-    )
+    with open(run_dir / "run.log", "ab") as out:  # the process holds its own descriptor
+        return start_cli(run_args(run_dir, *args), env_for_tests(env), out)
 
 
 def script_pids(supervisor_pid: int) -> list[int]:

@@ -46,9 +46,7 @@ def launch(tmp, name: str, *extra: str, nproc: int = 2, env=None, max_restarts: 
     run_dir.mkdir(exist_ok=True)
     args = runs.run_args(run_dir, ckpt, *_script(tmp, name, *extra), nproc=nproc, max_restarts=max_restarts)
     with open(run_dir / "run.log", "ab") as out:
-        r = subprocess.run(
-            args, stdout=out, stderr=subprocess.STDOUT, env=runs.env_for_tests(env), cwd=runs.REPO, timeout=240
-        )
+        r = runs.run_cli(args, runs.env_for_tests(env), 240, out)
     return r.returncode, run_dir, ckpt
 
 
