@@ -1,7 +1,7 @@
 """The control plane at N simulated nodes: commit, resume decision, rendezvous store traffic.
 
     python bench/scale.py [--nodes 16,256,1024,4096] [--tensors 16] [--commits 3] [--seconds 2]
-                          [--no-s3] [--json-out F]
+                          [--no-s3] [--json-out F] [--round [--round-nodes 8,16,32,64,128]]
 
 Runs the package's own control-plane code with N ranks (one rank per node) that do no
 training, and prints, per path and N, the operation's time, the objects or store operations
@@ -31,6 +31,17 @@ it takes, the bytes it moves and the growth exponent between successive N
   a state of that size, and the cores it would need at the offered load (N × the cadence);
   the package's per-monitor-pass liveness check (:func:`liveness.membership` +
   :func:`liveness.verdict`) on the state of N nodes.
+* **round** (``--round``, off by default): torch's own ``DynamicRendezvousHandler`` on the c10d
+  backend over the package's store process, N nodes as threads of this one process (each its own
+  handler, store client and ``local_addr``; min N-1, max N; the package's keep-alive cadence, a
+  last call of ``--round-last-call``). Per N: the first round of all N (first call to last
+  return); after one node goes silent (its keep-alive timer stopped, no exit, no FIN) the time
+  until a survivor's view drops it (detection) and the survivors' next round (exit then join, as
+  the agent does after a peer loss: first call to last return, checked to be the N-1 survivors);
+  the store ops, the failed compare-and-sets (those of keep-alive timers apart), the live nodes
+  some node's view dropped as dead (their heartbeat older than interval x attempts), this
+  process's and the store's CPU. Each phase has ``--round-timeout``; the first N whose phase
+  does not complete ends the path. All N nodes share this process's GIL: see the CPU column.
 
 Set-up (files, the state) and the counting are outside the timed spans; the set-up's garbage is
 collected before each timed call. The CPU column (the process's) is steadier than the wall time
@@ -52,6 +63,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -71,6 +83,7 @@ from elastic_trainer.supervisor import liveness
 
 ITEM_BYTES = 64  # each item's bytes in a rank's shard: the control plane never reads them
 LAUNCH = "scale-bench"
+TALLY_LOCK = threading.Lock()  # the store clients' counts (backend_for): += is not atomic across threads
 
 
 # ------------------------------------------------------------------------------ counting
@@ -106,12 +119,13 @@ def counted(storage: Storage) -> Counts:
     """Wrap ``storage``'s operations (on the instance) so that they count into the returned
     :class:`Counts` while its ``on`` is set; on S3 every botocore call counts too."""
     c = Counts()
-    read, write, find, ls, rm = (
+    read, write, find, ls, rm, rm_files = (
         storage.read_bytes,
         storage.write_bytes_atomic,
         storage.list_files,
         storage.list_dirs,
         storage.delete_tree,
+        storage.delete_files,
     )
 
     def read_bytes(path):
@@ -137,8 +151,13 @@ def counted(storage: Storage) -> Counts:
         c.deletes += c.on
         rm(path)
 
+    def delete_files(path, names):
+        c.deletes += len(names) * c.on
+        rm_files(path, names)
+
     storage.read_bytes, storage.write_bytes_atomic = read_bytes, write_bytes_atomic  # type: ignore[method-assign]
     storage.list_files, storage.list_dirs, storage.delete_tree = list_files, list_dirs, delete_tree  # type: ignore[method-assign]
+    storage.delete_files = delete_files  # type: ignore[method-assign]
     if storage.protocol == "s3":
         storage.list_dirs()  # opens the client, whose calls are counted from now on
         storage.fs.s3.meta.events.register("before-call.s3", c.request)
@@ -383,7 +402,7 @@ def backend_for(port: int, run_id: str, tally: dict):
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     backend = C10dRendezvousBackend(store, run_id)
     get, cas = backend.get_state, backend.set_state
-    lock = threading.Lock()
+    lock = TALLY_LOCK  # one for all clients: several nodes' backends count into one tally
 
     def get_state():
         out = get()
@@ -575,10 +594,316 @@ def store_rows(nodes: list[int], seconds: float) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------------ rendezvous round
+ROUND_ADDR = "node-{:05d}.round.sim"  # each simulated node's local_addr: torch's node is (addr, pid, local id)
+HEARTBEAT_FAILED = "has failed to send a keep-alive heartbeat"  # torch's warning when a keep-alive op times out
+
+
+# torch's handler keeps what the round path reads and stops private: these are its only reads of it
+def node_of(handler):
+    """The handler's node (torch's ``_NodeDesc``: local_addr, pid, a process-wide id)."""
+    return handler._this_node  # noqa: SLF001 - torch's private rendezvous handler
+
+
+def holder_of(handler):
+    """The handler's state holder (its view of the rendezvous state, synced with the store)."""
+    return handler._state_holder  # noqa: SLF001 - torch's private rendezvous handler
+
+
+def synced_state(handler):
+    """The handler's view after a sync of its state holder, under its heartbeat lock (as the
+    handler's own reads take it; a sync within the holder's cache duration reads nothing)."""
+    with handler._heartbeat_lock:  # noqa: SLF001 - torch's private rendezvous handler
+        holder_of(handler).sync()
+        return holder_of(handler).state
+
+
+def silence(handler) -> None:
+    """Stop the handler's keep-alive timer (torch joins its thread): no heartbeat from now on."""
+    handler._stop_heartbeats()  # noqa: SLF001 - torch's private rendezvous handler
+
+
+class RoundLog(logging.Handler):
+    """Counts torch's rendezvous warnings of keep-alives that ran out of their heartbeat timeout,
+    instead of printing one line per node (the handler's logger stops propagating meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.heartbeats_failed = 0
+        self.logger = logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.heartbeats_failed += HEARTBEAT_FAILED in record.getMessage()
+
+    def __enter__(self) -> RoundLog:
+        self.logger.addHandler(self)
+        self.logger.propagate = False
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.logger.removeHandler(self)
+        self.logger.propagate = True
+
+
+def round_backend(port: int, run_id: str, tally: dict):
+    """:func:`backend_for` (one store client per node), whose compare-and-sets from a handler's
+    keep-alive timer thread (torch names it ``RendezvousKeepAliveTimer_<id>``) also count apart:
+    ``ka_cas``, ``ka_failed``. Keep-alives inside a join (while a round forms) count as joins."""
+    backend = backend_for(port, run_id, tally)
+    cas, lock = backend.set_state, TALLY_LOCK
+
+    def set_state(state, token=None):
+        out = cas(state, token)
+        if threading.current_thread().name.startswith("RendezvousKeepAliveTimer"):
+            with lock:
+                tally["ka_cas"] += 1
+                tally["ka_failed"] += 0 if out and out[2] else 1
+        return out
+
+    backend.set_state = set_state  # type: ignore[method-assign]
+    return backend
+
+
+def watch_drops(handler, drops: dict) -> None:
+    """Record into ``drops`` (node -> monotonic time) every node the handler's state holder
+    finds dead at a sync: torch's ``_sanitize`` drops a node whose heartbeat in the state is older
+    than keep-alive interval x max attempts, from its view and from the state it writes next."""
+    holder = holder_of(handler)
+    sanitize = holder._sanitize  # noqa: SLF001 - torch's private state holder
+
+    def _sanitize() -> None:
+        sanitize()
+        for node in holder._dead_nodes:  # noqa: SLF001 - torch's private state holder
+            drops.setdefault(node, time.monotonic())
+
+    holder._sanitize = _sanitize  # noqa: SLF001 - torch's private state holder
+
+
+def round_handlers(port: int, n: int, run_id: str, last_call: float, timeout: float, tally: dict, drops: dict):
+    """N of torch's ``DynamicRendezvousHandler``, one per simulated node, built as torch's
+    ``create_handler`` builds them (:meth:`DynamicRendezvousHandler.from_backend` on a c10d
+    backend over a ``TCPStore`` client of its own): min_nodes N-1, max_nodes N, the package's
+    keep-alive interval and attempts (:func:`cadence`; ``from_backend`` takes the interval in
+    seconds as is, fractions too), ``last_call`` and a join timeout of ``timeout``."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+
+    c = cadence()
+    handlers = []
+    for i in range(n):
+        backend = round_backend(port, run_id, tally)
+        h = DynamicRendezvousHandler.from_backend(
+            run_id,
+            backend._store,  # noqa: SLF001 - torch's c10d backend's store: the one the round hands out
+            backend,
+            max(1, n - 1),
+            n,
+            local_addr=ROUND_ADDR.format(i),
+            timeout=RendezvousTimeout(
+                join=timedelta(seconds=timeout),
+                last_call=timedelta(seconds=last_call),
+                close=timedelta(seconds=30),
+                heartbeat=timedelta(seconds=5),
+            ),
+            keep_alive_interval=c["keep_alive_s"],  # type: ignore[arg-type]
+            keep_alive_max_attempt=int(c["max_attempt"]),
+        )
+        watch_drops(h, drops)
+        handlers.append(h)
+    return handlers
+
+
+def join_all(handlers: list, timeout: float) -> dict:
+    """``next_rendezvous()`` in one thread per handler, all at once. Returns the wall time from
+    the first call to the last return (None when not all returned within ``timeout``), how many
+    returned, the (rank, world size) each got, the errors and the threads (still running ones
+    end at the join timeout torch was given)."""
+    out: dict = {"seconds": None, "done": 0, "worlds": {}, "errors": [], "threads": []}
+    ends: list[float] = []
+
+    def node(h) -> None:
+        try:
+            info = h.next_rendezvous()
+            out["worlds"][node_of(h)] = (info.rank, info.world_size)
+        except Exception as e:  # noqa: BLE001 - the table reports it
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            out["errors"].append(f"{node_of(h)}: {type(e).__name__}: {e} at {where.name}:{where.lineno}")
+        ends.append(time.monotonic())
+
+    out["threads"] = [threading.Thread(target=node, args=(h,), daemon=True) for h in handlers]
+    t0 = time.monotonic()
+    for t in out["threads"]:
+        t.start()
+    for t in out["threads"]:
+        t.join(max(0.0, t0 + timeout - time.monotonic()))
+    out["done"], out["wall"] = len(out["worlds"]), time.monotonic() - t0
+    if out["done"] == len(handlers):
+        out["seconds"] = max(ends) - t0
+    elif out["errors"] and len(ends) == len(handlers):
+        out["failed"] = f"{len(out['errors'])} failed ({out['errors'][0].split(': ')[1]}) in {out['wall']:.1f} s"
+    return out
+
+
+def detect(observer, survivors: list, silent, t0: float, timeout: float) -> dict:
+    """After ``silent`` stopped beating at ``t0`` (monotonic): the time until ``observer`` (a
+    survivor; a sync of its state holder under its heartbeat lock, as the agent reads it) no
+    longer has ``silent`` among the participants, then until no survivor's own view (the state its
+    last keep-alive left it) has it. Also the oldest survivor's heartbeat the observer saw (s)."""
+    out: dict = {"detection_s": None, "detection_all_s": None, "oldest_live_beat_s": 0.0}
+    while time.monotonic() - t0 < timeout:
+        state = synced_state(observer)
+        now = datetime.now(UTC)
+        ages = [(now - b).total_seconds() for node, b in list(state.last_heartbeats.items()) if node != silent]
+        out["oldest_live_beat_s"] = max([out["oldest_live_beat_s"], *ages])
+        if out["detection_s"] is None and silent not in state.participants:
+            out["detection_s"] = time.monotonic() - t0
+        if out["detection_s"] is not None and all(silent not in holder_of(h).state.participants for h in survivors):
+            out["detection_all_s"] = time.monotonic() - t0
+            break
+        if out["detection_s"] is not None and time.monotonic() - t0 > out["detection_s"] + 10:
+            break  # a survivor whose keep-alive no longer runs (dropped itself) keeps its old view
+        time.sleep(0.02)
+    return out
+
+
+def close_round(handlers: list, joins: list[dict]) -> None:
+    """Stop every handler's keep-alive timer (torch joins its thread), close the rendezvous from
+    one handler, wait for the nodes' threads, and drop the store clients."""
+    for h in handlers:
+        silence(h)
+    if handlers:
+        try:
+            handlers[0].shutdown()
+        except Exception as e:  # noqa: BLE001 - clean-up: report, go on
+            print(f"  round: shutdown failed: {type(e).__name__}: {e}")
+    for j in joins:
+        for t in j["threads"]:
+            t.join(30)
+    handlers.clear()
+    gc.collect()
+
+
+def timed_round(name: str, handlers: list, timeout: float, out: dict) -> dict | None:
+    """One round of ``handlers`` (:func:`join_all`) recorded into ``out`` under ``name``
+    (``first`` or ``next``); None when it did not complete (``out["stopped"]`` says how far)."""
+    joined = join_all(handlers, timeout)
+    out["joins"].append(joined)
+    out[f"{name}_round_s"], out[f"{name}_errors"] = joined["seconds"], joined["errors"][:3]
+    if joined["seconds"] is not None:
+        return joined
+    out["stopped"] = f"{name} round: {joined['done']}/{len(handlers)} joined in {joined['wall']:.1f} s"
+    out["failed"] = joined.get("failed")
+    return None
+
+
+def round_phases(handlers: list, timeout: float, drops: dict, out: dict) -> None:
+    """The timed phases of one N (into ``out``): the first round of all N, one node's silence,
+    its detection, the survivors' next round; stops at the first phase that does not complete."""
+    first = timed_round("first", handlers, timeout, out)
+    if first is None:
+        return
+    out["tally_first"] = dict(out["tally"])
+    time.sleep(2 * cadence()["keep_alive_s"])  # every node's keep-alive timer runs
+    silent = max(handlers, key=lambda h: first["worlds"][node_of(h)][0])  # the highest rank
+    survivors = [h for h in handlers if h is not silent]
+    t0 = out["phase_t"]["silence"] = time.monotonic()
+    silence(silent)  # no exit op, no FIN: its store client stays open and idle
+    out["silent"] = str(node_of(silent))
+    out.update(detect(survivors[0], survivors, node_of(silent), t0, timeout))
+    out["drops_by_detection"] = len(drops)
+    if out["detection_s"] is None:
+        out["stopped"] = f"detection: not within {timeout:.0f} s"
+        return
+    out["tally_detected"] = dict(out["tally"])
+    out["phase_t"]["next"] = time.monotonic()
+    nxt = timed_round("next", survivors, timeout, out)
+    if nxt is None:
+        return
+    want, ranks = {node_of(h) for h in survivors}, sorted(r for r, _ in nxt["worlds"].values())
+    worlds = sorted({w for _, w in nxt["worlds"].values()})
+    got = set(holder_of(survivors[0]).state.participants)  # the observer's view as its join returned
+    out["next_ok"] = ranks == list(range(len(want))) and worlds == [len(want)]
+    out["next_check"] = {"world_sizes": worlds, "distinct_ranks": len(set(ranks)), "view": len(got)}
+    out["next_check"].update(view_missing=len(want - got), view_extra=len(got - want))
+
+
+def round_row(store: StoreProc, n: int, last_call: float, timeout: float) -> dict:
+    """One N of the round path (see :func:`round_phases`): the phases' times, the store ops and
+    failed compare-and-sets until the next round formed, the live nodes some node's view dropped,
+    the CPU of this process (all N nodes) and of the store process, the threads left after."""
+    base_threads = threading.active_count()
+    tally = dict.fromkeys(("gets", "get_bytes", "cas", "cas_failed", "cas_bytes", "ka_cas", "ka_failed"), 0)
+    drops: dict = {}
+    out: dict = {"n": n, "last_call_s": last_call, "tally": tally, "joins": [], "stopped": "", "next_ok": False}
+    out["phase_t"] = {"first": time.monotonic()}
+    out.update(first_round_s=None, detection_s=None, detection_all_s=None, next_round_s=None, oldest_live_beat_s=0.0)
+    with RoundLog() as log:
+        handlers = round_handlers(store.port, n, f"scale-round-{n}", last_call, timeout, tally, drops)
+        gc.collect()  # the set-up's garbage
+        cpu0, store0 = time.process_time(), store.cpu_seconds()
+        try:
+            round_phases(handlers, timeout, drops, out)
+        finally:
+            out["cpu"], out["store_cpu"] = time.process_time() - cpu0, store.cpu_seconds() - store0
+            out["tally_end"] = dict(tally)
+            out["live_dropped"] = sorted(str(k) for k in drops if str(k) != out.get("silent"))
+            phases = sorted(out.pop("phase_t").items(), key=lambda kv: kv[1])
+            live = [t for k, t in drops.items() if str(k) != out.get("silent")]
+            ends = [at for _, at in phases[1:]] + [math.inf]
+            out["live_dropped_in"] = {
+                p: sum(at <= t < e for t in live) for (p, at), e in zip(phases, ends, strict=True)
+            }
+            out["heartbeats_timed_out"] = log.heartbeats_failed
+            close_round(handlers, out["joins"])
+    out["threads_left"] = threading.active_count() - base_threads
+    end = out.pop("tally_end")
+    row = {k: v for k, v in out.items() if k not in ("tally", "joins")}
+    row.update(ops=end["gets"] + end["cas"], cas=end["cas"], cas_failed=end["cas_failed"])
+    row.update(ka_cas=end["ka_cas"], ka_failed=end["ka_failed"], state_bytes=end["get_bytes"] // max(1, end["gets"]))
+    return row
+
+
+def round_rows(nodes: list[int], last_call: float, timeout: float, event_names: bool = True) -> list[dict]:
+    """:func:`round_row` per N, smallest first, on one store process; stops after an N whose
+    phase did not complete in ``timeout``. As the package's launcher does, torch's agent store
+    is not shared (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): rank 0 opens no store server.
+
+    Without ``event_names``, torch's ``get_method_name`` (two ``inspect.stack()`` per call,
+    about 2.4 ms of CPU here, for the name of an event that is then discarded: events go to a
+    ``NullHandler``) returns a constant: every op executor step and sync calls it, a cost a real
+    node pays on its own cores that N simulated nodes pay on this process's one GIL."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from elastic_trainer import contract
+
+    store, prev = StoreProc(), os.environ.get(contract.SHARE_RDZV_STORE_ENV)
+    os.environ[contract.SHARE_RDZV_STORE_ENV] = "1"
+    method_name = dynamic_rendezvous.get_method_name
+    if not event_names:
+        dynamic_rendezvous.get_method_name = lambda depth=2: "scale-bench"
+    rows: list[dict] = []
+    try:
+        for n in nodes:
+            rows.append(round_row(store, n, last_call, timeout))
+            r = rows[-1]
+            times = [r[k] for k in ("first_round_s", "detection_s", "next_round_s")]
+            print(f"  round N={n}: " + ", ".join("-" if t is None else f"{t:.2f} s" for t in times), flush=True)
+            if r["stopped"]:
+                print(f"  round N={n}: {r['stopped']}; no larger N")
+                break
+    finally:
+        dynamic_rendezvous.get_method_name = method_name
+        if prev is None:
+            os.environ.pop(contract.SHARE_RDZV_STORE_ENV, None)
+        else:
+            os.environ[contract.SHARE_RDZV_STORE_ENV] = prev
+        store.stop()
+    return rows
+
+
 # ------------------------------------------------------------------------------ report
 def storage_table(rows: dict[str, list[dict]]) -> str:
     header = ["path", "N", "time (s)", "exp.", "CPU (s)", "exp.", "objects read", "bytes read", "listings"]
-    header += ["entries listed", "objects written", "bytes written", "deletes", "S3 requests"]
+    header += ["entries listed", "objects written", "bytes written", "objects deleted", "S3 requests"]
     out = []
     for path, rs in rows.items():
         for r, e, ec in zip(rs, exponent(rs, "seconds"), exponent(rs, "cpu"), strict=True):
@@ -606,6 +931,29 @@ def store_table(rows: list[dict]) -> str:
     return table(header, out)
 
 
+def round_table(rows: list[dict], timeout: float) -> str:
+    header = ["N", "first round (s)", "detection (s)", "next round (s)", "exp. (next round)", "store ops"]
+    header += ["CAS failed (keep-alive)", "live nodes dropped", "oldest live heartbeat (s)", "CPU (s)", "store CPU (s)"]
+    late = f"did not complete in {timeout:.0f} s"
+
+    def s(r: dict, v: float | None, reached: bool) -> str:
+        return f"{v:.2f}" if v is not None else ((r.get("failed") or late) if reached else "-")
+
+    out = []
+    exps = exponent([{**r, "next_round_s": r["next_round_s"] or 0} for r in rows], "next_round_s")
+    for r, e in zip(rows, exps, strict=True):
+        first, detected = r["first_round_s"] is not None, r["detection_s"] is not None
+        nxt = s(r, r["next_round_s"], detected) + (
+            "" if r["next_round_s"] is None or r["next_ok"] else " (wrong members)"
+        )
+        out.append(
+            [r["n"], s(r, r["first_round_s"], True), s(r, r["detection_s"], first), nxt, e, f"{r['ops']:,}"]
+            + [f"{r['cas_failed']:,} ({r['ka_failed']:,})", len(r["live_dropped"]), f"{r['oldest_live_beat_s']:.2f}"]
+            + [f"{r['cpu']:.1f}", f"{r['store_cpu']:.1f}"]
+        )
+    return table(header, out)
+
+
 def s3_backend(root: Path) -> tuple[str, object] | None:
     """SeaweedFS as the S3 tests start it, with a bucket; (base URI, its process) or None."""
     from tests.fixtures import s3 as fx
@@ -627,9 +975,19 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=2.0, help="each store phase's length")
     ap.add_argument("--no-s3", action="store_true", help="local directory only")
     ap.add_argument("--json-out")
+    ap.add_argument(
+        "--round", action="store_true", help="also time torch's rendezvous round after a node's silent loss"
+    )
+    ap.add_argument("--round-nodes", default="8,16,32,64,128", help="comma-separated N of the round path")
+    ap.add_argument("--round-last-call", type=float, default=1.0, help="the round path's last_call timeout (s)")
+    ap.add_argument("--round-timeout", type=float, default=120.0, help="each round phase's limit (s)")
+    ap.add_argument(
+        "--round-no-event-names", action="store_true", help="torch's discarded event names cost no inspect.stack()"
+    )
     # the smoke run: the local root and the store only (the S3 path is the same code on another storage)
     a = parse_with_smoke(ap, ["--nodes", "4,16", "--seconds", "0.2", "--commits", "2", "--no-s3"])
     nodes = sorted({int(x) for x in a.nodes.split(",")})
+    round_nodes = sorted({int(x) for x in a.round_nodes.split(",") if int(x) >= 2})
     logging.getLogger("elastic_trainer").setLevel(logging.ERROR)  # SeaweedFS lists deleted dirs: "skipping" lines
     info = machine_info()
     print(f"{info['nproc']} CPU cores, torch {info['torch']}, python {info['python']}, {info['date_utc']} UTC")
@@ -643,6 +1001,8 @@ def main() -> int:
     try:
         paths = storage_paths(backends, nodes, a)
         store = store_rows(nodes, a.seconds)
+        names = not a.round_no_event_names
+        rounds = round_rows(round_nodes, a.round_last_call, a.round_timeout, names) if a.round else []
     finally:
         if s3 is not None:
             from tests.fixtures.procs import stop_process
@@ -653,8 +1013,18 @@ def main() -> int:
     print(storage_table(paths))
     print("\nrendezvous store (one TCPStore, torch's c10d rendezvous state, the package's default cadence):\n")
     print(store_table(store))
+    if a.round:
+        c = cadence()
+        print(
+            f"\nrendezvous round after a silent node loss (torch's DynamicRendezvousHandler, N nodes as threads of"
+            f" one process, min N-1, max N, keep-alive {c['keep_alive_s']} s x {c['max_attempt']:.0f},"
+            f" last_call {a.round_last_call} s, torch's own 1 s poll"
+            f"{'' if names else ', event names without inspect.stack()'}):\n"
+        )
+        print(round_table(rounds, a.round_timeout))
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"machine": info, "paths": paths, "store": store}, indent=1))
+        out = {"machine": info, "paths": paths, "store": store, **({"round": rounds} if a.round else {})}
+        Path(a.json_out).write_text(json.dumps(out, indent=1))
     return 0
 
 

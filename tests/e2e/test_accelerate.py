@@ -123,7 +123,7 @@ def test_accelerate_launch_gives_the_same_losses(tmp_path, reference):
         "--output-dir",
         str(out),
     ]
-    r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+    r = runs.run_cli(args, runs.env_for_tests(), 240)
     assert r.returncode == 0, r.stderr[-4000:]
     assert runs.step_losses(out) == reference
     assert _valid_commits(out / "checkpoints") == [9, 12]
@@ -151,13 +151,13 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_plain_python_is_a_world_of_one_and_resumes(tmp_path):
     out = tmp_path / "py"
     args = [sys.executable, "-c", _COUNTED, SCRIPT, "--steps", "4", "--save-every", "2", "--output-dir", str(out)]
-    r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+    r = runs.run_cli(args, runs.env_for_tests(), 240)
     assert r.returncode == 0, r.stderr[-4000:]
     printed = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert [p["step"] for p in printed] == [1, 2, 3, 4]
     assert _valid_commits(out / "checkpoints") == [2, 4]
     assert "object collectives: []" in r.stdout, r.stdout[-2000:]
-    r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+    r = runs.run_cli(args, runs.env_for_tests(), 240)
     assert r.returncode == 0, r.stderr[-4000:]
     (resume,) = runs.read_events(out, "resume")
     assert resume["step"] == 4 and not [x for x in r.stdout.splitlines() if x.startswith("{")]
@@ -173,7 +173,7 @@ def test_a_nan_loss_stops_with_65_before_the_optimizer_step_and_nothing_after_is
         "9",
         "5",
     ]
-    r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+    r = runs.run_cli(args, runs.env_for_tests(), 240)
     assert r.returncode == 65, r.stderr[-4000:]
     (ev,) = runs.read_events(out, "nonfinite")
     assert ev["step"] == 5 and ev["action"] == "stop"
@@ -191,7 +191,7 @@ def test_a_model_sharded_with_fully_shard_before_prepare_checkpoints_and_reshard
     def torchrun(out, nproc: int, steps: int) -> None:
         args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
         args += ["--master-port", str(free_port()), script, str(out), str(steps)]
-        r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+        r = runs.run_cli(args, runs.env_for_tests(), 240)
         assert r.returncode == 0, r.stderr[-4000:]
 
     ref, out = tmp_path / "ref", tmp_path / "out"
@@ -214,9 +214,7 @@ def test_a_changed_seed_exits_2_naming_it_and_trains_nothing(tmp_path):
 
     def launch(*flags):
         args = runs.run_args(run_dir, ckpt, *flags, script, str(tmp_path / "project"), "3", nproc=1, max_restarts=0)
-        return subprocess.run(
-            args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240
-        )
+        return runs.run_cli(args, runs.env_for_tests(), 240)
 
     r = launch()
     assert r.returncode == 0, r.stderr[-4000:]
@@ -266,9 +264,7 @@ def test_accelerate_launch_commits_the_final_step_to_the_config_file_s_s3_root_a
         *("run", "--set", f"run.dir={run_dir}", "--set", "metrics.port=0", "--nproc-per-node", "2"),
         *("--max-restarts", "0", "--monitor-interval", "0.2", SCRIPT, "--steps", "7", "--save-every", "3"),
     ]
-    r = subprocess.run(
-        under_run, capture_output=True, text=True, env=runs.env_for_tests(env), cwd=runs.REPO, timeout=240
-    )
+    r = runs.run_cli(under_run, runs.env_for_tests(env), 240)
     assert r.returncode == 0, r.stderr[-4000:] + r.stdout[-2000:]
     (resume,) = runs.read_events(run_dir, "resume")
     assert resume["step"] == 5
@@ -303,7 +299,7 @@ def test_the_loader_s_batch_size_stays_the_micro_batch_from_2_to_1_to_3_processe
         args = runs.run_args(
             run_dir, ckpt, "--set", "checkpoint.interval_steps=2", script, str(run_dir), str(steps), nproc=nproc
         )
-        r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+        r = runs.run_cli(args, runs.env_for_tests(), 240)
         assert r.returncode == 0, r.stderr[-4000:]
         return run_dir
 

@@ -10,7 +10,6 @@ Five launches in all (two of them the audits' replays)."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -34,13 +33,10 @@ def _launch_ok(cfg: Path, *args: str, env: dict | None = None) -> None:
 
 
 def _audit(root: Path, first: int, last: int, scratch: Path, env: dict | None = None):
-    return subprocess.run(
+    return runs.run_cli(
         [*runs.CLI, "ckpt", "audit", str(root), "--from", str(first), "--to", str(last), "--scratch", str(scratch)],
-        capture_output=True,
-        text=True,
-        env=runs.env_for_tests(env),
-        cwd=runs.REPO,
-        timeout=300,
+        runs.env_for_tests(env),
+        300,
     )
 
 

@@ -208,7 +208,7 @@ def test_run_checks_storage_and_local_dir_before_any_worker_starts(tmp_path):
             "--steps",
             "2",
         ]
-        r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=120)
+        r = runs.run_cli(args, env, 120)
         key = "checkpoint.local_dir" if "local_dir" in what else "checkpoint.dir"
         assert r.returncode == 2 and f"config error at '{key}'" in r.stderr, (what, r.stderr[-2000:])
         assert "Traceback" not in r.stderr + r.stdout, (what, r.stderr[-2000:])
@@ -234,7 +234,7 @@ def test_a_launch_refused_before_training_prints_one_line_and_no_traceback(tmp_p
     env = runs.env_for_tests(
         {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}
     )
-    r = subprocess.run(runs.launch_args(config), capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=120)
+    r = runs.run_cli(runs.launch_args(config), env, 120)
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
     assert len(lines) == 1 and "config error at 'checkpoint.dir': cannot access s3://nobucket/x" in lines[0], lines

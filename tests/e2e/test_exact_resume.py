@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from elastic_trainer.supervisor.policy import BACKOFF_RESET_SECONDS
-from tests.runs import REPO, env_for_tests, read_events, run_launch, step_losses, write_config
+from tests.runs import REPO, env_for_tests, read_events, run_cli, run_launch, step_losses, write_config
 
 STEPS = 10
 HF_CONFIG = REPO / "tests" / "data" / "hf" / "tiny-llama"
@@ -156,13 +156,8 @@ def test_a_glob_that_gains_a_file_resumes_on_the_files_of_the_first_start(tmp_pa
 def _bad_launch(tmp_path: Path, data_path: str) -> subprocess.CompletedProcess:
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "c.toml", data_path, run_dir)
-    proc = subprocess.run(
-        [sys.executable, "-m", "elastic_trainer.cli", "launch", str(cfg), "--nproc-per-node", "2"],
-        capture_output=True,
-        text=True,
-        env=env_for_tests(),
-        cwd=REPO,
-        timeout=120,
+    proc = run_cli(
+        [sys.executable, "-m", "elastic_trainer.cli", "launch", str(cfg), "--nproc-per-node", "2"], env_for_tests(), 120
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert not read_events(run_dir, "start"), "a worker started"

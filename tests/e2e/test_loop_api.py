@@ -172,7 +172,7 @@ def test_twenty_ranks_start_without_a_global_batch_set(tmp_path):
     script.write_text(_MANY_RANKS)
     run_dir = tmp_path / "run"
     args = runs.run_args(run_dir, tmp_path / "ckpt", str(script), nproc=20, max_restarts=0)
-    r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=300)
+    r = runs.run_cli(args, runs.env_for_tests(), 300)
     assert r.returncode == 0, r.stderr[-4000:]
     steps = runs.read_events(run_dir, "step")
     assert [e["step"] for e in steps] == [1, 2] and {e["world_size"] for e in steps} == {20}

@@ -136,7 +136,7 @@ def test_plain_torchrun_checkpoints_and_resumes_exactly(tmp_path, reference):
             "--steps",
             str(steps),
         ]
-        r = subprocess.run(args, capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=240)
+        r = runs.run_cli(args, runs.env_for_tests(), 240)
         assert r.returncode == 0, r.stderr[-3000:]
 
     torchrun(8)
@@ -182,7 +182,7 @@ def test_plain_torchrun_restart_resumes_exactly(tmp_path, reference):
         "--steps",
         "12",
     ]
-    r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=runs.REPO, timeout=240)
+    r = runs.run_cli(args, env, 240)
     assert r.returncode == 0, r.stderr[-3000:]
     (resume,) = runs.read_events(run_dir, "resume")
     assert resume["step"] == 5

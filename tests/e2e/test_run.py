@@ -255,25 +255,11 @@ def test_preemption_exits_75(tmp_path, target):
 
 def test_bad_input_fails_before_start(tmp_path):
     env = env_for_tests()
-    r = subprocess.run(
-        [*CLI, "run", "--set", "elastic.max_restarts=-1", str(SCRIPT)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=60,
-    )
+    r = run_cli([*CLI, "run", "--set", "elastic.max_restarts=-1", str(SCRIPT)], env, 60)
     assert r.returncode == 2 and "elastic.max_restarts" in r.stderr
-    r = subprocess.run([*CLI, "run", "--nproc-per-node"], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    r = run_cli([*CLI, "run", "--nproc-per-node"], env, 60)
     assert r.returncode == 2 and "--nproc-per-node" in r.stderr
-    r = subprocess.run(
-        [*CLI, "run", "--config", str(tmp_path / "missing.toml"), str(SCRIPT)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=60,
-    )
+    r = run_cli([*CLI, "run", "--config", str(tmp_path / "missing.toml"), str(SCRIPT)], env, 60)
     assert r.returncode == 2 and "missing.toml" in r.stderr
 
 

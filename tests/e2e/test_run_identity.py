@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
@@ -56,9 +55,7 @@ def test_changed_run_keys_are_named_before_start_and_allowed_on_request(tmp_path
         tmp_path / "b.toml", token_file, run, train={"steps": 8, "seed": 99, "global_batch_size": 12}
     )
     starts_before = len(runs.read_events(run, "start"))
-    r = subprocess.run(
-        runs.launch_args(changed), capture_output=True, text=True, env=runs.env_for_tests(), cwd=runs.REPO, timeout=120
-    )
+    r = runs.run_cli(runs.launch_args(changed), runs.env_for_tests(), 120)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "config error at 'train.seed': checkpoint has 7, config has 99" in r.stderr
     assert "config error at 'train.global_batch_size': checkpoint has 10, config has 12" in r.stderr

@@ -33,6 +33,7 @@ from tests.runs import (
     env_for_tests,
     kill,
     read_events,
+    run_cli,
     run_launch,
     start_launch,
     step_losses,
@@ -291,13 +292,10 @@ def test_export_loads_with_from_pretrained_and_matches_sharded_logits(runs, tmp_
 )
 def test_bad_model_settings_stop_the_launch_naming_the_key(runs, sources, sections, key):
     cfg, run_dir = runs.config(f"bad-{key}", "memmap", **sections)
-    proc = subprocess.run(
+    proc = run_cli(
         [sys.executable, "-m", "elastic_trainer.cli", "launch", str(cfg), "--nproc-per-node", "2"],
-        capture_output=True,
-        text=True,
-        env=env_for_tests(OFFLINE),
-        cwd=REPO,
-        timeout=120,
+        env_for_tests(OFFLINE),
+        120,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"config error at '{key}'" in proc.stderr, proc.stderr[-3000:]
@@ -311,13 +309,10 @@ def test_tokenizer_larger_than_model_vocab_stops_the_launch(runs, tmp_path):
     conf["vocab_size"] = 300  # the tokenizer has 400 tokens
     (small / "config.json").write_text(json.dumps(conf))
     cfg, run_dir = runs.config("bad-tokenizer", "parquet", model={"hf_config": str(small), "vocab_size": 300})
-    proc = subprocess.run(
+    proc = run_cli(
         [sys.executable, "-m", "elastic_trainer.cli", "launch", str(cfg), "--nproc-per-node", "2"],
-        capture_output=True,
-        text=True,
-        env=env_for_tests(OFFLINE),
-        cwd=REPO,
-        timeout=120,
+        env_for_tests(OFFLINE),
+        120,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "config error at 'data.tokenizer'" in proc.stderr and "model.vocab_size is 300" in proc.stderr, proc.stderr[
