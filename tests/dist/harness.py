@@ -82,8 +82,25 @@ def _context():
     return ctx
 
 
+class _PortTaken(AssertionError):
+    """Rank 0's store could not listen on the port chosen for it: another process took it
+    between the choice and the bind (no rank got past ``init_process_group``)."""
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 120.0, daemon: bool = True):
-    """``daemon=False`` lets the ranks start processes of their own (PROCESS-mode ``async_save``)."""
+    """``daemon=False`` lets the ranks start processes of their own (PROCESS-mode ``async_save``).
+    A port taken by another process between its choice and rank 0's bind is chosen again (up to
+    3 times): that race is the test machine's, not the code's under test."""
+    for attempt in range(3):
+        try:
+            return _run_ranks_once(fn, world, *args, timeout=timeout, daemon=daemon)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_ranks_once(fn, world: int, *args, timeout: float, daemon: bool):
     ctx = _context()
     queue = ctx.Queue()
     port = _free_port()
@@ -113,5 +130,8 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, daemon: bool = True
             if p.is_alive():
                 p.kill()
     if errors:
-        raise AssertionError("\n".join(errors))
+        text = "\n".join(errors)
+        if "EADDRINUSE" in text and "init_process_group" in text:
+            raise _PortTaken(text)
+        raise AssertionError(text)
     return [results[r] for r in range(world)]
