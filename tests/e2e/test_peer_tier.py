@@ -50,10 +50,12 @@ def _lose_node_a(store, token_file, tmp_path, remote_every: int = 1000, fault: s
             store,
             "--rdzv-id",
             "peer",
-            # both nodes in the first round even when one starts seconds after the other (a loaded
-            # machine): a round of one would scale up with a preemption commit to checkpoint.dir
+            # both nodes in the first round even when one joins many seconds after the other (a
+            # loaded machine: 12 s seen): a round of one would scale up with a preemption commit
+            # to checkpoint.dir. A round of both closes at once; the survivor's round after the
+            # loss waits the last call out.
             "--rdzv-conf",
-            "last_call_timeout=10",
+            "last_call_timeout=20",
             "--local-addr",
             ADDR[name],
             env={contract.NODE_ENV: name, contract.CHECKPOINT_KEY_ENV: KEY, contract.INJECT_FAULT_ENV: fault or None},
