@@ -258,12 +258,16 @@ def _early_zygote(argv: list[str]):
 
 
 def _launch(argv: list[str], zygote) -> int:
+    import os
+
+    from . import contract
     from .config import load_config
     from .supervisor import options
     from .supervisor.launcher import launch, start_zygote
     from .worker import zygote as zygote_process
 
     a, explicit = options.parse_explicit(options.launch_parser(), argv)
+    os.environ.pop(contract.SCRIPT_COMMAND_ENV, None)  # the built-in trainer: a replay launches it
     bad = [f"--{d.replace('_', '-')}" for d in options.SCRIPT_ONLY if getattr(a, d)]
     if bad:
         raise ConfigError(
@@ -367,6 +371,7 @@ def _cmd_run(argv: list[str]) -> int:
     overrides = a.overrides + (["elastic.warm_start=false"] if a.no_warm_start else [])
     cfg = load_config(a.config, overrides, name=run_name(a.config) or run_name(a.training_script))
     config, cmd, cmd_args = build_launch_config(cfg, a, explicit)
+    _record_script_command(a)
     # Forked now, while this process has imported torch and runs no thread of its own yet.
     zygote = start_zygote(cfg, cmd, cmd_args, preload=tuple(a.preload), fork=zygote_process.fork)
     try:
@@ -386,6 +391,19 @@ def _cmd_run(argv: list[str]) -> int:
         if zygote is not None:
             zygote.close()
         raise
+
+
+def _record_script_command(a) -> None:
+    """What the workers record in every manifest for ``ckpt audit`` to replay the run with: the
+    script (or ``-m`` module) and its arguments, and the working directory they are relative to."""
+    import os
+
+    from . import contract
+    from .supervisor.options import SCRIPT_ONLY
+
+    flags = [f"--{d.replace('_', '-')}" for d in SCRIPT_ONLY if getattr(a, d, False)]
+    argv = [*flags, "-m", a.training_script] if a.module else [*flags, a.training_script]
+    os.environ[contract.SCRIPT_COMMAND_ENV] = json.dumps({"argv": [*argv, *a.training_script_args], "cwd": os.getcwd()})
 
 
 def _cmd_store(a) -> int:

@@ -27,7 +27,7 @@ DataFormat = Literal["memmap", "text", "tokens"]
 TokenDtype = Literal["uint16", "uint32"]
 MixedPrecision = Literal["auto", "fp32", "bf16"]
 Device = Literal["auto", "cpu", "cuda"]
-OnNonfinite = Literal["stop", "rollback"]
+OnNonfinite = Literal["stop", "rollback", "replay"]
 SaveMode = Literal["async", "sync"]
 Writer = Literal["thread", "process"]
 
@@ -144,6 +144,10 @@ class TrainConfig:
     device: Device = "auto"
     log_every: int = 10
     on_nonfinite: OnNonfinite = "stop"
+    # A step whose global loss is above this many times the median of the previous
+    # loss_spike_window steps' is refused like a non-finite one (0 = no spike test).
+    loss_spike_factor: float = 0.0
+    loss_spike_window: int = 10
 
     def validate(self, cfg: Config) -> None:
         for k in ("steps", "global_batch_size", "micro_batch_size"):
@@ -163,6 +167,9 @@ class TrainConfig:
         _require_one_of(self.device, Device, "train.device")
         _require(self.log_every > 0, "train.log_every", "must be > 0")
         _require_one_of(self.on_nonfinite, OnNonfinite, "train.on_nonfinite")
+        factor = self.loss_spike_factor
+        _require(factor == 0 or factor > 1, "train.loss_spike_factor", f"must be 0 (off) or above 1, got {factor}")
+        _require(self.loss_spike_window > 0, "train.loss_spike_window", f"must be > 0, got {self.loss_spike_window}")
 
 
 @dataclass(frozen=True)

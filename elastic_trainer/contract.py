@@ -49,6 +49,8 @@ PEER_HOLDER_ENV = "ELASTIC_TRAINER_PEER_HOLDER"
 LOG_LEVEL_ENV = "ELASTIC_TRAINER_LOG_LEVEL"
 INJECT_FAULT_ENV = "ELASTIC_TRAINER_INJECT_FAULT"
 REPLAY_TO_STEP_ENV = "ELASTIC_TRAINER_REPLAY_TO_STEP"  # `ckpt audit`'s replay: the step it stops at
+# `run`'s script (JSON: "argv", the script or -m module and its arguments; "cwd"), recorded for `ckpt audit`
+SCRIPT_COMMAND_ENV = "ELASTIC_TRAINER_SCRIPT_COMMAND"
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # torch's elastic agent
 SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
@@ -110,8 +112,16 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         REPLAY_TO_STEP_ENV,
         "`ckpt audit`",
-        "workers (built-in trainer)",
-        "The step a replay stops at (with its final commit), on the run's own `train.steps` schedule.",
+        "workers",
+        "The step a replay stops at (with its final commit), on the run's own schedule; a script's "
+        "process ends there.",
+    ),
+    EnvVar(
+        SCRIPT_COMMAND_ENV,
+        "`run`",
+        "workers",
+        "The script (or `-m` module), its arguments and working directory, recorded in every manifest for "
+        "`ckpt audit`'s replay.",
     ),
     EnvVar(METRICS_DIR_ENV, _SUP, "workers", "prometheus_client's multiprocess directory the supervisor exports."),
     EnvVar(SIGNALS_TO_HANDLE_ENV, _SUP, "torch's agent", "Signals the agent forwards (FORWARDED_SIGNALS)."),
@@ -380,15 +390,59 @@ EVENTS: tuple[Event, ...] = (
         _RANK0,
         "A step's loss or gradient norm was not finite; its update was not applied.",
         "step loss grad_norm sample_range action",
-        action="`stop`/`rollback`",
+        action="`stop`/`rollback`/`replay`",
+    ),
+    _e(
+        "loss_spike",
+        _RANK0,
+        "A step's global loss was above `train.loss_spike_factor` times the median of the steps before it; "
+        "its update was not applied (the same policy as a non-finite step).",
+        "step loss threshold sample_range action",
+        threshold="the loss it exceeded",
+        action="`stop`/`rollback`/`replay`",
     ),
     _e(
         "rollback",
         _RANK0,
-        "After a non-finite step: reloaded the newest commit; the offending samples are skipped.",
+        "After a non-finite or spiking step: reloaded the newest commit; the offending samples are skipped.",
         "from_step to_step skipped_range skipped_ranges",
     ),
-    _e("nonfinite_stop", _RANK0, "Stopped on a non-finite step (exit 65).", "step reason last_finite_step"),
+    _e(
+        "anomaly_replay",
+        _RANK0,
+        '`train.on_nonfinite = "replay"`: reloaded the newest commit to replay the same batches up to the '
+        "anomalous step.",
+        "step reason from_step",
+        step="the anomalous step",
+        reason="`non-finite` or `loss spike`",
+    ),
+    _e(
+        "anomaly_reproduced",
+        _RANK0,
+        "The replay reproduced the anomaly: it is in the data (or the model); a `rollback` skipping its samples "
+        "follows.",
+        "step from_step loss",
+        loss="the replay's loss at the step",
+    ),
+    _e(
+        "silent_corruption",
+        _RANK0,
+        "The replay did not reproduce the anomaly: silent data corruption. The run goes on from the replay, "
+        "skipping nothing.",
+        "step from_step loss replayed_loss ranks rank node tensor",
+        loss="the anomalous step's loss",
+        replayed_loss="the replay's loss at that step",
+        ranks="the ranks whose state at the step differed from the replay's, the one that moved most first",
+        rank="the first of `ranks` (`null`: no rank's state differed: the fault was in the step itself)",
+        node="the node (group rank) that rank ran on",
+        tensor="its first parameter that differed",
+    ),
+    _e(
+        "nonfinite_stop",
+        _RANK0,
+        "Stopped on a non-finite or spiking step (exit 65).",
+        "step reason last_finite_step",
+    ),
     _e(
         "checkpoint_interval_changed",
         _RANK0,

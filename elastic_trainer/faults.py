@@ -23,7 +23,9 @@ Enabled only through ``ELASTIC_TRAINER_INJECT_FAULT``, a comma-separated list of
 * ``bitflip`` — one bit of one element of rank R's model state flips right after the optimizer
   step of step S (the built-in trainer), once per process: a low mantissa bit of the first element
   of the first floating-point parameter shard the rank holds, so the value stays finite and close
-  (silent data corruption: no guard sees it; ``ckpt audit`` finds it);
+  (silent data corruption: no guard sees it; ``ckpt audit`` finds it); ``bit=N`` flips bit N of
+  its bit pattern instead (0 the lowest: ``bitflip@rank=1,step=13,bit=30`` flips a float32's top
+  exponent bit); ``param=NAME`` picks the first parameter whose name contains NAME;
 * ``slow`` — rank R sleeps ``seconds=X`` (default 0.2) at the start of every step from S on (a
   straggler: ``slow@rank=1,step=1,seconds=0.3``).
 
@@ -75,6 +77,8 @@ class Fault:
     restart: int = 0
     seconds: float = 0.2
     committed: int | None = None  # fire only once the commit of this step is in checkpoint.dir
+    bit: int | None = None  # bitflip: the bit to flip (default: a low mantissa bit, BITFLIP_BITS)
+    param: str = ""  # bitflip: the first parameter whose name contains this (default: the first)
 
 
 def parse(spec: str) -> list[Fault]:
@@ -84,6 +88,8 @@ def parse(spec: str) -> list[Fault]:
         if kind not in KINDS:
             raise ValueError(f"{contract.INJECT_FAULT_ENV}: unknown fault kind {kind!r} (known: {', '.join(KINDS)})")
         kv = dict(p.split("=", 1) for p in rest.split(",") if p)
+        if not 0 <= int(kv.get("bit", 0)) < 64:
+            raise ValueError(f"{contract.INJECT_FAULT_ENV}: bit={kv['bit']} is not a bit of an element (0-63)")
         faults.append(
             Fault(
                 kind,
@@ -92,6 +98,8 @@ def parse(spec: str) -> list[Fault]:
                 int(kv.get("restart", 0)),
                 float(kv.get("seconds", 0.2)),
                 int(kv["committed"]) if "committed" in kv else None,
+                int(kv["bit"]) if "bit" in kv else None,
+                kv.get("param", ""),
             )
         )
     return faults
@@ -126,20 +134,23 @@ def active(kind: str, step: int) -> bool:
 
 
 def maybe_flip_bit(step: int, named_parameters: Iterable[tuple[str, Any]]) -> str | None:
-    """``bitflip`` at ``step``: flip one low mantissa bit of the first element of the first
-    floating-point parameter shard this rank holds (a DTensor's local shard), in place, after the
-    optimizer step. Returns the parameter's name when it fired, else None."""
-    if not active("bitflip", step):
+    """``bitflip`` at ``step``: flip one bit (a low mantissa bit, or the fault's ``bit``) of the
+    first element of the first floating-point parameter shard this rank holds (a DTensor's local
+    shard; the first whose name contains the fault's ``param``), in place, after the optimizer
+    step. Returns the parameter's name when it fired, else None."""
+    fault = _match("bitflip", step)
+    if fault is None:
         return None
     import torch
 
     ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}
     for name, p in named_parameters:
         local = p.to_local() if hasattr(p, "to_local") else p
-        if local.numel() and local.is_floating_point() and local.element_size() in ints:
+        if fault.param in name and local.numel() and local.is_floating_point() and local.element_size() in ints:
             with torch.no_grad():
                 flat = local.detach().view(-1)[:1].view(ints[local.element_size()])
-                flat.bitwise_xor_(1 << BITFLIP_BITS[local.element_size()])
+                bit = BITFLIP_BITS[local.element_size()] if fault.bit is None else fault.bit
+                flat.bitwise_xor_(1 << bit if bit < 8 * local.element_size() - 1 else -(1 << bit))
             logger.warning("injected bit flip in %s at step %d", name, step)
             return name
     return None

@@ -93,8 +93,8 @@ class Accelerator(accelerate.Accelerator):
         if self.session.cfg.train.on_nonfinite != "stop":
             raise ConfigError(
                 "train.on_nonfinite",
-                "only 'stop' is served under Accelerate: a rollback restarts the loop's iteration, "
-                "which the script owns",
+                f"only 'stop' is served under Accelerate (got {self.session.cfg.train.on_nonfinite!r}): a rollback "
+                "or a replay restarts the loop's iteration, which the script owns",
             )
         if self.session.device.type == "cpu":  # Accelerate's MULTI_CPU (DDP over gloo) on the session's group
             kwargs["cpu"] = True

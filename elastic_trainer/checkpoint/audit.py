@@ -1,7 +1,8 @@
 """``elastic-trainer ckpt audit ROOT --from A --to B``: find silent data corruption in a run's commits.
 
 The project's promise is that a resume at the same world size is bitwise identical to an
-uninterrupted run. An audit uses it as a test: it replays the built-in trainer's steps A→B from
+uninterrupted run. An audit uses it as a test: it replays the run's steps A→B — the built-in
+trainer's, or a script's under ``elastic-trainer run`` (its command is in the manifests) — from
 commit A, at commit A's world size, on this machine, in a scratch directory (nothing is written
 under ROOT but the verdicts), with the configuration the commits record and no fault injection;
 the replay saves at every commit of the range. Each commit of the range (along the lineage of B)
@@ -133,17 +134,23 @@ _COMPUTATION = ("model", "data", "train")  # the sections that fix what a step c
 def replay_segments(chain: list[layout.Candidate]) -> list[tuple[layout.Candidate, list[layout.Candidate]]]:
     """``chain`` (:func:`audit_chain`) cut into replays: (the commit one starts from, the commits
     it judges). Steps up to a commit ran under the configuration that commit records (its
-    launch's); where the model, data or train settings change (a relaunch with another
-    ``train.steps``, say), the next replay starts from the commit before, with the new settings.
+    launch's); where the model, data or train settings or a script's command line change (a
+    relaunch with another ``train.steps``, say), the next replay starts from the commit before,
+    with the new settings.
     Raises ConfigError naming a commit that records no configuration."""
     out: list[tuple[layout.Candidate, list[layout.Candidate]]] = []
     for prev, c in zip(chain, chain[1:], strict=False):
-        mine = {k: _config(c).get(k) for k in _COMPUTATION}
-        if out and {k: _config(out[-1][1][-1]).get(k) for k in _COMPUTATION} == mine:
+        if out and _computation(out[-1][1][-1]) == _computation(c):
             out[-1][1].append(c)
         else:
             out.append((prev, [c]))
     return out
+
+
+def _computation(c: layout.Candidate) -> dict[str, Any]:
+    """What fixes the steps up to commit ``c``: its launch's model, data and train settings and,
+    for a script, its command line."""
+    return {**{k: _config(c).get(k) for k in _COMPUTATION}, "command": (c.manifest or {}).get("command")}
 
 
 def replay_config(recorded: Mapping[str, Any], scratch: str, base: layout.Candidate, saves: list[int]) -> dict:
@@ -238,13 +245,28 @@ def _scores(ours: bytes, replayed: bytes, items: list[tuple[int, int, str]]) -> 
 
 
 # ------------------------------------------------------------------------------- the audit
-Replay = Callable[[list[str], dict[str, str], str], int]
+Replay = Callable[[list[str], dict[str, str], str, str | None], int]
 
 
-def _launch(argv: list[str], env: dict[str, str], log: str) -> int:
-    """Run the replay's ``elastic-trainer launch`` to its end, its output in ``log``."""
+def _launch(argv: list[str], env: dict[str, str], log: str, cwd: str | None) -> int:
+    """Run the replay's ``elastic-trainer launch`` (or ``run``) to its end in ``cwd``, its output in ``log``."""
     with open(log, "ab") as out:
-        return subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        return subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, check=False).returncode
+
+
+def replay_command(manifest: Mapping[str, Any], config_path: str) -> tuple[list[str], str | None]:
+    """(argv, working directory) of the replay of the run that wrote ``manifest``, with the replay's
+    config at ``config_path``: the built-in trainer's ``launch``, or, for a script under ``run``
+    (the manifest records its command), ``run`` of the same script and arguments in the same
+    directory. ConfigError (exit 2) when that directory is not on this machine."""
+    cli = [sys.executable, "-m", "elastic_trainer.cli"]
+    command = manifest.get("command")
+    if not isinstance(command, dict):
+        return [*cli, "launch", config_path], None
+    cwd = str(command.get("cwd") or "")
+    if not os.path.isdir(cwd):
+        raise ConfigError("--to", f"the run's script ran in {cwd!r}, which is not a directory here: audit there")
+    return [*cli, "run", "--config", config_path, *map(str, command.get("argv") or [])], cwd
 
 
 def _replay_env(stop: int) -> dict[str, str]:
@@ -343,9 +365,9 @@ def _replay(
         path = os.path.join(scratch, "replay.toml")
         with open(path, "w") as f:
             f.write(toml_text(cfg))
+        argv, cwd = replay_command(commits[-1].manifest or {}, path)
         started = time.monotonic()
-        argv = [sys.executable, "-m", "elastic_trainer.cli", "launch", path]
-        code = replay(argv, _replay_env(last), os.path.join(scratch, REPLAY_LOG))
+        code = replay(argv, _replay_env(last), os.path.join(scratch, REPLAY_LOG), cwd)
         seconds = round(time.monotonic() - started, 3)
         replayed = {c.step: c for c in Catalog(open_storage(cfg["checkpoint"]["dir"])).scan() if c.manifest}
         if code != 0:

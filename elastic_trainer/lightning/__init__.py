@@ -509,7 +509,13 @@ def _check_supported(trainer: pl.Trainer, session: Session, asked_tp: Any) -> No
     if not trainer.lightning_module.automatic_optimization:
         problems.append(("automatic_optimization", "manual optimization is not served: one optimizer step per batch"))
     if session.cfg.train.on_nonfinite != "stop":
-        problems.append(("train.on_nonfinite", "rollback is not served under Lightning (its loops cannot rewind)"))
+        problems.append(
+            (
+                "train.on_nonfinite",
+                f"only 'stop' is served under Lightning (got {session.cfg.train.on_nonfinite!r}): a rollback or a "
+                "replay rewinds the loop, which Lightning's loops cannot",
+            )
+        )
     if problems:
         key, why = problems[0]
         raise ConfigError(key, why)

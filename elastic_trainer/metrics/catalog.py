@@ -80,6 +80,15 @@ CATALOG: tuple[Metric, ...] = (
         "elastic_trainer_train_nonfinite_events_total",
         "Steps whose loss or global gradient norm was non-finite (the optimizer step was not taken).",
     ),
+    _c(
+        "elastic_trainer_train_loss_spike_events_total",
+        "Steps whose loss spiked above train.loss_spike_factor times the recent median (the optimizer step "
+        "was not taken).",
+    ),
+    _c(
+        "elastic_trainer_silent_corruption_events_total",
+        "Anomalous steps a replay did not reproduce (train.on_nonfinite = replay): silent data corruption.",
+    ),
     _g("elastic_trainer_train_tokens_per_second", "Tokens per second of the last step (whole job)."),
     _h("elastic_trainer_train_step_duration_seconds", "Wall time of one training step.", _FAST),
     _c(

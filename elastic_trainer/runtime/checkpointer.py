@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import exit_codes, log
+from .. import exit_codes, faults, log
 from ..checkpoint import cadence
 from ..checkpoint.manager import CheckpointManager, LoadResult
 from ..checkpoint.state import TrainState
@@ -152,7 +152,8 @@ class Checkpointer:
 
         The loop ends after ``total_steps``, or earlier on preemption (75/76), fencing (73), a
         non-finite stop (65) or :meth:`request_stop`. ``exit_code`` holds the code; when it is not
-        0 the process exits with it after the loop (``exit_on_stop=False``: the loop just ends)."""
+        0 the process exits with it after the loop (``exit_on_stop=False``: the loop just ends), as
+        it does with 0 at the end of a replay of ``ckpt audit``."""
         if self.data is None:
             raise ValueError("Checkpointer(data=...) is needed for steps(): a DataLoader or any iterable of batches")
         if not self.run.resumed:
@@ -179,8 +180,8 @@ class Checkpointer:
         finally:
             self.data.restart()  # the loader's workers end with the loop, not at interpreter exit
         self.exit_code = code
-        if code != exit_codes.OK and exit_on_stop:
-            raise SystemExit(code)
+        if exit_on_stop and (code != exit_codes.OK or self.run.audit_stop is not None):
+            raise SystemExit(code)  # a replay of `ckpt audit` runs the script's steps, not what follows them
 
     def _step_batches(self, s: StepContext, count: Callable[[Any], int] | None) -> Iterator[tuple[int, Any]]:
         """The batches of step ``s``, each to be closed by one :meth:`optimizer_step`."""
@@ -237,29 +238,35 @@ class Checkpointer:
         # The loss is agreed before the optimizer step: with the global gradient norm every rank
         # sees the same two numbers, so non-finite state is never stepped into or saved.
         if s.check(acc.loss, grad_norm):
-            if self.optimizers:
-                s.record(lr=self.optimizers[0].param_groups[0]["lr"])
-            for opt in self.optimizers:
-                opt.step()
-            for sched in self.schedulers:
-                if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                    assert s.loss is not None  # agreed by check()
-                    sched.step(s.loss)
-                else:
-                    sched.step()
-            assert self.data is not None  # under steps(), which reads it
-            if self.data.sampler is not None:
-                s.record(samples=self.data.sampler.global_batch_size)
-                self.data.sampler.advance()
-            self.state.step = s.step
-            if acc.divisor is not None:
-                tokens = int(acc.divisor)
-                self.state.tokens_seen += tokens
-                s.record(tokens=tokens)
+            self._take_step(s, acc)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self._ctx = self._acc = None
         return s.loss
+
+    def _take_step(self, s: StepContext, acc: Accumulator) -> None:
+        """The agreed finite step ``s``: every optimizer's and scheduler's step, the data cursor,
+        the train state and the step event's fields."""
+        if self.optimizers:
+            s.record(lr=self.optimizers[0].param_groups[0]["lr"])
+        for opt in self.optimizers:
+            opt.step()
+        faults.maybe_flip_bit(s.step, self.model.named_parameters())  # fault injection (tests)
+        for sched in self.schedulers:
+            if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                assert s.loss is not None  # agreed by check()
+                sched.step(s.loss)
+            else:
+                sched.step()
+        assert self.data is not None  # under steps(), which reads it
+        if self.data.sampler is not None:
+            s.record(samples=self.data.sampler.global_batch_size)
+            self.data.sampler.advance()
+        self.state.step = s.step
+        if acc.divisor is not None:
+            tokens = int(acc.divisor)
+            self.state.tokens_seen += tokens
+            s.record(tokens=tokens)
 
     def record(self, **fields: Any) -> None:
         """Extra fields of the current step's ``step`` event (under :meth:`steps`)."""

@@ -1,5 +1,5 @@
 """What each ending of a run decides, with its events: the resume's report, fencing (73),
-preemption (75/76), the non-finite policy (a rollback, or 65) and the final commit (0, 73, 74).
+preemption (75/76), the non-finite policy (a rollback, a replay, or 65) and the final commit (0, 73, 74).
 
 Every decision here is agreed by all ranks (each rests on the step's all-reduce or on the
 manager's agreements), so every rank enters the same collectives and returns the same code.
@@ -17,6 +17,7 @@ from ..checkpoint import layout
 from ..checkpoint.manager import CheckpointManager, LoadResult
 from ..checkpoint.state import TrainState
 from ..checkpoint.timeline import Timeline
+from . import anomaly
 from .session import Session
 
 logger = logging.getLogger(__name__)
@@ -101,10 +102,24 @@ def preempted(s: Session, m: CheckpointManager, state: TrainState) -> int:
     return exit_codes.PREEMPTED
 
 
-def nonfinite(s: Session, ctx: Any, sample_range: list[int]) -> None:
-    """A non-finite loss or gradient norm at step ``ctx`` (the optimizer step was not taken):
-    its event, metric and log line, before the policy acts."""
+def anomalous(s: Session, ctx: Any, sample_range: list[int]) -> None:
+    """A step the guard refused (``ctx.anomaly``: a non-finite loss or gradient norm, or a loss
+    spike; the optimizer step was not taken): its event, metric and log line, before the policy acts."""
     mode = s.cfg.train.on_nonfinite
+    if ctx.anomaly == anomaly.LOSS_SPIKE:
+        s.events.emit(
+            "loss_spike",
+            step=ctx.step,
+            loss=ctx.loss,
+            threshold=ctx.spike_threshold,
+            sample_range=sample_range,
+            action=mode,
+        )
+        s.metrics.counter("elastic_trainer_train_loss_spike_events_total")
+        logger.error(
+            "loss spike %s (above %s) at step %d (samples %s)", ctx.loss, ctx.spike_threshold, ctx.step, sample_range
+        )
+        return
     s.events.emit(
         "nonfinite", step=ctx.step, loss=ctx.loss, grad_norm=ctx.grad_norm, sample_range=sample_range, action=mode
     )
@@ -114,15 +129,21 @@ def nonfinite(s: Session, ctx: Any, sample_range: list[int]) -> None:
     )
 
 
+def reload(s: Session, m: CheckpointManager) -> LoadResult | None:
+    """Reload the newest commit of this lineage (a save still writing past its deadline is
+    abandoned, never committed); None: there is none."""
+    m.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+    return m.load(resume="latest")
+
+
 def rolled_back(
     s: Session, m: CheckpointManager, state: TrainState, ctx: Any, sample_range: list[int], sampler: Any
 ) -> bool:
-    """``train.on_nonfinite = rollback`` (the optimizer step was not taken): reload the newest
-    commit of this lineage (a save still writing past its deadline is abandoned, never
-    committed) and skip the global sample range that produced the event (kept in the data
-    position, so later resumes skip it too). False: there is no commit to go back to."""
-    m.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
-    loaded = m.load(resume="latest")
+    """``train.on_nonfinite = rollback`` (the optimizer step was not taken), or a replay that
+    reproduced the anomaly: :func:`reload` and skip the global sample range that produced the
+    event (kept in the data position, so later resumes skip it too). False: there is no commit
+    to go back to."""
+    loaded = reload(s, m)
     if loaded is None:
         return False
     if sampler is not None:
@@ -134,6 +155,49 @@ def rolled_back(
     )
     logger.warning("rolled back to step %d; skipping samples %s", loaded.step, sample_range)
     return True
+
+
+def replaying(s: Session, ctx: Any, from_step: int) -> None:
+    """``train.on_nonfinite = replay``: the run reloaded the commit of ``from_step`` to replay up to ``ctx``'s step."""
+    s.events.emit("anomaly_replay", step=ctx.step, reason=ctx.anomaly, from_step=from_step)
+    logger.warning(
+        "replaying steps %d-%d from the commit of step %d (%s)", from_step + 1, ctx.step, from_step, ctx.anomaly
+    )
+
+
+def replayed(
+    s: Session, outcome: anomaly.Outcome, loss: float | None, replayed_loss: float | None, per_node: int
+) -> None:
+    """The end of a replay: ``anomaly_reproduced`` (the data: the caller skips its samples), or
+    ``silent_corruption`` naming the ranks whose state differed, their nodes and first tensor."""
+    o = outcome
+    if o.reproduced:
+        s.events.emit("anomaly_reproduced", step=o.step, from_step=o.from_step, loss=replayed_loss)
+        logger.warning("the replay reproduced the anomaly of step %d: skipping its samples", o.step)
+        return
+    rank = o.ranks[0] if o.ranks else None
+    node = rank // per_node if rank is not None else None
+    s.events.emit(
+        "silent_corruption",
+        step=o.step,
+        from_step=o.from_step,
+        loss=loss,
+        replayed_loss=replayed_loss,
+        ranks=o.ranks,
+        rank=rank,
+        node=node,
+        tensor=o.tensor,
+    )
+    s.metrics.counter("elastic_trainer_silent_corruption_events_total")
+    where = f"rank {rank} (node {node}), first tensor {o.tensor}" if rank is not None else "no rank's state differed"
+    logger.error(
+        "silent data corruption at step %d: the replay from step %d did not reproduce it (loss %s, replayed %s): %s",
+        o.step,
+        o.from_step,
+        loss,
+        replayed_loss,
+        where,
+    )
 
 
 def nonfinite_stop(

@@ -41,7 +41,7 @@ from ..checkpoint.timeline import Timeline
 from ..config import check_run_identity
 from ..events import write_record
 from ..storage.fs import Storage
-from . import ends
+from . import anomaly, ends
 from .session import Session
 from .step import Votes
 
@@ -119,6 +119,12 @@ def build(
     )
 
 
+def audit_stop() -> int | None:
+    """The step a replay of ``ckpt audit`` ends at (``ELASTIC_TRAINER_REPLAY_TO_STEP``), else None."""
+    raw = os.environ.get(contract.REPLAY_TO_STEP_ENV, "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
 def open_run(
     session: Session,
     *,
@@ -142,14 +148,15 @@ def open_run(
         )
     else:
         made = manager(states)
-    return Run(session, made, state=state, rng=rng, identity=run_identity)
+    return Run(session, made, state=state, rng=rng, identity=run_identity, model=model)
 
 
 class Run:
     """The checkpoints and ends of one run on one :class:`~.session.Session` (registered as the
     session's run: its exception path lets an in-flight save land). ``state`` and ``rng`` are the
     train state and per-rank RNG among ``manager``'s states; ``identity`` the settings a resume
-    must find unchanged (empty: none checked). Every call is made on every rank, in the same
+    must find unchanged (empty: none checked); ``model`` the model whose parameters a replay
+    (``train.on_nonfinite = "replay"``) compares. Every call is made on every rank, in the same
     order."""
 
     def __init__(
@@ -160,6 +167,7 @@ class Run:
         state: TrainState,
         rng: RNGState,
         identity: dict[str, Any] | None = None,
+        model: nn.Module | None = None,
     ):
         self.session, self.manager, self.state, self.rng = session, manager, state, rng
         self.storage = manager.storage
@@ -170,6 +178,10 @@ class Run:
         self.hooks = StepHooks(self)
         self.resumed = False
         self._rollback_window_open = False
+        t = session.cfg.train
+        self.spikes = anomaly.SpikeGuard(t.loss_spike_factor, t.loss_spike_window)
+        self.replayer = anomaly.Replayer(model, session.rank, session.world_size, session.device)
+        self.audit_stop = audit_stop()  # `ckpt audit`'s replay of this run: the step it ends at
         self._final_saved: int | None = None  # the step of the run's final save, once started
         self._closed = False
         session.run = self
@@ -238,7 +250,10 @@ class Run:
             if code is not None:
                 self._close(code)
             return code
-        if stop or ctx.step >= total_steps:
+        pending = self.replayer.pending
+        if pending is not None and ctx.step == pending.step:  # the replay passed the anomalous step
+            self._replay_ended(ctx, reproduced=False)
+        if stop or ctx.step >= total_steps or ctx.step == self.audit_stop:
             return self.finish(meta={"loss": ctx.loss})
         if self.cadence.due(ctx.step, total_steps):
             self.save(ctx.step, meta={"loss": ctx.loss})
@@ -254,17 +269,55 @@ class Run:
         cursor = sampler.cursor if sampler is not None else self.state.cursor
         size = sampler.global_batch_size if sampler is not None else s.cfg.train.global_batch_size
         sample_range = [cursor, cursor + size]
-        ends.nonfinite(s, ctx, sample_range)
-        if s.cfg.train.on_nonfinite == "rollback" and not self._rollback_window_open:
-            if ends.rolled_back(s, m, self.state, ctx, sample_range, sampler):
-                self._rollback_window_open = True
-                return None
-            why = "no committed checkpoint to roll back to"
-        elif s.cfg.train.on_nonfinite == "rollback":
-            why = "a second non-finite event before a checkpoint after the last rollback"
-        else:
-            why = "train.on_nonfinite = stop"
-        return ends.nonfinite_stop(s, m, self.state, ctx, sample_range, why)
+        ends.anomalous(s, ctx, sample_range)
+        why = self._anomaly_policy(ctx, sample_range, sampler)
+        return None if why is None else ends.nonfinite_stop(s, m, self.state, ctx, sample_range, why)
+
+    def _anomaly_policy(self, ctx: Any, sample_range: list[int], sampler: Any) -> str | None:
+        """``train.on_nonfinite`` on a refused step: None when the run goes on (rolled back, or
+        replaying), else why it stops. A replay that reproduces its anomaly ends as a rollback."""
+        mode, pending = self.session.cfg.train.on_nonfinite, self.replayer.pending
+        if pending is not None:
+            if ctx.step != pending.step:
+                self.replayer.pending = None
+                return f"another anomaly, at step {ctx.step}, while replaying step {pending.step}"
+            self._replay_ended(ctx, reproduced=True)  # the data: its samples are skipped, as a rollback does
+            mode = "rollback"
+        elif mode == "replay":
+            return None if self._start_replay(ctx) else "no committed checkpoint to roll back to"
+        if mode != "rollback":
+            return "train.on_nonfinite = stop"
+        if self._rollback_window_open:
+            return "a second non-finite event before a checkpoint after the last rollback"
+        if not ends.rolled_back(self.session, self.manager, self.state, ctx, sample_range, sampler):
+            return "no committed checkpoint to roll back to"
+        self._after_reload()
+        self._rollback_window_open = True
+        return None
+
+    def _start_replay(self, ctx: Any) -> bool:
+        """``train.on_nonfinite = replay``: fingerprint this rank's state, reload the newest
+        commit and replay the same batches up to ``ctx``'s step. False: no commit to go back to."""
+        before = self.replayer.snapshot()
+        loaded = ends.reload(self.session, self.manager)
+        if loaded is None:
+            return False
+        self._after_reload()
+        self.replayer.start(ctx.step, ctx.anomaly, ctx.loss, loaded.step, before)
+        ends.replaying(self.session, ctx, loaded.step)
+        return True
+
+    def _after_reload(self) -> None:
+        """The state of the newest commit was reloaded: the spike test forgets the steps after it."""
+        self.spikes.rolled_back(self.state.step)
+
+    def _replay_ended(self, ctx: Any, *, reproduced: bool) -> None:
+        """The replay reached its anomalous step again (``ctx``): judge it (:mod:`.anomaly`)."""
+        pending = self.replayer.pending
+        assert pending is not None  # the caller checked
+        outcome = self.replayer.resolve(reproduced)
+        per_node = int(os.environ.get(contract.LOCAL_WORLD_SIZE_ENV) or self.session.world_size)
+        ends.replayed(self.session, outcome, pending.loss, ctx.loss, per_node)
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, meta: dict[str, Any] | None = None, final: bool = False) -> SaveStats:
@@ -281,12 +334,16 @@ class Run:
         return stats
 
     def _replay_record(self) -> dict[str, Any]:
-        """What every manifest records for ``ckpt audit``'s replay of the run: the resolved config
-        and the ranks per node (to name the node of a rank)."""
+        """What every manifest records for ``ckpt audit``'s replay of the run: the resolved config,
+        the ranks per node (to name the node of a rank) and, for a script under ``run``, its
+        command line and working directory."""
         s = self.session
         to_dict = getattr(s.cfg, "to_dict", None)
         out: dict[str, Any] = {"config": to_dict()} if to_dict is not None else {}
         out["local_world_size"] = int(os.environ.get(contract.LOCAL_WORLD_SIZE_ENV) or s.world_size)
+        command = os.environ.get(contract.SCRIPT_COMMAND_ENV)
+        if command:  # a script under `elastic-trainer run`: what the replay runs
+            out["command"] = json.loads(command)
         return out
 
     # ------------------------------------------------------------------ the end
@@ -343,9 +400,15 @@ class StepHooks:
     def __init__(self, run: Run):
         self._run = run
 
-    def begin_step(self, now: float) -> None:
-        """Start of each step: the cadence measures the previous one (and whether a save was writing)."""
+    def begin_step(self, step: int, now: float) -> None:
+        """Start of each step: the cadence measures the previous one (and whether a save was
+        writing); a replay fingerprints the state its anomalous step starts from."""
         self._run.cadence.begin_step(now, self._run.manager.save_in_progress)
+        self._run.replayer.begin_step(step)
+
+    def judge_loss(self, step: int, loss: float) -> float | None:
+        """The spike test of ``step``'s agreed finite global loss: the threshold it exceeded, else None."""
+        return self._run.spikes.judge(step, loss)
 
     def commit_visible(self, step: int) -> bool:
         """Fault injection (tests, any rank): whether a commit of ``step`` is in checkpoint.dir."""

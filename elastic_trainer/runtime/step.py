@@ -27,6 +27,7 @@ import torch
 
 from .. import collectives, faults
 from ..checkpoint.agreement import SaveVotes
+from . import anomaly
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,9 @@ class StepContext:
         self.preempt = False
         self.save_due = False
         self.fenced = False
-        self.nonfinite = False
+        self.nonfinite = False  # the guard refused the step: `anomaly` says why
+        self.anomaly: str | None = None  # anomaly.NON_FINITE or anomaly.LOSS_SPIKE
+        self.spike_threshold: float | None = None  # the loss a spike exceeded
         self.loss: float | None = None
         self.grad_norm: float | None = None
         self.collective_wait = 0.0  # seconds in this context's all-reduces (straggler metrics)
@@ -85,7 +88,7 @@ class StepContext:
     def __enter__(self) -> StepContext:
         self._t0 = time.monotonic()
         if self.ckpt is not None:
-            self.ckpt.begin_step(self._t0)
+            self.ckpt.begin_step(self.step, self._t0)
         self._scope = self.session.watchdog(f"step-{self.step}")
         self._scope.__enter__()
         try:
@@ -116,7 +119,8 @@ class StepContext:
 
     @property
     def stop(self) -> bool:
-        """Whether the loop must leave this step's normal path (preempt, fenced or non-finite)."""
+        """Whether the loop must leave this step's normal path (preempt, fenced, or refused by
+        the guard: non-finite or a loss spike)."""
         return self.preempt or self.fenced or self.nonfinite
 
     def agree(self, *sums: float) -> list[float]:
@@ -142,7 +146,8 @@ class StepContext:
         """The non-finite guard, before ``optimizer.step()``: all-reduces (SUM) this rank's share
         of the loss (so :attr:`loss` becomes the global loss) and checks it and the global
         gradient norm (already global: ``clip_grad_norm_`` over DTensor gradients). False when
-        either is NaN/Inf: do not step the optimizer (zero the gradients). First, it waits until a
+        either is NaN/Inf, or when the loss spikes (``train.loss_spike_factor``; :attr:`anomaly`
+        says which): do not step the optimizer (zero the gradients). First, it waits until a
         save in flight has copied the state out (the optimizer step is about to change it)."""
         s = self.session
         if self.ckpt is not None:
@@ -161,7 +166,12 @@ class StepContext:
         if grad_norm is not None:
             gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             self.grad_norm = float(gn)
-        self.nonfinite = not (math.isfinite(self.loss) and (self.grad_norm is None or math.isfinite(self.grad_norm)))
+        if not (math.isfinite(self.loss) and (self.grad_norm is None or math.isfinite(self.grad_norm))):
+            self.anomaly = anomaly.NON_FINITE
+        elif self.ckpt is not None:
+            self.spike_threshold = self.ckpt.judge_loss(self.step, self.loss)
+            self.anomaly = anomaly.LOSS_SPIKE if self.spike_threshold is not None else None
+        self.nonfinite = self.anomaly is not None
         return not self.nonfinite
 
     def record(self, **fields: Any) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import contract, faults
+from .. import faults
 from ..config import Config
 from ..runtime import Checkpointer, StepContext
 from .data import IGNORE_INDEX, MicroBatch, target_tokens
@@ -38,13 +37,6 @@ def lr_lambda(cfg: Config):
     return f
 
 
-def replay_end(steps: int) -> int:
-    """The last step this launch trains: ``train.steps``, or the step a replay of ``ckpt audit``
-    stops at (``ELASTIC_TRAINER_REPLAY_TO_STEP``, never past ``train.steps``)."""
-    raw = os.environ.get(contract.REPLAY_TO_STEP_ENV, "")
-    return min(steps, int(raw)) if raw.isdigit() and int(raw) > 0 else steps
-
-
 @dataclass
 class Trainer:
     """The built-in trainer: a loop over the same public runtime a user's own script uses
@@ -57,10 +49,10 @@ class Trainer:
     ckpt: Checkpointer
 
     def run(self) -> int:
-        """Train to ``train.steps`` (a replay of ``ckpt audit``: to the step it audits, on the
+        """Train to ``train.steps`` (a replay of ``ckpt audit`` ends at the step it audits, on the
         run's own schedule). Returns the process exit code (see ``exit_codes``); the
         checkpointer has ended the run (:meth:`Checkpointer.end_of_step`)."""
-        self.train(replay_end(self.cfg.train.steps), self._log_progress)
+        self.train(self.cfg.train.steps, self._log_progress)
         assert self.ckpt.exit_code is not None  # steps() sets it as it ends
         return self.ckpt.exit_code
 
@@ -68,8 +60,7 @@ class Trainer:
         """The steps up to ``total_steps`` (:meth:`Checkpointer.steps`; ``exit_code`` says how they ended)."""
         clip = self.cfg.train.grad_clip
         for step, mb in self.ckpt.steps(total_steps, exit_on_stop=False, count=target_tokens, after_step=after_step):
-            if self.ckpt.optimizer_step(self.loss(step, mb), max_norm=clip if clip > 0 else None) is not None:
-                faults.maybe_flip_bit(step, self.model.named_parameters())
+            self.ckpt.optimizer_step(self.loss(step, mb), max_norm=clip if clip > 0 else None)
 
     def loss(self, step: int, mb: MicroBatch) -> torch.Tensor:
         """The micro-batch's cross-entropy, summed over its target tokens."""

@@ -5,7 +5,11 @@ bitwise equal to a fault-free run's. The fault-free run's own audit certifies ev
 
 ``train.min_lr = train.lr``: the learning rate after warm-up is then constant, so a 20-step run
 trains its steps exactly as a 30-step one does (the cosine schedule spans ``train.steps``).
-Five launches in all (two of them the audits' replays)."""
+With ``train.on_nonfinite = "replay"`` the run finds a large flip itself: the step after it is
+refused (its gradient overflows), the run rolls back, replays the same batches, names rank 1 and
+finishes on the fault-free curve, bitwise.
+
+Six launches in all (two of them the audits' replays)."""
 
 from __future__ import annotations
 
@@ -113,3 +117,40 @@ def test_a_fault_free_runs_audit_certifies_every_commit(reference):
     audit = _audit(reference / "run" / "ckpt", 5, 30, reference)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert audit.stdout.splitlines() == [f"step {s} certified" for s in (10, 15, 20, 25, 30)]
+
+
+def test_a_large_flip_is_replayed_located_and_the_run_finishes_on_the_fault_free_curve(tmp_path, token_file, reference):
+    train = {**TRAIN, "on_nonfinite": "replay", "loss_spike_factor": 3.0}
+    cfg = runs.write_config(tmp_path / "c.toml", token_file, tmp_path / "run", train=train, checkpoint=CHECKPOINT)
+    _launch_ok(cfg, env={contract.INJECT_FAULT_ENV: "bitflip@rank=1,step=13,bit=30,param=qkv"})
+    run = tmp_path / "run"
+    (refused,) = runs.read_events(run, "nonfinite") + runs.read_events(run, "loss_spike")
+    assert refused["step"] == 14 and refused["action"] == "replay", refused
+    (replay,) = runs.read_events(run, "anomaly_replay")
+    assert (replay["step"], replay["from_step"]) == (14, 10)
+    (sdc,) = runs.read_events(run, "silent_corruption")
+    assert (sdc["rank"], sdc["node"], sdc["ranks"]) == (1, 0, [1]), sdc
+    assert sdc["tensor"].endswith("qkv.weight") and sdc["replayed_loss"] != sdc["loss"]
+    assert not runs.read_events(run, "rollback"), "nothing skipped"
+    ours, clean = runs.step_losses(run), runs.step_losses(reference / "run")
+    assert [ours[s] for s in range(1, 21)] == [clean[s] for s in range(1, 21)], "bitwise, the replayed steps too"
+
+
+def test_a_scripts_commits_are_audited_by_replaying_the_script_under_run(tmp_path):
+    """A script under ``elastic-trainer run`` (the loop API example): its manifests record its
+    command line, and the audit replays it with ``run`` in the same directory."""
+    script = str(runs.REPO / "examples" / "fsdp2_transformer.py")
+    run_dir, root = tmp_path / "run", tmp_path / "ckpt"
+    keep = ("--set", "checkpoint.keep_last=10")
+    args = runs.run_args(run_dir, root, *keep, script, "--steps", "20", max_restarts=0)
+    env = runs.env_for_tests({contract.INJECT_FAULT_ENV: FAULT})
+    with open(tmp_path / "run.log", "ab") as out:
+        r = runs.run_cli(args, env, 240, out)
+    assert r.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
+    manifest = json.loads((root / layout.step_dir_name(20) / layout.MANIFEST).read_text())
+    assert manifest["command"]["argv"] == [script, "--steps", "20"]
+    audit = _audit(root, 5, 20, tmp_path)
+    assert audit.returncode == 1, audit.stdout + audit.stderr
+    lines = audit.stdout.splitlines()
+    assert lines[0] == "step 10 certified" and lines[1].startswith("step 15 suspect: rank 1 (node 0)"), audit.stdout
+    assert lines[2].startswith("step 20 suspect: ") and len(lines) == 3, audit.stdout

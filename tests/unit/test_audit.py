@@ -207,7 +207,7 @@ class _FakeReplay:
     def __init__(self):
         self.calls: list[tuple[list[str], dict[str, str]]] = []
 
-    def __call__(self, argv: list[str], env: dict[str, str], log: str) -> int:
+    def __call__(self, argv: list[str], env: dict[str, str], log: str, cwd: str | None) -> int:
         self.calls.append((argv, env))
         cfg = tomllib.loads(Path(argv[-1]).read_text())
         c = cfg["checkpoint"]
@@ -352,3 +352,13 @@ def test_the_resume_event_and_a_counter_name_the_suspect_commits_passed_over(tmp
     (rec,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert rec["event"] == "resume" and rec["suspect"] == [15, 20] and len(rec["skipped"]) == 3
     assert metrics.counted == {"elastic_trainer_checkpoint_suspect_skipped_total": 2}
+
+
+def test_the_replay_runs_the_built_in_trainer_or_the_recorded_script_in_its_directory(tmp_path):
+    argv, cwd = audit.replay_command({}, "r.toml")
+    assert argv[-2:] == ["launch", "r.toml"] and cwd is None
+    command = {"argv": ["-m", "pkg.train", "--steps", "20"], "cwd": str(tmp_path)}
+    argv, cwd = audit.replay_command({"command": command}, "r.toml")
+    assert argv[-7:] == ["run", "--config", "r.toml", "-m", "pkg.train", "--steps", "20"] and cwd == str(tmp_path)
+    with pytest.raises(ConfigError, match="not a directory here"):
+        audit.replay_command({"command": {**command, "cwd": str(tmp_path / "gone")}}, "r.toml")

@@ -130,3 +130,19 @@ def test_a_bitflip_changes_one_low_bit_of_the_first_float_shard_of_its_rank_once
     monkeypatch.setattr(faults, "_FIRED", set())
     monkeypatch.setenv(contract.RANK_ENV, "0")
     assert faults.maybe_flip_bit(13, params) is None, "another rank"
+
+
+def test_a_bitflip_can_name_its_bit_and_parameter(monkeypatch, rank1):
+    import torch
+
+    monkeypatch.setenv(contract.INJECT_FAULT_ENV, "bitflip@rank=1,step=13,bit=30,param=qkv")
+    monkeypatch.setattr(faults, "_FIRED", set())
+    first, qkv = torch.full((2,), 0.25), torch.full((2,), 0.25)
+    assert faults.maybe_flip_bit(13, [("emb.weight", first), ("attn.qkv.weight", qkv)]) == "attn.qkv.weight"
+    assert bool((first == 0.25).all())
+    assert float(qkv[0]) == 0.25 * 2.0**128 and float(qkv[1]) == 0.25, "the top exponent bit: a large flip"
+    monkeypatch.setenv(contract.INJECT_FAULT_ENV, "bitflip@rank=1,step=14,bit=31")
+    sign = torch.full((1,), 0.5)
+    assert faults.maybe_flip_bit(14, [("w", sign)]) == "w" and float(sign[0]) == -0.5, "the sign bit"
+    with pytest.raises(ValueError, match="bit=64"):
+        faults.parse("bitflip@rank=1,step=1,bit=64")

@@ -1,6 +1,6 @@
 """Every way a run ends, in one process: the :class:`~elastic_trainer.runtime.run.Run` of every
 front end over an injected manager (the save machine's gated saver and scripted agreement), one
-test per exit code — 0, 2, 65, 73, 74, 75, 76 — and the rollback that is not an end.
+test per exit code — 0, 2, 65, 73, 74, 75, 76 — and the rollback and the replay that are not ends.
 
 Each asserts the code, the event that says why, and the marker the supervisor reads.
 """
@@ -38,11 +38,11 @@ class Runs:
         os.makedirs(self.run_dir, exist_ok=True)
         self.made: list[CheckpointManager] = []
 
-    def open(self, *, seed=0, on_nonfinite="stop", timeout=WAIT, hold_writing=False, identity=True):
+    def open(self, *, seed=0, on_nonfinite="stop", timeout=WAIT, hold_writing=False, identity=True, spike=0.0):
         cfg = config_from_dict(
             {
                 "run": {"dir": self.run_dir},
-                "train": {"seed": seed, "on_nonfinite": on_nonfinite},
+                "train": {"seed": seed, "on_nonfinite": on_nonfinite, "loss_spike_factor": spike},
                 "checkpoint": {"dir": self.root, "save_timeout_seconds": timeout, "preempt_grace_seconds": timeout},
             }
         )
@@ -51,6 +51,7 @@ class Runs:
             cfg=cfg,
             rank=0,
             world_size=1,
+            device=torch.device("cpu"),
             events=events,
             metrics=NullSink(),
             preempt=PreemptionFlag(),
@@ -82,7 +83,8 @@ class Runs:
             self.made.append(m)
             return m
 
-        run = open_run(session, model=torch.nn.Linear(2, 2), manager=manager, run_identity=identity_keys)
+        self.model = torch.nn.Linear(2, 2)  # what a replay fingerprints
+        run = open_run(session, model=self.model, manager=manager, run_identity=identity_keys)
         assert session.run is run
         return run
 
@@ -106,10 +108,18 @@ def runs(tmp_path):
     r.close()
 
 
-def step(n, **flags):
-    """A step's context as the run reads it (the agreed flags)."""
+def step(n, loss=1.0, **flags):
+    """A step's context as the run reads it (the agreed flags); ``anomaly``: why the guard refused it."""
+    anomaly = flags.get("anomaly", "non-finite" if flags.get("nonfinite") else None)
     return types.SimpleNamespace(
-        step=n, loss=1.0, grad_norm=1.0, **{k: flags.get(k, False) for k in ("fenced", "preempt", "nonfinite")}
+        step=n,
+        loss=loss,
+        grad_norm=1.0,
+        anomaly=anomaly,
+        spike_threshold=flags.get("spike_threshold"),
+        fenced=flags.get("fenced", False),
+        preempt=flags.get("preempt", False),
+        nonfinite=anomaly is not None,
     )
 
 
@@ -242,3 +252,72 @@ def _after(method, then):
         return out
 
     return wrapped
+
+
+def _commit_step_1(runs, run):
+    run.resume()
+    run.state.step = 1
+    runs.weights.w.fill_(1.0)
+    run.save(1)
+    runs.made[-1].settle(None)
+
+
+def _replay(run, steps, anomalous=()):
+    """The replay's steps: each starts (the run's step hooks) and ends; ``anomalous`` ones are refused."""
+    code = None
+    for n in steps:
+        run.hooks.begin_step(n, 0.0)
+        code = run.after_step(step(n, nonfinite=n in anomalous), 10)
+    return code
+
+
+def test_a_replay_that_does_not_reproduce_the_anomaly_names_the_rank_and_skips_nothing(runs):
+    run = runs.open(on_nonfinite="replay")
+    _commit_step_1(runs, run)
+    clean = {k: v.clone() for k, v in runs.model.state_dict().items()}
+    with torch.no_grad():
+        runs.model.bias[1] += 1.0  # a fault in the state step 3 starts from
+    assert run.after_step(step(2), 10) is None
+    assert run.after_step(step(3, loss=50.0, anomaly="loss spike", spike_threshold=3.0), 10) is None
+    (spike,) = runs.events("loss_spike")
+    assert spike["threshold"] == 3.0 and spike["action"] == "replay"
+    (replay,) = runs.events("anomaly_replay")
+    assert (replay["step"], replay["from_step"], replay["reason"]) == (3, 1, "loss spike")
+    assert torch.equal(runs.weights.w, torch.full((4,), 1.0)), "the newest commit was reloaded"
+    runs.model.load_state_dict(clean)  # the replay computes right
+    assert _replay(run, (2, 3)) is None
+    (sdc,) = runs.events("silent_corruption")
+    assert (sdc["rank"], sdc["node"], sdc["ranks"], sdc["tensor"]) == (0, 0, [0], "bias")
+    assert (sdc["loss"], sdc["replayed_loss"], sdc["from_step"]) == (50.0, 1.0, 1)
+    assert not runs.events("rollback") and not runs.events("anomaly_reproduced") and run.state.skipped == []
+    assert run.replayer.pending is None
+
+
+def test_a_replay_that_reproduces_the_anomaly_skips_its_samples_as_a_rollback_does(runs):
+    run = runs.open(on_nonfinite="replay")
+    _commit_step_1(runs, run)
+    assert run.after_step(step(3, nonfinite=True), 10) is None
+    assert _replay(run, (2, 3), anomalous=(3,)) is None
+    (reproduced,) = runs.events("anomaly_reproduced")
+    assert reproduced["step"] == 3 and reproduced["from_step"] == 1
+    (rollback,) = runs.events("rollback")
+    assert rollback["from_step"] == 3 and rollback["to_step"] == 1 and run.state.skipped == [rollback["skipped_range"]]
+    assert not runs.events("silent_corruption")
+
+
+def test_another_anomaly_during_a_replay_stops_with_65(runs):
+    run = runs.open(on_nonfinite="replay")
+    _commit_step_1(runs, run)
+    assert run.after_step(step(3, nonfinite=True), 10) is None
+    assert _replay(run, (2,), anomalous=(2,)) == exit_codes.NONFINITE
+    (stop,) = runs.events("nonfinite_stop")
+    assert stop["reason"] == "another anomaly, at step 2, while replaying step 3"
+
+
+def test_a_replay_without_a_commit_to_go_back_to_stops_with_65(runs):
+    run = runs.open(on_nonfinite="replay")
+    run.resume()
+    assert run.after_step(step(1, nonfinite=True), 10) == exit_codes.NONFINITE
+    (stop,) = runs.events("nonfinite_stop")
+    assert stop["reason"] == "no committed checkpoint to roll back to"
+    assert not runs.events("anomaly_replay")
