@@ -267,7 +267,7 @@ def _launch(argv: list[str], zygote) -> int:
     from .worker import zygote as zygote_process
 
     a, explicit = options.parse_explicit(options.launch_parser(), argv)
-    os.environ.pop(contract.SCRIPT_COMMAND_ENV, None)  # the built-in trainer: a replay launches it
+    os.environ[contract.SCRIPT_COMMAND_ENV] = json.dumps({"entry": "launch"})  # what a replay runs
     bad = [f"--{d.replace('_', '-')}" for d in options.SCRIPT_ONLY if getattr(a, d)]
     if bad:
         raise ConfigError(
@@ -371,7 +371,7 @@ def _cmd_run(argv: list[str]) -> int:
     overrides = a.overrides + (["elastic.warm_start=false"] if a.no_warm_start else [])
     cfg = load_config(a.config, overrides, name=run_name(a.config) or run_name(a.training_script))
     config, cmd, cmd_args = build_launch_config(cfg, a, explicit)
-    _record_script_command(a)
+    _record_script_command(a, keys_set(a.config, a.overrides))
     # Forked now, while this process has imported torch and runs no thread of its own yet.
     zygote = start_zygote(cfg, cmd, cmd_args, preload=tuple(a.preload), fork=zygote_process.fork)
     try:
@@ -393,9 +393,10 @@ def _cmd_run(argv: list[str]) -> int:
         raise
 
 
-def _record_script_command(a) -> None:
+def _record_script_command(a, keys: list[str]) -> None:
     """What the workers record in every manifest for ``ckpt audit`` to replay the run with: the
-    script (or ``-m`` module) and its arguments, and the working directory they are relative to."""
+    script (or ``-m`` module) and its arguments, the working directory they are relative to,
+    and the keys the command line set (``keys``: the script's own settings decide the others)."""
     import os
 
     from . import contract
@@ -403,7 +404,8 @@ def _record_script_command(a) -> None:
 
     flags = [f"--{d.replace('_', '-')}" for d in SCRIPT_ONLY if getattr(a, d, False)]
     argv = [*flags, "-m", a.training_script] if a.module else [*flags, a.training_script]
-    os.environ[contract.SCRIPT_COMMAND_ENV] = json.dumps({"argv": [*argv, *a.training_script_args], "cwd": os.getcwd()})
+    command = {"entry": "run", "argv": [*argv, *a.training_script_args], "cwd": os.getcwd(), "set": keys}
+    os.environ[contract.SCRIPT_COMMAND_ENV] = json.dumps(command)
 
 
 def _cmd_store(a) -> int:

@@ -49,7 +49,8 @@ PEER_HOLDER_ENV = "ELASTIC_TRAINER_PEER_HOLDER"
 LOG_LEVEL_ENV = "ELASTIC_TRAINER_LOG_LEVEL"
 INJECT_FAULT_ENV = "ELASTIC_TRAINER_INJECT_FAULT"
 REPLAY_TO_STEP_ENV = "ELASTIC_TRAINER_REPLAY_TO_STEP"  # `ckpt audit`'s replay: the step it stops at
-# `run`'s script (JSON: "argv", the script or -m module and its arguments; "cwd"), recorded for `ckpt audit`
+# what the supervisor runs, recorded for `ckpt audit` (JSON: "entry" "launch", or "run" with "argv",
+# the script or -m module and its arguments, and "cwd"); unset: another launcher started the script
 SCRIPT_COMMAND_ENV = "ELASTIC_TRAINER_SCRIPT_COMMAND"
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # torch's elastic agent
@@ -113,15 +114,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         REPLAY_TO_STEP_ENV,
         "`ckpt audit`",
         "workers",
-        "The step a replay stops at (with its final commit), on the run's own schedule; a script's "
-        "process ends there.",
+        "The step a replay stops at (with its final commit), on the run's own schedule; a script's process ends there.",
     ),
     EnvVar(
         SCRIPT_COMMAND_ENV,
-        "`run`",
+        "supervisor",
         "workers",
-        "The script (or `-m` module), its arguments and working directory, recorded in every manifest for "
-        "`ckpt audit`'s replay.",
+        "What the supervisor runs — the built-in trainer, or a script (or `-m` module) with its arguments and "
+        "working directory — recorded in every manifest for `ckpt audit`'s replay.",
     ),
     EnvVar(METRICS_DIR_ENV, _SUP, "workers", "prometheus_client's multiprocess directory the supervisor exports."),
     EnvVar(SIGNALS_TO_HANDLE_ENV, _SUP, "torch's agent", "Signals the agent forwards (FORWARDED_SIGNALS)."),

@@ -216,6 +216,7 @@ class Accelerator(accelerate.Accelerator):
             out = step(*args, **kwargs)
             self._stepped = True
             ck = self._the_run()
+            ck.hooks.optimizer_stepped(ctx.step)
             ck.state.step = ctx.step
             if self._sampler is not None:
                 ctx.record(samples=self._sampler.global_batch_size)

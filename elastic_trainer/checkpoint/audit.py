@@ -153,12 +153,36 @@ def _computation(c: layout.Candidate) -> dict[str, Any]:
     return {**{k: _config(c).get(k) for k in _COMPUTATION}, "command": (c.manifest or {}).get("command")}
 
 
-def replay_config(recorded: Mapping[str, Any], scratch: str, base: layout.Candidate, saves: list[int]) -> dict:
+# what a replay's config changes (every other key is the run's own)
+_REPLAY_KEYS = frozenset(
+    {"run.dir", "metrics.port", "model.init_from"}
+    | {f"checkpoint.{k}" for k in ("dir", "resume", "interval_steps", "interval_seconds", "keep_last")}
+    | {f"checkpoint.{k}" for k in ("keep_every", "local_dir", "allow_changes")}
+    | {f"elastic.{k}" for k in ("nnodes", "nproc_per_node", "max_restarts", "rdzv_endpoint")}
+)
+
+
+def replay_config(
+    recorded: Mapping[str, Any],
+    scratch: str,
+    base: layout.Candidate,
+    saves: list[int],
+    only: list[str] | None = None,
+) -> dict:
     """The config of a replay from ``base`` (its world size, on this machine) that commits
     ``saves`` into ``scratch``: the run's own ``recorded`` config with only where it writes,
-    how many processes on how many nodes, the save cadence and the resume changed."""
+    how many processes on how many nodes, the save cadence and the resume changed. ``only``
+    (a script's run): the keys its command line set; the others are left to the script's own
+    settings, as they were (its global batch from its loader, say)."""
+    cfg = _replay_changes({k: dict(v) for k, v in recorded.items()}, scratch, base, saves)
+    if only is None:
+        return cfg
+    keep = _REPLAY_KEYS | set(only)
+    return {s: {k: v for k, v in values.items() if f"{s}.{k}" in keep} for s, values in cfg.items()}
+
+
+def _replay_changes(cfg: dict[str, Any], scratch: str, base: layout.Candidate, saves: list[int]) -> dict:
     assert base.manifest is not None  # a verified commit
-    cfg = {k: dict(v) for k, v in recorded.items()}
     run, ckpt, data, el = cfg["run"], cfg["checkpoint"], cfg["data"], cfg["elastic"]
     if not data.get("cache_dir"):
         data["cache_dir"] = os.path.join(str(run["dir"]), "data-cache")  # the run's own packed text
@@ -256,13 +280,21 @@ def _launch(argv: list[str], env: dict[str, str], log: str, cwd: str | None) -> 
 
 def replay_command(manifest: Mapping[str, Any], config_path: str) -> tuple[list[str], str | None]:
     """(argv, working directory) of the replay of the run that wrote ``manifest``, with the replay's
-    config at ``config_path``: the built-in trainer's ``launch``, or, for a script under ``run``
-    (the manifest records its command), ``run`` of the same script and arguments in the same
-    directory. ConfigError (exit 2) when that directory is not on this machine."""
+    config at ``config_path``: the built-in trainer's ``launch`` (also for a manifest that records
+    no command: written before they did), or, for a script under ``run``, ``run`` of the same
+    script and arguments in the same directory. ConfigError (exit 2) for a script another
+    launcher started, or when its directory is not on this machine."""
     cli = [sys.executable, "-m", "elastic_trainer.cli"]
     command = manifest.get("command")
-    if not isinstance(command, dict):
+    entry = command.get("entry") if isinstance(command, dict) else "launch"  # older manifests: the trainer's
+    if entry == "launch":
         return [*cli, "launch", config_path], None
+    if entry != "run" or not isinstance(command, dict):
+        raise ConfigError(
+            "--to",
+            f"the run was started by another launcher ({entry!r}: torchrun, accelerate launch, python), which "
+            "an audit cannot start again: run the script under `elastic-trainer run` to audit its commits",
+        )
     cwd = str(command.get("cwd") or "")
     if not os.path.isdir(cwd):
         raise ConfigError("--to", f"the run's script ran in {cwd!r}, which is not a directory here: audit there")
@@ -359,7 +391,9 @@ def _replay(
     last = commits[-1].step
     scratch = tempfile.mkdtemp(prefix="elastic-trainer-audit-", dir=scratch_parent)
     try:
-        cfg = replay_config(_config(commits[-1]), scratch, base, [c.step for c in commits])
+        command = (commits[-1].manifest or {}).get("command")
+        only = command.get("set") if isinstance(command, dict) and command.get("entry") == "run" else None
+        cfg = replay_config(_config(commits[-1]), scratch, base, [c.step for c in commits], only)
         config_from_dict(cfg)  # a config this version cannot take stops here, naming the key
         _copy_commit(catalog.storage, base, os.path.join(scratch, "checkpoints", base.name))
         path = os.path.join(scratch, "replay.toml")

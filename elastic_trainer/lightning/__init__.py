@@ -310,6 +310,7 @@ class Strategy(ModelParallelStrategy):
             return
         assert ck is not None  # a step's context is opened when fitting, with a checkpointer
         if not ctx.nonfinite:
+            ck.hooks.optimizer_stepped(ctx.step)
             ck.state.step = ctx.step
             if self._data.sampler is not None:
                 ctx.record(samples=self._data.sampler.global_batch_size)
@@ -321,7 +322,7 @@ class Strategy(ModelParallelStrategy):
         code = ck.after_step(ctx, self._total)
         if code is not None:
             self._ended = True
-            if code != exit_codes.OK:
+            if code != exit_codes.OK or ctx.step == ck.audit_stop:  # a replay of `ckpt audit` ends there
                 raise SystemExit(code)
 
     @contextlib.contextmanager

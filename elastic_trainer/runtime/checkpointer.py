@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import exit_codes, faults, log
+from .. import exit_codes, log
 from ..checkpoint import cadence
 from ..checkpoint.manager import CheckpointManager, LoadResult
 from ..checkpoint.state import TrainState
@@ -251,7 +251,7 @@ class Checkpointer:
             s.record(lr=self.optimizers[0].param_groups[0]["lr"])
         for opt in self.optimizers:
             opt.step()
-        faults.maybe_flip_bit(s.step, self.model.named_parameters())  # fault injection (tests)
+        self.hooks.optimizer_stepped(s.step)
         for sched in self.schedulers:
             if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
                 assert s.loss is not None  # agreed by check()

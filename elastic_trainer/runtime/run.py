@@ -47,6 +47,8 @@ from .step import Votes
 
 logger = logging.getLogger(__name__)
 
+OTHER_LAUNCHER = "other"  # a manifest's command entry when no supervisor of ours started the script
+
 
 def shape_fingerprint(model: nn.Module) -> str:
     """A fingerprint of a model's parameter names and shapes (for models without a config)."""
@@ -169,7 +171,7 @@ class Run:
         identity: dict[str, Any] | None = None,
         model: nn.Module | None = None,
     ):
-        self.session, self.manager, self.state, self.rng = session, manager, state, rng
+        self.session, self.manager, self.state, self.rng, self.model = session, manager, state, rng, model
         self.storage = manager.storage
         self.identity = identity or {}
         self.loaded: LoadResult | None = None
@@ -335,15 +337,14 @@ class Run:
 
     def _replay_record(self) -> dict[str, Any]:
         """What every manifest records for ``ckpt audit``'s replay of the run: the resolved config,
-        the ranks per node (to name the node of a rank) and, for a script under ``run``, its
-        command line and working directory."""
+        the ranks per node (to name the node of a rank) and what the supervisor runs (``launch``;
+        ``run`` with the script's command line and working directory; or another launcher)."""
         s = self.session
         to_dict = getattr(s.cfg, "to_dict", None)
         out: dict[str, Any] = {"config": to_dict()} if to_dict is not None else {}
         out["local_world_size"] = int(os.environ.get(contract.LOCAL_WORLD_SIZE_ENV) or s.world_size)
         command = os.environ.get(contract.SCRIPT_COMMAND_ENV)
-        if command:  # a script under `elastic-trainer run`: what the replay runs
-            out["command"] = json.loads(command)
+        out["command"] = json.loads(command) if command else {"entry": OTHER_LAUNCHER}
         return out
 
     # ------------------------------------------------------------------ the end
@@ -405,6 +406,12 @@ class StepHooks:
         writing); a replay fingerprints the state its anomalous step starts from."""
         self._run.cadence.begin_step(now, self._run.manager.save_in_progress)
         self._run.replayer.begin_step(step)
+
+    def optimizer_stepped(self, step: int) -> None:
+        """After the optimizer step of ``step`` (every front end): fault injection (tests), a bit
+        flipped in this rank's parameters."""
+        if self._run.model is not None:
+            faults.maybe_flip_bit(step, self._run.model.named_parameters())
 
     def judge_loss(self, step: int, loss: float) -> float | None:
         """The spike test of ``step``'s agreed finite global loss: the threshold it exceeded, else None."""

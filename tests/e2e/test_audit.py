@@ -14,6 +14,7 @@ Six launches in all (two of them the audits' replays)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -148,9 +149,42 @@ def test_a_scripts_commits_are_audited_by_replaying_the_script_under_run(tmp_pat
         r = runs.run_cli(args, env, 240, out)
     assert r.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
     manifest = json.loads((root / layout.step_dir_name(20) / layout.MANIFEST).read_text())
-    assert manifest["command"]["argv"] == [script, "--steps", "20"]
+    assert manifest["command"] == {"entry": "run", "argv": [script, "--steps", "20"], "cwd": os.getcwd()}
     audit = _audit(root, 5, 20, tmp_path)
     assert audit.returncode == 1, audit.stdout + audit.stderr
     lines = audit.stdout.splitlines()
     assert lines[0] == "step 10 certified" and lines[1].startswith("step 15 suspect: rank 1 (node 0)"), audit.stdout
     assert lines[2].startswith("step 20 suspect: ") and len(lines) == 3, audit.stdout
+
+
+FRONT_ENDS = {
+    # script, its arguments, `run`'s flags: commits every 3 steps of 12, of a model sharded with
+    # FSDP2 (every rank saves its own shard: a replicated model is saved from rank 0 only)
+    "lightning": (
+        runs.REPO / "examples" / "lightning_fsdp2.py",
+        ["--samples", "64", "--steps", "12"],
+        ["--set", "checkpoint.interval_steps=3"],
+    ),
+    "accelerate": (runs.REPO / "tests" / "e2e" / "run_scripts" / "accelerate_fsdp2.py", ["{project}", "12"], []),
+}
+
+
+@pytest.mark.parametrize("front_end", sorted(FRONT_ENDS))
+def test_a_front_end_scripts_commits_are_audited_and_the_flip_located(tmp_path, front_end):
+    """The same under the framework front ends: the flip after step 7 leaves 6 certified and 9
+    suspect on rank 1; the replay ends the script's process at step 12."""
+    script, script_args, flags = FRONT_ENDS[front_end]
+    run_dir, root = tmp_path / "run", tmp_path / "ckpt"
+    script_args = [a.format(project=tmp_path / "project") for a in script_args]
+    keep = ("--set", "checkpoint.keep_last=10")
+    args = runs.run_args(run_dir, root, *flags, *keep, str(script), *script_args, max_restarts=0)
+    env = runs.env_for_tests({contract.INJECT_FAULT_ENV: "bitflip@rank=1,step=7"})
+    with open(tmp_path / "run.log", "ab") as out:
+        r = runs.run_cli(args, env, 240, out)
+    assert r.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
+    audit = _audit(root, 3, 12, tmp_path)
+    assert audit.returncode == 1, audit.stdout + audit.stderr
+    lines = audit.stdout.splitlines()
+    assert len(lines) == 3, audit.stdout + audit.stderr
+    assert lines[0] == "step 6 certified" and lines[1].startswith("step 9 suspect: rank 1 (node 0)"), audit.stdout
+    assert lines[2].startswith("step 12 suspect: "), audit.stdout
