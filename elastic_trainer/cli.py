@@ -160,7 +160,8 @@ def _add_ckpt_release(ksub: _Subparsers) -> None:
 def _add_ckpt_audit(ksub: _Subparsers) -> None:
     k = ksub.add_parser(
         "audit",
-        help="replay the built-in trainer's steps A to B from commit A on this machine and compare every commit "
+        help="replay the run's steps A to B (the built-in trainer, or a script under run) from commit A on this "
+        "machine and compare every commit "
         "in between with the replay's: certified (the same bytes) or suspect (silent data corruption: never "
         "resumed from); exit 0 all certified, 1 one is suspect, 2 bad input",
     )
@@ -173,6 +174,12 @@ def _add_ckpt_audit(ksub: _Subparsers) -> None:
         default=None,
         help="directory in which the replay's scratch directory is made, and removed at the end "
         "(default: the system's temporary directory)",
+    )
+    k.add_argument(
+        "--single-replay",
+        action="store_true",
+        help="judge by one replay (default: a replay that finds a suspect commit is run a second time, and a "
+        "commit either replay reproduces is certified: the machine running the audit may be the faulty one)",
     )
 
 
@@ -482,7 +489,7 @@ def _cmd_ckpt(a) -> int:
     if a.ckpt_cmd == "audit":
         from .checkpoint.audit import audit
 
-        verdicts = audit(a.uri, a.first, a.last, a.endpoint_url, scratch_parent=a.scratch)
+        verdicts = audit(a.uri, a.first, a.last, a.endpoint_url, scratch_parent=a.scratch, confirm=not a.single_replay)
         for v in verdicts:
             print(v.line(), flush=True)
         return 1 if any(v.suspect for v in verdicts) else 0

@@ -23,6 +23,7 @@ Decisions are pure (:func:`audit_chain`, :func:`replay_segments`, :func:`replay_
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import math
@@ -67,6 +68,7 @@ class Verdict:
     tensor: str | None = None
     descends_from: int | None = None
     seconds: float = 0.0
+    replays: int = 1  # 2: a second replay broke the tie (:func:`tie_break`)
 
     def line(self) -> str:
         """What ``ckpt audit`` prints for it."""
@@ -84,6 +86,7 @@ class Verdict:
             "from_step": self.from_step,
             "verdict": layout.SUSPECT if self.suspect else layout.CERTIFIED,
             "seconds": self.seconds,
+            "replays": self.replays,
         }
         if self.descends_from is not None:
             out["descends_from"] = self.descends_from
@@ -222,6 +225,17 @@ def differing_files(ours: Mapping[str, Any], replayed: Mapping[str, Any]) -> lis
     return sorted(out)
 
 
+def tie_break(first: list[Verdict], second: list[Verdict]) -> list[Verdict]:
+    """The verdicts of two replays of one segment, commit by commit: a commit either replay
+    reproduced is certified (the other replay computed wrong: the audit's own machine); one
+    neither reproduced stays suspect, where the first replay located it."""
+    out = []
+    for a, b in zip(first, second, strict=True):
+        chosen = b if a.suspect and not b.suspect else a
+        out.append(dataclasses.replace(chosen, replays=2, seconds=round(a.seconds + b.seconds, 3)))
+    return out
+
+
 def locate(scores: Mapping[tuple[int, str], float]) -> tuple[int, str]:
     """(rank, tensor) with the largest difference (``scores``: the largest absolute difference of
     each differing tensor, relative to its size); ties go to the lowest rank."""
@@ -332,6 +346,7 @@ def audit(
     *,
     scratch_parent: str | None = None,
     replay: Replay = _launch,
+    confirm: bool = True,
 ) -> list[Verdict]:
     """Audit the commits from step ``first`` to ``last`` under ``uri`` (see the module): one
     verdict per commit after ``first`` along the lineage of ``last``, each recorded beside its
@@ -339,7 +354,9 @@ def audit(
     segments are not replayed: their commits descend from it. ConfigError (exit 2) for a bad
     root or range; CheckpointError when a replay fails. ``scratch_parent``: where the scratch
     directory goes (default: the system's temporary directory; removed at the end);
-    ``replay``: runs a replay's launch (tests inject one)."""
+    ``replay``: runs a replay's launch (tests inject one). ``confirm``: a segment whose first
+    replay finds a suspect commit is replayed a second time, and the two replays' verdicts
+    break the tie (:func:`tie_break`: the audit's own machine may be the faulty one)."""
     check_uri(uri, "ROOT")
     storage = open_storage(uri, endpoint_url)
     storage.checks.access()
@@ -353,7 +370,10 @@ def audit(
         if suspect is not None:
             verdicts += [Verdict(c.step, c.name, base.step, True, descends_from=suspect.step) for c in commits]
         else:
-            verdicts += _replay(catalog, base, commits, scratch_parent, replay)
+            found = _replay(catalog, base, commits, scratch_parent, replay)
+            if confirm and any(v.suspect for v in found):
+                found = tie_break(found, _replay(catalog, base, commits, scratch_parent, replay))
+            verdicts += found
     recorded = _config(segments[-1][1][-1])
     events = _run_events(recorded)
     manifests = {c.name: c.manifest for _, commits in segments for c in commits}

@@ -37,9 +37,11 @@ def _launch_ok(cfg: Path, *args: str, env: dict | None = None) -> None:
     assert r.returncode == 0, cfg.with_suffix(".log").read_text()[-4000:]
 
 
-def _audit(root: Path, first: int, last: int, scratch: Path, env: dict | None = None):
+def _audit(root: Path, first: int, last: int, scratch: Path, env: dict | None = None, *flags: str):
+    """``ckpt audit``; ``flags``: ``--single-replay`` where a second, confirming replay adds nothing to the test."""
     return runs.run_cli(
-        [*runs.CLI, "ckpt", "audit", str(root), "--from", str(first), "--to", str(last), "--scratch", str(scratch)],
+        [*runs.CLI, "ckpt", "audit", str(root), "--from", str(first), "--to", str(last), "--scratch", str(scratch)]
+        + list(flags),
         runs.env_for_tests(env),
         300,
     )
@@ -95,6 +97,7 @@ def test_the_audit_certifies_the_commit_before_the_flip_and_finds_the_rank_after
     verdicts = {s: json.loads((root / layout.step_dir_name(s) / layout.AUDIT).read_text()) for s in (10, 15, 20)}
     assert [verdicts[s]["verdict"] for s in (10, 15, 20)] == ["certified", "suspect", "suspect"]
     assert verdicts[15]["rank"] == 1 and verdicts[15]["tensor"] == lines[1].rsplit(" ", 1)[1]
+    assert verdicts[15]["replays"] == 2, "a second replay confirmed the suspect"
     assert not (root / layout.step_dir_name(5) / layout.AUDIT).exists(), "the commit replayed from is not judged"
     events = runs.read_events(root.parent, "checkpoint_audited")
     assert [(e["step"], e["verdict"]) for e in events] == [(10, "certified"), (15, "suspect"), (20, "suspect")]
@@ -149,8 +152,12 @@ def test_a_scripts_commits_are_audited_by_replaying_the_script_under_run(tmp_pat
         r = runs.run_cli(args, env, 240, out)
     assert r.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
     manifest = json.loads((root / layout.step_dir_name(20) / layout.MANIFEST).read_text())
-    assert manifest["command"] == {"entry": "run", "argv": [script, "--steps", "20"], "cwd": os.getcwd()}
-    audit = _audit(root, 5, 20, tmp_path)
+    command = {"entry": "run", "argv": [script, "--steps", "20"], "cwd": os.getcwd()}
+    assert manifest["command"] == {
+        **command,
+        "set": ["checkpoint.dir", "checkpoint.keep_last", "metrics.port", "run.dir"],
+    }
+    audit = _audit(root, 5, 20, tmp_path, None, "--single-replay")
     assert audit.returncode == 1, audit.stdout + audit.stderr
     lines = audit.stdout.splitlines()
     assert lines[0] == "step 10 certified" and lines[1].startswith("step 15 suspect: rank 1 (node 0)"), audit.stdout
@@ -182,7 +189,7 @@ def test_a_front_end_scripts_commits_are_audited_and_the_flip_located(tmp_path, 
     with open(tmp_path / "run.log", "ab") as out:
         r = runs.run_cli(args, env, 240, out)
     assert r.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
-    audit = _audit(root, 3, 12, tmp_path)
+    audit = _audit(root, 3, 12, tmp_path, None, "--single-replay")
     assert audit.returncode == 1, audit.stdout + audit.stderr
     lines = audit.stdout.splitlines()
     assert len(lines) == 3, audit.stdout + audit.stderr

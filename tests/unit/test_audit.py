@@ -204,8 +204,9 @@ class _FakeReplay:
     """What the replay's launch does, in this process: the clean state of every step it saves,
     committed under the scratch root its config names, from the commit it was given."""
 
-    def __init__(self):
+    def __init__(self, faulty_calls: tuple[int, ...] = ()):
         self.calls: list[tuple[list[str], dict[str, str]]] = []
+        self.faulty_calls = faulty_calls  # the calls that compute wrong (a faulty audit machine): flipped saves
 
     def __call__(self, argv: list[str], env: dict[str, str], log: str, cwd: str | None) -> int:
         self.calls.append((argv, env))
@@ -218,7 +219,7 @@ class _FakeReplay:
         stop = int(env[contract.REPLAY_TO_STEP_ENV])
         for step in range(base.step + 1, stop + 1):
             if step % c["interval_steps"] == 0 or step == stop:  # the cadence, and the final commit
-                parent = _save(scratch, step, parent)
+                parent = _save(scratch, step, parent, flipped=len(self.calls) - 1 in self.faulty_calls)
         return 0
 
 
@@ -239,7 +240,8 @@ def test_the_audit_certifies_what_the_replay_reproduces_and_names_where_it_does_
         "step 15 suspect: rank 0 (node 0), first tensor model.w",
         "step 20 suspect: rank 0 (node 0), first tensor model.w",
     ]
-    ((argv, env),) = fake.calls
+    assert len(fake.calls) == 2 and [v.replays for v in verdicts] == [2, 2, 2], "a second replay confirmed it"
+    argv, env = fake.calls[0]
     assert argv[-2] == "launch" and contract.INJECT_FAULT_ENV not in env and env[contract.REPLAY_TO_STEP_ENV] == "20"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("elastic-trainer-audit-")] == [], "scratch removed"
     by_name = {c.name: c for c in cat.scan()}
@@ -317,7 +319,7 @@ def test_after_a_suspect_commit_later_segments_are_not_replayed(cat, tmp_path):
         "step 15 suspect: descends from suspect step 10",
         "step 20 suspect: descends from suspect step 10",
     ]
-    assert len(fake.calls) == 1
+    assert len(fake.calls) == 2, "the first segment, replayed twice (a suspect confirmed); the later ones not"
     assert cat.plan_resume("latest").chosen.step == 5  # type: ignore[union-attr]
 
 
@@ -365,3 +367,22 @@ def test_the_replay_runs_the_built_in_trainer_or_the_recorded_script_in_its_dire
     assert argv[-7:] == ["run", "--config", "r.toml", "-m", "pkg.train", "--steps", "20"] and cwd == str(tmp_path)
     with pytest.raises(ConfigError, match="not a directory here"):
         audit.replay_command({"command": {**command, "cwd": str(tmp_path / "gone")}}, "r.toml")
+
+
+def test_a_second_replay_breaks_the_tie_when_the_audits_own_machine_computed_wrong(cat, tmp_path):
+    _chain(cat, [5, 10, 15], extra={"config": _recorded(tmp_path / "run", Path(cat.storage.root))})
+    fake = _FakeReplay(faulty_calls=(0,))
+    verdicts = audit.audit(cat.storage.root, 5, 15, scratch_parent=str(tmp_path), replay=fake)
+    assert [v.line() for v in verdicts] == ["step 10 certified", "step 15 certified"]
+    assert [v.replays for v in verdicts] == [2, 2] and len(fake.calls) == 2
+    single = audit.audit(cat.storage.root, 5, 15, replay=_FakeReplay(faulty_calls=(0,)), confirm=False)
+    assert [v.suspect for v in single] == [True, True], "one replay, and it computed wrong"
+
+
+def test_the_tie_break_keeps_the_first_replays_location_when_neither_reproduces():
+    a = [audit.Verdict(10, "s10", 5, True, rank=1, node=0, tensor="w", seconds=1.0)]
+    b = [audit.Verdict(10, "s10", 5, True, rank=0, node=0, tensor="v", seconds=2.0)]
+    (v,) = audit.tie_break(a, b)
+    assert (v.suspect, v.rank, v.tensor, v.replays, v.seconds) == (True, 1, "w", 2, 3.0)
+    (v,) = audit.tie_break(a, [audit.Verdict(10, "s10", 5, False, seconds=2.0)])
+    assert not v.suspect and v.replays == 2
