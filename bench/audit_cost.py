@@ -10,6 +10,11 @@ them) and the audit's wall time (a replay launch from commit A, its saves, the c
 verdicts). Prints per round and the median: audit ÷ interval (what an audit costs per second of
 training it certifies; the launch's start-up is its fixed part, so the ratio falls towards 1
 as the interval grows) and audit ÷ the whole training launch.
+
+``--flip-at S`` adds, to each round, the same launch with ``train.on_nonfinite = "replay"`` and a
+large bit flip on rank 1 after step S (its next step's gradient overflows): the run rolls back to
+its newest commit, replays, names the rank and finishes. Its wall time against the clean launch's
+is what one automatic replay costs; the losses must equal the clean launch's, bitwise.
 """
 
 from __future__ import annotations
@@ -40,22 +45,51 @@ def _run(args: list[str], log: Path) -> float:
     return time.monotonic() - t0
 
 
-def one_round(a, work: Path) -> dict:
-    run_dir, ckpt = work / "run", work / "run" / "ckpt"
-    sets = [
-        *("--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={ckpt}", "--set", f"data.path={DATA}"),
+def _sets(a, run_dir: Path) -> list[str]:
+    return [
+        *("--set", f"run.dir={run_dir}", "--set", f"checkpoint.dir={run_dir / 'ckpt'}", "--set", f"data.path={DATA}"),
         *("--set", f"train.steps={a.steps}", "--set", f"checkpoint.interval_steps={a.interval}"),
         *("--set", f"checkpoint.keep_last={a.steps // a.interval + 1}", "--set", "metrics.port=0"),
         *(x for kv in a.overrides for x in ("--set", kv)),
     ]
-    launch = _run([*runs.CLI, "launch", str(REPO / a.config), *sets], work / "train.log")
+
+
+def _replay_round(a, work: Path, clean_launch: float) -> dict:
+    """``--flip-at``: the launch with an anomaly replayed, against the clean one of the round."""
+    run_dir = work / "replay"
+    flip = f"bitflip@rank=1,step={a.flip_at},bit=30,param=qkv"
+    sets = [*_sets(a, run_dir), "--set", 'train.on_nonfinite="replay"']
+    t0 = time.monotonic()
+    with open(work / "replay.log", "wb") as out:
+        env = runs.env_for_tests({"ELASTIC_TRAINER_INJECT_FAULT": flip})
+        r = subprocess.run(
+            [*runs.CLI, "launch", str(REPO / a.config), *sets], stdout=out, stderr=out, env=env, cwd=REPO
+        )
+    seconds = time.monotonic() - t0
+    (replay,) = runs.read_events(run_dir, "anomaly_replay") or [None]
+    found = runs.read_events(run_dir, "silent_corruption")
+    same = runs.step_losses(run_dir) == runs.step_losses(work / "run")
+    if r.returncode != 0 or replay is None or not found or not same:
+        raise SystemExit(
+            f"the replayed launch did not finish on the clean curve:\n{(work / 'replay.log').read_text()[-3000:]}"
+        )
+    return {
+        "replay_launch_s": seconds,
+        "replay_per_launch": seconds / clean_launch,
+        "replayed_steps": replay["step"] - replay["from_step"],
+    }
+
+
+def one_round(a, work: Path) -> dict:
+    run_dir, ckpt = work / "run", work / "run" / "ckpt"
+    launch = _run([*runs.CLI, "launch", str(REPO / a.config), *_sets(a, run_dir)], work / "train.log")
     steps = {r["step"]: r["time"] for r in runs.read_events(run_dir, "step")}
     interval = steps[a.steps] - steps[a.first]
     audit_args = ["--from", str(a.first), "--to", str(a.steps), "--scratch", str(work)]
     audit = _run([*runs.CLI, "ckpt", "audit", str(ckpt), *audit_args], work / "audit.log")
     lines = (work / "audit.log").read_text().split("\n")
     certified = sum(1 for line in lines if line.startswith("step ") and line.endswith(" certified"))
-    return {
+    out = {
         "launch_s": launch,
         "interval_s": interval,
         "audit_s": audit,
@@ -63,6 +97,7 @@ def one_round(a, work: Path) -> dict:
         "audit_per_interval": audit / interval,
         "audit_per_launch": audit / launch,
     }
+    return {**out, **_replay_round(a, work, launch)} if a.flip_at else out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="more config overrides")
     ap.add_argument("--json-out", help="write the rounds here")
+    ap.add_argument("--flip-at", type=int, default=0, help="also a launch with this step's flip replayed (0: none)")
     tiny = ["--steps", "4", "--interval", "2", "--from", "2", "--repeats", "1"]
     a = parse_with_smoke(ap, [*tiny, *TINY_DEMO], argv)
     if a.first % a.interval or a.steps % a.interval or not 0 < a.first < a.steps:
@@ -93,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(["median", *(f"**{median([r[k] for r in rounds]):.2f}**" for k in keys)])
     print(f"\n{a.config}, {a.steps} steps, commits every {a.interval}, audit {a.first} → {a.steps}")
     print(table(["round", "training launch s", "interval s", "audit s", "audit ÷ interval", "audit ÷ launch"], rows))
+    if a.flip_at:
+        keys = ("launch_s", "replay_launch_s", "replay_per_launch", "replayed_steps")
+        rows = [[i + 1, *(f"{r[k]:.2f}" for k in keys)] for i, r in enumerate(rounds)]
+        rows.append(["median", *(f"**{median([r[k] for r in rounds]):.2f}**" for k in keys)])
+        print(f"\ntrain.on_nonfinite = replay, a large flip on rank 1 after step {a.flip_at}")
+        print(table(["round", "clean launch s", "replayed launch s", "replayed ÷ clean", "steps replayed"], rows))
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"machine": machine_info(), "args": vars(a), "rounds": rounds}))
     return 0

@@ -166,8 +166,21 @@ def _add_ckpt_audit(ksub: _Subparsers) -> None:
         "resumed from); exit 0 all certified, 1 one is suspect, 2 bad input",
     )
     k.add_argument("uri", metavar="ROOT", help=_URI_HELP)
-    k.add_argument("--from", dest="first", type=int, required=True, help="the committed step to replay from")
-    k.add_argument("--to", dest="last", type=int, required=True, help="the last committed step to audit")
+    k.add_argument(
+        "--from",
+        dest="first",
+        type=int,
+        help="the committed step to replay from (trusted, not judged); 0: the run's start, replayed afresh",
+    )
+    k.add_argument("--to", dest="last", type=int, help="the last committed step to audit")
+    k.add_argument(
+        "--follow",
+        action="store_true",
+        help="instead of --from/--to: beside a running job, audit each new commit of its lineage as it lands, "
+        "from the newest certified one (or the run's start); exit 1 at the first suspect commit",
+    )
+    k.add_argument("--until", type=int, default=None, help="with --follow: end (exit 0) once this step is certified")
+    k.add_argument("--poll-seconds", type=float, default=30.0, help="with --follow: how often to look for a commit")
     k.add_argument("--endpoint-url", default="", help=_ENDPOINT_HELP)
     k.add_argument(
         "--scratch",
@@ -415,6 +428,41 @@ def _record_script_command(a, keys: list[str]) -> None:
     os.environ[contract.SCRIPT_COMMAND_ENV] = json.dumps(command)
 
 
+def _ckpt_audit(a) -> int:
+    """``ckpt audit``: 0 every audited commit certified, 1 one suspect, 2 bad input."""
+    import signal
+
+    from .checkpoint.audit import audit, follow
+
+    how = {"scratch_parent": a.scratch, "confirm": not a.single_replay}
+    if a.follow:
+        if a.first is not None or a.last is not None:
+            raise ConfigError("--follow", "audits each new commit as it lands: leave --from and --to out")
+        signal.signal(signal.SIGTERM, _interrupt)  # a sidecar's stop: the replay in flight is killed with it
+        try:
+            certified = follow(
+                a.uri, a.endpoint_url, until=a.until, poll_seconds=a.poll_seconds, report=_print_line, **how
+            )
+        except KeyboardInterrupt:
+            return 0  # stopped, every commit audited so far certified
+        return 0 if certified else 1
+    for flag, value in (("--from", a.first), ("--to", a.last)):
+        if value is None:
+            raise ConfigError(flag, "required (or --follow)")
+    verdicts = audit(a.uri, a.first, a.last, a.endpoint_url, **how)
+    for v in verdicts:
+        _print_line(v)
+    return 1 if any(v.suspect for v in verdicts) else 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _print_line(verdict) -> None:
+    print(verdict.line(), flush=True)
+
+
 def _cmd_store(a) -> int:
     from .supervisor.store import StoreAddress, serve
 
@@ -487,12 +535,7 @@ def _cmd_ckpt(a) -> int:
         print(json.dumps(tools.export_safetensors(a.uri, a.out, a.step, a.dtype, a.endpoint_url)))
         return 0
     if a.ckpt_cmd == "audit":
-        from .checkpoint.audit import audit
-
-        verdicts = audit(a.uri, a.first, a.last, a.endpoint_url, scratch_parent=a.scratch, confirm=not a.single_replay)
-        for v in verdicts:
-            print(v.line(), flush=True)
-        return 1 if any(v.suspect for v in verdicts) else 0
+        return _ckpt_audit(a)
     if a.ckpt_cmd == "release":
         name, marker = tools.release(a.uri, a.step, a.endpoint_url)
         print(f"released {name} (was quarantined: {marker.get('reason', 'unknown reason')})")

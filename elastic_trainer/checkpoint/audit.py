@@ -105,19 +105,22 @@ class Verdict:
 # ------------------------------------------------------------------------------- pure decisions
 def audit_chain(candidates: list[layout.Candidate], first: int, last: int, key: bytes | None) -> list[layout.Candidate]:
     """The commits an audit of ``first``→``last`` judges, oldest first: the newest valid commit of
-    step ``last`` and its ancestors back to step ``first`` (which it replays from). Raises
-    ConfigError naming ``--from``/``--to`` when a step is not a valid commit, ``first`` is not
-    below ``last`` or not an ancestor of ``last``, or the world size changes in between."""
-    if first >= last:
-        raise ConfigError("--from", f"{first} must be below --to ({last})")
+    step ``last`` and its ancestors back to step ``first`` (which it replays from; 0: the run's
+    start, :data:`START`, at the world size of its first commit). Raises ConfigError naming
+    ``--from``/``--to`` when a step is not a valid commit, ``first`` is not below ``last`` or not
+    an ancestor of ``last``, or the world size changes in between."""
+    if first >= last or first < 0:
+        raise ConfigError("--from", f"{first} must be 0 (the run's start) or a commit below --to ({last})")
     valid = [c for c in candidates if layout.verify(c, key) is None]
     steps = ", ".join(map(str, sorted({c.step for c in valid}))) or "none"
     for flag, step in (("--from", first), ("--to", last)):
-        if not any(c.step == step for c in valid):
+        if (step or flag == "--to") and not any(c.step == step for c in valid):
             raise ConfigError(flag, f"step {step} is not a valid commit under ROOT (valid commits: {steps})")
     head = max((c for c in valid if c.step == last), key=lambda c: c.gen)
     chain = [c for c in lineage(head, candidates) if c.step >= first]
-    if chain[-1].step != first or any(layout.verify(c, key) for c in chain):
+    if not first:
+        chain.append(dataclasses.replace(START, manifest={"world_size": (chain[-1].manifest or {}).get("world_size")}))
+    if chain[-1].step != first or any(layout.verify(c, key) for c in chain if c.name):
         raise ConfigError("--from", f"step {first} is not an ancestor of the commit of step {last} ({head.name})")
     chain.reverse()
     for prev, c in zip(chain, chain[1:], strict=False):
@@ -132,6 +135,7 @@ def audit_chain(candidates: list[layout.Candidate], first: int, last: int, key: 
 
 
 _COMPUTATION = ("model", "data", "train")  # the sections that fix what a step computes
+START = layout.Candidate(0, "", {}, {})  # ``--from 0``: the run's start (no commit: a fresh start)
 
 
 def replay_segments(chain: list[layout.Candidate]) -> list[tuple[layout.Candidate, list[layout.Candidate]]]:
@@ -193,14 +197,14 @@ def _replay_changes(cfg: dict[str, Any], scratch: str, base: layout.Candidate, s
     gap = math.gcd(*saves)
     ckpt.update(
         dir=os.path.join(scratch, "checkpoints"),
-        resume=str(base.step),
+        resume=str(base.step) if base.name else "latest",  # the start: nothing to resume in the scratch root
         interval_steps=gap,
         interval_seconds=0.0,
         keep_last=max(1, (saves[-1] - base.step) // gap + 1),
         keep_every=0,
         local_dir="",
     )
-    if cfg["model"].get("init_from"):  # the replay loads commit A, never the first weights
+    if base.name and cfg["model"].get("init_from"):  # the replay loads commit A, never the first weights
         cfg["model"]["init_from"] = ""
         ckpt["allow_changes"] = [*ckpt.get("allow_changes", []), "model.init_from"]
     el.update(nnodes="1", nproc_per_node=int(base.manifest["world_size"]), max_restarts=0, rdzv_endpoint="")
@@ -385,6 +389,38 @@ def audit(
     return verdicts
 
 
+def follow(
+    uri: str,
+    endpoint_url: str = "",
+    *,
+    until: int | None = None,
+    poll_seconds: float = 30.0,
+    report: Callable[[Verdict], None] = lambda v: None,
+    sleep: Callable[[float], None] = time.sleep,
+    **how: Any,
+) -> bool:
+    """``ckpt audit ROOT --follow``, beside a running job (on a spare node): audit each new head
+    of the run's lineage once it is committed, from the newest certified commit before it (the
+    run's start when there is none), every ``poll_seconds``; ``report`` gets each verdict. Ends
+    False at the first suspect commit, True once a commit of step ``until`` or later is
+    certified; runs until interrupted otherwise. ``how``: :func:`audit`'s keywords."""
+    storage = open_storage(uri, endpoint_url)
+    catalog = Catalog(storage)
+    while True:
+        candidates = catalog.scan()
+        head = catalog.head(candidates)
+        if head is not None and head.verdict is None:
+            base = next((c.step for c in lineage(head, candidates)[1:] if c.verdict == layout.CERTIFIED), 0)
+            verdicts = audit(uri, base, head.step, endpoint_url, **how)
+            for v in verdicts:
+                report(v)
+            if any(v.suspect for v in verdicts):
+                return False
+        if head is not None and until is not None and head.step >= until:
+            return True
+        sleep(poll_seconds)
+
+
 def record_verdict(storage: Storage, name: str, verdict: dict[str, Any]) -> None:
     """Record a verdict on the commit ``name`` beside its manifest (``audit.json``, written
     atomically; the commit's own files are untouched). ``verdict`` holds ``verdict``
@@ -415,7 +451,8 @@ def _replay(
         only = command.get("set") if isinstance(command, dict) and command.get("entry") == "run" else None
         cfg = replay_config(_config(commits[-1]), scratch, base, [c.step for c in commits], only)
         config_from_dict(cfg)  # a config this version cannot take stops here, naming the key
-        _copy_commit(catalog.storage, base, os.path.join(scratch, "checkpoints", base.name))
+        if base.name:  # else the replay starts the run afresh
+            _copy_commit(catalog.storage, base, os.path.join(scratch, "checkpoints", base.name))
         path = os.path.join(scratch, "replay.toml")
         with open(path, "w") as f:
             f.write(toml_text(cfg))

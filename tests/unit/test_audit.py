@@ -147,8 +147,8 @@ def test_the_audited_chain_follows_the_lineage_of_the_last_step(cat):
 @pytest.mark.parametrize(
     "first, last, flag, words",
     [
-        (10, 10, "--from", "must be below --to"),
-        (15, 10, "--from", "must be below --to"),
+        (10, 10, "--from", "a commit below --to"),
+        (15, 10, "--from", "a commit below --to"),
         (7, 15, "--from", "step 7 is not a valid commit under ROOT (valid commits: 5, 10, 15)"),
         (5, 25, "--to", "step 25 is not a valid commit"),
     ],
@@ -207,17 +207,23 @@ class _FakeReplay:
     def __init__(self, faulty_calls: tuple[int, ...] = ()):
         self.calls: list[tuple[list[str], dict[str, str]]] = []
         self.faulty_calls = faulty_calls  # the calls that compute wrong (a faulty audit machine): flipped saves
+        self.resumes: list[str] = []  # each call's checkpoint.resume
 
     def __call__(self, argv: list[str], env: dict[str, str], log: str, cwd: str | None) -> int:
         self.calls.append((argv, env))
         cfg = tomllib.loads(Path(argv[-1]).read_text())
         c = cfg["checkpoint"]
+        self.resumes.append(c["resume"])
         scratch = Catalog(open_storage(c["dir"]), key=None)
-        (base,) = scratch.scan()
-        assert base.step == int(c["resume"]) and scratch.problem(base) is None, "the base commit, copied whole"
-        parent = base.name
+        if c["resume"] == "latest":  # --from 0: the run's start, nothing copied
+            assert scratch.scan() == []
+            first, parent = 1, None
+        else:
+            (base,) = scratch.scan()
+            assert base.step == int(c["resume"]) and scratch.problem(base) is None, "the base commit, copied whole"
+            first, parent = base.step + 1, base.name
         stop = int(env[contract.REPLAY_TO_STEP_ENV])
-        for step in range(base.step + 1, stop + 1):
+        for step in range(first, stop + 1):
             if step % c["interval_steps"] == 0 or step == stop:  # the cadence, and the final commit
                 parent = _save(scratch, step, parent, flipped=len(self.calls) - 1 in self.faulty_calls)
         return 0
@@ -267,7 +273,9 @@ def test_a_commit_that_records_no_config_cannot_be_replayed(cat):
     "args, words",
     [
         (["--from", "5", "--to", "10"], "no checkpoint root at"),
-        (["--from", "10", "--to", "5"], "must be below --to"),
+        (["--from", "10", "--to", "5"], "a commit below --to"),
+        (["--to", "10"], "'--from': required (or --follow)"),
+        (["--follow", "--from", "5"], "leave --from and --to out"),
     ],
 )
 def test_the_command_exits_2_on_bad_input_naming_the_problem(tmp_path, capsys, args, words):
@@ -386,3 +394,38 @@ def test_the_tie_break_keeps_the_first_replays_location_when_neither_reproduces(
     assert (v.suspect, v.rank, v.tensor, v.replays, v.seconds) == (True, 1, "w", 2, 3.0)
     (v,) = audit.tie_break(a, [audit.Verdict(10, "s10", 5, False, seconds=2.0)])
     assert not v.suspect and v.replays == 2
+
+
+def test_from_0_replays_the_run_from_its_start_and_judges_its_first_commit(cat, tmp_path):
+    _chain(cat, [5, 10], extra={"config": _recorded(tmp_path / "run", Path(cat.storage.root))})
+    fake = _FakeReplay()
+    verdicts = audit.audit(cat.storage.root, 0, 10, scratch_parent=str(tmp_path), replay=fake)
+    assert [v.line() for v in verdicts] == ["step 5 certified", "step 10 certified"]
+    assert [v.from_step for v in verdicts] == [0, 0] and len(fake.calls) == 1
+    with pytest.raises(ConfigError, match="must be 0"):
+        audit.audit_chain(cat.scan(), -1, 10, None)
+
+
+def test_follow_audits_each_new_head_from_the_newest_certified_commit_until_told(cat, tmp_path):
+    recorded = {"config": _recorded(tmp_path / "run", Path(cat.storage.root))}
+    five, ten = _chain(cat, [5, 10], extra=recorded)
+    fake, lines = _FakeReplay(), []
+
+    def sleep(seconds):  # the running job commits step 15 while the follower waits
+        assert seconds == 7.0
+        _save(cat, 15, ten, extra=recorded)
+
+    done = audit.follow(
+        cat.storage.root, until=15, poll_seconds=7.0, report=lambda v: lines.append(v.line()), sleep=sleep, replay=fake
+    )
+    assert done is True
+    assert lines == ["step 5 certified", "step 10 certified", "step 15 certified"]
+    assert [env[contract.REPLAY_TO_STEP_ENV] for _, env in fake.calls] == ["10", "15"]
+    assert fake.resumes == ["latest", "10"], "the run's start, then the newest certified commit"
+
+
+def test_follow_ends_false_at_the_first_suspect_commit(cat, tmp_path):
+    _chain(cat, [5, 10], flipped_from=10, extra={"config": _recorded(tmp_path / "run", Path(cat.storage.root))})
+    lines: list[str] = []
+    done = audit.follow(cat.storage.root, report=lambda v: lines.append(v.line()), replay=_FakeReplay(), confirm=False)
+    assert done is False and lines[0] == "step 5 certified" and lines[1].startswith("step 10 suspect")

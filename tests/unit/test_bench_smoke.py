@@ -22,7 +22,7 @@ ELSEWHERE = {"gpu_check.py": "tests/e2e/test_gpu_check.py"}  # its --device cpu 
 # (py-spy, network namespaces) and optional peers (torchtitan)
 SMOKE: dict[str, list[str]] = {
     "accelerate_checkpoint.py": ["--smoke"],
-    "audit_cost.py": ["--smoke"],
+    "audit_cost.py": ["--smoke", "--flip-at", "3"],
     "checkpoint_stall.py": ["--smoke"],
     "core_interference.py": ["--smoke"],
     "goodput.py": ["--smoke"],
