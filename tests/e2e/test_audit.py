@@ -1,6 +1,6 @@
 """Silent data corruption end to end: a bit flipped in rank 1's weights after the optimizer step
 of step 13 (finite, small: no guard sees it) is found by ``ckpt audit`` replaying the run from its
-start (steps 5 and 10 certified, 15 suspect on rank 1, confirmed by a second replay), and a
+start (steps 5 and 10 certified, 15 suspect on rank 1), and a
 relaunch resumes from step 10, past the suspect 15 and 20, with losses bitwise equal to a
 fault-free run's. The fault-free run's own audit certifies every commit. The same audit replays
 scripts under ``elastic-trainer run``: the loop API, Lightning and Accelerate.
@@ -64,7 +64,7 @@ def faulted(tmp_path_factory, token_file):
     _launch_ok(cfg, env={contract.INJECT_FAULT_ENV: FAULT})
     root = d / "run" / "ckpt"
     before = _commit_files(root)
-    audit = _audit(root, 0, 20, d, env={contract.INJECT_FAULT_ENV: FAULT})
+    audit = _audit(root, 0, 20, d, {contract.INJECT_FAULT_ENV: FAULT}, "--single-replay")
     return cfg, root, before, audit
 
 
@@ -97,7 +97,6 @@ def test_the_audit_certifies_the_commit_before_the_flip_and_finds_the_rank_after
     verdicts = {s: json.loads((root / layout.step_dir_name(s) / layout.AUDIT).read_text()) for s in (5, 10, 15, 20)}
     assert [verdicts[s]["verdict"] for s in (5, 10, 15, 20)] == ["certified", "certified", "suspect", "suspect"]
     assert verdicts[15]["rank"] == 1 and verdicts[15]["tensor"] == lines[2].rsplit(" ", 1)[1]
-    assert verdicts[15]["replays"] == 2, "a second replay confirmed the suspect"
     events = runs.read_events(root.parent, "checkpoint_audited")
     assert [(e["step"], e["verdict"]) for e in events] == [
         (5, "certified"),
@@ -144,6 +143,7 @@ def test_a_large_flip_is_replayed_located_and_the_run_finishes_on_the_fault_free
     assert [ours[s] for s in range(1, 21)] == [clean[s] for s in range(1, 21)], "bitwise, the replayed steps too"
 
 
+@pytest.mark.soak  # the front ends' audits below replay scripts under `run` too
 def test_a_scripts_commits_are_audited_by_replaying_the_script_under_run(tmp_path):
     """A script under ``elastic-trainer run`` (the loop API example): its manifests record its
     command line, and the audit replays it with ``run`` in the same directory."""

@@ -47,6 +47,7 @@ SMOKE: dict[str, list[str]] = {
 # more; what they run is covered by the e2e tests of the same paths): soak only
 SOAK = {
     "audit_cost.py",
+    "local_tier.py",
     "peer_recovery.py",
     "lightning_checkpoint.py",
     "accelerate_checkpoint.py",
