@@ -14,7 +14,9 @@ as the interval grows) and audit ÷ the whole training launch.
 ``--flip-at S`` adds, to each round, the same launch with ``train.on_nonfinite = "replay"`` and a
 large bit flip on rank 1 after step S (its next step's gradient overflows): the run rolls back to
 its newest commit, replays, names the rank and finishes. Its wall time against the clean launch's
-is what one automatic replay costs; the losses must equal the clean launch's, bitwise.
+is what one automatic replay costs, and so, on the run's own clock, the time from the refused step
+to the replay's verdict against the clean run's time for the same steps; the losses must equal
+the clean launch's, bitwise.
 """
 
 from __future__ import annotations
@@ -70,13 +72,17 @@ def _replay_round(a, work: Path, clean_launch: float) -> dict:
     found = runs.read_events(run_dir, "silent_corruption")
     same = runs.step_losses(run_dir) == runs.step_losses(work / "run")
     if r.returncode != 0 or replay is None or not found or not same:
-        raise SystemExit(
-            f"the replayed launch did not finish on the clean curve:\n{(work / 'replay.log').read_text()[-3000:]}"
-        )
+        log = (work / "replay.log").read_text()[-3000:]
+        raise SystemExit(f"the replayed launch did not finish on the clean curve:\n{log}")
+    refused = (runs.read_events(run_dir, "nonfinite") + runs.read_events(run_dir, "loss_spike"))[0]
+    clean = {r["step"]: r["time"] for r in runs.read_events(work / "run", "step")}
+    replay_s = found[0]["time"] - refused["time"]  # the reload and the steps replayed, on the run's own clock
     return {
         "replay_launch_s": seconds,
         "replay_per_launch": seconds / clean_launch,
         "replayed_steps": replay["step"] - replay["from_step"],
+        "replay_s": replay_s,
+        "replay_per_clean_steps": replay_s / (clean[replay["step"]] - clean[replay["from_step"]]),
     }
 
 
@@ -130,11 +136,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{a.config}, {a.steps} steps, commits every {a.interval}, audit {a.first} → {a.steps}")
     print(table(["round", "training launch s", "interval s", "audit s", "audit ÷ interval", "audit ÷ launch"], rows))
     if a.flip_at:
-        keys = ("launch_s", "replay_launch_s", "replay_per_launch", "replayed_steps")
+        keys = (
+            "launch_s",
+            "replay_launch_s",
+            "replay_per_launch",
+            "replayed_steps",
+            "replay_s",
+            "replay_per_clean_steps",
+        )
         rows = [[i + 1, *(f"{r[k]:.2f}" for k in keys)] for i, r in enumerate(rounds)]
         rows.append(["median", *(f"**{median([r[k] for r in rounds]):.2f}**" for k in keys)])
         print(f"\ntrain.on_nonfinite = replay, a large flip on rank 1 after step {a.flip_at}")
-        print(table(["round", "clean launch s", "replayed launch s", "replayed ÷ clean", "steps replayed"], rows))
+        head = ["round", "clean launch s", "replayed launch s", "replayed ÷ clean", "steps replayed", "replay s"]
+        print(table([*head, "replay ÷ the clean run's same steps"], rows))
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"machine": machine_info(), "args": vars(a), "rounds": rounds}))
     return 0
