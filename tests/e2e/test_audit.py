@@ -169,33 +169,65 @@ def test_a_scripts_commits_are_audited_by_replaying_the_script_under_run(tmp_pat
 
 
 FRONT_ENDS = {
-    # script, its arguments, `run`'s flags: commits every 3 steps of 12, of a model sharded with
-    # FSDP2 (every rank saves its own shard: a replicated model is saved from rank 0 only)
+    # script, its arguments, `run`'s flags: commits every 3 steps, of a model sharded with FSDP2
+    # (every rank saves its own shard: a replicated model is saved from rank 0 only)
     "lightning": (
         runs.REPO / "examples" / "lightning_fsdp2.py",
-        ["--samples", "64", "--steps", "12"],
+        ["--samples", "64", "--steps", "{steps}"],
         ["--set", "checkpoint.interval_steps=3"],
     ),
-    "accelerate": (runs.REPO / "tests" / "e2e" / "run_scripts" / "accelerate_fsdp2.py", ["{project}", "12"], []),
+    "accelerate": (runs.REPO / "tests" / "e2e" / "run_scripts" / "accelerate_fsdp2.py", ["{project}", "{steps}"], []),
 }
+FLIP_7 = "bitflip@rank=1,step=7"
+
+
+def _front_end_run(tmp: Path, front_end: str, steps: int, fault: str | None = None, *flags: str) -> Path:
+    """The front end's script under ``run`` to ``steps`` in ``tmp`` (its run.dir; commits in ``tmp/ckpt``)."""
+    script, script_args, own = FRONT_ENDS[front_end]
+    args = [a.format(project=tmp / "project", steps=steps) for a in script_args]
+    keep = ("--set", "checkpoint.keep_last=10")
+    argv = runs.run_args(tmp / "run", tmp / "ckpt", *own, *keep, *flags, str(script), *args, max_restarts=0)
+    env = runs.env_for_tests({contract.INJECT_FAULT_ENV: fault} if fault else None)
+    with open(tmp / "run.log", "ab") as out:
+        r = runs.run_cli(argv, env, 240, out)
+    assert r.returncode == 0, (tmp / "run.log").read_text()[-4000:]
+    return tmp / "run"
 
 
 @pytest.mark.parametrize("front_end", sorted(FRONT_ENDS))
 def test_a_front_end_scripts_commits_are_audited_and_the_flip_located(tmp_path, front_end):
     """The same under the framework front ends: the flip after step 7 leaves 6 certified and 9
     suspect on rank 1; the replay ends the script's process at step 12."""
-    script, script_args, flags = FRONT_ENDS[front_end]
-    run_dir, root = tmp_path / "run", tmp_path / "ckpt"
-    script_args = [a.format(project=tmp_path / "project") for a in script_args]
-    keep = ("--set", "checkpoint.keep_last=10")
-    args = runs.run_args(run_dir, root, *flags, *keep, str(script), *script_args, max_restarts=0)
-    env = runs.env_for_tests({contract.INJECT_FAULT_ENV: "bitflip@rank=1,step=7"})
-    with open(tmp_path / "run.log", "ab") as out:
-        r = runs.run_cli(args, env, 240, out)
-    assert r.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
-    audit = _audit(root, 3, 12, tmp_path, None, "--single-replay")
+    _front_end_run(tmp_path, front_end, 12, FLIP_7)
+    audit = _audit(tmp_path / "ckpt", 3, 12, tmp_path, None, "--single-replay")
     assert audit.returncode == 1, audit.stdout + audit.stderr
     lines = audit.stdout.splitlines()
     assert len(lines) == 3, audit.stdout + audit.stderr
     assert lines[0] == "step 6 certified" and lines[1].startswith("step 9 suspect: rank 1 (node 0)"), audit.stdout
     assert lines[2].startswith("step 12 suspect: "), audit.stdout
+
+
+@pytest.mark.soak  # the whole story per framework (the resume past suspect commits is the catalog's: tested above)
+@pytest.mark.parametrize("front_end", sorted(FRONT_ENDS))
+def test_a_front_end_run_resumes_past_its_suspect_commits_as_a_fault_free_one_does(tmp_path, front_end):
+    """12 steps with the flip, audited from the start (3 and 6 certified, 9 and 12 suspect), then
+    trained on to 18: it resumes from 6, past 9 and 12, and trains steps 7-18 bitwise as a
+    fault-free run resumed from its commit of step 6 to 18 does; that run's audit certifies every
+    commit."""
+    faulted, clean = tmp_path / "faulted", tmp_path / "clean"
+    for d in (faulted, clean):
+        d.mkdir()
+    _front_end_run(faulted, front_end, 12, FLIP_7)
+    audit = _audit(faulted / "ckpt", 0, 12, faulted, None, "--single-replay")
+    lines = audit.stdout.splitlines()
+    assert audit.returncode == 1 and lines[:2] == ["step 3 certified", "step 6 certified"], audit.stdout + audit.stderr
+    assert lines[2].startswith("step 9 suspect: rank 1 (node 0)") and lines[3].startswith("step 12 suspect: ")
+    run = _front_end_run(faulted, front_end, 18)
+    (resume,) = runs.read_events(run, "resume")
+    assert resume["step"] == 6 and resume["suspect"] == [9, 12], resume
+    _front_end_run(clean, front_end, 12)
+    audit = _audit(clean / "ckpt", 0, 12, clean, None, "--single-replay")
+    assert audit.returncode == 0 and audit.stdout.splitlines() == [f"step {s} certified" for s in (3, 6, 9, 12)]
+    _front_end_run(clean, front_end, 18, None, "--set", "checkpoint.resume=6")
+    ours, theirs = runs.step_losses(run), runs.step_losses(clean / "run")
+    assert [ours[s] for s in range(1, 19)] == [theirs[s] for s in range(1, 19)], "bitwise"
