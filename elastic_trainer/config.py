@@ -188,6 +188,9 @@ class CheckpointConfig:
     keep_last: int = 3
     keep_every: int = 0
     resume: str = "latest"  # latest | none | <step>
+    # Load only commits `ckpt audit` certified (every start and restart; newer ones are passed over
+    # and kept). With commits but none certified, a start stops with exit 2 rather than start over.
+    resume_certified_only: bool = False
     mode: SaveMode = "async"
     # Where an async save is written: "thread" (a thread of the training process) or "process"
     # (a persistent writer process per rank fed through shared memory: the save's Python work

@@ -53,7 +53,7 @@ def check_storage(cfg: Config) -> tuple[Catalog, ResumePlan | None]:
         raise ConfigError("checkpoint.dir", f"cannot access {c.dir}: {type(e).__name__}: {e}") from None
     if c.local_dir:
         _check_writable_dir("checkpoint.local_dir", c.local_dir)
-    catalog = Catalog(storage)
+    catalog = Catalog(storage, certified_only=c.resume_certified_only)
     if c.resume == "none":
         return catalog, None
     plan = catalog.plan_resume(c.resume)

@@ -111,9 +111,16 @@ class Catalog:
     of the root between calls (each call lists it afresh), so catalogs over one root agree."""
 
     def __init__(
-        self, storage: Storage, *, epoch: str | None = None, key: bytes | None = _UNSET, events: EventLog | None = None
+        self,
+        storage: Storage,
+        *,
+        epoch: str | None = None,
+        key: bytes | None = _UNSET,
+        events: EventLog | None = None,
+        certified_only: bool = False,
     ):
         self.storage = storage
+        self.certified_only = certified_only  # checkpoint.resume_certified_only: `latest` loads certified commits only
         self.key = checkpoint_key() if key is _UNSET else key
         self.events = events or EventLog(None)
         self._lock = threading.RLock()  # every change under the root holds it, the collaborators' too
@@ -236,6 +243,8 @@ class Catalog:
             order = self._lineage_order(candidates, self.fence.records())
         plan = ResumePlan(None, [], not restart)
         suspects = layout.suspect_reasons(candidates)
+        if self.certified_only:
+            suspects = {**layout.uncertified_reasons(candidates), **suspects}
         # Leftovers of crashed saves are reported (and cleaned at start-up), never loaded.
         plan.skipped += [
             (c.step, "uncommitted (no manifest)")

@@ -283,6 +283,19 @@ def suspect_reasons(candidates: list[Candidate]) -> dict[str, str]:
     return out
 
 
+UNCERTIFIED_REASON = "not certified (checkpoint.resume_certified_only)"
+
+
+def uncertified_reasons(candidates: list[Candidate]) -> dict[str, str]:
+    """Name -> why ``checkpoint.resume_certified_only`` passes it over, for every commit
+    ``ckpt audit`` has not certified (kept; an audit that certifies it makes it loadable). Pure."""
+    return {
+        c.name: f"{UNCERTIFIED_REASON}: audit it with `elastic-trainer ckpt audit`"
+        for c in candidates
+        if c.manifest is not None and c.verdict != CERTIFIED
+    }
+
+
 def retention_protected(chain: list[Candidate], suspects: Collection[str]) -> set[int]:
     """Steps of ``chain`` (a lineage, newest first) retention keeps whatever ``keep_last``
     says: the newest certified commit and every suspect one (evidence). Pure."""

@@ -137,11 +137,12 @@ class CheckpointManager:
             local, peer = _local_savers(cfg, storage.root, ctx, cuda_staging=use_cuda_staging, node=peer_node)
         self._local_saver = local
         self.local = local.tier if local is not None else None
-        self.catalog = Catalog(storage, epoch=epoch, events=self.events) if rank == 0 else None
+        only = cfg.resume_certified_only
+        self.catalog = Catalog(storage, epoch=epoch, events=self.events, certified_only=only) if rank == 0 else None
         self.committer = Committer(self.catalog, ctx, keep_last=cfg.keep_last, keep_every=cfg.keep_every)
-        self.restorer = Restorer(
-            states, storage, self.catalog, self.agreement, ctx, launch_id=launch_id, local=self.local, peer=peer
-        )
+        # certified commits are checkpoint.dir's: with resume_certified_only no copy of a tier is loaded
+        tiers = {"local": self.local, "peer": peer} if not only else {"local": None, "peer": None}
+        self.restorer = Restorer(states, storage, self.catalog, self.agreement, ctx, launch_id=launch_id, **tiers)
         self._manifest = {"launch": launch_id, "finite": True, "run_identity": run_identity or {}}  # in every one
         self._manifest["state_types"] = state_types(states)  # compared at resume
         self._inflight: Save | None = None

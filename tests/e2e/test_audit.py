@@ -141,6 +141,12 @@ def test_a_large_flip_is_replayed_located_and_the_run_finishes_on_the_fault_free
     assert not runs.read_events(run, "rollback"), "nothing skipped"
     ours, clean = runs.step_losses(run), runs.step_losses(reference / "run")
     assert [ours[s] for s in range(1, 21)] == [clean[s] for s in range(1, 21)], "bitwise, the replayed steps too"
+    # none of its commits is certified: a start that loads certified ones only stops, and starts nothing over
+    before = sorted(p.name for p in (run / "ckpt").glob("step-*"))
+    r = runs.run_launch(cfg, "--set", "checkpoint.resume_certified_only=true", "--set", "train.steps=30")
+    assert r.returncode == 2, cfg.with_suffix(".log").read_text()[-3000:]
+    assert "not certified (checkpoint.resume_certified_only)" in cfg.with_suffix(".log").read_text()
+    assert sorted(p.name for p in (run / "ckpt").glob("step-*")) == before and max(runs.step_losses(run)) == 20
 
 
 @pytest.mark.soak  # the front ends' audits below replay scripts under `run` too

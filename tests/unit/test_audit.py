@@ -105,6 +105,23 @@ def test_latest_skips_a_suspect_commit_and_its_descendants_and_quarantines_nothi
     assert {c.name for c in cat.scan()} == {five, ten, fifteen, twenty}, "nothing deleted"
 
 
+def test_resume_certified_only_loads_the_newest_certified_commit_and_keeps_the_newer_ones(cat):
+    five, ten, fifteen = _chain(cat, [5, 10, 15])
+    strict = Catalog(cat.storage, key=None, events=EventLog(None), certified_only=True)
+    plan = strict.plan_resume("latest")
+    assert plan.chosen is None and plan.corrupt == [] and "not certified" in (plan.stop_reason() or ""), (
+        "commits, none certified: stop (exit 2), never train from step 0"
+    )
+    _verdict(cat, five, layout.CERTIFIED)
+    _verdict(cat, ten, layout.CERTIFIED)
+    plan = strict.plan_resume("latest")
+    assert plan.chosen is not None and plan.chosen.name == ten
+    assert [s for s, _ in plan.skipped] == [15] and layout.UNCERTIFIED_REASON in plan.skipped[0][1]
+    assert not layout.is_suspect_reason(plan.skipped[0][1]) and plan.corrupt == []
+    assert cat.plan_resume("latest").chosen.name == fifteen, "off by default"  # type: ignore[union-attr]
+    assert {c.name for c in cat.scan()} == {five, ten, fifteen}, "nothing deleted"
+
+
 def test_an_explicit_resume_of_a_suspect_step_is_refused_naming_why(cat):
     _, _, fifteen = _chain(cat, [5, 10, 15])
     _verdict(cat, fifteen, layout.SUSPECT, rank=0, tensor="model.w")
