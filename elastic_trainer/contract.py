@@ -567,12 +567,14 @@ EVENTS: tuple[Event, ...] = (
         "A replay of the run from an earlier commit judged a commit: `certified` (the same bytes) or `suspect` "
         "(silent data corruption: never resumed from, nor anything descending from it). Written to the run's "
         "`run.dir` event log where `ckpt audit` can reach it.",
-        "step name from_step verdict rank? node? tensor? descends_from? seconds replays",
+        "step name from_step verdict rank? node? tensor? descends_from? objects? seconds replays",
         rank="suspect: the rank whose state differs most from the replay's",
         node="suspect: the node (group rank) that rank ran on",
         tensor="suspect: the tensor of that rank that differs most",
         descends_from="suspect, not replayed: the suspect step an earlier replay of the same audit found, which this "
         "commit descends from",
+        objects="certified: the items that are not tensors (a framework's bookkeeping, such as a log with "
+        "wall-clock times) whose bytes differed while every tensor was equal",
         seconds="the replays' wall time",
         replays="1, or 2 when the first replay found a suspect commit and a second one broke the tie (a commit "
         "either replay reproduces is certified)",

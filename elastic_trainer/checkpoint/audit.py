@@ -69,6 +69,7 @@ class Verdict:
     descends_from: int | None = None
     seconds: float = 0.0
     replays: int = 1  # 2: a second replay broke the tie (:func:`tie_break`)
+    objects: tuple[str, ...] = ()  # certified: the objects (not tensors) that differed, bookkeeping
 
     def line(self) -> str:
         """What ``ckpt audit`` prints for it."""
@@ -88,6 +89,8 @@ class Verdict:
             "seconds": self.seconds,
             "replays": self.replays,
         }
+        if self.objects:
+            out["objects"] = list(self.objects)
         if self.descends_from is not None:
             out["descends_from"] = self.descends_from
         elif self.suspect:
@@ -262,27 +265,31 @@ def _tensor(data: bytes) -> Any:
         t = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception:  # noqa: BLE001 - not a tensor item (a pickled object): compared by bytes only
         return None
-    return t if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+    return t if isinstance(t, torch.Tensor) else None
 
 
-def _score(a: bytes, b: bytes) -> float:
+def _score(a: bytes, b: bytes) -> float | None:
     """How much item ``a`` differs from ``b``: the largest absolute difference of their tensors over
-    the root mean square of ``b`` (a differing non-tensor item: 0, and named only with no tensor)."""
+    the root mean square of ``b`` (infinite for another shape); None for an item that is not a
+    tensor (a pickled object: a framework's bookkeeping, which may hold wall-clock times)."""
     ta, tb = _tensor(a), _tensor(b)
-    if ta is None or tb is None or ta.shape != tb.shape:
-        return 0.0
+    if ta is None or tb is None:
+        return None
+    if ta.shape != tb.shape:
+        return math.inf
     d = (ta.double() - tb.double()).abs().max().item() if ta.numel() else 0.0
     rms = tb.double().pow(2).mean().sqrt().item() if tb.numel() else 0.0
     return d / rms if rms > 0 else d
 
 
-def _scores(ours: bytes, replayed: bytes, items: list[tuple[int, int, str]]) -> dict[str, float]:
-    """Tensor -> score (:func:`_score`) of every item whose bytes differ, for one rank's shard."""
-    out: dict[str, float] = {}
+def _scores(ours: bytes, replayed: bytes, items: list[tuple[int, int, str]]) -> dict[str, float | None]:
+    """Item -> score (:func:`_score`; None: an object) of every item whose bytes differ, for one rank's shard."""
+    out: dict[str, float | None] = {}
     for off, length, fqn in items:
         a, b = ours[off : off + length], replayed[off : off + length]
         if a != b:
-            out[fqn] = max(out.get(fqn, 0.0), _score(a, b))
+            score = _score(a, b)
+            out[fqn] = score if score is None else max(out.get(fqn) or 0.0, score)
     return out
 
 
@@ -481,14 +488,18 @@ def _judge(
         return Verdict(ours.step, ours.name, base, False, seconds=seconds)
     items = _items(catalog.read_metadata(ours))
     replay_dir = os.path.join(scratch, "checkpoints", replayed.name)
-    scores: dict[tuple[int, str], float] = {}
+    scores: dict[tuple[int, str], float | None] = {}
     for rank, rel in files:
         mine = catalog.storage.read_bytes(catalog.storage.join(ours.name, rel))
         path = Path(replay_dir, rel)
         theirs = path.read_bytes() if path.exists() else b""
         for fqn, score in _scores(mine, theirs, items.get(rel, [])).items():
             scores[(rank, fqn)] = score
-    rank, tensor = locate(scores) if scores else (files[0][0], f"(file {files[0][1]})")
+    tensors = {k: v for k, v in scores.items() if v is not None}
+    objects = tuple(sorted({fqn for (_, fqn), v in scores.items() if v is None}))
+    if scores and not tensors:  # only bookkeeping differs (a log with wall-clock times): every tensor is equal
+        return Verdict(ours.step, ours.name, base, False, seconds=seconds, objects=objects)
+    rank, tensor = locate(tensors) if tensors else (files[0][0], f"(file {files[0][1]})")
     per_node = int(ours.manifest.get("local_world_size") or ours.manifest.get("world_size") or 1)
     return Verdict(ours.step, ours.name, base, True, rank=rank, node=rank // per_node, tensor=tensor, seconds=seconds)
 

@@ -28,11 +28,12 @@ from tests.unit.test_catalog import _commit
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def _state(step: int, flipped: bool = False) -> dict:
+def _state(step: int, flipped: bool = False, log: str | None = None) -> dict:
     w = torch.full((16,), float(step))
     if flipped:
         w[3] += 2**-10  # what a flipped low bit leaves: finite, close
-    return {"model": {"w": w, "b": torch.arange(4.0) + step}, "train": {"step": step}}
+    train: dict = {"step": step} if log is None else {"step": step, "log": log}  # log: bookkeeping, an object
+    return {"model": {"w": w, "b": torch.arange(4.0) + step}, "train": train}
 
 
 def _recorded(run_dir: Path, root: Path) -> dict:
@@ -41,19 +42,23 @@ def _recorded(run_dir: Path, root: Path) -> dict:
     return cfg
 
 
-def _save(cat: Catalog, step: int, parent: str | None, *, flipped: bool = False, extra: dict | None = None) -> str:
+def _save(
+    cat: Catalog, step: int, parent: str | None, *, flipped: bool = False, extra: dict | None = None, log=None
+) -> str:
     """A real world-1 DCP save through the checksummed writer, committed with ``parent``."""
     name = layout.next_dir_name(step, {c.name for c in cat.scan()})
     writer = integrity.ChecksummedWriter(cat.storage.dcp.writer(cat.storage.join(name)))
-    dcp.save(_state(step, flipped), storage_writer=writer)
+    dcp.save(_state(step, flipped, log), storage_writer=writer)
     _commit(cat, name, step, parent, seq=step, extra=extra)
     return name
 
 
-def _chain(cat: Catalog, steps: list[int], flipped_from: int | None = None, extra: dict | None = None) -> list[str]:
+def _chain(
+    cat: Catalog, steps: list[int], flipped_from: int | None = None, extra: dict | None = None, log=None
+) -> list[str]:
     names, parent = [], None
     for s in steps:
-        parent = _save(cat, s, parent, flipped=flipped_from is not None and s >= flipped_from, extra=extra)
+        parent = _save(cat, s, parent, flipped=flipped_from is not None and s >= flipped_from, extra=extra, log=log)
         names.append(parent)
     return names
 
@@ -225,6 +230,7 @@ class _FakeReplay:
         self.calls: list[tuple[list[str], dict[str, str]]] = []
         self.faulty_calls = faulty_calls  # the calls that compute wrong (a faulty audit machine): flipped saves
         self.resumes: list[str] = []  # each call's checkpoint.resume
+        self.log: str | None = None  # bookkeeping the replay writes (an object, not a tensor)
 
     def __call__(self, argv: list[str], env: dict[str, str], log: str, cwd: str | None) -> int:
         self.calls.append((argv, env))
@@ -242,7 +248,7 @@ class _FakeReplay:
         stop = int(env[contract.REPLAY_TO_STEP_ENV])
         for step in range(first, stop + 1):
             if step % c["interval_steps"] == 0 or step == stop:  # the cadence, and the final commit
-                parent = _save(scratch, step, parent, flipped=len(self.calls) - 1 in self.faulty_calls)
+                parent = _save(scratch, step, parent, flipped=len(self.calls) - 1 in self.faulty_calls, log=self.log)
         return 0
 
 
@@ -446,3 +452,21 @@ def test_follow_ends_false_at_the_first_suspect_commit(cat, tmp_path):
     lines: list[str] = []
     done = audit.follow(cat.storage.root, report=lambda v: lines.append(v.line()), replay=_FakeReplay(), confirm=False)
     assert done is False and lines[0] == "step 5 certified" and lines[1].startswith("step 10 suspect")
+
+
+def test_bookkeeping_objects_that_differ_leave_a_commit_certified_and_are_named(cat, tmp_path):
+    """A framework's state may hold wall-clock times (the Transformers ``TrainerState``'s log): only
+    tensors decide; the objects that differed are named in the verdict."""
+    _chain(
+        cat,
+        [5, 10, 15],
+        flipped_from=15,
+        extra={"config": _recorded(tmp_path / "run", Path(cat.storage.root))},
+        log="t=1.0",
+    )
+    fake = _FakeReplay()
+    fake.log = "t=2.5"
+    verdicts = audit.audit(cat.storage.root, 5, 15, replay=fake, confirm=False)
+    assert [v.line().split(":")[0] for v in verdicts] == ["step 10 certified", "step 15 suspect"]
+    assert verdicts[0].objects == ("train.log",) and verdicts[0].event_fields()["objects"] == ["train.log"]
+    assert verdicts[1].tensor == "model.w", "a tensor that differs decides"
