@@ -212,10 +212,7 @@ def _front_end_run(tmp: Path, front_end: str, steps: int, fault: str | None = No
     return tmp / "run"
 
 
-@pytest.mark.parametrize(
-    "front_end", [f if f in BOUNDED else pytest.param(f, marks=pytest.mark.soak) for f in sorted(FRONT_ENDS)]
-)
-def test_a_front_end_scripts_commits_are_audited_and_the_flip_located(tmp_path, front_end):
+def _audited_and_located(tmp_path: Path, front_end: str) -> None:
     """The same under the framework front ends: the flip after step 8 leaves 6 certified and 9
     suspect on rank 1; the replay ends the script's process at step 12."""
     _front_end_run(tmp_path, front_end, 12, FLIP_8)
@@ -225,6 +222,16 @@ def test_a_front_end_scripts_commits_are_audited_and_the_flip_located(tmp_path, 
     assert len(lines) == 3, audit.stdout + audit.stderr
     assert lines[0] == "step 6 certified" and lines[1].startswith("step 9 suspect: rank 1 (node 0)"), audit.stdout
     assert lines[2].startswith("step 12 suspect: "), audit.stdout
+
+
+@pytest.mark.parametrize("front_end", BOUNDED)
+def test_a_front_end_scripts_commits_are_audited_and_the_flip_located(tmp_path, front_end):
+    _audited_and_located(tmp_path, front_end)
+
+
+@pytest.mark.soak  # the Transformers Trainer is built on the Accelerate front end
+def test_the_transformers_trainers_commits_are_audited_and_the_flip_located(tmp_path):
+    _audited_and_located(tmp_path, "transformers")
 
 
 @pytest.mark.soak  # the whole story per framework (the resume past suspect commits is the catalog's: tested above)
