@@ -303,17 +303,18 @@ def _launch(argv: list[str], env: dict[str, str], log: str, cwd: str | None) -> 
         return subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, check=False).returncode
 
 
-def replay_command(manifest: Mapping[str, Any], config_path: str) -> tuple[list[str], str | None]:
-    """(argv, working directory) of the replay of the run that wrote ``manifest``, with the replay's
-    config at ``config_path``: the built-in trainer's ``launch`` (also for a manifest that records
-    no command: written before they did), or, for a script under ``run``, ``run`` of the same
-    script and arguments in the same directory. ConfigError (exit 2) for a script another
+def replay_command(manifest: Mapping[str, Any], config_path: str) -> tuple[list[str], str | None, list[str] | None]:
+    """(argv, working directory, the keys its config sets: :func:`replay_config`'s ``only``) of
+    the replay of the run that wrote ``manifest``, with the replay's config at ``config_path``: the
+    built-in trainer's ``launch`` (also for a manifest that records no command: written before
+    they did), or, for a script under ``run``, ``run`` of the same script and arguments in the
+    same directory with the keys its command line set. ConfigError (exit 2) for a script another
     launcher started, or when its directory is not on this machine."""
     cli = [sys.executable, "-m", "elastic_trainer.cli"]
     command = manifest.get("command")
     entry = command.get("entry") if isinstance(command, dict) else "launch"  # older manifests: the trainer's
     if entry == "launch":
-        return [*cli, "launch", config_path], None
+        return [*cli, "launch", config_path], None, None
     if entry != "run" or not isinstance(command, dict):
         raise ConfigError(
             "--to",
@@ -323,7 +324,8 @@ def replay_command(manifest: Mapping[str, Any], config_path: str) -> tuple[list[
     cwd = str(command.get("cwd") or "")
     if not os.path.isdir(cwd):
         raise ConfigError("--to", f"the run's script ran in {cwd!r}, which is not a directory here: audit there")
-    return [*cli, "run", "--config", config_path, *map(str, command.get("argv") or [])], cwd
+    argv = [*cli, "run", "--config", config_path, *map(str, command.get("argv") or [])]
+    return argv, cwd, [str(k) for k in command.get("set") or []]
 
 
 def _replay_env(stop: int) -> dict[str, str]:
@@ -454,16 +456,14 @@ def _replay(
     last = commits[-1].step
     scratch = tempfile.mkdtemp(prefix="elastic-trainer-audit-", dir=scratch_parent)
     try:
-        command = (commits[-1].manifest or {}).get("command")
-        only = command.get("set") if isinstance(command, dict) and command.get("entry") == "run" else None
+        path = os.path.join(scratch, "replay.toml")
+        argv, cwd, only = replay_command(commits[-1].manifest or {}, path)
         cfg = replay_config(_config(commits[-1]), scratch, base, [c.step for c in commits], only)
         config_from_dict(cfg)  # a config this version cannot take stops here, naming the key
         if base.name:  # else the replay starts the run afresh
             _copy_commit(catalog.storage, base, os.path.join(scratch, "checkpoints", base.name))
-        path = os.path.join(scratch, "replay.toml")
         with open(path, "w") as f:
             f.write(toml_text(cfg))
-        argv, cwd = replay_command(commits[-1].manifest or {}, path)
         started = time.monotonic()
         code = replay(argv, _replay_env(last), os.path.join(scratch, REPLAY_LOG), cwd)
         seconds = round(time.monotonic() - started, 3)

@@ -65,7 +65,10 @@ class SpikeGuard:
         return self.factor * median if median > 0 else None
 
     def judge(self, step: int, loss: float) -> float | None:
-        """The threshold ``loss`` exceeded at ``step`` (a spike), else None, and the loss kept."""
+        """The threshold ``loss`` exceeded at ``step`` (a spike), else None, and the loss kept
+        (nothing is kept with the test off)."""
+        if self.factor <= 0:
+            return None
         limit = self.threshold(step)
         if limit is not None and loss > limit:
             return limit
@@ -119,12 +122,11 @@ def culprit(rows: list[list[float]]) -> list[int]:
 
 @dataclass
 class Pending:
-    """A replay in flight: the anomalous ``step`` (its ``reason`` and global ``loss``), replayed
-    from the commit of ``from_step``; ``before``: this rank's fingerprint at the anomaly;
-    ``after``: at the replay's start of the same step."""
+    """A replay in flight: the anomalous ``step`` (its global ``loss``), replayed from the commit
+    of ``from_step``; ``before``: this rank's fingerprint at the anomaly; ``after``: at the
+    replay's start of the same step."""
 
     step: int
-    reason: str
     loss: float | None
     from_step: int
     before: Fingerprint
@@ -150,10 +152,10 @@ class Replayer:
         self.model, self.rank, self.world_size, self.device = model, rank, world_size, device
         self.pending: Pending | None = None
 
-    def start(self, step: int, reason: str, loss: float | None, from_step: int, before: Fingerprint) -> None:
+    def start(self, step: int, loss: float | None, from_step: int, before: Fingerprint) -> None:
         """The run rolled back to ``from_step`` after an anomaly at ``step``; ``before``: this
         rank's fingerprint taken at the anomaly (:meth:`snapshot`, before the rollback)."""
-        self.pending = Pending(step, reason, loss, from_step, before)
+        self.pending = Pending(step, loss, from_step, before)
 
     def snapshot(self) -> Fingerprint:
         """This rank's fingerprint now (the model's parameters; none without a model)."""

@@ -305,7 +305,7 @@ class Run:
         if loaded is None:
             return False
         self._after_reload()
-        self.replayer.start(ctx.step, ctx.anomaly, ctx.loss, loaded.step, before)
+        self.replayer.start(ctx.step, ctx.loss, loaded.step, before)
         ends.replaying(self.session, ctx, loaded.step)
         return True
 

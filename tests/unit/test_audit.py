@@ -389,13 +389,14 @@ def test_the_resume_event_and_a_counter_name_the_suspect_commits_passed_over(tmp
 
 def test_the_replay_runs_the_built_in_trainer_or_the_recorded_script_in_its_directory(tmp_path):
     for manifest in ({}, {"command": {"entry": "launch"}}):
-        argv, cwd = audit.replay_command(manifest, "r.toml")
-        assert argv[-2:] == ["launch", "r.toml"] and cwd is None
+        argv, cwd, only = audit.replay_command(manifest, "r.toml")
+        assert argv[-2:] == ["launch", "r.toml"] and cwd is None and only is None, "the whole recorded config"
     with pytest.raises(ConfigError, match="another launcher"):
         audit.replay_command({"command": {"entry": "other"}}, "r.toml")
     command = {"entry": "run", "argv": ["-m", "pkg.train", "--steps", "20"], "cwd": str(tmp_path)}
-    argv, cwd = audit.replay_command({"command": command}, "r.toml")
+    argv, cwd, only = audit.replay_command({"command": {**command, "set": ["run.dir"]}}, "r.toml")
     assert argv[-7:] == ["run", "--config", "r.toml", "-m", "pkg.train", "--steps", "20"] and cwd == str(tmp_path)
+    assert only == ["run.dir"], "the keys its command line set"
     with pytest.raises(ConfigError, match="not a directory here"):
         audit.replay_command({"command": {**command, "cwd": str(tmp_path / "gone")}}, "r.toml")
 
