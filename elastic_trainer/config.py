@@ -313,9 +313,18 @@ class ElasticConfig:
     # Start workers by forking a pre-imported interpreter (the supervisor's zygote) instead of a
     # fresh 'python -m ...' that imports torch again: restarts skip the import (launch only).
     warm_start: bool = True
+    # When a replay (train.on_nonfinite = "replay") does not reproduce an anomaly, the node whose
+    # rank's state differed leaves the job (exit 69) and the others re-form the group without it,
+    # from a commit of the replayed step.
+    exclude_corrupt_node: bool = False
 
     def validate(self, cfg: Config) -> None:
         parse_nnodes(self.nnodes)
+        _require(
+            not self.exclude_corrupt_node or cfg.train.on_nonfinite == "replay",
+            "elastic.exclude_corrupt_node",
+            f'needs train.on_nonfinite = "replay" (the replay is what names the node), got {cfg.train.on_nonfinite!r}',
+        )
         _require(self.nproc_per_node >= 1, "elastic.nproc_per_node", "must be >= 1")
         _require(self.max_restarts >= 0, "elastic.max_restarts", "must be >= 0")
         parse_rdzv_conf(self.rdzv_conf)

@@ -438,6 +438,18 @@ EVENTS: tuple[Event, ...] = (
         tensor="its first parameter that differed",
     ),
     _e(
+        "node_excluded",
+        _RANK0,
+        "`elastic.exclude_corrupt_node`: after `silent_corruption`, the replayed step is committed and the "
+        "node that computed the corrupt state leaves the job (its supervisor exits 69); the other nodes "
+        "re-form the group without it and go on from that commit.",
+        "step node nodes committed",
+        step="the replayed step, saved before the round ends",
+        node="the node (group rank) that leaves",
+        nodes="the nodes of the round it leaves",
+        committed="the replayed step's commit landed (`false`: the others resume from the newest commit)",
+    ),
+    _e(
         "nonfinite_stop",
         _RANK0,
         "Stopped on a non-finite or spiking step (exit 65).",

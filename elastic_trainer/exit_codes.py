@@ -2,7 +2,8 @@
 
 The supervisor exits with what the workers reported: 75 only when a commit of the final step
 exists in storage. 2, 65 and 73 are terminal: every rank reaches them alike and a restart would
-only repeat them, so the supervisor does not restart the group for them. :func:`exit_now` is how
+only repeat them, so the supervisor does not restart the group for them; 69 is terminal for the
+excluded node only (its workers alone report it). :func:`exit_now` is how
 the command and the processes forked from the zygote end with their code.
 """
 
@@ -27,8 +28,14 @@ FENCED = 73  # EX_CANTCREAT: a newer launch owns the checkpoint root; this one s
 PREEMPTED = 75  # EX_TEMPFAIL: preemption checkpoint of the final step committed; requeue/restart resumes from it
 # preempted, final checkpoint not committed (grace budget missed); resume uses the previous commit
 PREEMPTED_UNCOMMITTED = 76
+# EX_UNAVAILABLE: this node computed a step its replay did not reproduce (silent data corruption) and
+# elastic.exclude_corrupt_node is set: its supervisor leaves the job; the other nodes go on without it
+EXCLUDED = 69
+# a worker of a node that stays: the group re-forms without the excluded node (the supervisor restarts
+# its workers as a membership change; never the exit code of a supervisor)
+REGROUP = 79
 
-TERMINAL = frozenset({CONFIG, NONFINITE, FENCED})
+TERMINAL = frozenset({CONFIG, NONFINITE, FENCED, EXCLUDED})
 
 
 def exit_now(code: int) -> NoReturn:

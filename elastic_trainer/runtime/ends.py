@@ -200,6 +200,24 @@ def replayed(
     )
 
 
+def excluded(s: Session, m: CheckpointManager, step: int, node: int, nodes: int, mine: int) -> int:
+    """``elastic.exclude_corrupt_node`` after a replay that did not reproduce its anomaly: the
+    replayed ``step`` was saved (its state is the replay's, computed again); wait (bounded by
+    ``checkpoint.save_timeout_seconds``) for its commit, record ``node_excluded`` and end this
+    round. The ranks of ``node`` (this rank's node: ``mine``) exit 69, their supervisor leaves the
+    job; the others exit 79, their supervisors re-form the group of ``nodes - 1`` nodes without it."""
+    committed = m.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+    committed = committed and m.verdicts.committed_everywhere(step)
+    s.events.emit("node_excluded", step=step, node=node, nodes=nodes, committed=committed)
+    logger.error(
+        "node %d leaves the job (elastic.exclude_corrupt_node); the %d other node(s) go on from %s",
+        node,
+        nodes - 1,
+        f"step {step}" if committed else "the newest commit (the replayed step did not commit)",
+    )
+    return exit_codes.EXCLUDED if mine == node else exit_codes.REGROUP
+
+
 def nonfinite_stop(
     s: Session, m: CheckpointManager, state: TrainState, ctx: Any, sample_range: list[int], why: str
 ) -> int:

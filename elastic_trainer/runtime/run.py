@@ -254,7 +254,10 @@ class Run:
             return code
         pending = self.replayer.pending
         if pending is not None and ctx.step == pending.step:  # the replay passed the anomalous step
-            self._replay_ended(ctx, reproduced=False)
+            code = self._replay_ended(ctx, reproduced=False)
+            if code is not None:
+                self._close(code)
+                return code
         if stop or ctx.step >= total_steps or ctx.step == self.audit_stop:
             return self.finish(meta={"loss": ctx.loss})
         if self.cadence.due(ctx.step, total_steps):
@@ -313,13 +316,24 @@ class Run:
         """The state of the newest commit was reloaded: the spike test forgets the steps after it."""
         self.spikes.rolled_back(self.state.step)
 
-    def _replay_ended(self, ctx: Any, *, reproduced: bool) -> None:
-        """The replay reached its anomalous step again (``ctx``): judge it (:mod:`.anomaly`)."""
+    def _replay_ended(self, ctx: Any, *, reproduced: bool) -> int | None:
+        """The replay reached its anomalous step again (``ctx``): judge it (:mod:`.anomaly`).
+        An exit code when the node of the rank whose state differed leaves the job
+        (``elastic.exclude_corrupt_node``, several nodes): the replayed step is committed first."""
         pending = self.replayer.pending
         assert pending is not None  # the caller checked
         outcome = self.replayer.resolve(reproduced)
-        per_node = int(os.environ.get(contract.LOCAL_WORLD_SIZE_ENV) or self.session.world_size)
-        ends.replayed(self.session, outcome, pending.loss, ctx.loss, per_node)
+        s = self.session
+        per_node = int(os.environ.get(contract.LOCAL_WORLD_SIZE_ENV) or s.world_size)
+        ends.replayed(s, outcome, pending.loss, ctx.loss, per_node)
+        nodes = max(1, s.world_size // per_node)
+        if outcome.reproduced or not outcome.ranks or not s.cfg.elastic.exclude_corrupt_node:
+            return None
+        if nodes == 1:
+            logger.warning("elastic.exclude_corrupt_node: a single node has none to go on without it; it goes on")
+            return None
+        self.save(ctx.step, meta={"loss": ctx.loss}, final=True)
+        return ends.excluded(s, self.manager, ctx.step, outcome.ranks[0] // per_node, nodes, s.rank // per_node)
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, meta: dict[str, Any] | None = None, final: bool = False) -> SaveStats:

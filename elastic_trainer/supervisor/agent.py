@@ -120,6 +120,12 @@ class SupervisedAgent(LocalElasticAgent):
                 self._last_result = RunResult(state=WorkerState.HEALTHY)
                 self._restart_workers(worker_group)
             return RunResult(state=worker_group.state)
+        if result.is_failed() and policy.ends_round(_codes(result)) == "regroup":
+            # A node was excluded (its workers exit 69): re-form without it, not a failure.
+            with self._liveness.regrouping(worker_group.group_world_size - 1):
+                self._last_result = RunResult(state=WorkerState.HEALTHY)
+                self._restart_workers(worker_group)
+            return RunResult(state=worker_group.state)
         if result.is_failed() and self._remaining_restarts > 0 and self._ledger.stop_code(result.failures) is not None:
             self._remaining_restarts = 0  # non-finite stop / fenced / storage full: restarting would repeat it
         return result
@@ -216,6 +222,15 @@ class SupervisedAgent(LocalElasticAgent):
             except ProcessLookupError:
                 pass
         return pids
+
+
+def excluded(result: RunResult) -> bool:
+    """Whether ``result`` (the agent's run's) ended with this node excluded from the job."""
+    return result.is_failed() and policy.ends_round(_codes(result)) == "leave"
+
+
+def _codes(result: RunResult) -> list[int | None]:
+    return [getattr(f, "exitcode", None) for f in result.failures.values()]
 
 
 def _failed(result: RunResult | None) -> bool:

@@ -23,7 +23,7 @@ from ..events import EventLog
 from ..metrics.sink import MetricsSink, NullSink
 from . import options, policy, round_poll
 from .journal import Journal
-from .liveness import NodeLiveness, set_keep_alive_interval
+from .liveness import NodeLiveness, leave, set_keep_alive_interval
 from .liveness import scale_warning as liveness_scale_warning
 from .restarts import RestartLedger, read_marker, remove_marker
 from .warm import WarmStart
@@ -150,13 +150,20 @@ def _worker_spec(config, cmd, cmd_args, rdzv_poll_seconds: float | None):
 
 
 def _run_and_clean_up(agent, spec, liveness: NodeLiveness, warm_start: WarmStart):
-    """``agent.run()``; then stop the liveness watch, shut the rendezvous down (not on a signal:
-    the other nodes' agents still use it) and close the warm start."""
+    """``agent.run()``; then stop the liveness watch, shut the rendezvous down (not on a signal,
+    nor when this node was excluded: the other nodes' agents still use it; an excluded node
+    leaves it) and close the warm start."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from .agent import excluded
 
     shutdown_rdzv = True
     try:
-        return agent.run()
+        result = agent.run()
+        if excluded(result):  # the others go on: leave the rendezvous open to them
+            shutdown_rdzv = False
+            leave(spec.rdzv_handler)
+        return result
     except SignalException as e:
         # what the workers reported as they stopped (an attribute of ours on torch's exception)
         cast(Any, e).worker_exit_codes = agent.worker_exit_codes()

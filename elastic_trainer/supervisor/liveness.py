@@ -22,7 +22,7 @@ Here each supervisor compares the group it joined with what torch's handler curr
 :func:`verdict` decides (pure, table-tested); :class:`NodeLiveness` is the supervised agent's
 collaborator that applies it (and runs the :class:`ContactWatch`). Every use of torch's private rendezvous state
 lives in :func:`membership`, :func:`last_contact`, :func:`bound_seconds`, :func:`fence_seconds`,
-:func:`set_keep_alive_interval` and :func:`rejoin_of`;
+:func:`set_keep_alive_interval`, :func:`rejoin_of` and :func:`leave`;
 ``tests/unit/test_liveness.py`` fails loudly when torch changes it.
 """
 
@@ -206,6 +206,19 @@ def rejoin_of(handler, survivors: int) -> Iterator[None]:
         object.__setattr__(settings, "max_nodes", max_nodes)
 
 
+def leave(handler, timeout_seconds: float = 30.0) -> None:
+    """Take this node out of the rendezvous without closing it (torch's ``shutdown`` closes it
+    for every node): stop its heartbeats and remove it from the participants, so that the other
+    nodes' next round forms without it at once instead of after the liveness bound. Nothing for
+    other handlers."""
+    if _holder(handler) is None:
+        return
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+    handler._stop_heartbeats()  # noqa: SLF001 - torch has no public leave (its shutdown closes the rendezvous)
+    handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + timeout_seconds)  # noqa: SLF001 - the same
+
+
 class ContactWatch:
     """A thread that calls ``on_isolated()`` once when ``handler`` has not reached the store for
     longer than the liveness bound while ``armed()`` (workers are running). Re-arms after
@@ -321,6 +334,13 @@ class NodeLiveness:
                 yield
         finally:
             self.node_lost = None
+
+    @contextlib.contextmanager
+    def regrouping(self, survivors: int) -> Iterator[None]:
+        """While the agent restarts its workers after a node was excluded: the group re-forms
+        through :func:`rejoin_of` with the ``survivors`` (the excluded node left the rendezvous)."""
+        with rejoin_of(self._handler, survivors):
+            yield
 
     def wait_for_fence(self) -> None:
         """Before the workers of a restart start: after a peer loss, until the lost node, if it

@@ -50,6 +50,19 @@ def terminal_code(worker_exit_codes: list[int | None], marker: dict | None = Non
     return None
 
 
+def ends_round(worker_exit_codes: Sequence[int | None]) -> str | None:
+    """How this node's workers ended a round together after excluding a node
+    (``elastic.exclude_corrupt_node``): ``"leave"`` (every one 69: this node is the excluded
+    one; its supervisor leaves the rendezvous without closing it), ``"regroup"`` (every one 79:
+    restart them as a membership change, without the excluded node), else None."""
+    codes = set(worker_exit_codes)
+    if codes == {exit_codes.EXCLUDED}:
+        return "leave"
+    if codes == {exit_codes.REGROUP}:
+        return "regroup"
+    return None
+
+
 def launch_exit_code(
     *, failed: bool, signalled: bool, preempt_marker: dict | None, worker_exit_codes: Sequence[int | None] = ()
 ) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_trainer import contract
+from elastic_trainer import contract, exit_codes
 from elastic_trainer.checkpoint import layout
 from tests import runs
 
@@ -149,6 +149,46 @@ def test_a_large_flip_is_replayed_located_and_the_run_finishes_on_the_fault_free
     assert r.returncode == 2, cfg.with_suffix(".log").read_text()[-3000:]
     assert "not certified (checkpoint.resume_certified_only)" in cfg.with_suffix(".log").read_text()
     assert sorted(p.name for p in (run / "ckpt").glob("step-*")) == before and max(runs.step_losses(run)) == 20
+
+
+def test_with_exclude_corrupt_node_the_corrupt_node_leaves_and_the_other_goes_on_from_the_replayed_step(
+    tmp_path, token_file, store, reference
+):
+    """Two nodes of one worker each (ranks by address: ``a`` 0, ``b`` 1); a large flip on rank 1.
+    The replay names node 1: its step is committed, ``b``'s supervisor exits 69 and leaves the
+    rendezvous, ``a`` re-forms alone without using a restart (``max_restarts`` 0), resumes from
+    the replayed step and finishes on the fault-free curve."""
+    train = {**TRAIN, "on_nonfinite": "replay", "loss_spike_factor": 3.0}
+    elastic = {"exclude_corrupt_node": True, "max_restarts": 0}
+    run = tmp_path / "run"
+    cfg = runs.write_config(tmp_path / "c.toml", token_file, run, train=train, checkpoint=CHECKPOINT, elastic=elastic)
+    fault = {contract.INJECT_FAULT_ENV: "bitflip@rank=1,step=13,bit=30,param=qkv"}
+
+    def node(name: str, addr: str):
+        flags = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", store, "--local-addr", addr]
+        env = {**fault, contract.NODE_ENV: name}
+        return runs.start_launch(cfg, *flags, "--rdzv-id", "exclude", env=env, log=tmp_path / f"{name}.log")
+
+    a, b = node("a", "127.0.0.2"), node("b", "127.0.0.3")
+    try:
+        assert b.wait(240) == exit_codes.EXCLUDED, (tmp_path / "b.log").read_text()[-3000:]
+        assert a.wait(240) == 0, (tmp_path / "a.log").read_text()[-3000:]
+    finally:
+        runs.stop(a)
+        runs.stop(b)
+    (sdc,) = runs.read_events(run, "silent_corruption")
+    assert (sdc["step"], sdc["rank"], sdc["node"]) == (14, 1, 1), sdc
+    (excluded,) = runs.read_events(run, "node_excluded")
+    assert (excluded["step"], excluded["node"], excluded["nodes"], excluded["committed"]) == (14, 1, 2, True)
+    assert sorted(e["exit_code"] for e in runs.read_events(run, "supervisor_exit")) == [0, 69]
+    (change,) = runs.read_events(run, "membership_change")
+    assert (change["node"], change["from_nodes"], change["to_nodes"]) == ("a", 2, 1), change
+    resume = runs.read_events(run, "resume")[-1]
+    assert (resume["step"], resume["world_size"]) == (14, 1), resume
+    ours, clean = runs.step_losses(run), runs.step_losses(reference / "run")
+    assert sorted(ours) == list(range(1, 21))
+    for s in range(1, 21):  # world 2, then world 1 after the reshard: the data and loss do not depend on it
+        assert runs.close_rel(ours[s], clean[s], 1e-5), (s, ours[s], clean[s])
 
 
 @pytest.mark.soak  # the front ends' audits below replay scripts under `run` too

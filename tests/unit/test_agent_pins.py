@@ -12,6 +12,7 @@ import inspect
 import signal
 import textwrap
 
+import pytest
 import torch
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -174,10 +175,12 @@ def test_the_scan_finds_what_a_subclass_reads_of_its_base():
     assert private_reads(Reader) == {"_pcontext"}
 
 
-def test_the_supervised_agent_is_built_from_its_collaborators_without_a_rendezvous(tmp_path):
-    spec = WorkerSpec(role="pin", local_world_size=2, rdzv_handler=object(), entrypoint="true", max_restarts=3)
+def _supervised_agent(tmp_path, max_restarts=3) -> agent.SupervisedAgent:
+    spec = WorkerSpec(
+        role="pin", local_world_size=2, rdzv_handler=object(), entrypoint="true", max_restarts=max_restarts
+    )
     journal = Journal(EventLog(str(tmp_path / "events.jsonl")))
-    a = agent.SupervisedAgent(
+    return agent.SupervisedAgent(
         spec,
         journal=journal,
         ledger=RestartLedger(journal),
@@ -188,7 +191,34 @@ def test_the_supervised_agent_is_built_from_its_collaborators_without_a_rendezvo
         log_line_prefix_template=None,
         shutdown_timeout=7,
     )
+
+
+def test_the_supervised_agent_is_built_from_its_collaborators_without_a_rendezvous(tmp_path):
+    a = _supervised_agent(tmp_path)
     assert vars(a)["_shutdown_timeout"] == 7  # torch's own from 2.12, the agent's on 2.11
     assert vars(a)["_remaining_restarts"] == 3
     # what the launcher asks of it before any worker runs
     assert (a.workers_running(), a.kill_workers(), a.worker_exit_codes()) == (False, [], [])
+
+
+@pytest.mark.parametrize("code, restarted, ends_excluded", [(79, True, False), (69, False, True), (1, False, False)])
+def test_a_round_ended_for_an_excluded_node_restarts_the_others_without_using_a_restart(
+    tmp_path, monkeypatch, code, restarted, ends_excluded
+):
+    """Workers that all exit 79 (a node that stays) are restarted at once as a membership change,
+    even with no restart left; 69 (the excluded node) stops restarting; any other failure is
+    torch's to count."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failures = {i: ProcessFailure(local_rank=i, pid=100 + i, exitcode=code, error_file="") for i in range(2)}
+    failed = RunResult(state=WorkerState.FAILED, failures=failures)
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: failed)
+    a = _supervised_agent(tmp_path, max_restarts=0)
+    restarts = []
+    monkeypatch.setattr(a, "_restart_workers", lambda group: restarts.append(agent._failed(a._last_result)))
+    a._worker_group.group_world_size = 2
+    result = a._monitor_workers(a._worker_group)
+    assert restarts == ([False] if restarted else [])  # not a failure restart: no back-off, nothing counted
+    assert result.is_failed() != restarted and vars(a)["_remaining_restarts"] == 0
+    assert agent.excluded(result) == ends_excluded

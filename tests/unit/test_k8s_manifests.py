@@ -1018,6 +1018,7 @@ POD_FAILURE_CASES = [
     (exit_codes.FENCED, (), "FailJob"),
     (exit_codes.FINAL_SAVE_FAILED, (), "FailJob"),
     (EXIT_PREEMPTED, (), "Ignore"),
+    (exit_codes.EXCLUDED, (), "Count"),  # the other nodes go on; the pod comes back (bounded) as a new node
     (1, (), "Count"),
     (137, (), "Count"),
     (137, ("DisruptionTarget",), "Ignore"),

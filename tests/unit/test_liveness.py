@@ -175,6 +175,30 @@ def test_survivors_of_a_peer_loss_heartbeat_in_fractions_of_a_second_and_rejoin_
         del server
 
 
+def test_a_node_that_leaves_is_out_of_the_next_round_at_once_and_the_rendezvous_stays_open():
+    """Two real c10d handlers (1:2 nodes, a 10 s last call, a 30 s liveness bound). One
+    :func:`leave` s (torch's exit op, heartbeats stopped): the other re-forms alone inside
+    ``rejoin_of(handler, 1)`` in well under the bound or the last call, and the rendezvous is
+    still open to newcomers (``shutdown`` would have closed it to every node)."""
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    hs = [_handler(server.port, "liveness-leave", attempts=30, nodes=(1, 2), last_call=10) for _ in range(2)]
+    try:
+        _in_threads([h.next_rendezvous for h in hs])  # 2 = max_nodes: complete at once
+        liveness.leave(hs[1])
+        t0 = time.monotonic()
+        with liveness.rejoin_of(hs[0], 1):
+            info = hs[0].next_rendezvous()
+        took = time.monotonic() - t0
+        assert info.world_size == 1 and took < 5, (info.world_size, took)
+        assert not hs[0]._state_holder.state.closed
+    finally:
+        for h in hs:
+            h._stop_heartbeats()
+        del server
+
+
 def test_no_rejoin_shortcut_outside_min_and_max_nodes():
     h = _fake_handler("a", {"a", "b", "c"})
     for survivors in (1, 3, 4):  # below min_nodes (2), or no fewer than max_nodes (3)

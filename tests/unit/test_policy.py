@@ -36,6 +36,7 @@ def test_failure_streak_resets_after_a_healthy_stretch(previous, healthy, expect
         (True, False, None, [73, 73], 73),  # fenced
         (True, False, None, [73, 1], 1),  # mixed: a real failure
         (True, False, None, [2, 2], 2),  # a checkpoint the code cannot take (or none loads): terminal
+        (True, False, {"step": 5, "exit_code": 69}, [69, 69], 69),  # this node was excluded: it leaves the job
         (True, False, None, [75, 75], 75),  # no marker (a script under run): the workers' codes say it
         (True, False, None, [75, 76], 76),
         (True, False, None, [75, 1], 1),
@@ -61,11 +62,21 @@ def test_launch_exit_code(failed, signalled, marker, workers, code):
         ([2, 1], None),
         ([1], None),
         ([75, 75], None),
+        ([69, 69], 69),  # the excluded node
+        ([79, 79], None),  # a node that stays re-forms the group
         ([], None),
     ],
 )
 def test_terminal_codes_stop_restarts(codes, terminal):
     assert policy.terminal_code(codes) == terminal
+
+
+@pytest.mark.parametrize(
+    "codes, how",
+    [([69, 69], "leave"), ([69], "leave"), ([79, 79], "regroup"), ([79, 1], None), ([69, 79], None), ([65], None)],
+)
+def test_a_round_ended_for_an_excluded_node(codes, how):
+    assert policy.ends_round(codes) == how
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """Every way a run ends, in one process: the :class:`~elastic_trainer.runtime.run.Run` of every
 front end over an injected manager (the save machine's gated saver and scripted agreement), one
-test per exit code — 0, 2, 65, 73, 74, 75, 76 — and the rollback and the replay that are not ends.
+test per exit code — 0, 2, 65, 69, 73, 74, 75, 76, 79 — and the rollback and the replay that are not ends.
 
 Each asserts the code, the event that says why, and the marker the supervisor reads.
 """
@@ -38,12 +38,15 @@ class Runs:
         os.makedirs(self.run_dir, exist_ok=True)
         self.made: list[CheckpointManager] = []
 
-    def open(self, *, seed=0, on_nonfinite="stop", timeout=WAIT, hold_writing=False, identity=True, spike=0.0):
+    def open(
+        self, *, seed=0, on_nonfinite="stop", timeout=WAIT, hold_writing=False, identity=True, spike=0.0, exclude=False
+    ):
         cfg = config_from_dict(
             {
                 "run": {"dir": self.run_dir},
                 "train": {"seed": seed, "on_nonfinite": on_nonfinite, "loss_spike_factor": spike},
                 "checkpoint": {"dir": self.root, "save_timeout_seconds": timeout, "preempt_grace_seconds": timeout},
+                "elastic": {"exclude_corrupt_node": exclude},
             }
         )
         events = EventLog(os.path.join(self.run_dir, contract.EVENTS_FILE))
@@ -291,6 +294,40 @@ def test_a_replay_that_does_not_reproduce_the_anomaly_names_the_rank_and_skips_n
     assert (sdc["loss"], sdc["replayed_loss"], sdc["from_step"]) == (50.0, 1.0, 1)
     assert not runs.events("rollback") and not runs.events("anomaly_reproduced") and run.state.skipped == []
     assert run.replayer.pending is None
+
+
+@pytest.mark.parametrize("node,code", [(0, exit_codes.EXCLUDED), (1, exit_codes.REGROUP)])
+def test_with_exclude_corrupt_node_the_replayed_step_is_committed_and_the_round_ends(runs, monkeypatch, node, code):
+    """Two nodes of one rank each; rank 0's state was the one that differed. Its node's ranks
+    exit 69 (their supervisor leaves the job), the other node's 79 (theirs re-form the group),
+    both after the replayed step is committed."""
+    run = runs.open(on_nonfinite="replay", exclude=True)
+    monkeypatch.setenv(contract.LOCAL_WORLD_SIZE_ENV, "1")
+    run.session.world_size, run.session.rank = 2, node  # this rank's node; the replay compares rank 0's state
+    _commit_step_1(runs, run)
+    clean = {k: v.clone() for k, v in runs.model.state_dict().items()}
+    with torch.no_grad():
+        runs.model.bias[1] += 1.0
+    assert run.after_step(step(3, loss=50.0, anomaly="loss spike", spike_threshold=3.0), 10) is None
+    runs.model.load_state_dict(clean)
+    assert _replay(run, (2, 3)) == code
+    (sdc,) = runs.events("silent_corruption")
+    assert sdc["node"] == 0
+    (excluded,) = runs.events("node_excluded")
+    assert excluded == {**excluded, "step": 3, "node": 0, "nodes": 2, "committed": True}, excluded
+    assert runs.made[-1].is_committed(3), "the others go on from the replayed step"
+    assert runs.marker()["exit_code"] == code
+
+
+def test_exclude_corrupt_node_on_a_single_node_goes_on(runs):
+    run = runs.open(on_nonfinite="replay", exclude=True)
+    _commit_step_1(runs, run)
+    with torch.no_grad():
+        runs.model.bias[1] += 1.0
+    assert run.after_step(step(3, nonfinite=True), 10) is None
+    runs.model.bias.data[1] -= 1.0
+    assert _replay(run, (2, 3)) is None
+    assert runs.events("silent_corruption") and not runs.events("node_excluded")
 
 
 def test_a_replay_that_reproduces_the_anomaly_skips_its_samples_as_a_rollback_does(runs):
