@@ -26,6 +26,7 @@ SMOKE: dict[str, list[str]] = {
     "checkpoint_stall.py": ["--smoke"],
     "core_interference.py": ["--smoke"],
     "goodput.py": ["--smoke"],
+    "goodput_at_scale.py": ["--smoke"],
     "integrity.py": ["--smoke"],
     "ledger_scale.py": ["--smoke"],
     "lightning_checkpoint.py": ["--smoke"],
