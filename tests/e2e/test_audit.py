@@ -165,7 +165,10 @@ def test_with_exclude_corrupt_node_the_corrupt_node_leaves_and_the_other_goes_on
     fault = {contract.INJECT_FAULT_ENV: "bitflip@rank=1,step=13,bit=30,param=qkv"}
 
     def node(name: str, addr: str):
+        # both nodes in the first round however slowly one starts (20 s last call); the survivor's
+        # round after the exclusion completes without it
         flags = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", store, "--local-addr", addr]
+        flags += ["--rdzv-conf", "last_call_timeout=20"]
         env = {**fault, contract.NODE_ENV: name}
         return runs.start_launch(cfg, *flags, "--rdzv-id", "exclude", env=env, log=tmp_path / f"{name}.log")
 
@@ -181,6 +184,8 @@ def test_with_exclude_corrupt_node_the_corrupt_node_leaves_and_the_other_goes_on
     (excluded,) = runs.read_events(run, "node_excluded")
     assert (excluded["step"], excluded["node"], excluded["nodes"], excluded["committed"]) == (14, 1, 2, True)
     assert sorted(e["exit_code"] for e in runs.read_events(run, "supervisor_exit")) == [0, 69]
+    (first,) = [e for e in runs.read_events(run, "rendezvous") if e["node"] == "b"]
+    assert first["nodes"] == 2, first
     (change,) = runs.read_events(run, "membership_change")
     assert (change["node"], change["from_nodes"], change["to_nodes"]) == ("a", 2, 1), change
     resume = runs.read_events(run, "resume")[-1]

@@ -74,6 +74,8 @@ def test_an_added_stateful_stops_with_exit_2_naming_it_and_optional_on_load_resu
         assert len(runs.read_events(tmp_path / "run", "start")) == 1
         (inc,) = runs.read_events(tmp_path / "run", "checkpoint_incompatible")
         assert inc["name"] == "step-00000010" and "counter" in inc["problems"]
+    if how == "torchrun":  # the resume with the state added is the core's, under python and run alike
+        return
     r = _run(how, tmp_path / "run", ckpt, "--steps", "15", "--counter", "optional")
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     (added,) = runs.read_events(tmp_path / "run", "state_added")

@@ -273,9 +273,9 @@ def test_permanent_outage_fails_saves_visibly_while_training_goes_on(
         checkpoint={"s3_endpoint_url": fault_proxy.endpoint_url, **FAST_STORAGE},
         metrics={"port": port, "host": "127.0.0.1"},
     )
-    # Steps 16..20 take 5 s each, so training is still running when save 15's failure (storage
+    # Steps 16..20 take 4 s each, so training is still running when save 15's failure (storage
     # timeout 8 s) is reported: the loop must go on after a failure, not only around one.
-    slow_tail = {"ELASTIC_TRAINER_INJECT_FAULT": "slow@rank=0,step=16,seconds=5.0"}
+    slow_tail = {"ELASTIC_TRAINER_INJECT_FAULT": "slow@rank=0,step=16,seconds=4.0"}
     sup = runs.start_launch(cfg, env={**_creds(s3_server), **slow_tail})
     try:
         runs.wait_event(run, "checkpoint_committed", timeout=120, proc=sup, where=lambda r: r["step"] == 10)
