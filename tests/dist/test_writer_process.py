@@ -23,6 +23,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -250,6 +251,9 @@ def _prestart_scenario(rank, world, root):
     return out
 
 
+# Soak: the process writer's commits and the replacement of a dead writer are proven on every run by
+# test_process_writer_commits_checksummed_saves_and_restarts_a_dead_writer; this adds its start's edge cases.
+@pytest.mark.soak
 def test_the_writers_start_at_the_first_step_and_a_failed_or_stopped_start_is_replaced(tmp_path):
     root, results = _run(_prestart_scenario, tmp_path)
     for r in results:

@@ -225,6 +225,10 @@ def test_a_changed_seed_exits_2_naming_it_and_trains_nothing(tmp_path):
     assert _valid_commits(ckpt) == [3] and len(runs.read_events(run_dir, "step")) == 3
 
 
+# Soak: `accelerate launch` runs on every run (test_accelerate_launch_gives_the_same_losses), and so do
+# an S3 checkpoint root (tests/e2e/test_s3_checkpoint.py) and the config file under any launcher
+# (tests/unit/test_config_launchers.py); this puts them together.
+@pytest.mark.soak
 def test_accelerate_launch_commits_the_final_step_to_the_config_file_s_s3_root_and_run_resumes_it(tmp_path, s3_server):
     """The one configuration under any launcher: ``accelerate launch`` with
     ``ELASTIC_TRAINER_CONFIG`` naming an S3 ``checkpoint.dir`` commits there — a ``save_state``

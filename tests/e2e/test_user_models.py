@@ -218,6 +218,9 @@ def test_reshard_2_to_3(runs, source):
     assert not bad, bad
 
 
+# Soak: tests/e2e/test_transformers.py exports a commit and loads it with from_pretrained, the same
+# logits, on every run; this does it for the Llama of the user-model configs.
+@pytest.mark.soak
 def test_export_loads_with_from_pretrained_and_matches_sharded_logits(runs, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
