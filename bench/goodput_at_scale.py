@@ -19,8 +19,8 @@ What each failure costs, per agent (seconds):
   plain agent also waits its 30 s ``last_call_timeout`` (ours rejoins without it);
 * the resume decision: ours reads the newest commit's manifest and checks it (measured per rank);
   the plain loop loads a path it was given (0);
-* start-up and load: the same for both (``--restart``), not measured here (no GPU figure): the
-  warm start would shorten ours;
+* start-up and load: the same for both (``--restart``), assumed (a multi-node start is not
+  measured): the warm start would shorten ours;
 * lost work: half an interval, plus the commit lag: ours saves in the background (the write, then
   rank 0's commit, measured per rank), the plain save returns committed.
 

@@ -8,6 +8,7 @@ gradients as a SUM instead, so the gradient is the global mean at any world size
 
 from __future__ import annotations
 
+import dataclasses
 from typing import cast
 
 import torch
@@ -35,11 +36,16 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, sh
 
     Gradients are reduced as a SUM (divide factor 1): the loss is already normalised by the
     global target count, so the summed gradient is the global mean at any world size.
+
+    Under a lower-precision policy the root's outputs are cast back to fp32: the model computes
+    in bf16, and the loss the caller writes (``F.mse_loss(model(x), y)`` with fp32 targets, a
+    cross-entropy over the logits) runs in fp32 as it does on CPU. Without it the backward of a
+    loss that mixes bf16 outputs with fp32 targets fails on CUDA only.
     """
     targets = [m for m in model.modules() if m is not model and isinstance(m, tuple(shard_classes))]
     for m in reversed(targets):
         fully_shard(m, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=_fp32_outputs(mp))
     for m in [*targets, model]:
         sharded = cast(FSDPModule, m)  # fully_shard made it one
         sharded.set_gradient_divide_factor(1.0)
@@ -48,3 +54,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy, sh
     if unsharded:
         raise ConfigError("model.shard_modules", f"parameters left unsharded: {', '.join(unsharded[:5])}")
     return model
+
+
+def _fp32_outputs(mp: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    if mp.param_dtype in (None, torch.float32) or mp.output_dtype is not None:
+        return mp
+    return dataclasses.replace(mp, output_dtype=torch.float32)

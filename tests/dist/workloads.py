@@ -389,3 +389,30 @@ def one_state_manager(ccfg, root: str, obj, rank: int, world: int, group, **kw):
         fingerprint="f",
         **kw,
     )
+
+
+def bf16_user_loss(rank, world):
+    """A user's model sharded by ``session.shard``'s policy under bf16 and a plain fp32 loss."""
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic_trainer.config import TrainConfig
+    from elastic_trainer.runtime.sharding import mixed_precision_policy, shard_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2)), nn.Linear(8, 1))
+    policy = mixed_precision_policy(TrainConfig(mixed_precision="bf16"), torch.device("cpu"))
+    shard_model(model, init_device_mesh("cpu", (world,)), policy, [nn.Sequential])
+    computed = []
+    model[0].register_forward_hook(lambda _m, _i, out: computed.append(str(out.dtype)))
+    x, y = torch.randn(4, 8), torch.randn(4, 1)  # fp32 inputs and targets, as a user's loader gives
+    out = model(x)
+    F.mse_loss(out, y).backward()
+    grads = [p.grad for p in model.parameters()]
+    return {
+        "output": str(out.dtype),
+        "computed": computed,
+        "grads": all(g is not None and bool(g.full_tensor().isfinite().all()) for g in grads),
+        "grad_dtype": {str(g.dtype) for g in grads},
+    }
