@@ -73,6 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import REPO, loadavg, machine_info, median, table
 from bench.run_recovery import descendants, training_processes
+from elastic_trainer.supervisor.warm import script_imports
 
 EXAMPLE = REPO / "examples" / "transformers_clm.py"
 OURS_IMPORT = "from elastic_trainer.transformers import Trainer"
@@ -180,7 +181,11 @@ def command(variant: str, saves: str, a, work: Path, example: Path, steps: int, 
     # `run` itself would default to runs/<script name>, shared by every launch)
     run_dir = work / "out" / "elastic_trainer"
     sets = [f"run.dir={run_dir}", f"checkpoint.dir={run_dir / 'checkpoints'}", "metrics.port=0"]
-    return [sys.executable, "-m", "elastic_trainer.cli", "run", *(f"--set={kv}" for kv in sets), *opts, *script]
+    # the zygote imports what `run examples/transformers_clm.py` would have it import (the example's
+    # top-level imports): the script `run` starts here is this wrapper, whose imports are not those
+    preload = [f"--preload={m}" for m in script_imports(str(example))]
+    sets_args = [f"--set={kv}" for kv in sets]
+    return [sys.executable, "-m", "elastic_trainer.cli", "run", *sets_args, *preload, *opts, *script]
 
 
 def die_with_us() -> None:

@@ -194,9 +194,10 @@ def run_parser(prog: str = "elastic-trainer run") -> argparse.ArgumentParser:
         "--preload",
         action="append",
         default=[],
-        metavar="MODULE",
-        help="warm start: a module the zygote imports once for every worker (repeatable; "
-        "besides torch, elastic_trainer and the script's top-level imports of installed packages)",
+        metavar="MODULE[:NAME,...]",
+        help="warm start: a module the zygote imports once for every worker, with MODULE:NAME,... the names "
+        "taken from it as 'from MODULE import NAME' would (repeatable; besides torch, elastic_trainer and "
+        "the script's top-level imports of installed packages)",
     )
     p.add_argument(
         "--no-warm-start",

@@ -314,9 +314,13 @@ def preload_for(
     when it opens ``checkpoint.dir``. Raises ConfigError for an ``extra`` name that is not a
     dotted module name."""
     for name in extra:
-        if not name or not all(part.isidentifier() for part in name.split(".")):
+        module, colon, attrs = name.partition(":")
+        parts = module.split(".") + (attrs.split(",") if colon else [])
+        if not all(part.isidentifier() for part in parts):
             raise ConfigError(
-                "--preload", f"expected a module name such as 'transformers' or 'mypkg.model', got {name!r}"
+                "--preload",
+                "expected a module name such as 'transformers' or 'mypkg.model', or names taken from "
+                f"one such as 'transformers:AutoModelForCausalLM', got {name!r}",
             )
     if not isinstance(cmd, str) or not os.path.basename(cmd).startswith("python"):
         return None
@@ -333,10 +337,11 @@ def preload_for(
 
 
 def script_imports(path: str) -> list[str]:
-    """The modules ``path`` imports at its top level (``import a.b``, ``from a.b import c``)
-    that are not its own: a module found next to the script (a file or a package in its
-    directory) is left out, since it may read the rank's environment when imported. An
-    unreadable or unparsable script gives []: the worker reports it the cold way."""
+    """The modules ``path`` imports at its top level (``import a.b``; ``from a.b import c, d`` as
+    ``a.b:c,d``, whose names the zygote takes as the import does) that are not its own: a module
+    found next to the script (a file or a package in its directory) is left out, since it may
+    read the rank's environment when imported. An unreadable or unparsable script gives []: the
+    worker reports it the cold way."""
     import ast
 
     try:
@@ -350,12 +355,13 @@ def script_imports(path: str) -> list[str]:
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.append(node.module)
+            taken = ",".join(a.name for a in node.names if a.name != "*")  # zygote.preload resolves them
+            names.append(f"{node.module}:{taken}" if taken and node.module != "__future__" else node.module)
 
     def own(top: str) -> bool:
         return os.path.exists(os.path.join(here, top + ".py")) or os.path.isdir(os.path.join(here, top))
 
-    return [n for n in _unique(names) if n != "__future__" and not own(n.split(".")[0])]
+    return [n for n in _unique(names) if n != "__future__" and not own(n.partition(":")[0].split(".")[0])]
 
 
 def _unique(names) -> tuple[str, ...]:

@@ -119,13 +119,29 @@ LISTS = {contract.ZYGOTE_PRELOAD_TRAINER: PRELOAD, contract.ZYGOTE_PRELOAD_SCRIP
 
 def preload(modules=PRELOAD) -> list[str]:
     """Import ``modules`` (``@trainer`` / ``@script`` stand for those lists); returns the ones
-    that could not be imported (optional extras, a user's module that is not installed)."""
+    that could not be imported (optional extras, a user's module that is not installed).
+
+    ``MODULE:a,b`` does what ``from MODULE import a, b`` does: each name is the module's
+    attribute or else its submodule. A package that loads its classes lazily on first access
+    (``transformers``) is imported cheaply; its models load only when a name is taken from it."""
     missing = []
-    for name in [m for n in modules for m in LISTS.get(n, (n,))]:
+    for entry in [m for n in modules for m in LISTS.get(n, (n,))]:
+        name, _, attrs = entry.partition(":")
         try:
-            importlib.import_module(name)
+            module = importlib.import_module(name)
         except Exception:  # noqa: BLE001 - not preloaded; the worker imports it (and reports its error) itself
             missing.append(name)
+            continue
+        for attr in filter(None, attrs.split(",")):
+            try:
+                getattr(module, attr)
+            except AttributeError:
+                try:
+                    importlib.import_module(f"{name}.{attr}")
+                except Exception:  # noqa: BLE001 - as above
+                    missing.append(f"{name}.{attr}")
+            except Exception:  # noqa: BLE001 - a lazy attribute whose import failed: as above
+                missing.append(f"{name}.{attr}")
     return missing
 
 

@@ -4,6 +4,7 @@ private torch seam it uses (fails loudly when torch moves it)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,10 +62,39 @@ def test_a_script_preloads_its_installed_imports_and_the_preload_list_but_not_it
         "import mymodel\nfrom mypkg.sub import x\nfrom . import rel\ndef f():\n    import numpy\n"
     )
     got = warm.preload_for(sys.executable, ["-u", str(script)], WORKER_MODULE, ("transformers", "torch"))
-    assert got == ("@script", "argparse", "sys", "torch.nn.functional", "torch", "transformers")
+    assert got == ("@script", "argparse", "sys", "torch.nn.functional", "torch:nn", "transformers", "torch")
     assert warm.preload_for(sys.executable, ["-u", "-m", WORKER_MODULE], WORKER_MODULE, ("x",)) == ("@script", "x")
-    with pytest.raises(ConfigError, match="--preload.*'my-mod'"):
-        warm.preload_for(sys.executable, ["-u", str(script)], WORKER_MODULE, ("my-mod",))
+    names = ("transformers:AutoModelForCausalLM,Trainer",)
+    assert warm.preload_for(sys.executable, ["-u", "-m", "m"], WORKER_MODULE, names) == ("@script", *names)
+    for bad in ("my-mod", "transformers:", "transformers:Auto Model", ":x"):
+        with pytest.raises(ConfigError, match="--preload.*" + re.escape(repr(bad))):
+            warm.preload_for(sys.executable, ["-u", str(script)], WORKER_MODULE, (bad,))
+
+
+def test_the_zygote_takes_the_names_a_script_imports_from_a_lazily_loading_package(tmp_path, monkeypatch):
+    """``from pkg import Heavy`` of a package that loads ``Heavy`` on first access (as transformers
+    does): the zygote loads it, so a restarted worker does not; a name that is neither an
+    attribute nor a submodule is reported missing, and the rest still load."""
+    pkg = tmp_path / "site" / "lazypkg_et"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "def __getattr__(name):\n"
+        "    if name == 'Heavy':\n"
+        "        from .heavy import Heavy\n"
+        "        return Heavy\n"
+        "    raise AttributeError(name)\n"
+    )
+    (pkg / "heavy.py").write_text("class Heavy:\n    pass\n")
+    (pkg / "sub.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    script = tmp_path / "train.py"
+    script.write_text("from lazypkg_et import Heavy, sub, nope\n")
+    (entry,) = warm.script_imports(str(script))
+    assert entry == "lazypkg_et:Heavy,sub,nope"
+    for m in [m for m in sys.modules if m.startswith("lazypkg_et")]:
+        monkeypatch.delitem(sys.modules, m)
+    assert zygote_process.preload([entry, "no_such_module_et:x"]) == ["lazypkg_et.nope", "no_such_module_et"]
+    assert {"lazypkg_et.heavy", "lazypkg_et.sub"} <= set(sys.modules)
 
 
 class _FakeZygote:
