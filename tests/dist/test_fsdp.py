@@ -32,12 +32,11 @@ def test_initialisation_is_world_size_invariant(facts, world):
         assert torch.equal(ref[name], got[name]), name
 
 
-def test_under_bf16_the_blocks_compute_in_bf16_and_a_plain_fp32_loss_backpropagates():
+@pytest.mark.parametrize("world", [1, 2])
+def test_under_bf16_the_blocks_compute_in_bf16_and_a_plain_fp32_loss_backpropagates(facts, world):
     """``auto`` is bf16 on CUDA: the user's ``F.mse_loss(model(x), y)`` with fp32 targets must work
     there as on CPU (the root's outputs are fp32; a bf16 output fails that loss's backward)."""
-    from .workloads import bf16_user_loss
-
-    for got in run_ranks(bf16_user_loss, 2):
+    for got in (r["bf16"] for r in facts[world]):
         assert got["computed"] == ["torch.bfloat16"], "the sharded blocks compute in bf16"
         assert got["output"] == "torch.float32"
         assert got["grads"] and got["grad_dtype"] == {"torch.float32"}, "fp32 master gradients"

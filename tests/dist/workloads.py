@@ -68,6 +68,7 @@ def sharding_facts(rank, world):
         "local_bytes": local_param_bytes(model),
         "total_bytes": total,
         "full": full if rank == 0 else None,
+        "bf16": bf16_user_loss(rank, world),
     }
 
 
@@ -400,7 +401,7 @@ def bf16_user_loss(rank, world):
     from elastic_trainer.config import TrainConfig
     from elastic_trainer.runtime.sharding import mixed_precision_policy, shard_model
 
-    torch.manual_seed(0)
+    torch.manual_seed(rank)  # the ranks' batches differ, as a data-parallel loader's do
     model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(2)), nn.Linear(8, 1))
     policy = mixed_precision_policy(TrainConfig(mixed_precision="bf16"), torch.device("cpu"))
     shard_model(model, init_device_mesh("cpu", (world,)), policy, [nn.Sequential])
