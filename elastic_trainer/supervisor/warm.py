@@ -312,7 +312,7 @@ def preload_for(
     else (torchrun's ``--no-python``, ``--run-path``, other interpreter options) is started cold.
     ``backend``: the checkpoint storage's filesystem module (``s3fs``), which every worker imports
     when it opens ``checkpoint.dir``. Raises ConfigError for an ``extra`` name that is not a
-    dotted module name."""
+    dotted module name, or one followed by ``:NAME,...``."""
     for name in extra:
         module, colon, attrs = name.partition(":")
         parts = module.split(".") + (attrs.split(",") if colon else [])
