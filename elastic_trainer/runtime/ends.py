@@ -77,6 +77,12 @@ def fenced(s: Session, m: CheckpointManager, step: int) -> int:
     return exit_codes.FENCED
 
 
+def _settle(s: Session, m: CheckpointManager) -> bool:
+    """Collective: :meth:`CheckpointManager.settle` bounded by ``checkpoint.save_timeout_seconds``
+    from now; True when no save is in flight any more on any rank."""
+    return m.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+
+
 def preempted(s: Session, m: CheckpointManager, state: TrainState) -> int:
     """Preemption: commit the final step within ``checkpoint.preempt_grace_seconds``. 75 only
     when a commit of the final step exists in storage (already, or written now), else 76."""
@@ -132,7 +138,7 @@ def anomalous(s: Session, ctx: Any, sample_range: list[int]) -> None:
 def reload(s: Session, m: CheckpointManager) -> LoadResult | None:
     """Reload the newest commit of this lineage (a save still writing past its deadline is
     abandoned, never committed); None: there is none."""
-    m.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+    _settle(s, m)
     return m.load(resume="latest")
 
 
@@ -206,8 +212,7 @@ def excluded(s: Session, m: CheckpointManager, step: int, node: int, nodes: int,
     ``checkpoint.save_timeout_seconds``) for its commit, record ``node_excluded`` and end this
     round. The ranks of ``node`` (this rank's node: ``mine``) exit 69, their supervisor leaves the
     job; the others exit 79, their supervisors re-form the group of ``nodes - 1`` nodes without it."""
-    committed = m.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
-    committed = committed and m.verdicts.committed_everywhere(step)
+    committed = _settle(s, m) and m.verdicts.committed_everywhere(step)
     s.events.emit("node_excluded", step=step, node=node, nodes=nodes, committed=committed)
     logger.error(
         "node %d leaves the job (elastic.exclude_corrupt_node); the %d other node(s) go on from %s",
@@ -222,7 +227,7 @@ def nonfinite_stop(
     s: Session, m: CheckpointManager, state: TrainState, ctx: Any, sample_range: list[int], why: str
 ) -> int:
     """Stop after a non-finite step: exit 65 (nothing after the last finite step is committed)."""
-    m.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+    _settle(s, m)
     s.events.emit("nonfinite_stop", step=ctx.step, reason=why, last_finite_step=state.step)
     logger.error("stopping at step %d (%s); last finite step %d", ctx.step, why, state.step)
     return exit_codes.NONFINITE
@@ -232,7 +237,7 @@ def finished(s: Session, m: CheckpointManager, step: int, final: int | None) -> 
     """Wait (bounded) for the last save and its commit: (exit code, restartable). 0; 73 when a
     newer launch fenced the final commit; 74 when ``final``, the final save's step, did not
     commit (restartable False when its cause is one a restart cannot change)."""
-    settled = m.settle(time.monotonic() + s.cfg.checkpoint.save_timeout_seconds)
+    settled = _settle(s, m)
     if m.verdicts.fenced_everywhere():  # the final commit was refused: a newer launch owns the root
         return fenced(s, m, step), True
     if final is None or (settled and m.verdicts.committed_everywhere(final)):
