@@ -114,21 +114,22 @@ class SupervisedAgent(LocalElasticAgent):
         self._last_result = result
         found = None if self._ledger.workers_ending() else self._liveness.check(result.state)
         if found is not None:
-            # A membership change torch's loop would only see at the next rendezvous: restart
-            # here (torch's loop then finds the new group healthy), without using up a restart.
-            with self._liveness.restarting(found):
-                self._last_result = RunResult(state=WorkerState.HEALTHY)
-                self._restart_workers(worker_group)
-            return RunResult(state=worker_group.state)
+            # A membership change torch's loop would only see at the next rendezvous
+            return self._membership_change(worker_group, self._liveness.restarting(found))
         if result.is_failed() and policy.ends_round(_codes(result)) == "regroup":
             # A node was excluded (its workers exit 69): re-form without it, not a failure.
-            with self._liveness.regrouping(worker_group.group_world_size - 1):
-                self._last_result = RunResult(state=WorkerState.HEALTHY)
-                self._restart_workers(worker_group)
-            return RunResult(state=worker_group.state)
+            return self._membership_change(worker_group, self._liveness.regrouping(worker_group.group_world_size - 1))
         if result.is_failed() and self._remaining_restarts > 0 and self._ledger.stop_code(result.failures) is not None:
             self._remaining_restarts = 0  # non-finite stop / fenced / storage full: restarting would repeat it
         return result
+
+    def _membership_change(self, worker_group, change) -> RunResult:
+        """Restart the workers here, inside ``change`` (the liveness collaborator's context for
+        it), without using up a restart; torch's loop then finds the new group healthy."""
+        with change:
+            self._last_result = RunResult(state=WorkerState.HEALTHY)
+            self._restart_workers(worker_group)
+        return RunResult(state=worker_group.state)
 
     def _rendezvous(self, worker_group):
         t0 = time.monotonic()
