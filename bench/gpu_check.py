@@ -209,7 +209,10 @@ class Check:
         if r.returncode != 0:
             raise RuntimeError(f"exit {r.returncode}: {(run_dir / 'run.log').read_text()[-2000:]}")
         commits = runs.read_events(run_dir, "checkpoint_committed")
-        return {"wall_s": round(time.monotonic() - t0, 1), "commits": len(commits)}
+        # forked from the zygote (False: its imports initialised CUDA or a process group, and the
+        # workers started cold: slower restarts, reported rather than failed)
+        warm = all(e.get("warm") for e in runs.read_events(run_dir, "workers_started"))
+        return {"wall_s": round(time.monotonic() - t0, 1), "commits": len(commits), "warm": warm}
 
     def own_loop(self) -> dict:
         return self._run_script("own_loop", "train_fsdp.py", "--steps", "10")

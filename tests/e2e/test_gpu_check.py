@@ -38,6 +38,8 @@ def test_dry_run_reshards_and_reports_every_step(tmp_path):
     assert reshard["status"] == "passed" and reshard["result"]["max_loss_rel_diff"] <= 1e-5, reshard
     # the example under run, on the device: it trained and committed
     assert steps["accelerate"]["result"]["commits"] >= 1, steps["accelerate"]
+    # its workers were forked from the zygote, which took the example's imported names
+    assert steps["accelerate"]["result"]["warm"] is True, steps["accelerate"]
     for name in steps:
         assert f"| {name} | {steps[name]['status']} |" in md
 
