@@ -354,14 +354,14 @@ def script_imports(path: str) -> list[str]:
     for node in tree.body:
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module not in (None, "__future__"):
             taken = ",".join(a.name for a in node.names if a.name != "*")  # zygote.preload resolves them
-            names.append(f"{node.module}:{taken}" if taken and node.module != "__future__" else node.module)
+            names.append(f"{node.module}:{taken}" if taken else node.module)
 
     def own(top: str) -> bool:
         return os.path.exists(os.path.join(here, top + ".py")) or os.path.isdir(os.path.join(here, top))
 
-    return [n for n in _unique(names) if n != "__future__" and not own(n.partition(":")[0].split(".")[0])]
+    return [n for n in _unique(names) if not own(n.partition(":")[0].split(".")[0])]
 
 
 def _unique(names) -> tuple[str, ...]:

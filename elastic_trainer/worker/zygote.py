@@ -127,21 +127,13 @@ def preload(modules=PRELOAD) -> list[str]:
     missing = []
     for entry in [m for n in modules for m in LISTS.get(n, (n,))]:
         name, _, attrs = entry.partition(":")
+        taken = [a for a in attrs.split(",") if a]
         try:
-            module = importlib.import_module(name)
+            module = importlib.__import__(name, fromlist=taken)  # as the import statement does it
         except Exception:  # noqa: BLE001 - not preloaded; the worker imports it (and reports its error) itself
             missing.append(name)
             continue
-        for attr in filter(None, attrs.split(",")):
-            try:
-                getattr(module, attr)
-            except AttributeError:
-                try:
-                    importlib.import_module(f"{name}.{attr}")
-                except Exception:  # noqa: BLE001 - as above
-                    missing.append(f"{name}.{attr}")
-            except Exception:  # noqa: BLE001 - a lazy attribute whose import failed: as above
-                missing.append(f"{name}.{attr}")
+        missing += [f"{name}.{a}" for a in taken if not hasattr(module, a)]
     return missing
 
 
