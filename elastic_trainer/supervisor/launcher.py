@@ -108,6 +108,9 @@ def _worker_spec(config, cmd, cmd_args, rdzv_poll_seconds: float | None):
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
     from .agent import master_address
+    from .rendezvous import register
+
+    register()  # --rdzv-backend elastic-trainer
 
     # torch's handlers read whole seconds; a decimal keep-alive interval is set on the handler
     keep_alive = config.rdzv_configs.get("keep_alive_interval")

@@ -86,6 +86,23 @@ def _holder(handler):
     return getattr(handler, "_state_holder", None)
 
 
+def _own(handler):
+    """``handler`` when it is the package's own rendezvous (one key per node: it keeps its
+    liveness itself, elastic_trainer/supervisor/rendezvous.py), else None."""
+    from .rendezvous import KeyedRendezvousHandler
+
+    return handler if isinstance(handler, KeyedRendezvousHandler) else None
+
+
+def own_verdict(handler) -> Verdict | None:
+    """The package's own rendezvous: this node named lost by the others → isolated; another
+    node named lost (its ring neighbour found its heartbeat stale, or it left) → peer lost."""
+    lost = handler.poll()
+    if handler.node in lost:
+        return Verdict(ISOLATED)
+    return Verdict(PEER_LOST, tuple(sorted(lost))) if lost else None
+
+
 def membership(handler) -> Membership | None:
     """This node's view of the rendezvous in torch's ``DynamicRendezvousHandler`` (c10d/etcd-v2
     backends), or None for other handlers. Reads only what torch's last store sync left in memory
@@ -105,12 +122,16 @@ def membership(handler) -> Membership | None:
 def last_contact(handler) -> float | None:
     """``time.monotonic()`` of this node's last successful sync with the rendezvous store (a
     read or a keep-alive write), or None for other handlers or before the first one."""
+    if _own(handler) is not None:
+        return handler.last_contact
     t = getattr(_holder(handler), "_last_sync_time", None)
     return t if t is not None and t >= 0 else None
 
 
 def bound_seconds(handler) -> float | None:
     """torch's liveness bound: ``keep_alive_interval × keep_alive_max_attempt`` seconds."""
+    if _own(handler) is not None:
+        return handler.bound_seconds
     settings = getattr(handler, "_settings", None)
     if _holder(handler) is None or settings is None:
         return None
@@ -162,6 +183,8 @@ def fence_seconds(handler) -> float:
     store came at most two keep-alive intervals after its last heartbeat landed (torch writes one
     when the previous is an interval old), and its watch fires within one poll of the bound. 0
     for other handlers."""
+    if _own(handler) is not None:
+        return 2 * handler.keep_alive_interval + CONTACT_POLL_SECONDS
     settings = getattr(handler, "_settings", None)
     if _holder(handler) is None or settings is None:
         return 0.0
@@ -173,6 +196,9 @@ def set_keep_alive_interval(handler, seconds: float) -> None:
     seconds only; its settings, shared by the handler, its state holder and its op executor, are
     a frozen dataclass). Before the first rendezvous: the keep-alive timer starts with it.
     Nothing for other handlers."""
+    if _own(handler) is not None:
+        handler.keep_alive_interval = seconds
+        return
     settings = getattr(handler, "_settings", None)
     if _holder(handler) is not None and settings is not None:
         object.__setattr__(settings, "keep_alive_interval", timedelta(seconds=seconds))
@@ -211,6 +237,9 @@ def leave(handler, timeout_seconds: float = 30.0) -> None:
     for every node): stop its heartbeats and remove it from the participants, so that the other
     nodes' next round forms without it at once instead of after the liveness bound. Nothing for
     other handlers."""
+    if _own(handler) is not None:
+        handler.leave()
+        return
     if _holder(handler) is None:
         return
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
@@ -309,7 +338,8 @@ class NodeLiveness:
             return Verdict(ISOLATED) if state != WorkerState.SUCCEEDED else None
         if state != WorkerState.HEALTHY:
             return None
-        found = verdict(self._joined, membership(self._handler))
+        own = _own(self._handler) is not None
+        found = own_verdict(self._handler) if own else verdict(self._joined, membership(self._handler))
         if found is not None:
             self._report(found.reason, list(found.lost))
         return found
@@ -322,7 +352,7 @@ class NodeLiveness:
         node isolated: who is left is unknown, torch's rendezvous as it is."""
         self.node_lost = found
         joined = self._joined
-        lost = found.reason == PEER_LOST and joined is not None
+        lost = found.reason == PEER_LOST
         self._fenced_at = time.monotonic() + fence_seconds(self._handler) if lost else 0.0
         rejoin = (
             rejoin_of(self._handler, len(joined.participants) - len(found.lost))

@@ -36,6 +36,11 @@ def install(handler, poll_seconds: float) -> None:
     for are kept, but one: the random skew (up to 0.3 s) torch puts before a node's join while the
     job is in its first round, which it meant for the job's first join and which also delays the
     first restart of every job; a node that has joined once joins again without it. Idempotent."""
+    from .rendezvous import KeyedRendezvousHandler
+
+    if isinstance(handler, KeyedRendezvousHandler):  # the package's own: the period is its setting
+        handler.poll_seconds = poll_seconds
+        return
     holder = getattr(handler, "_state_holder", None)
     if holder is None or not hasattr(holder, "_cache_duration"):
         return

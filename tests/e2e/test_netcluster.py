@@ -37,8 +37,9 @@ SCHEDULE_STEPS = 200  # train.steps (the lr schedule); both runs are stopped lon
 SHRINK_BOUND_S = 10.0
 
 
-def demo_sets(run_dir: Path, token_file: str, steps: int = SCHEDULE_STEPS) -> list[str]:
+def demo_sets(run_dir: Path, token_file: str, steps: int = SCHEDULE_STEPS, backend: str = "c10d") -> list[str]:
     sets = [
+        f"elastic.rdzv_backend={backend}",
         f"run.dir={run_dir}",
         f"checkpoint.dir={run_dir / 'ckpt'}",
         f"data.path={token_file}",
@@ -69,6 +70,7 @@ def two_nodes(
     nnodes: str = "1:2",
     steps: int = SCHEDULE_STEPS,
     network=lambda cluster: None,
+    backend: str = "c10d",
 ):
     """The store and nodes ``a`` (rank 0) and ``b`` running the demo, one worker each;
     ``network(cluster)`` runs before anything starts. Returns (cluster, job, run_dir, a, b)."""
@@ -77,7 +79,7 @@ def two_nodes(
     run_dir = tmp_path / "run"
     job = ClusterJob(cluster, runs.CLI, DEMO, tmp_path, runs.env_for_tests(), runs.REPO, nnodes=nnodes)
     job.start_store()
-    sets = demo_sets(run_dir, token_file, steps)
+    sets = demo_sets(run_dir, token_file, steps, backend)
     return cluster, job, run_dir, job.node("a", *sets), job.node("b", *sets)
 
 
@@ -89,8 +91,10 @@ def preempt(job: ClusterJob, a, b) -> None:
     assert a.wait(60) == exit_codes.PREEMPTED, job.log("a")
 
 
-def test_link_cut_mid_step_then_back(netcluster, token_file, tmp_path):
-    cluster, job, run_dir, a, b = two_nodes(netcluster, token_file, tmp_path)
+# torch's c10d rendezvous (one key holds every heartbeat) and the package's own (a key per node)
+@pytest.mark.parametrize("backend", ["c10d", "elastic-trainer"])
+def test_link_cut_mid_step_then_back(netcluster, token_file, tmp_path, backend):
+    cluster, job, run_dir, a, b = two_nodes(netcluster, token_file, tmp_path, backend=backend)
     runs.wait_event(run_dir, "checkpoint_committed", 240, b, where=lambda r: r["step"] == 10)
     runs.wait_event(run_dir, "step", 60, b, where=lambda r: r["step"] >= 11 and r["world_size"] == 2)
     cut = time.time()
