@@ -71,6 +71,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine_info, parse_with_smoke, table
+from bench.scale_keyed import keyed_rows, keyed_table
 from elastic_trainer.checkpoint import layout, resume
 from elastic_trainer.checkpoint.catalog import Catalog
 from elastic_trainer.checkpoint.commit import Committer
@@ -984,8 +985,15 @@ def main() -> int:
     ap.add_argument(
         "--round-no-event-names", action="store_true", help="torch's discarded event names cost no inspect.stack()"
     )
-    # the smoke run: the local root and the store only (the S3 path is the same code on another storage)
-    a = parse_with_smoke(ap, ["--nodes", "4,16", "--seconds", "0.2", "--commits", "2", "--no-s3"])
+    ap.add_argument(
+        "--keyed", action="store_true", help="also the package's own rendezvous (rdzv_backend elastic-trainer)"
+    )
+    ap.add_argument("--keyed-nodes", help="comma-separated N of the --keyed path (default: --nodes)")
+    ap.add_argument("--keyed-seconds", type=float, default=4.0, help="the --keyed path's steady-state window (s)")
+    ap.add_argument("--keyed-procs", type=int, default=4, help="processes playing the --keyed path's nodes")
+    # the smoke run: the local root, the store and the own rendezvous (S3 is the same code on another storage)
+    smoke = ["--nodes", "4,16", "--seconds", "0.2", "--commits", "2", "--no-s3"]
+    a = parse_with_smoke(ap, [*smoke, "--keyed", "--keyed-nodes", "8", "--keyed-seconds", "0.5", "--keyed-procs", "2"])
     nodes = sorted({int(x) for x in a.nodes.split(",")})
     round_nodes = sorted({int(x) for x in a.round_nodes.split(",") if int(x) >= 2})
     logging.getLogger("elastic_trainer").setLevel(logging.ERROR)  # SeaweedFS lists deleted dirs: "skipping" lines
@@ -1003,6 +1011,8 @@ def main() -> int:
         store = store_rows(nodes, a.seconds)
         names = not a.round_no_event_names
         rounds = round_rows(round_nodes, a.round_last_call, a.round_timeout, names) if a.round else []
+        keyed_nodes = sorted({int(x) for x in (a.keyed_nodes or a.nodes).split(",") if int(x) >= 2})
+        keyed = keyed_rows(keyed_nodes, a.keyed_seconds, a.keyed_procs, a.round_timeout) if a.keyed else []
     finally:
         if s3 is not None:
             from tests.fixtures.procs import stop_process
@@ -1022,8 +1032,16 @@ def main() -> int:
             f"{'' if names else ', event names without inspect.stack()'}):\n"
         )
         print(round_table(rounds, a.round_timeout))
+    if a.keyed:
+        print(
+            "\nthe package's own rendezvous (rdzv_backend elastic-trainer: a store key per node's heartbeat), N nodes"
+            f" in {a.keyed_procs} processes, each node its own handler and store client, the settings for N"
+            " (docs/elasticity.md), the node of rank N // 2 silenced:\n"
+        )
+        print(keyed_table(keyed))
     if a.json_out:
         out = {"machine": info, "paths": paths, "store": store, **({"round": rounds} if a.round else {})}
+        out.update({"keyed": keyed} if a.keyed else {})
         Path(a.json_out).write_text(json.dumps(out, indent=1))
     return 0
 

@@ -496,7 +496,7 @@ def _warn_rendezvous_scale(cfg) -> None:
     from .supervisor.liveness import scale_warning
 
     e = cfg.elastic
-    why = scale_warning(e.rdzv_backend, parse_nnodes(e.nnodes)[1], parse_rdzv_conf(e.rdzv_conf))
+    why = scale_warning(e.rdzv_backend, parse_nnodes(e.nnodes)[1], parse_rdzv_conf(e.rdzv_conf), e.rdzv_poll_seconds)
     if why:
         print(f"warning: elastic.nnodes: {why}", file=sys.stderr)
 

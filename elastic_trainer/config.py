@@ -330,8 +330,13 @@ class ElasticConfig:
         parse_rdzv_conf(self.rdzv_conf)
         _require(self.hang_timeout_seconds >= 5, "elastic.hang_timeout_seconds", "must be >= 5")
         _require(self.monitor_interval_seconds > 0, "elastic.monitor_interval_seconds", "must be > 0")
+        own = self.rdzv_backend == contract.OWN_RDZV_BACKEND  # its poll is its own; torch's reads at least every 1 s
         _require(
-            0 < self.rdzv_poll_seconds <= 1, "elastic.rdzv_poll_seconds", "must be > 0 and <= 1 (torch's own poll)"
+            0 < self.rdzv_poll_seconds <= (MAX_OWN_POLL_SECONDS if own else 1),
+            "elastic.rdzv_poll_seconds",
+            f"must be > 0 and <= {MAX_OWN_POLL_SECONDS:g} (rdzv_backend {contract.OWN_RDZV_BACKEND})"
+            if own
+            else "must be > 0 and <= 1 (torch's own poll)",
         )
 
 
@@ -675,6 +680,9 @@ def parse_nnodes(value: str, key: str = "elastic.nnodes") -> tuple[int, int]:
     return nums[0], nums[1]
 
 
+# elastic.rdzv_poll_seconds under the package's own rendezvous: a job of thousands of nodes reads
+# it every second or two (docs/elasticity.md, "How many nodes one rendezvous carries")
+MAX_OWN_POLL_SECONDS = 10.0
 _RDZV_INT_KEYS = (
     "join_timeout",
     "last_call_timeout",

@@ -57,11 +57,11 @@ def build_launch_config(cfg: Config, args, explicit: set[str], env=None):
     )
 
 
-def rendezvous_scale_warning(config) -> str | None:
+def rendezvous_scale_warning(config, poll_seconds: float = 0.2) -> str | None:
     """Whether this launch's rendezvous (``config``: :func:`build_launch_config`'s, flags and
-    ``PET_*`` applied) would drop live nodes at its maximum node count (see
+    ``PET_*`` applied; ``elastic.rdzv_poll_seconds``) would not carry its maximum node count (see
     :func:`.liveness.scale_warning`)."""
-    return liveness_scale_warning(config.rdzv_backend, config.max_nodes, config.rdzv_configs)
+    return liveness_scale_warning(config.rdzv_backend, config.max_nodes, config.rdzv_configs, poll_seconds)
 
 
 def run_agent(
@@ -204,7 +204,7 @@ def launch(cfg: Config, launch_config, cmd, cmd_args, zygote=None, keys_set: lis
         server.before_collect(history.export)
     if config.max_nodes > 1 and config.rdzv_backend != "static":
         _check_store(config)
-    why = rendezvous_scale_warning(config)
+    why = rendezvous_scale_warning(config, cfg.elastic.rdzv_poll_seconds)
     if why:
         logger.warning("rendezvous: %s", why)
     _emit_launch(events, config, cmd, cmd_args)

@@ -19,6 +19,10 @@ Here each supervisor compares the group it joined with what torch's handler curr
   its workers are stopped at once, before the others' new group can commit anything, so a node
   that is cut off cannot commit a checkpoint later (fencing).
 
+The package's own rendezvous (``elastic.rdzv_backend = "elastic-trainer"``, rendezvous.py) keeps
+a list of lost nodes itself (a ring of heartbeat checks): :func:`own_verdict` reads it instead,
+and the functions below ask that handler for its bound, last contact and keep-alive.
+
 :func:`verdict` decides (pure, table-tested); :class:`NodeLiveness` is the supervised agent's
 collaborator that applies it (and runs the :class:`ContactWatch`). Every use of torch's private rendezvous state
 lives in :func:`membership`, :func:`last_contact`, :func:`bound_seconds`, :func:`fence_seconds`,
@@ -36,6 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
+from .. import contract
 from .journal import Journal
 
 logger = logging.getLogger(__name__)
@@ -154,11 +159,22 @@ def heartbeat_period_seconds(nodes: int) -> float:
     return HEARTBEAT_TURN_SECONDS_PER_NODE * nodes * nodes
 
 
-def scale_warning(backend: str, max_nodes: int, rdzv_configs: dict) -> str | None:
-    """Why a c10d rendezvous would drop live nodes at ``max_nodes`` nodes with these settings
-    (torchrun's ``--rdzv-conf``): a heartbeat period past half the liveness bound. None: fine, or
-    not a c10d rendezvous of several nodes."""
-    if backend != "c10d" or max_nodes <= 1:
+# The package's own rendezvous costs the store one small operation per heartbeat and per poll of
+# each node; bench/scale.py --keyed measured 17-24 us of the store's CPU per operation. This
+# budget keeps the steady state near a fifth of a core, leaving the store room for a round.
+OWN_STORE_OPS_PER_SECOND = 10_000
+
+
+def scale_warning(backend: str, max_nodes: int, rdzv_configs: dict, poll_seconds: float = 0.2) -> str | None:
+    """Why the rendezvous would not carry ``max_nodes`` nodes with these settings (torchrun's
+    ``--rdzv-conf``, ``elastic.rdzv_poll_seconds``): for c10d, a heartbeat period past half the
+    liveness bound (live nodes dropped); for the package's own, a steady state past the store's
+    budget. None: fine, or another backend, or one node."""
+    if max_nodes <= 1:
+        return None
+    if backend == contract.OWN_RDZV_BACKEND:
+        return _own_scale_warning(max_nodes, rdzv_configs, poll_seconds)
+    if backend != "c10d":
         return None
     interval = float(rdzv_configs.get("keep_alive_interval", TORCH_KEEP_ALIVE[0]))
     attempts = int(rdzv_configs.get("keep_alive_max_attempt", TORCH_KEEP_ALIVE[1]))
@@ -172,8 +188,24 @@ def scale_warning(backend: str, max_nodes: int, rdzv_configs: dict) -> str | Non
         f"the liveness bound of {bound:g} s (keep_alive_interval={interval:g} x keep_alive_max_attempt="
         f"{attempts}): live nodes would be dropped as lost. These settings carry about {fits} nodes; for "
         f"{max_nodes}, set elastic.rdzv_conf so that keep_alive_interval x keep_alive_max_attempt >= "
-        f"{2 * period:.0f} s (silent node loss is then detected that late; docs/elasticity.md, "
+        f"{2 * period:.0f} s (silent node loss is then detected that late), or elastic.rdzv_backend = "
+        f'"{contract.OWN_RDZV_BACKEND}", whose heartbeats do not share a key (docs/elasticity.md, '
         "'How many nodes one rendezvous carries')"
+    )
+
+
+def _own_scale_warning(max_nodes: int, rdzv_configs: dict, poll_seconds: float) -> str | None:
+    interval = float(rdzv_configs.get("keep_alive_interval", TORCH_KEEP_ALIVE[0]))
+    ops = max_nodes * (1 / interval + 1 / poll_seconds)
+    if ops <= OWN_STORE_OPS_PER_SECOND:
+        return None
+    need = 2 * max_nodes / OWN_STORE_OPS_PER_SECOND
+    return (
+        f"up to {max_nodes} nodes: each node writes its heartbeat every {interval:g} s (keep_alive_interval) and "
+        f"reads the rendezvous every {poll_seconds:g} s (elastic.rdzv_poll_seconds): {ops:,.0f} store operations "
+        f"a second, past the {OWN_STORE_OPS_PER_SECOND:,} one store serves with room for a round. For "
+        f"{max_nodes} nodes set both to at least {need:.2g} s; the liveness bound (keep_alive_interval x "
+        "keep_alive_max_attempt) grows with them (docs/elasticity.md, 'How many nodes one rendezvous carries')"
     )
 
 

@@ -50,9 +50,11 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from .. import contract
+
 logger = logging.getLogger(__name__)
 
-BACKEND = "elastic-trainer"
+BACKEND = contract.OWN_RDZV_BACKEND
 # How long a later round waits for a live node of the previous round that has not come (it may
 # still be stopping its workers, which a healthy group gets up to the preemption grace for).
 REJOIN_GRACE_SECONDS = 30.0

@@ -14,8 +14,9 @@ import pytest
 from tests import runs
 
 BENCH = runs.REPO / "bench"
-# imported by the scripts (step_probe through step_phases.py, checkpoint_peers through checkpoint_stall.py)
-HELPERS = {"common.py", "step_probe.py", "checkpoint_peers.py"}
+# imported by the scripts (step_probe through step_phases.py, checkpoint_peers through checkpoint_stall.py,
+# scale_keyed through scale.py --keyed, which its smoke run takes)
+HELPERS = {"common.py", "step_probe.py", "checkpoint_peers.py", "scale_keyed.py"}
 ELSEWHERE = {"gpu_check.py": "tests/e2e/test_gpu_check.py"}  # its --device cpu dry run has tests of its own
 
 # script -> its smoke command's arguments; each one's smoke mode skips what this machine lacks

@@ -9,6 +9,7 @@ import pytest
 
 from elastic_trainer import cli
 from elastic_trainer.config import config_from_dict, parse_rdzv_conf
+from elastic_trainer.errors import ConfigError
 from elastic_trainer.supervisor import options
 from elastic_trainer.supervisor.launcher import build_launch_config, rendezvous_scale_warning
 from elastic_trainer.supervisor.liveness import heartbeat_period_seconds, scale_warning
@@ -71,3 +72,28 @@ def test_launch_judges_the_node_count_its_flags_and_environment_resolve_to(monke
     assert "up to 1024 nodes" in (warning(["--nnodes", "64:1024"]) or "")
     monkeypatch.setenv("PET_RDZV_CONF", "keep_alive_interval=10,keep_alive_max_attempt=3")
     assert warning(["--nnodes", "64:1024"]) is None
+
+
+def test_past_the_c10d_limit_the_warning_names_the_package_s_own_rendezvous():
+    assert 'elastic.rdzv_backend = "elastic-trainer"' in (scale_warning("c10d", 1024, DEFAULT) or "")
+
+
+def test_the_own_rendezvous_carries_a_thousand_nodes_at_the_default_cadence_and_names_what_more_need():
+    """Its store load is linear: N x (1/keep_alive_interval + 1/rdzv_poll_seconds) operations a
+    second, judged against the budget bench/scale.py --keyed measured."""
+    assert scale_warning("elastic-trainer", 1024, DEFAULT, 0.2) is None  # 9,216 operations a second
+    why = scale_warning("elastic-trainer", 4096, DEFAULT, 0.2)
+    assert why is not None and "36,864 store operations a second" in why and "at least 0.82 s" in why
+    one_second = {**DEFAULT, "keep_alive_interval": "1"}
+    assert scale_warning("elastic-trainer", 4096, one_second, 1.0) is None
+    assert scale_warning("elastic-trainer", 10000, one_second, 1.0) is not None
+    assert scale_warning("elastic-trainer", 10000, {**DEFAULT, "keep_alive_interval": "2"}, 2.0) is None
+
+
+def test_the_own_rendezvous_polls_up_to_ten_seconds_and_torch_s_up_to_one():
+    own = {"rdzv_backend": "elastic-trainer", "rdzv_poll_seconds": 2.0}
+    assert config_from_dict({"elastic": own}).elastic.rdzv_poll_seconds == 2.0
+    with pytest.raises(ConfigError, match="elastic.rdzv_poll_seconds"):
+        config_from_dict({"elastic": {"rdzv_poll_seconds": 2.0}})
+    with pytest.raises(ConfigError, match="<= 10"):
+        config_from_dict({"elastic": {**own, "rdzv_poll_seconds": 11}})
