@@ -17,6 +17,11 @@ What each failure costs, per agent (seconds):
 * the rendezvous round: the measured round of torch's handler (3.2 s at 8–32 nodes) plus the
   survivors' joins, one compare-and-set of the whole state each (one heartbeat period); torch's
   plain agent also waits its 30 s ``last_call_timeout`` (ours rejoins without it);
+* under the package's own rendezvous (``elastic.rdzv_backend = "elastic-trainer"``): the
+  settings docs/elasticity.md gives for the node count (``bench/scale_keyed.py``'s
+  ``cadence_for``: a heartbeat and a poll every ``p`` seconds), a silent node seen after its
+  liveness bound plus one poll, and a round of three polls and half a second (measured: 0.7 s
+  at 1,024 nodes, 3.5 s at 4,096 with ``p`` = 1 s);
 * the resume decision: ours reads the newest commit's manifest and checks it (measured per rank);
   the plain loop loads a path it was given (0);
 * start-up and load: the same for both (``--restart``), assumed (a multi-node start is not
@@ -41,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.scale_keyed import cadence_for
 from elastic_trainer.checkpoint.cadence import expected_waste, optimal_interval
 from elastic_trainer.supervisor.liveness import heartbeat_period_seconds
 
@@ -80,6 +86,16 @@ def agents(gpus: int, storage: str, sync_save: float, silent: bool) -> list[Agen
         save_cost=(BLOCKED_RATIO + OVERLAP_RATIO) * sync_save,
         commit_lag=sync_save + COMMIT_SECONDS_PER_RANK[storage] * gpus,
     )
+    c = cadence_for(nodes)
+    own_bound = c["keep_alive_interval"] * c["keep_alive_max_attempt"]
+    own = Agent(
+        "elastic_trainer, own rendezvous",
+        detection=own_bound + c["poll_seconds"] if silent else 0.1,
+        rendezvous=3 * c["poll_seconds"] + 0.5,
+        decision=ours.decision,
+        save_cost=ours.save_cost,
+        commit_lag=ours.commit_lag,
+    )
     plain = Agent(
         "torchrun + sync DCP",
         # a crash: the others' agents see the failed node waiting at their next read of the store (~1 s)
@@ -89,7 +105,7 @@ def agents(gpus: int, storage: str, sync_save: float, silent: bool) -> list[Agen
         save_cost=sync_save,
         commit_lag=0.0,
     )
-    return [ours, plain]
+    return [ours, own, plain]
 
 
 def row(agent: Agent, gpus: int, step: float, restart: float) -> dict:

@@ -991,6 +991,7 @@ def main() -> int:
     ap.add_argument("--keyed-nodes", help="comma-separated N of the --keyed path (default: --nodes)")
     ap.add_argument("--keyed-seconds", type=float, default=4.0, help="the --keyed path's steady-state window (s)")
     ap.add_argument("--keyed-procs", type=int, default=4, help="processes playing the --keyed path's nodes")
+    ap.add_argument("--keyed-settings-for", type=int, help="every N of --keyed with the settings for this N")
     # the smoke run: the local root, the store and the own rendezvous (S3 is the same code on another storage)
     smoke = ["--nodes", "4,16", "--seconds", "0.2", "--commits", "2", "--no-s3"]
     a = parse_with_smoke(ap, [*smoke, "--keyed", "--keyed-nodes", "8", "--keyed-seconds", "0.5", "--keyed-procs", "2"])
@@ -1012,7 +1013,11 @@ def main() -> int:
         names = not a.round_no_event_names
         rounds = round_rows(round_nodes, a.round_last_call, a.round_timeout, names) if a.round else []
         keyed_nodes = sorted({int(x) for x in (a.keyed_nodes or a.nodes).split(",") if int(x) >= 2})
-        keyed = keyed_rows(keyed_nodes, a.keyed_seconds, a.keyed_procs, a.round_timeout) if a.keyed else []
+        keyed = (
+            keyed_rows(keyed_nodes, a.keyed_seconds, a.keyed_procs, a.round_timeout, a.keyed_settings_for)
+            if a.keyed
+            else []
+        )
     finally:
         if s3 is not None:
             from tests.fixtures.procs import stop_process

@@ -142,6 +142,7 @@ def child(a) -> None:
     out = {"nodes": [n.rec for n in nodes], "ops": ops, "steady_cpu": steady_cpu, "cpu": time.process_time() - cpu0}
     print(json.dumps(out), flush=True)
     wait_key(sim, "done")
+    os._exit(0)  # not the interpreter's shutdown: the nodes' store clients are still open in their threads
 
 
 def _count_polls(nodes: list[Node]) -> dict:
@@ -277,10 +278,12 @@ def cadence_for(n: int) -> dict:
     }
 
 
-def keyed_rows(nodes: list[int], steady_s: float, procs: int, timeout: float) -> list[dict]:
+def keyed_rows(nodes: list[int], steady_s: float, procs: int, timeout: float, settings_for: int | None) -> list[dict]:
+    """:func:`keyed_row` per N with the settings for N (or for ``settings_for`` nodes, to compare
+    N at one cadence); stops after an N that does not complete."""
     rows = []
     for n in nodes:
-        conf = cadence_for(n)
+        conf = cadence_for(settings_for or n)
         try:
             row = keyed_row(n, conf, min(procs, n), steady_s, timeout)
         except (TimeoutError, RuntimeError, ValueError, KeyError) as e:
