@@ -157,3 +157,30 @@ def test_torchs_registry_makes_the_handler_from_rdzv_conf(store):
     h = rendezvous_handler_registry.create_handler(params)
     assert isinstance(h, KeyedRendezvousHandler) and h.get_backend() == "elastic-trainer"
     assert (h.keep_alive_interval, h.bound_seconds, h.get_run_id()) == (0.5, 3.0, "job")
+
+
+def test_the_supervisor_s_liveness_reads_the_own_rendezvous(store, tmp_path):
+    """NodeLiveness (the agent's collaborator) on this handler: a peer its ring neighbour named
+    lost → peer_lost with its name and the event; this node named lost → isolated; the liveness
+    bound, the fence and the last store contact come from the handler."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    from elastic_trainer.events import EventLog, read_events
+    from elastic_trainer.supervisor import liveness
+    from elastic_trainer.supervisor.journal import Journal
+
+    hs = handlers(store, 3, 1, 3)
+    join(hs)
+    watched = liveness.NodeLiveness(hs[0], Journal(EventLog(str(tmp_path / "e.jsonl")), node="n0"), watch=True)
+    watched.rejoined()
+    assert watched.check(WorkerState.HEALTHY) is None
+    assert liveness.bound_seconds(hs[0]) == pytest.approx(0.2) and liveness.fence_seconds(hs[0]) > 0.1
+    assert time.monotonic() - liveness.last_contact(hs[0]) < 1
+    hs[1].leave()
+    found = wait_for(lambda: watched.check(WorkerState.HEALTHY), timeout=2) < 2
+    assert found and watched.check(WorkerState.HEALTHY) == liveness.Verdict(liveness.PEER_LOST, (hs[1].node,))
+    [event] = [e for e in read_events(str(tmp_path / "e.jsonl")) if e["event"] == "node_lost"][:1]
+    assert event["reason"] == "peer_lost" and event["lost"] == [hs[1].node]
+    hs[2]._append(f"r{hs[2].round}/lost", hs[0].node)  # the others named this node lost
+    assert wait_for(lambda: liveness.own_verdict(hs[0]) == liveness.Verdict(liveness.ISOLATED), timeout=2) < 2
+    stop(hs)
