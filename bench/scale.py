@@ -2,6 +2,7 @@
 
     python bench/scale.py [--nodes 16,256,1024,4096] [--tensors 16] [--commits 3] [--seconds 2]
                           [--no-s3] [--json-out F] [--round [--round-nodes 8,16,32,64,128]]
+                          [--no-keyed] [--keyed-nodes N,...] [--keyed-settings-for N]
 
 Runs the package's own control-plane code with N ranks (one rank per node) that do no
 training, and prints, per path and N, the operation's time, the objects or store operations
@@ -42,6 +43,11 @@ it takes, the bytes it moves and the growth exponent between successive N
   some node's view dropped as dead (their heartbeat older than interval x attempts), this
   process's and the store's CPU. Each phase has ``--round-timeout``; the first N whose phase
   does not complete ends the path. All N nodes share this process's GIL: see the CPU column.
+
+* **keyed** (on unless ``--no-keyed``): the package's own rendezvous (``elastic.rdzv_backend =
+  "elastic-trainer"``) at each N, with the settings docs/elasticity.md gives for N: the first
+  round, the store's load in the steady state, a silent node's detection and the survivors'
+  next round (``bench/scale_keyed.py`` says how the nodes are simulated).
 
 Set-up (files, the state) and the counting are outside the timed spans; the set-up's garbage is
 collected before each timed call. The CPU column (the process's) is steadier than the wall time
@@ -986,7 +992,10 @@ def main() -> int:
         "--round-no-event-names", action="store_true", help="torch's discarded event names cost no inspect.stack()"
     )
     ap.add_argument(
-        "--keyed", action="store_true", help="also the package's own rendezvous (rdzv_backend elastic-trainer)"
+        "--keyed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the package's own rendezvous (rdzv_backend elastic-trainer) at N nodes (default: on)",
     )
     ap.add_argument("--keyed-nodes", help="comma-separated N of the --keyed path (default: --nodes)")
     ap.add_argument("--keyed-seconds", type=float, default=4.0, help="the --keyed path's steady-state window (s)")
@@ -994,7 +1003,7 @@ def main() -> int:
     ap.add_argument("--keyed-settings-for", type=int, help="every N of --keyed with the settings for this N")
     # the smoke run: the local root, the store and the own rendezvous (S3 is the same code on another storage)
     smoke = ["--nodes", "4,16", "--seconds", "0.2", "--commits", "2", "--no-s3"]
-    a = parse_with_smoke(ap, [*smoke, "--keyed", "--keyed-nodes", "8", "--keyed-seconds", "0.5", "--keyed-procs", "2"])
+    a = parse_with_smoke(ap, [*smoke, "--keyed-nodes", "8", "--keyed-seconds", "0.5", "--keyed-procs", "2"])
     nodes = sorted({int(x) for x in a.nodes.split(",")})
     round_nodes = sorted({int(x) for x in a.round_nodes.split(",") if int(x) >= 2})
     logging.getLogger("elastic_trainer").setLevel(logging.ERROR)  # SeaweedFS lists deleted dirs: "skipping" lines
