@@ -152,9 +152,9 @@ def _count_polls(nodes: list[Node]) -> dict:
         poll = node.h.poll
 
         def counted(poll=poll, h=node.h):
-            before = h.last_contact
+            before = h._polled_at  # set by a poll that read the store only (a heartbeat also moves last_contact)
             out = poll()
-            tally["n"] += h.last_contact != before
+            tally["n"] += h._polled_at != before
             return out
 
         node.h.poll = counted
@@ -219,7 +219,9 @@ def rendezvous_keys(port: int):
     """The rendezvous's own keys (the handler's prefix), to watch a round close."""
     from torch.distributed import PrefixStore, TCPStore
 
-    return PrefixStore(f"elastic_trainer.rdzv.{RUN_ID}", TCPStore("127.0.0.1", port, is_master=False))
+    from elastic_trainer.supervisor.rendezvous import key_prefix
+
+    return PrefixStore(key_prefix(RUN_ID), TCPStore("127.0.0.1", port, is_master=False))
 
 
 def _check(children, deadline: float, what: str) -> None:

@@ -61,6 +61,11 @@ REJOIN_GRACE_SECONDS = 30.0
 DEFAULTS = {"keep_alive_interval": 0.25, "keep_alive_max_attempt": 8, "last_call_timeout": 1.0, "join_timeout": 600.0}
 
 
+def key_prefix(run_id: str) -> str:
+    """Where the rendezvous ``run_id`` keeps its keys in the store."""
+    return f"elastic_trainer.rdzv.{run_id}"
+
+
 class KeyedRendezvousHandler(RendezvousHandler):
     """torch's rendezvous interface over a ``store``, one key per node's heartbeat (module doc).
 
@@ -87,7 +92,7 @@ class KeyedRendezvousHandler(RendezvousHandler):
         if not 1 <= min_nodes <= max_nodes:
             raise ValueError(f"expected 1 <= min_nodes <= max_nodes, got {min_nodes}:{max_nodes}")
         self._base, self._run_id = store, run_id
-        self._store = PrefixStore(f"elastic_trainer.rdzv.{run_id}", store)
+        self._store = PrefixStore(key_prefix(run_id), store)
         self._min, self._max = min_nodes, max_nodes
         self._addr = local_addr
         # torch's node name is ADDR_PID_N; a simulation runs many nodes in one process
