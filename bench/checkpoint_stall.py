@@ -179,9 +179,15 @@ def _rank_main(rank: int, world: int, o: dict) -> dict:
         if mode in DURABLE and mode != "thread":  # a peer library's variant
             managers[mode] = _peer_manager(mode, work, model, optimizer, states, d, o)
             continue
-        # "thread-pageable": the thread writer staging CUDA tensors into pageable (not pinned) host memory
-        writer, _, nice = mode.removesuffix("-pageable").partition("-nice")
-        mcfg = dataclasses.replace(cfg.checkpoint, dir=os.path.join(work, f"ckpt-{mode}"), writer=writer)
+        # "thread-pageable": the thread writer staging CUDA tensors into pageable (not pinned) host memory;
+        # "-buffered": shard files written through the page cache (checkpoint.direct_io = false)
+        writer, _, nice = mode.removesuffix("-pageable").removesuffix("-buffered").partition("-nice")
+        mcfg = dataclasses.replace(
+            cfg.checkpoint,
+            dir=os.path.join(work, f"ckpt-{mode}"),
+            writer=writer,
+            direct_io=not mode.endswith("-buffered"),
+        )
         storage = Storage.for_checkpoint(mcfg)
         pinned = cuda and not mode.endswith("-pageable")
         remote = remote_saver(
@@ -553,7 +559,8 @@ def main() -> int:
         "--modes",
         default="thread",
         help="comma-separated upload variants measured side by side as B blocks: "
-        "thread, process, thread-nice10, process-nice10, thread-pageable (CUDA staging without pinned memory)",
+        "thread, process, thread-nice10, process-nice10, thread-pageable (CUDA staging without pinned memory), "
+        "thread-buffered, process-buffered (shard files through the page cache: checkpoint.direct_io = false)",
     )
     ap.add_argument(
         "--peer",

@@ -47,6 +47,7 @@ class StorageOptions:
     endpoint_url: str = ""
     timeout_seconds: float = 20.0
     retries: int = 3
+    direct_io: bool = True  # a local root's DCP shard files are written around the page cache (storage.direct)
 
     def fsspec_kwargs(self, protocol: str) -> dict[str, Any]:
         if protocol != "s3":
@@ -130,14 +131,14 @@ class Storage:
         )
         if self.protocol == "s3":
             self.fs.retries = 2  # s3fs's outer retry loop (a class attribute; not a constructor option)
-        self.dcp = DcpFactory(self.protocol, self._p, self._kwargs)  # DCP's readers and writers under it
+        self.dcp = DcpFactory(self.protocol, self._p, self._kwargs, direct_io=self.options.direct_io)
         self.checks = AccessChecks(self, self._p, self._retry)  # the checks before a run
 
     @classmethod
     def for_checkpoint(cls, c: CheckpointConfig) -> Storage:
         """The checkpoint root ``checkpoint.dir`` with the section's endpoint, timeout and retries:
         the one way the package opens it."""
-        return open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries)
+        return open_storage(c.dir, c.s3_endpoint_url, c.storage_timeout_seconds, c.storage_retries, c.direct_io)
 
     # -- naming -----------------------------------------------------------------
     def join(self, *parts: str) -> str:
@@ -276,19 +277,26 @@ class Storage:
 
 class DcpFactory:
     """DCP's storage writers and readers for paths of one :class:`Storage` (``Storage.dcp``): a
-    local root gets torch's ``FileSystemWriter``/``FileSystemReader``, an object store fsspec's,
-    with the storage's connection settings and s3fs's retries bounded the same way."""
+    local root gets torch's ``FileSystemWriter``/``FileSystemReader`` (``direct_io``: its shard
+    files written around the page cache, :mod:`.direct`), an object store fsspec's, with the
+    storage's connection settings and s3fs's retries bounded the same way."""
 
-    def __init__(self, protocol: str, strip: Callable[[str], str], kwargs: dict[str, Any]):
+    def __init__(self, protocol: str, strip: Callable[[str], str], kwargs: dict[str, Any], *, direct_io: bool = True):
         self._protocol = protocol
         self._strip = strip  # the storage's fsspec path without protocol
         self._kwargs = kwargs
+        self._direct_io = direct_io
 
     def writer(self, path: str):
         if self._protocol == "file":
             from torch.distributed.checkpoint import FileSystemWriter
 
-            return FileSystemWriter(self._strip(path), single_file_per_rank=True, sync_files=True, thread_count=1)
+            writer = FileSystemWriter(self._strip(path), single_file_per_rank=True, sync_files=True, thread_count=1)
+            if self._direct_io:
+                from .direct import DirectFileSystem
+
+                writer.fs = DirectFileSystem()
+            return writer
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         writer = FsspecWriter(
@@ -314,8 +322,15 @@ class DcpFactory:
             fs.retries = 2
 
 
-def open_storage(uri: str, endpoint_url: str = "", timeout_seconds: float = 20.0, retries: int = 3) -> Storage:
-    return Storage(uri, StorageOptions(endpoint_url=endpoint_url, timeout_seconds=timeout_seconds, retries=retries))
+def open_storage(
+    uri: str, endpoint_url: str = "", timeout_seconds: float = 20.0, retries: int = 3, direct_io: bool = True
+) -> Storage:
+    return Storage(
+        uri,
+        StorageOptions(
+            endpoint_url=endpoint_url, timeout_seconds=timeout_seconds, retries=retries, direct_io=direct_io
+        ),
+    )
 
 
 class AccessChecks:

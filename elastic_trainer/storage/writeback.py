@@ -44,7 +44,10 @@ sync_file_range = _libc_sync_file_range()
 
 
 def regular_file_descriptor(stream) -> int | None:
-    """``stream``'s descriptor when it writes a regular file, else None (a pipe, an upload stream)."""
+    """``stream``'s descriptor when it writes a regular file through the page cache, else None (a
+    pipe, an upload stream, a file written around the page cache: :mod:`.direct`)."""
+    if getattr(stream, "bypasses_page_cache", False):
+        return None
     try:
         fd = stream.fileno()
         return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None

@@ -1,0 +1,143 @@
+"""Shard files written around the page cache (``storage.direct``): every byte lands, in order, at
+any write pattern; the file is whole whenever its descriptor is handed out for the fsync; a short
+or failed write ends in the disk's own error; a file system without ``O_DIRECT`` is written as
+before; and a DCP checkpoint written this way is the same format torch's own reader reads."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from elastic_trainer.checkpoint import integrity, layout
+from elastic_trainer.config import config_from_dict
+from elastic_trainer.storage import direct, writeback
+from elastic_trainer.storage.fs import Storage, open_storage
+
+pytestmark = pytest.mark.skipif(not direct.O_DIRECT, reason="this OS has no O_DIRECT")
+
+
+@pytest.fixture
+def small_buffers(monkeypatch):
+    """Buffers of 3 alignment blocks, so a few KB cross many buffers and tails."""
+    monkeypatch.setattr(direct, "BUFFER_BYTES", 3 * direct.ALIGN)
+    monkeypatch.setattr(direct, "_POOL", direct._BufferPool())
+
+
+def _payload(n: int) -> bytes:
+    return bytes((i * 7 + i // 251) % 256 for i in range(n))
+
+
+def _open(path) -> direct.DirectFile:
+    f = direct.open_direct(path)
+    if f is None:
+        pytest.skip(f"{path.parent}'s file system does not take O_DIRECT")
+    return f
+
+
+def test_unaligned_writes_across_buffers_land_whole_and_in_order(tmp_path, small_buffers):
+    data = _payload(10 * direct.ALIGN + 123)
+    cuts = [0, 1, 17, 4096, 4097, 9000, 12288, 20000, 30000, 40000, len(data)]
+    path = tmp_path / "a.distcp"
+    with _open(path) as f:
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            assert f.write(memoryview(data)[a:b]) == b - a
+        assert f.tell() == len(data)
+    assert path.read_bytes() == data
+
+
+def test_the_descriptor_is_handed_out_with_every_byte_in_the_file_and_writing_goes_on(tmp_path, small_buffers):
+    """DCP fsyncs ``stream.fileno()`` before it closes the stream: the file holds every byte by
+    then, at its true size. Writing after that rewrites the padded tail block in place."""
+    path = tmp_path / "b.distcp"
+    first, second = _payload(5000), _payload(20000)[::-1]
+    with _open(path) as f:
+        f.write(first)
+        fd = f.fileno()
+        os.fsync(fd)
+        assert path.read_bytes() == first  # not padded: cut back to its size
+        f.write(second)
+        f.fileno()
+        assert path.read_bytes() == first + second
+        f.write(b"z")
+    assert path.read_bytes() == first + second + b"z"
+
+
+def test_a_short_direct_write_is_finished_and_a_failed_one_raises_the_disks_error(tmp_path, monkeypatch, small_buffers):
+    real = os.pwrite
+    calls = {"n": 0}
+
+    def short_once(fd, buf, offset):
+        calls["n"] += 1
+        if calls["n"] == 1:  # a direct write that lands in part (as when the disk fills up)
+            return real(fd, buf[: direct.ALIGN], offset)  # an aligned prefix
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(direct.os, "pwrite", short_once)
+    data = _payload(8 * direct.ALIGN + 5)
+    path = tmp_path / "c.distcp"
+    with _open(path) as f:
+        f.write(data)
+    assert path.read_bytes() == data
+
+    def full(fd, buf, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(direct.os, "pwrite", full)
+    with pytest.raises(OSError) as e, _open(tmp_path / "d.distcp") as f:
+        f.write(data)  # the first full buffer's write fails on the I/O thread ...
+    assert e.value.errno == errno.ENOSPC  # ... and its error reaches the writer (here at the latest on close)
+
+
+def test_a_file_system_without_o_direct_is_written_through_the_page_cache(tmp_path, monkeypatch):
+    real = os.open
+
+    def refuse(path, flags, *a):
+        if flags & direct.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *a)
+
+    monkeypatch.setattr(direct.os, "open", refuse)
+    assert direct.open_direct(tmp_path / "e.distcp") is None
+    fs = direct.DirectFileSystem()
+    with fs.create_stream(tmp_path / "e.distcp", "wb") as s:
+        assert not getattr(s, "bypasses_page_cache", False)
+        assert writeback.regular_file_descriptor(s) is not None  # early writeback, as before
+        s.write(b"abc")
+    assert (tmp_path / "e.distcp").read_bytes() == b"abc"
+
+
+def test_a_checkpoint_written_around_the_page_cache_is_torch_dcp_and_verifies(tmp_path):
+    """Through the manager's writer (checksums as written): torch's own reader reads it back
+    equal, and so does the verifying reader, every item checked."""
+    state = {f"t{i}": torch.randn(700 + 13 * i, 129) for i in range(12)}
+    state["small"] = torch.arange(5)
+    storage = open_storage(str(tmp_path / "root"))
+    path = storage.join("step-1")
+    storage.makedirs(path)
+    writer = integrity.ChecksummedWriter(storage.dcp.writer(path))
+    assert isinstance(writer._inner.fs._inner, direct.DirectFileSystem)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    dcp_to_torch_save(path, tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    table = json.loads((tmp_path / "root" / "step-1" / layout.CHECKSUMS).read_text())["files"]
+    checks = layout.Checks.from_manifest({"files": table})
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(target, storage_reader=integrity.verifying(storage.dcp.reader(path), checks), no_dist=True)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    pickle.loads(pickle.dumps(writer))  # noqa: S301 - our own bytes: a writer process unpickles it so
+
+
+def test_checkpoint_direct_io_false_writes_through_the_page_cache(tmp_path):
+    cfg = config_from_dict({"checkpoint": {"dir": str(tmp_path), "direct_io": False}})
+    w = Storage.for_checkpoint(cfg.checkpoint).dcp.writer(str(tmp_path / "x"))
+    assert not isinstance(w.fs, direct.DirectFileSystem)
+    on = config_from_dict({"checkpoint": {"dir": str(tmp_path)}})
+    assert isinstance(Storage.for_checkpoint(on.checkpoint).dcp.writer(str(tmp_path / "x")).fs, direct.DirectFileSystem)
