@@ -14,7 +14,8 @@ whenever the descriptor is handed out (:meth:`DirectFile.fileno`: the fsync that
 durable) or the file closes, is written padded to the alignment and the file truncated back to
 its true size. The tail stays in its buffer, so writing on after that rewrites the same aligned
 block. A short write (a disk that filled up) is finished through an ordinary descriptor, which
-then raises the real error (ENOSPC, EDQUOT).
+then raises the real error (ENOSPC, EDQUOT); a file system that takes ``O_DIRECT`` at open but
+refuses the writes (EINVAL) gets every write from then on through that descriptor.
 
 :func:`open_direct` returns None where the file system refuses ``O_DIRECT`` (tmpfs, some FUSE
 mounts; other OSes have no such flag): the caller then writes as before, through the page cache.
@@ -110,7 +111,8 @@ class DirectFile(io.RawIOBase):
         super().__init__()
         self._fd = fd
         self._path = path
-        self._plain: int | None = None  # an ordinary descriptor, for the rest of a short write
+        self._plain: int | None = None  # an ordinary descriptor, for the rest of a short or refused write
+        self._refused = False  # a direct write was refused (EINVAL): every write goes through _plain
         self._bufs = [memoryview(_POOL.get()) for _ in range(BUFFERS)]
         self._cur = 0  # the buffer being filled
         self._fill = 0  # bytes in it
@@ -197,10 +199,17 @@ class DirectFile(io.RawIOBase):
         self._tail_written = self._fill
 
     def _pwrite_all(self, buf: memoryview, offset: int) -> None:
-        n = os.pwrite(self._fd, buf, offset)
+        n = 0
+        if not self._refused:
+            try:
+                n = os.pwrite(self._fd, buf, offset)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._refused = True  # it took O_DIRECT at open but refuses the writes: page cache from here
         if n < len(buf):
-            # a short direct write (a disk that filled up): the rest, unaligned, through an
-            # ordinary descriptor, whose write then raises what the disk says (or finishes it)
+            # the rest through an ordinary descriptor: after a refused direct write, or a short one
+            # (a disk that filled up), whose continuation then raises what the disk says
             if self._plain is None:
                 self._plain = os.open(self._path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
             while n < len(buf):

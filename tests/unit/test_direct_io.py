@@ -6,6 +6,7 @@ before; and a DCP checkpoint written this way is the same format torch's own rea
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import pickle
@@ -93,6 +94,27 @@ def test_a_short_direct_write_is_finished_and_a_failed_one_raises_the_disks_erro
     with pytest.raises(OSError) as e, _open(tmp_path / "d.distcp") as f:
         f.write(data)  # the first full buffer's write fails on the I/O thread ...
     assert e.value.errno == errno.ENOSPC  # ... and its error reaches the writer (here at the latest on close)
+
+
+def test_a_file_system_that_refuses_direct_writes_after_open_gets_them_through_the_page_cache(
+    tmp_path, monkeypatch, small_buffers
+):
+    real, refused = os.pwrite, []
+
+    def refuse_direct(fd, buf, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & direct.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(direct.os, "pwrite", refuse_direct)
+    data = _payload(7 * direct.ALIGN + 99)
+    path = tmp_path / "r.distcp"
+    with _open(path) as f:
+        f.write(data)
+        os.fsync(f.fileno())
+    assert refused == [0], "one refusal, then every write through the page cache"
+    assert path.read_bytes() == data
 
 
 def test_a_file_system_without_o_direct_is_written_through_the_page_cache(tmp_path, monkeypatch):
