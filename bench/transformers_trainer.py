@@ -52,6 +52,7 @@ the same round), medians over the rounds.
     python bench/transformers_trainer.py                  # the BENCHMARKS.md configuration (~7-10 min here)
     python bench/transformers_trainer.py --n-embd 384 --n-layer 6    # a small GPT-2: 10.8M parameters
     python bench/transformers_trainer.py --writer process            # ours with checkpoint.writer = "process"
+    python bench/transformers_trainer.py --direct-io false           # ours' shards through the page cache
     python bench/transformers_trainer.py --rounds 5 --json out.json
     python bench/transformers_trainer.py --smoke          # one short round of each, a few steps
                                                           # (~2 min here: six launches): the harness
@@ -185,7 +186,7 @@ def command(variant: str, saves: str, a, work: Path, example: Path, steps: int, 
     # `run` itself would default to runs/<script name>, shared by every launch)
     run_dir = work / "out" / "elastic_trainer"
     sets = [f"run.dir={run_dir}", f"checkpoint.dir={run_dir / 'checkpoints'}", "metrics.port=0"]
-    sets += [f"checkpoint.writer={a.writer}"]
+    sets += [f"checkpoint.writer={a.writer}", f"checkpoint.direct_io={a.direct_io}"]
     # the zygote imports what `run examples/transformers_clm.py` would have it import (the example's
     # top-level imports): the script `run` starts here is this wrapper, whose imports are not those
     preload = [f"--preload={m}" for m in script_imports(str(example))]
@@ -483,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-layer", type=int, default=2, help="the example's --n-layer")
     ap.add_argument("--n-embd", type=int, help="the GPT-2's width (default: the example's, 32)")
     ap.add_argument("--writer", choices=["thread", "process"], default="thread", help="ours: checkpoint.writer")
+    ap.add_argument("--direct-io", choices=["true", "false"], default="true", help="ours: checkpoint.direct_io")
     ap.add_argument("--json", help="write every launch's figures here too")
     ap.add_argument("--smoke", action="store_true", help="one short round of each, a few steps: the harness works")
     a = ap.parse_args(argv)
