@@ -10,6 +10,12 @@ the checkpoint unchanged) and then writes ``.checksums.json``: per file its size
 (offset, length, xxh3) of every item.
 The commit (``catalog``) turns that table into the manifest.
 
+Where torch's writer would write each rank's items into one file on one thread (what
+``Storage.dcp.writer`` builds), :class:`ChecksummedWriter` writes that file itself, byte for byte
+the file torch's loop writes, but each tensor's ``torch.save`` archive comes from the bytes kept
+for its dtype and shape around the tensor's own (:class:`_TensorArchives`): no pickler per tensor
+on the interpreter lock the training thread shares.
+
 Reading verifies every byte it reads: ``.metadata`` is checked against the manifest *before* it
 is unpickled, and every item slice DCP reads is checked before ``torch.load`` sees it.
 
@@ -27,7 +33,11 @@ torch changes them): ``torch.distributed.checkpoint._fsspec_filesystem.FsspecWri
 ``torch.distributed._shard.sharded_tensor.ShardedTensor`` (the raw copier flattens a state as
 DCP's planner does), the readers' ``_slice_file`` /
 ``_get_metadata_path`` methods and ``storage_data`` attribute, the writers' ``fs`` and ``path``
-attributes and the one-segment-per-item ``tell()`` pattern of ``_write_item``.
+attributes and the one-segment-per-item ``tell()`` pattern of ``_write_item``; for the writer's
+own file per rank: ``filesystem.DEFAULT_SUFFIX``, ``SerializationFormat``, the plan's
+``_StoragePrefix`` (``plan.storage_data.prefix``), the writers' ``single_file_per_rank``,
+``thread_count``, ``sync_files`` and ``transforms`` attributes, and torch.save's archive layout
+(one stored ``data/`` record per plain tensor).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import os
 import pickle
 import threading
 import time
+import zipfile
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -52,7 +63,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, SerializationFormat, _StorageInfo
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -174,6 +185,92 @@ class _HashingFS:
             return self.records.get(name)
 
 
+class _TensorArchives:
+    """``torch.save(tensor, stream)``'s bytes without its per-call Python (~0.1 ms a tensor: the
+    pickler, its persistent ids, the zip records; most of a save of many small tensors, and all of
+    it on the interpreter lock the training thread waits for). With torch.save's zip CRC32s off
+    (as this module writes), a plain tensor's archive is the same bytes before its storage and
+    after it for every tensor of one dtype and shape: the pickle, the records' headers, the
+    alignment padding and the serialisation id depend on those and the sizes only. The first
+    tensor of each kind is saved by ``torch.save`` itself, and the bytes around its storage are
+    kept if its storage's bytes are found exactly where the archive's data record says; every
+    later tensor of that kind is written as those bytes, its own storage's, and the rest. Anything
+    else (a tensor subclass, a view, a sparse, quantised or conjugate tensor, one whose archive
+    did not split) goes through ``torch.save``. ``tests/unit/test_integrity.py`` compares the bytes
+    with torch.save's for every dtype, so a torch whose archive changes fails there, loudly."""
+
+    _KEPT = 4096  # kinds kept (a model has a few hundred); past it, all are forgotten
+
+    def __init__(self):
+        self._parts: dict[tuple, tuple[bytes, bytes] | None] = {}
+
+    @staticmethod
+    def _kind(t: torch.Tensor) -> tuple | None:
+        if (
+            type(t) is not torch.Tensor
+            or t.layout != torch.strided
+            or t.device.type != "cpu"
+            or t.is_quantized
+            or t.is_conj()
+            or t.is_neg()
+            or t.requires_grad
+            or not t.is_contiguous()
+            or t.storage_offset() != 0
+            or t.nbytes == 0
+            or t.untyped_storage().nbytes() != t.nbytes
+        ):
+            return None
+        return (t.dtype, tuple(t.shape))
+
+    def write(self, t: torch.Tensor, stream) -> None:
+        kind = self._kind(t)
+        parts = self._parts.get(kind) if kind is not None else None
+        if parts is None:
+            if kind is None or kind in self._parts:  # not a plain tensor, or its archive did not split
+                torch.save(t, stream)
+                return
+            parts = self._learn(kind, t)
+            if parts is None:
+                torch.save(t, stream)
+                return
+        stream.write(parts[0])
+        stream.write(_raw_bytes(t))
+        stream.write(parts[1])
+
+    def _learn(self, kind: tuple, t: torch.Tensor) -> tuple[bytes, bytes] | None:
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        raw = buf.getbuffer()
+        parts = _split_archive(raw, _raw_bytes(t))
+        if len(self._parts) >= self._KEPT:
+            self._parts.clear()
+        self._parts[kind] = parts
+        return parts
+
+
+def _split_archive(raw: memoryview, data: memoryview) -> tuple[bytes, bytes] | None:
+    """The bytes of ``torch.save``'s archive ``raw`` before and after its one storage record, if
+    that record holds exactly ``data``; else None."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+            records = [i for i in z.infolist() if "/data/" in i.filename and not i.filename.endswith("/")]
+    except (zipfile.BadZipFile, ValueError):
+        return None
+    if len(records) != 1 or records[0].file_size != len(data) or records[0].compress_type != zipfile.ZIP_STORED:
+        return None
+    at = records[0].header_offset
+    header = bytes(raw[at : at + 30])
+    if header[:4] != b"PK\x03\x04":
+        return None
+    start = at + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    if raw[start : start + len(data)] != data:
+        return None
+    return bytes(raw[:start]), bytes(raw[start + len(data) :])
+
+
+_ARCHIVES = _TensorArchives()  # process-wide: a writer is made per save, the kinds stay
+
+
 @dataclasses.dataclass
 class _Checked:
     """A write result's storage info with the item's checksum, on its way to the coordinator."""
@@ -237,7 +334,10 @@ class ChecksummedWriter(StorageWriter):
         previous = torch.serialization.get_crc32_options()
         torch.serialization.set_crc32_options(False)
         try:
-            results = self._inner.write_data(plan, planner).wait()
+            if self._one_file_per_rank():
+                results = self._write_rank_file(plan, planner)
+            else:
+                results = self._inner.write_data(plan, planner).wait()
         finally:
             torch.serialization.set_crc32_options(previous)
         out = []
@@ -262,6 +362,44 @@ class ChecksummedWriter(StorageWriter):
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(out)
         return fut
+
+    def _one_file_per_rank(self) -> bool:
+        """Whether the inner writer writes each rank's items into one file on one thread, in
+        torch.save's encoding, without extensions: then :meth:`_write_rank_file` writes it."""
+        inner = self._inner
+        return (
+            inner.single_file_per_rank
+            and inner.thread_count == 1
+            and getattr(inner, "serialization_format", SerializationFormat.TORCH_SAVE) is SerializationFormat.TORCH_SAVE
+            and not getattr(getattr(inner, "transforms", None), "extensions", ())
+        )
+
+    def _write_rank_file(self, plan, planner) -> list[WriteResult]:
+        """What torch's ``FileSystemWriter.write_data`` writes for one file per rank on one thread
+        (its ``_write_files_from_queue``): the file ``<prefix>0.distcp``, byte items first, then
+        the tensors, each as its ``torch.save`` archive (:class:`_TensorArchives`), fsynced when
+        the writer syncs files. Byte for byte the same file (tests/unit/test_integrity.py)."""
+        inner = self._inner
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results = []
+        with inner.fs.create_stream(inner.fs.concat_path(inner.path, name), "wb") as stream:
+            for wi in sorted(plan.items, key=lambda wi: wi.type != WriteItemType.BYTE_IO):  # stable: plan order
+                data = planner.resolve_data(wi)
+                offset = stream.tell()
+                if wi.type == WriteItemType.BYTE_IO:
+                    stream.write(data.getbuffer())
+                else:
+                    t = data.detach().cpu()
+                    if t.untyped_storage().size() != t.nbytes:  # as torch's loader: a view saves its own bytes only
+                        t = t.clone()
+                    _ARCHIVES.write(t, stream)
+                length = stream.tell() - offset
+                results.append(
+                    WriteResult(index=wi.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+                )
+            if inner.sync_files:
+                os.fsync(stream.fileno())
+        return results
 
     def finish(self, metadata, results) -> None:
         files: dict[str, dict[str, Any]] = {}

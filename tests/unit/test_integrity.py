@@ -10,6 +10,7 @@ last tests fail loudly when torch changes the private APIs integrity.py relies o
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import os
 import pickle
@@ -638,3 +639,80 @@ def test_a_copy_written_in_short_writes_is_whole(tmp_path, monkeypatch):
         os.close(fd)
     assert path.read_bytes() == b"".join(bytes(b) for b in bufs)
     assert len(calls) > len(bufs)  # every call wrote only part of what it was given
+
+
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
+
+
+def _random(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 50
+    return torch.complex(x, -x).to(dtype) if dtype.is_complex else x.to(dtype)
+
+
+def test_a_tensor_archive_written_without_torch_save_is_torch_saves_bytes(monkeypatch):
+    """For every dtype and rank: the first tensor of a kind goes through torch.save, every later
+    one is written from the kept bytes around its storage, and both are byte for byte what
+    ``torch.save`` writes (CRC32s off, as the writer saves). Fails when torch's archive changes."""
+    real, calls = torch.save, []
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        archives = integrity._TensorArchives()
+        for dtype in _DTYPES:
+            for shape in [(), (7,), (5, 3), (2, 3, 4)]:
+                for seed in (1, 2):  # the first learns the kind, the second is written from it
+                    t = _random(dtype, shape, seed)
+                    ours, theirs = io.BytesIO(), io.BytesIO()
+                    calls.clear()
+                    archives.write(t, ours)
+                    assert len(calls) == (1 if seed == 1 else 0), (dtype, shape, seed)
+                    real(t, theirs)
+                    assert ours.getvalue() == theirs.getvalue(), (dtype, shape, seed)
+                    assert torch.equal(torch.load(io.BytesIO(ours.getvalue()), weights_only=True), t)
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
+def test_the_writers_own_file_per_rank_is_the_file_dcp_writes(tmp_path):
+    """The checksummed writer writes a rank's file itself (one file, one thread): byte for byte
+    the file torch's ``FileSystemWriter`` writes for the same plan, with views, a transposed
+    tensor, an empty one, a scalar and pickled objects among the items, at a first save and at
+    one whose tensor kinds are all known."""
+    g = torch.Generator().manual_seed(11)
+    state = {
+        "m": {f"w{i}": torch.randn(9 + i, 5, generator=g) for i in range(12)},
+        "view": torch.randn(100, generator=g)[10:30],
+        "t": torch.randn(6, 4, generator=g).t(),
+        "empty": torch.empty(0),
+        "scalar": torch.tensor(2.5),
+        "half": torch.randn(8, generator=g).to(torch.bfloat16),
+        "obj": {"step": 3, "names": ["a", "b"]},
+    }
+
+    class DcpLoop(integrity.ChecksummedWriter):
+        def _one_file_per_rank(self) -> bool:
+            return False
+
+    files = {}
+    for name, cls in (
+        ("dcp", DcpLoop),
+        ("ours-first", integrity.ChecksummedWriter),
+        ("ours", integrity.ChecksummedWriter),
+    ):
+        dcp.save(state, storage_writer=cls(FileSystemWriter(str(tmp_path / name))), no_dist=True)
+        files[name] = (tmp_path / name / "__0_0.distcp").read_bytes()
+        assert _table(tmp_path / name)["__0_0.distcp"]["xxh3"] == xxhash.xxh3_64_intdigest(files[name])
+    assert files["ours-first"] == files["dcp"] and files["ours"] == files["dcp"]
