@@ -190,12 +190,12 @@ class _TensorArchives:
     pickler, its persistent ids, the zip records; most of a save of many small tensors, and all of
     it on the interpreter lock the training thread waits for). With torch.save's zip CRC32s off
     (as this module writes), a plain tensor's archive is the same bytes before its storage and
-    after it for every tensor of one dtype and shape: the pickle, the records' headers, the
-    alignment padding and the serialisation id depend on those and the sizes only. The first
-    tensor of each kind is saved by ``torch.save`` itself, and the bytes around its storage are
-    kept if its storage's bytes are found exactly where the archive's data record says; every
-    later tensor of that kind is written as those bytes, its own storage's, and the rest. Anything
-    else (a tensor subclass, a view, a sparse, quantised or conjugate tensor, one whose archive
+    after it for every tensor of one kind (dtype, shape and stride): the pickle, the records'
+    headers, the alignment padding and the serialisation id depend on those and the sizes only.
+    The first tensor of each kind is saved by ``torch.save`` itself, and the bytes around its
+    storage are kept if its storage's bytes are found exactly where the archive's data record
+    says; every later tensor of that kind is written as those bytes, its own storage's, and the
+    rest. Anything else (a tensor subclass, a view, a sparse, quantised or conjugate tensor, one whose archive
     did not split) goes through ``torch.save``. ``tests/unit/test_integrity.py`` compares the bytes
     with torch.save's for every dtype, so a torch whose archive changes fails there, loudly."""
 
@@ -220,7 +220,7 @@ class _TensorArchives:
             or t.untyped_storage().nbytes() != t.nbytes
         ):
             return None
-        return (t.dtype, tuple(t.shape))
+        return (t.dtype, tuple(t.shape), t.stride())  # the stride too: a size-1 dim's may differ
 
     def write(self, t: torch.Tensor, stream) -> None:
         kind = self._kind(t)

@@ -682,6 +682,12 @@ def test_a_tensor_archive_written_without_torch_save_is_torch_saves_bytes(monkey
                     real(t, theirs)
                     assert ours.getvalue() == theirs.getvalue(), (dtype, shape, seed)
                     assert torch.equal(torch.load(io.BytesIO(ours.getvalue()), weights_only=True), t)
+        # contiguous both, one kind each: a size-1 dimension's stride is the tensor's own
+        for t in (torch.randn(1, 5), torch.randn(5, 1).t()):
+            ours, theirs = io.BytesIO(), io.BytesIO()
+            archives.write(t, ours)
+            real(t, theirs)
+            assert ours.getvalue() == theirs.getvalue() and t.is_contiguous(), t.stride()
     finally:
         torch.serialization.set_crc32_options(previous)
 
