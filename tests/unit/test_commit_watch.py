@@ -108,7 +108,15 @@ def test_the_reader_sees_the_newest_commit_in_real_storage_by_listing_alone(tmp_
 class _Cfg:
     def __init__(self, root: str):
         self.checkpoint = type(
-            "C", (), {"dir": root, "s3_endpoint_url": "", "storage_timeout_seconds": 10.0, "storage_retries": 1}
+            "C",
+            (),
+            {
+                "dir": root,
+                "s3_endpoint_url": "",
+                "storage_timeout_seconds": 10.0,
+                "storage_retries": 1,
+                "direct_io": True,
+            },
         )()
 
 
