@@ -32,7 +32,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
 
 ALIGN = 4096  # every direct write's offset and length (a multiple of any device's logical block)
 BUFFER_BYTES = 8 << 20  # each buffer: 8 MiB (a full one is one write)
@@ -92,7 +92,7 @@ class DirectFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str):
-        f = open_direct(path) if mode == "wb" and os.fspath(path).endswith(".distcp") else None
+        f = open_direct(path) if mode == "wb" and os.fspath(path).endswith(DEFAULT_SUFFIX) else None
         if f is None:
             with super().create_stream(path, mode) as stream:
                 yield stream
