@@ -9,6 +9,8 @@
 #
 #   ELASTIC_TRAINER_COMPAT_TORCH    the torch requirement or wheel file (default torch==2.11.0)
 #   ELASTIC_TRAINER_COMPAT_VENV     the virtualenv (default .venv-torch211; kept between runs)
+#   ELASTIC_TRAINER_COMPAT_MIN_FREE_GIB  free disk below which a venv without torch is not set up
+#                                   and the job is skipped, saying so (default 11)
 #
 # PyPI's Linux torch wheels are CUDA builds, and their libtorch links cuDNN, cuBLAS, NCCL, ...
 # at import, so torch's NVIDIA dependencies are installed too (no GPU is used); with
@@ -19,10 +21,33 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 TORCH="${ELASTIC_TRAINER_COMPAT_TORCH:-torch==2.11.0}"
 VENV="${ELASTIC_TRAINER_COMPAT_VENV:-.venv-torch211}"
+NEED_GIB="${ELASTIC_TRAINER_COMPAT_MIN_FREE_GIB:-11}"
 start=$(date +%s)
+skip() {  # skip REASON: the job cannot run on this machine's disk; say so and free what it took
+  rm -rf "$VENV"
+  echo "compat: SKIPPED, the compatibility job did not run: $1" >&2
+  exit 0
+}
+free_gib() { df -Pk "$(dirname "$VENV")" | awk 'NR == 2 { printf "%d", $4 / 1048576 }'; }
+# A CUDA build of torch with its NVIDIA libraries takes ~6 GiB installed, plus ~3.5 GiB of wheels
+# while pip installs them: a machine without that much free disk skips the job, saying so, rather
+# than failing the run half-way through pip (a venv that already has torch needs nothing more).
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch" 2> /dev/null; then
+  have="$(free_gib)"
+  if [ "$have" -lt "$NEED_GIB" ]; then
+    skip "$have GiB free where $VENV goes, installing $TORCH needs about $NEED_GIB GiB (ELASTIC_TRAINER_COMPAT_MIN_FREE_GIB)"
+  fi
+fi
 # scripts/setup.sh into another venv: the torch asked for, then the project with its test extras
 # (the torch just installed satisfies torch>=2.11 and is kept); no system components (test.sh's).
-ELASTIC_TRAINER_VENV="$VENV" ELASTIC_TRAINER_TORCH="$TORCH" ELASTIC_TRAINER_SYSTEM_DEPS=0 bash scripts/setup.sh
+# No pip cache: the wheels are installed once, and a cached copy would double their disk.
+if ! PIP_NO_CACHE_DIR=1 ELASTIC_TRAINER_VENV="$VENV" ELASTIC_TRAINER_TORCH="$TORCH" \
+    ELASTIC_TRAINER_SYSTEM_DEPS=0 bash scripts/setup.sh; then
+  if grep -q "No space left on device" "$VENV/setup.log" 2> /dev/null; then
+    skip "the disk filled up while installing $TORCH (pip's last lines above)"
+  fi
+  exit 1
+fi
 echo "compat: $VENV set up in $(( $(date +%s) - start )) s"
 want="$("$VENV/bin/python" -c "import sys; t=sys.argv[1]; print(t.split('==')[1] if '==' in t else '')" "$TORCH")"
 "$VENV/bin/python" - "$want" <<'EOF'
