@@ -47,6 +47,7 @@ import dataclasses
 import errno
 import io
 import json
+import math
 import os
 import pickle
 import threading
@@ -68,6 +69,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
+from torch.utils.serialization import config as serialization_config
 
 from ..errors import CheckpointIntegrityError
 from ..heap import collector_paused
@@ -190,9 +192,10 @@ class _TensorArchives:
     pickler, its persistent ids, the zip records; most of a save of many small tensors, and all of
     it on the interpreter lock the training thread waits for). With torch.save's zip CRC32s off
     (as this module writes), a plain tensor's archive is the same bytes before its storage and
-    after it for every tensor of one kind (dtype, shape and stride): the pickle, the records'
+    after it for every tensor of one kind (dtype, shape, stride, and torch.save's storage
+    alignment): the pickle, the records'
     headers, the alignment padding and the serialisation id depend on those and the sizes only.
-    The first tensor of each kind is saved by ``torch.save`` itself, and the bytes around its
+    The first tensor of each kind (up to 16 MiB) is saved by ``torch.save`` itself, and the bytes around its
     storage are kept if its storage's bytes are found exactly where the archive's data record
     says; every later tensor of that kind is written as those bytes, its own storage's, and the
     rest. Anything else (a tensor subclass, a view, a sparse, quantised or conjugate tensor, one whose archive
@@ -200,6 +203,9 @@ class _TensorArchives:
     with torch.save's for every dtype, so a torch whose archive changes fails there, loudly."""
 
     _KEPT = 4096  # kinds kept (a model has a few hundred); past it, all are forgotten
+    # Larger tensors are not learned: torch.save's per-call cost is small next to their bytes, and
+    # learning holds the first one's whole archive in memory (twice, while it is split).
+    _LEARN_MAX_BYTES = 16 << 20
 
     def __init__(self):
         self._parts: dict[tuple, tuple[bytes, bytes] | None] = {}
@@ -218,15 +224,18 @@ class _TensorArchives:
             or t.storage_offset() != 0
             or t.nbytes == 0
             or t.untyped_storage().nbytes() != t.nbytes
+            or torch.serialization.get_crc32_options()  # a CRC32 of the data in the archive's records
         ):
             return None
-        return (t.dtype, tuple(t.shape), t.stride())  # the stride too: a size-1 dim's may differ
+        # the stride too (a size-1 dim's may differ), and torch.save's alignment of a storage record
+        return (t.dtype, tuple(t.shape), t.stride(), serialization_config.save.storage_alignment)
 
     def write(self, t: torch.Tensor, stream) -> None:
         kind = self._kind(t)
         parts = self._parts.get(kind) if kind is not None else None
         if parts is None:
-            if kind is None or kind in self._parts:  # not a plain tensor, or its archive did not split
+            if kind is None or kind in self._parts or t.nbytes > self._LEARN_MAX_BYTES:
+                # not a plain tensor, its archive did not split, or too large to learn from
                 torch.save(t, stream)
                 return
             parts = self._learn(kind, t)
@@ -368,7 +377,8 @@ class ChecksummedWriter(StorageWriter):
         torch.save's encoding, without extensions: then :meth:`_write_rank_file` writes it."""
         inner = self._inner
         return (
-            inner.single_file_per_rank
+            (torch.cuda.is_available() or not torch.accelerator.is_available())  # see _items_in_order
+            and inner.single_file_per_rank
             and inner.thread_count == 1
             and getattr(inner, "serialization_format", SerializationFormat.TORCH_SAVE) is SerializationFormat.TORCH_SAVE
             and not getattr(getattr(inner, "transforms", None), "extensions", ())
@@ -383,7 +393,7 @@ class ChecksummedWriter(StorageWriter):
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         results = []
         with inner.fs.create_stream(inner.fs.concat_path(inner.path, name), "wb") as stream:
-            for wi in sorted(plan.items, key=lambda wi: wi.type != WriteItemType.BYTE_IO):  # stable: plan order
+            for wi in self._items_in_order(plan.items):
                 data = planner.resolve_data(wi)
                 offset = stream.tell()
                 if wi.type == WriteItemType.BYTE_IO:
@@ -398,8 +408,21 @@ class ChecksummedWriter(StorageWriter):
                     WriteResult(index=wi.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
                 )
             if inner.sync_files:
-                os.fsync(stream.fileno())
+                try:
+                    os.fsync(stream.fileno())
+                except (AttributeError, io.UnsupportedOperation):  # as torch's writer: a stream without one
+                    os.sync()
         return results
+
+    def _items_in_order(self, items: list) -> list:
+        """The order torch's writer writes a rank's items in: the byte items, then the tensors, in
+        the plan's order, or by size (smallest first, stably) where it loads them through its
+        overlapping device loader (on a host with CUDA, copying ahead); other accelerators' hosts
+        are left to torch's writer (:meth:`_one_file_per_rank`)."""
+        tensors = [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
+        if torch.cuda.is_available() and self._inner.per_thread_copy_ahead > 0:
+            tensors.sort(key=lambda wi: math.prod(wi.tensor_data.size) * wi.tensor_data.properties.dtype.itemsize)
+        return [wi for wi in items if wi.type == WriteItemType.BYTE_IO] + tensors
 
     def finish(self, metadata, results) -> None:
         files: dict[str, dict[str, Any]] = {}

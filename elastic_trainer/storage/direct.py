@@ -61,7 +61,10 @@ class _BufferPool:
             if len(self._free) < self._keep:
                 self._free.append(buf)
                 return
-        buf.close()
+        try:
+            buf.close()
+        except BufferError:  # a view of it still held somewhere: the collector unmaps it with the view
+            pass
 
 
 _POOL = _BufferPool()
@@ -162,19 +165,21 @@ class DirectFile(io.RawIOBase):
         try:
             self._write_tail()
         finally:
-            self._io.shutdown(wait=True)
-            for b in self._bufs:
-                m = b.obj  # the mmap the view was made of
-                try:
-                    b.release()
-                except BufferError:  # a slice of it still referenced (by an error's traceback): not reused
-                    continue
-                _POOL.put(m)  # type: ignore[arg-type]
-            self._bufs = []
-            os.close(self._fd)
-            if self._plain is not None:
-                os.close(self._plain)
-            super().close()
+            try:
+                self._io.shutdown(wait=True)
+                for b in self._bufs:
+                    m = b.obj  # the mmap the view was made of
+                    try:
+                        b.release()
+                    except BufferError:  # still exported: not reused
+                        continue
+                    _POOL.put(m)  # type: ignore[arg-type]
+                self._bufs = []
+            finally:  # the descriptors are closed whatever happened above, and the write's own error raised
+                os.close(self._fd)
+                if self._plain is not None:
+                    os.close(self._plain)
+                super().close()
 
     # ------------------------------------------------------------------------- the writes
     def _hand_off(self) -> None:
@@ -201,7 +206,8 @@ class DirectFile(io.RawIOBase):
         padded = _padded(self._fill)
         buf = self._bufs[self._cur]
         buf[self._fill : padded] = bytes(padded - self._fill)
-        self._pwrite_all(buf[:padded], self._offset)
+        with buf[:padded] as part:  # released on the way out, also when the write raises
+            self._pwrite_all(part, self._offset)
         os.ftruncate(self._fd, self._size)
         self._tail_written = self._fill
 
@@ -220,7 +226,8 @@ class DirectFile(io.RawIOBase):
             if self._plain is None:
                 self._plain = os.open(self._path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
             while n < len(buf):
-                k = os.pwrite(self._plain, buf[n:], offset + n)
+                with buf[n:] as rest:  # no slice of a pooled buffer outlives the call, not even in a traceback
+                    k = os.pwrite(self._plain, rest, offset + n)
                 if k <= 0:
                     raise OSError(errno.EIO, "write accepted no bytes", self._path)
                 n += k

@@ -96,6 +96,28 @@ def test_a_short_direct_write_is_finished_and_a_failed_one_raises_the_disks_erro
     assert e.value.errno == errno.ENOSPC  # ... and its error reaches the writer (here at the latest on close)
 
 
+def test_a_failed_tail_write_raises_the_disks_error_and_closes_the_descriptor_with_the_pool_full(
+    tmp_path, monkeypatch, small_buffers
+):
+    """The error's traceback holds no slice of a buffer: the pool, already full, unmaps it, and the
+    file's descriptor is closed, whatever the write raised."""
+    done = [_open(tmp_path / f"{i}.distcp") for i in range(2)]
+    f = _open(tmp_path / "tail.distcp")
+    for g in done:
+        g.close()  # the pool now keeps all it will keep
+    f.write(_payload(100))
+
+    def full(fd, buf, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(direct.os, "pwrite", full)
+    fd = f._fd
+    with pytest.raises(OSError) as e:
+        f.close()
+    assert e.value.errno == errno.ENOSPC and e.value.__context__ is None
+    assert f.closed and not os.path.exists(f"/proc/self/fd/{fd}")
+
+
 def test_a_file_system_that_refuses_direct_writes_after_open_gets_them_through_the_page_cache(
     tmp_path, monkeypatch, small_buffers
 ):

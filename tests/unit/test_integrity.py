@@ -23,6 +23,7 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.utils.serialization import config as serialization_config
 
 from elastic_trainer.checkpoint import integrity, layout
 from elastic_trainer.errors import CheckpointIntegrityError
@@ -692,11 +693,76 @@ def test_a_tensor_archive_written_without_torch_save_is_torch_saves_bytes(monkey
         torch.serialization.set_crc32_options(previous)
 
 
-def test_the_writers_own_file_per_rank_is_the_file_dcp_writes(tmp_path):
+def test_torch_saves_settings_are_part_of_a_kind_and_large_tensors_are_not_learned(monkeypatch):
+    """A kind learned under one storage alignment is not reused under another (the archive
+    differs), and with CRC32s on every tensor goes through torch.save (its records carry its
+    data's); a tensor above the learning bound goes straight into the stream, never into an
+    archive held in memory."""
+    real, streams = torch.save, []
+    monkeypatch.setattr(torch, "save", lambda t, f, **k: (streams.append(f), real(t, f, **k))[1])
+    cfg = serialization_config.save
+    previous = torch.serialization.get_crc32_options(), cfg.storage_alignment
+    archives = integrity._TensorArchives()
+    try:
+        for crc, alignment in [(False, 64), (False, 4096), (True, 4096), (False, 64)]:
+            torch.serialization.set_crc32_options(crc)
+            cfg.storage_alignment = alignment
+            for seed in (1, 2):
+                t = torch.randn(33, generator=torch.Generator().manual_seed(seed))
+                ours, theirs = io.BytesIO(), io.BytesIO()
+                archives.write(t, ours)
+                real(t, theirs)
+                assert ours.getvalue() == theirs.getvalue(), (crc, alignment, seed)
+        monkeypatch.setattr(integrity._TensorArchives, "_LEARN_MAX_BYTES", 1024)
+        for seed in (1, 2):
+            streams.clear()
+            big, out = torch.randn(257, generator=torch.Generator().manual_seed(seed)), io.BytesIO()
+            archives.write(big, out)
+            assert streams == [out]  # torch.save into the file itself, each time
+        assert not any(k[1] == (257,) for k in archives._parts)
+        assert not any(k[1] == (33,) and k[3] == 4096 for k in list(archives._parts)[2:])  # nothing with CRC32s on
+    finally:
+        torch.serialization.set_crc32_options(previous[0])
+        cfg.storage_alignment = previous[1]
+
+
+def _a_cuda_host(monkeypatch) -> None:
+    """What torch's writer sees on a host with CUDA (it then loads tensors through its overlapping
+    device loader, ordered by size), on this CPU-only one: a stand-in device module and stream."""
+    import contextlib
+
+    import torch.distributed.checkpoint.filesystem as fsmod
+
+    class Stream:
+        device_type = "cuda"
+
+        def synchronize(self) -> None: ...
+
+        def wait_stream(self, other) -> None: ...
+
+    class Module:
+        stream_ = Stream()
+
+        def current_stream(self):
+            return self.stream_
+
+        def stream(self, s):
+            return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fsmod, "_get_available_device_type", lambda: "cuda")
+    monkeypatch.setattr(fsmod, "_get_device_module", lambda t: Module())
+
+
+@pytest.mark.parametrize("host", ["cpu", "cuda"])
+def test_the_writers_own_file_per_rank_is_the_file_dcp_writes(tmp_path, monkeypatch, host):
     """The checksummed writer writes a rank's file itself (one file, one thread): byte for byte
     the file torch's ``FileSystemWriter`` writes for the same plan, with views, a transposed
     tensor, an empty one, a scalar and pickled objects among the items, at a first save and at
-    one whose tensor kinds are all known."""
+    one whose tensor kinds are all known; on a host with CUDA too, where torch's writer orders
+    the tensors by size."""
+    if host == "cuda":
+        _a_cuda_host(monkeypatch)
     g = torch.Generator().manual_seed(11)
     state = {
         "m": {f"w{i}": torch.randn(9 + i, 5, generator=g) for i in range(12)},
