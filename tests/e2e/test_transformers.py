@@ -27,6 +27,7 @@ from elastic_trainer.checkpoint.catalog import Catalog
 from elastic_trainer.checkpoint.tools import load_model_weights
 from elastic_trainer.storage.fs import open_storage
 from tests import runs
+from tests.fixtures.procs import free_port
 
 SCRIPT = str(runs.REPO / "tests" / "e2e" / "run_scripts" / "transformers_logged.py")
 STEPS = 9
@@ -196,3 +197,27 @@ def test_a_changed_model_exits_2_naming_the_key_and_trains_nothing(tmp, with_dro
     assert "transformer.h.2" in _log(run_dir)
     assert runs.read_events(run_dir, "step") == []
     assert _valid_commits(ckpt) == [6, 9]
+
+
+def test_the_example_runs_under_python_torchrun_and_accelerate_launch_each_resuming_the_last(tmp):
+    """The example itself under each plain launcher on one ``output_dir``: ``python`` (a world of
+    one) commits step 3, ``torchrun`` (2 processes) resumes it and commits 6, ``accelerate
+    launch`` (2) resumes 6 and ends at 9; each launch's first step is the one after its resume."""
+    out = tmp / "launchers-out"
+    example = str(runs.REPO / "examples" / "transformers_clm.py")
+    common = ["--train-files", str(tmp / "corpus.txt"), "--output-dir", str(out), "--save-steps", "3"]
+    launchers = [
+        [sys.executable],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())],
+        [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu"]
+        + ["--main_process_port", str(free_port())],
+    ]
+    run_dir = out / "elastic_trainer"
+    for i, launcher in enumerate(launchers):
+        steps = 3 * (i + 1)
+        r = runs.run_cli([*launcher, example, *common, "--steps", str(steps)], runs.env_for_tests(), 240)
+        assert r.returncode == 0, r.stderr[-4000:]
+        assert _valid_commits(run_dir / "checkpoints")[-1] == steps
+    resumes = runs.read_events(run_dir, "resume")
+    assert [(e["step"], e["from_world_size"], e["world_size"]) for e in resumes] == [(3, 1, 2), (6, 2, 2)]
+    assert sorted(runs.step_losses(run_dir)) == list(range(1, 10))
