@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv in the repo root and install everything: torch first, then the project with its
-# extras (default test,hf,lightning,accelerate,transformers: the tests also train a tiny
-# transformers Llama, a Lightning module, an Accelerate loop and a Transformers Trainer), then,
+# extras (default test,hf,lightning,accelerate,transformers,trl: the tests also train a tiny
+# transformers Llama, a Lightning module, an Accelerate loop, a Transformers Trainer and TRL's SFTTrainer), then,
 # when running as root, the system components the tests start (Prometheus, SLURM, kustomize,
 # hadolint).
 # ELASTIC_TRAINER_VENV names another virtualenv (default .venv). Idempotent. pip's output goes to
@@ -19,7 +19,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-EXTRAS="${ELASTIC_TRAINER_EXTRAS:-test,hf,lightning,accelerate,transformers}"
+EXTRAS="${ELASTIC_TRAINER_EXTRAS:-test,hf,lightning,accelerate,transformers,trl}"
 PY="${PYTHON:-python3}"
 TORCH="${ELASTIC_TRAINER_TORCH:-torch==2.13.0}"
 TORCH_INDEX="${ELASTIC_TRAINER_TORCH_INDEX_URL:-}"
