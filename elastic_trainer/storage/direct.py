@@ -56,6 +56,10 @@ class _BufferPool:
         # anonymous (page-aligned) and private: a child forked later never writes into ours
         return mmap.mmap(-1, BUFFER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
+    def after_fork(self) -> None:
+        """In a forked child: a lock another thread of the parent held stays held there."""
+        self._lock = threading.Lock()
+
     def put(self, buf: mmap.mmap) -> None:
         with self._lock:
             if len(self._free) < self._keep:
@@ -68,6 +72,8 @@ class _BufferPool:
 
 
 _POOL = _BufferPool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _POOL.after_fork())  # the pool the child sees then
 
 
 def open_direct(path: str | os.PathLike) -> DirectFile | None:
@@ -134,6 +140,8 @@ class DirectFile(io.RawIOBase):
         return True
 
     def write(self, b) -> int:
+        if self.closed:
+            raise ValueError(f"write to closed file {self._path}")
         view = memoryview(b).cast("B")
         done = 0
         while done < len(view):

@@ -10,6 +10,8 @@ import fcntl
 import json
 import os
 import pickle
+import signal
+import time
 
 import pytest
 import torch
@@ -116,6 +118,32 @@ def test_a_failed_tail_write_raises_the_disks_error_and_closes_the_descriptor_wi
         f.close()
     assert e.value.errno == errno.ENOSPC and e.value.__context__ is None
     assert f.closed and not os.path.exists(f"/proc/self/fd/{fd}")
+
+
+def test_a_child_forked_while_the_pool_is_locked_writes_and_a_closed_file_refuses_writes(tmp_path, small_buffers):
+    """The buffer pool's lock, held by another thread of the parent at the fork, is not held in the
+    child; a write after close raises ValueError, as a file object's does."""
+    with direct._POOL._lock:
+        pid = os.fork()
+        if pid == 0:  # the child: write a file through the pool, then leave without cleanup
+            try:
+                with _open(tmp_path / "child.distcp") as f:
+                    f.write(_payload(5000))
+            finally:
+                os._exit(0)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child did not finish writing in 30 s (the pool's lock stayed held)")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert (tmp_path / "child.distcp").read_bytes() == _payload(5000)
+    f = _open(tmp_path / "closed.distcp")
+    f.close()
+    with pytest.raises(ValueError):
+        f.write(b"x")
 
 
 def test_a_file_system_that_refuses_direct_writes_after_open_gets_them_through_the_page_cache(
