@@ -92,12 +92,31 @@ SCRIPT_PRELOAD = (
 )
 
 
+# Native threads a fork may copy the process over: their library's own pthread_atfork handlers
+# take its locks across the fork and the child starts the thread again when it needs it.
+# jemalloc's background purging thread (pyarrow's allocator: `import datasets`, and so
+# `import transformers` where datasets is installed, starts it).
+FORK_SAFE_THREADS = frozenset({"jemalloc_bg_thd"})
+
+
 def thread_count() -> int:
-    """Threads of this process as the kernel sees them (torch's pools included)."""
+    """Threads of this process as the kernel sees them (torch's pools included), but for those
+    of :data:`FORK_SAFE_THREADS`."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        tasks = os.listdir("/proc/self/task")
     except OSError:
         return threading.active_count()
+    names = [_thread_name(t) for t in tasks]
+    return sum(1 for name in names if name is not None and name not in FORK_SAFE_THREADS)
+
+
+def _thread_name(task: str) -> str | None:
+    """The thread's name (its ``comm``), or None once it has ended."""
+    try:
+        with open(f"/proc/self/task/{task}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def settle_threads() -> int:

@@ -101,6 +101,8 @@ def test_sigkill_of_a_worker_resumes_bitwise_losses_and_final_parameters(tmp, wi
     (resume,) = runs.read_events(run_dir, "resume")
     assert resume["step"] == 6 and resume["rng"] == "restored"
     assert runs.step_losses(run_dir) == reference
+    # warm: forked from the zygote that imported transformers (and datasets, pyarrow's jemalloc thread)
+    assert [e["warm"] for e in runs.read_events(run_dir, "workers_started")] == [True, True]
     _, want = load_model_weights(str(ref_ckpt), STEPS)
     _, got = load_model_weights(str(ckpt), STEPS)
     assert sorted(got) == sorted(want)

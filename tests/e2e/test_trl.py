@@ -53,6 +53,7 @@ def test_a_sigkilled_worker_resumes_with_the_same_losses_bit_for_bit(tmp, refere
     (resume,) = runs.read_events(run_dir, "resume")
     assert resume["step"] == 6
     assert runs.step_losses(run_dir) == reference
+    assert [e["warm"] for e in runs.read_events(run_dir, "workers_started")] == [True, True]  # from the zygote
 
 
 def test_three_workers_continue_what_two_committed_within_1e_5(tmp, reference):

@@ -529,3 +529,24 @@ def test_closing_the_handler_of_a_worker_without_its_own_group_signals_the_worke
         assert h.proc.wait(30) == -signal.SIGTERM
     finally:
         h.proc.kill()
+
+
+def test_a_zygote_that_preloads_pyarrow_forks_over_jemallocs_background_thread(tmp_path):
+    """pyarrow's jemalloc starts a background thread at import (``import transformers`` does it
+    where ``datasets`` is installed). jemalloc's own fork handlers make a fork over it safe, so
+    the zygote counts it out and stays warm; a worker forked from it allocates through pyarrow."""
+    probe = "import os, pyarrow; from elastic_trainer.worker import zygote; "
+    probe += "print(sorted(open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')), "
+    probe += "zygote.settle_threads())"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("]")[0].count("jemalloc_bg_thd") == 1 and out.stdout.split()[-1] == "1", out.stdout
+    z = warm.Zygote(preload=("pyarrow",), ready_timeout=120).start()
+    try:
+        info = z.wait_ready()
+        assert info["threads"] == 1 and not info.get("missing"), info
+        script = tmp_path / "child.py"
+        script.write_text("import pyarrow as pa\n[pa.array(range(10**5)) for _ in range(20)]\nraise SystemExit(7)\n")
+        procs = [z.spawn([sys.executable, "-u", str(script)], {"PATH": os.environ["PATH"]}) for _ in range(4)]
+        assert [p.wait(60) for p in procs] == [7, 7, 7, 7]
+    finally:
+        z.close()
