@@ -249,22 +249,22 @@ class _TensorArchives:
     def _learn(self, kind: tuple, t: torch.Tensor) -> tuple[bytes, bytes] | None:
         buf = io.BytesIO()
         torch.save(t, buf)
-        raw = buf.getbuffer()
-        parts = _split_archive(raw, _raw_bytes(t))
+        parts = _split_archive(buf, _raw_bytes(t))
         if len(self._parts) >= self._KEPT:
             self._parts.clear()
         self._parts[kind] = parts
         return parts
 
 
-def _split_archive(raw: memoryview, data: memoryview) -> tuple[bytes, bytes] | None:
-    """The bytes of ``torch.save``'s archive ``raw`` before and after its one storage record, if
-    that record holds exactly ``data``; else None."""
+def _split_archive(archive: io.BytesIO, data: memoryview) -> tuple[bytes, bytes] | None:
+    """The bytes of ``torch.save``'s ``archive`` before and after its one storage record, if that
+    record holds exactly ``data``; else None."""
     try:
-        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        with zipfile.ZipFile(archive) as z:  # reads the directory in place: no copy of the archive
             records = [i for i in z.infolist() if "/data/" in i.filename and not i.filename.endswith("/")]
     except (zipfile.BadZipFile, ValueError):
         return None
+    raw = archive.getbuffer()
     if len(records) != 1 or records[0].file_size != len(data) or records[0].compress_type != zipfile.ZIP_STORED:
         return None
     at = records[0].header_offset

@@ -9,6 +9,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "compat-torch.sh"
 
@@ -43,19 +45,21 @@ def _run(tmp_path: Path, venv: Path, min_free_gib: int, pip_error: str) -> subpr
     return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
 
 
-def test_too_little_free_disk_skips_the_job_before_installing_anything(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("min_free_gib", "pip_error", "why"),
+    [
+        (10**9, "unused", "ELASTIC_TRAINER_COMPAT_MIN_FREE_GIB"),  # too little free disk: nothing installed
+        (0, "[Errno 28] No space left on device", "disk filled up"),  # the disk fills up during the install
+    ],
+    ids=["too-little-free-disk", "disk-fills-up"],
+)
+def test_a_disk_that_cannot_hold_torch_skips_the_job_saying_why_and_leaves_no_venv(
+    tmp_path: Path, min_free_gib: int, pip_error: str, why: str
+) -> None:
     venv = tmp_path / "venv"
-    out = _run(tmp_path, venv, min_free_gib=10**9, pip_error="unused")
+    out = _run(tmp_path, venv, min_free_gib=min_free_gib, pip_error=pip_error)
     assert out.returncode == 0, out.stderr
-    assert "compat: SKIPPED" in out.stderr and "ELASTIC_TRAINER_COMPAT_MIN_FREE_GIB" in out.stderr
-    assert not venv.exists()
-
-
-def test_a_disk_that_fills_up_during_the_install_skips_the_job_and_removes_its_venv(tmp_path: Path) -> None:
-    venv = tmp_path / "venv"
-    out = _run(tmp_path, venv, min_free_gib=0, pip_error="[Errno 28] No space left on device")
-    assert out.returncode == 0, out.stderr
-    assert "compat: SKIPPED" in out.stderr and "disk filled up" in out.stderr
+    assert "compat: SKIPPED" in out.stderr and why in out.stderr
     assert not venv.exists()
 
 

@@ -37,6 +37,11 @@ def _payload(n: int) -> bytes:
     return bytes((i * 7 + i // 251) % 256 for i in range(n))
 
 
+def _disk_full(fd, buf, offset):
+    """``os.pwrite`` on a full disk."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 def _open(path) -> direct.DirectFile:
     f = direct.open_direct(path)
     if f is None:
@@ -89,10 +94,7 @@ def test_a_short_direct_write_is_finished_and_a_failed_one_raises_the_disks_erro
         f.write(data)
     assert path.read_bytes() == data
 
-    def full(fd, buf, offset):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(direct.os, "pwrite", full)
+    monkeypatch.setattr(direct.os, "pwrite", _disk_full)
     with pytest.raises(OSError) as e, _open(tmp_path / "d.distcp") as f:
         f.write(data)  # the first full buffer's write fails on the I/O thread ...
     assert e.value.errno == errno.ENOSPC  # ... and its error reaches the writer (here at the latest on close)
@@ -109,10 +111,7 @@ def test_a_failed_tail_write_raises_the_disks_error_and_closes_the_descriptor_wi
         g.close()  # the pool now keeps all it will keep
     f.write(_payload(100))
 
-    def full(fd, buf, offset):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(direct.os, "pwrite", full)
+    monkeypatch.setattr(direct.os, "pwrite", _disk_full)
     fd = f._fd
     with pytest.raises(OSError) as e:
         f.close()
