@@ -224,7 +224,12 @@ def _child(req: dict, fds: list[int], keep_closed: list[int], zygote_pid: int, m
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - report like the interpreter would, then exit
+    except BaseException as e:  # noqa: BLE001 - report like the interpreter would, then exit
+        # as the interpreter records an uncaught exception: atexit handlers tell an exception's
+        # end by it (an Accelerate script's end starts no collective then)
+        sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
+        if sys.version_info >= (3, 12):
+            setattr(sys, "last_exc", e)  # noqa: B010 - absent from this Python's stubs below 3.12
         sys.excepthook(*sys.exc_info())  # the module's own hook, if it installed one (elastic_trainer's Session does)
         code = 1
     finally:

@@ -550,3 +550,21 @@ def test_a_zygote_that_preloads_pyarrow_forks_over_jemallocs_background_thread(t
         assert [p.wait(60) for p in procs] == [7, 7, 7, 7]
     finally:
         z.close()
+
+
+def test_a_forked_script_that_raises_ends_as_the_interpreter_records_an_uncaught_exception(zygote, tmp_path):
+    """``sys.last_value`` is set before the script's atexit handlers run, as ``python SCRIPT`` sets
+    it: the Accelerate and Transformers front ends' exit handler tells an exception's end by it and
+    starts no final save or collective (else a raising rank's peers wait for it in one)."""
+    zygote.wait_ready()
+    script = tmp_path / "raises.py"
+    script.write_text(
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('at exit:', repr(getattr(sys, 'last_value', None)), flush=True))\n"
+        "raise RuntimeError('boom')\n"
+    )
+    out = open(tmp_path / "out", "w")
+    p = zygote.spawn([sys.executable, "-u", str(script)], {"PATH": os.environ["PATH"]}, stdout=out, stderr=out)
+    assert p.wait(30) == 1
+    out.close()
+    assert "at exit: RuntimeError('boom')" in (tmp_path / "out").read_text()
